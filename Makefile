@@ -1,0 +1,31 @@
+# fairbatch: two commands on a fresh clone: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test test-fast proto clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+## make demo: a local simulated fleet (4 engines, 4 agents, 1 router) replaying the Azure 2023 conversation trace
+demo: $(STAMP)
+	$(PY) -m loadgen.cli demo --out out/demo-report.json
+
+## make test: every test (unit, integration over loopback)
+test: $(STAMP)
+	$(PY) -m pytest -q -rs
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+## make proto: regenerate the committed gRPC stubs from proto/admission.proto
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/admission.proto
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

@@ -1,0 +1,119 @@
+"""Linear batch-time model: predicted iteration time = a + b * new_tokens + c * context_tokens.
+
+Source: seed 000 (FairBatching, arXiv 2510.14392, section 4, "batch time model"); the coefficients
+shipped in ``replica_agent/data/fitted_coefficients.csv`` were fitted on Vidur/Splitwise GPU
+profiles (see ``replica_agent/data/SOURCES.md``).
+
+- ``new_tokens``: tokens computed in this iteration (1 per decode, plus every prefill-chunk token).
+- ``context_tokens``: sum over the batch of tokens already in the KV cache before the iteration
+  (decode: its context length; prefill chunk: the prefix already computed, 0 for a fresh prompt).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class TimeModel:
+    """Coefficients of the batch-time model.
+
+    Attributes:
+        a_ms: fixed cost of one iteration (ms).
+        b_ms_per_new_token: cost of each token computed in the iteration (ms/token).
+        c_ms_per_context_token: cost of each token already in the KV cache that the batch reads (ms/token).
+    """
+
+    a_ms: float
+    b_ms_per_new_token: float
+    c_ms_per_context_token: float
+
+    def __post_init__(self) -> None:
+        if self.a_ms < 0 or self.b_ms_per_new_token <= 0 or self.c_ms_per_context_token < 0:
+            raise ValueError(
+                f"time model needs a >= 0, b > 0, c >= 0; got a={self.a_ms}, "
+                f"b={self.b_ms_per_new_token}, c={self.c_ms_per_context_token}"
+            )
+
+    def batch_ms(self, new_tokens: int | float, context_tokens: int | float) -> float:
+        """Predicted time (ms) of one iteration with these token counts."""
+        return self.a_ms + self.b_ms_per_new_token * new_tokens + self.c_ms_per_context_token * context_tokens
+
+    def prefill_ms(self, prompt_tokens: int | float, computed_tokens: int | float = 0) -> float:
+        """Predicted time (ms) to prefill the rest of a prompt in one iteration of its own.
+
+        ``computed_tokens`` of the prompt are already in the KV cache (chunked prefill).
+        """
+        remaining = max(0.0, float(prompt_tokens) - float(computed_tokens))
+        return self.batch_ms(remaining, computed_tokens)
+
+    def tokens_within_ms(self, budget_ms: float) -> int:
+        """Largest fresh prompt (tokens) whose one-iteration prefill fits ``budget_ms``: floor((budget - a) / b), >= 0."""
+        if budget_ms <= self.a_ms:
+            return 0
+        return max(0, math.floor((budget_ms - self.a_ms) / self.b_ms_per_new_token + 1e-9))
+
+
+@dataclass(frozen=True, slots=True)
+class FitResult:
+    """Least-squares fit of the time model with its quality figures.
+
+    Attributes:
+        model: fitted coefficients.
+        r2: coefficient of determination on the fitted points.
+        max_rel_err: max |predicted - measured| / measured (fraction).
+        mean_rel_err: mean of the same (fraction).
+        n: number of points.
+    """
+
+    model: TimeModel
+    r2: float
+    max_rel_err: float
+    mean_rel_err: float
+    n: int
+
+
+def fit_time_model(
+    new_tokens: Sequence[float], context_tokens: Sequence[float], measured_ms: Sequence[float]
+) -> FitResult:
+    """Fit a, b, c by ordinary least squares (numpy.linalg.lstsq) on per-iteration samples.
+
+    Args:
+        new_tokens: tokens computed per iteration, shape (n,).
+        context_tokens: context tokens read per iteration, shape (n,).
+        measured_ms: measured iteration time (ms), shape (n,), all > 0.
+
+    Raises:
+        ValueError: on mismatched lengths, fewer than 3 points, non-positive times, or a
+            degenerate design (e.g. all new_tokens equal), or a fit with b <= 0.
+    """
+    x_new = np.asarray(new_tokens, dtype=float)
+    x_ctx = np.asarray(context_tokens, dtype=float)
+    y = np.asarray(measured_ms, dtype=float)
+    if not (x_new.shape == x_ctx.shape == y.shape) or x_new.ndim != 1:
+        raise ValueError("new_tokens, context_tokens and measured_ms must be 1-D of equal length")
+    if y.size < 3:
+        raise ValueError(f"need at least 3 samples to fit a, b, c; got {y.size}")
+    if np.any(y <= 0):
+        raise ValueError("measured_ms must be > 0")
+    design = np.column_stack([np.ones_like(y), x_new, x_ctx])
+    if np.linalg.matrix_rank(design) < 3:
+        raise ValueError("samples do not vary enough in new_tokens and context_tokens to fit a, b, c")
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    a, b, c = (float(v) for v in coef)
+    model = TimeModel(max(0.0, a), b, max(0.0, c))
+    pred = design @ np.array([model.a_ms, model.b_ms_per_new_token, model.c_ms_per_context_token])
+    ss_res = float(np.sum((y - pred) ** 2))
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    rel = np.abs(pred - y) / y
+    return FitResult(
+        model=model,
+        r2=1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
+        max_rel_err=float(rel.max()),
+        mean_rel_err=float(rel.mean()),
+        n=int(y.size),
+    )

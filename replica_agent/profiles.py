@@ -1,0 +1,84 @@
+"""Named GPU profiles: time-model coefficients and KV-cache capacity per model/GPU/TP.
+
+Data: ``replica_agent/data/fitted_coefficients.csv`` (origin and licence in ``data/SOURCES.md``).
+Profile names are ``<model>-<gpu>[-tp<N>]`` in lower case, e.g. ``llama-3-8b-a100`` (TP 1) or
+``llama-2-70b-h100-tp4``. The default variant is ``all_batches`` (fitted on decode-only,
+prefill-only and mixed batches); ``variant`` selects another row (``decode_only``,
+``splitwise_end_to_end_measured``, ...).
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+from replica_agent.policy.time_model import TimeModel
+
+DEFAULT_PROFILE = "llama-3-8b-a100"
+DEFAULT_VARIANT = "all_batches"
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """One fitted profile.
+
+    Attributes:
+        name: profile name, e.g. ``llama-3-8b-a100``.
+        variant: fit variant (row of the CSV).
+        time_model: a, b, c in ms.
+        kv_capacity_tokens: KV cache size at 90 % GPU memory use (tokens).
+        kv_bytes_per_token: bytes of KV cache per token.
+        r2, max_rel_err, mean_rel_err: fit quality (fractions).
+    """
+
+    name: str
+    variant: str
+    time_model: TimeModel
+    kv_capacity_tokens: int
+    kv_bytes_per_token: int
+    r2: float
+    max_rel_err: float
+    mean_rel_err: float
+
+
+def _profile_name(model: str, gpu: str, tp: int) -> str:
+    base = f"{model}-{gpu}".lower()
+    return base if tp == 1 else f"{base}-tp{tp}"
+
+
+@cache
+def _rows() -> tuple[dict[str, str], ...]:
+    text = resources.files("replica_agent.data").joinpath("fitted_coefficients.csv").read_text()
+    return tuple(csv.DictReader(text.splitlines()))
+
+
+def available_profiles(variant: str = DEFAULT_VARIANT) -> list[str]:
+    """Sorted profile names that have a row for ``variant``."""
+    return sorted({_profile_name(r["model"], r["gpu"], int(r["tp"])) for r in _rows() if r["variant"] == variant})
+
+
+def load_profile(name: str = DEFAULT_PROFILE, variant: str = DEFAULT_VARIANT) -> Profile:
+    """Look up a profile by name and variant.
+
+    Raises:
+        KeyError: with the list of known names when ``name``/``variant`` is not in the CSV.
+    """
+    for r in _rows():
+        if r["variant"] == variant and _profile_name(r["model"], r["gpu"], int(r["tp"])) == name.lower():
+            return Profile(
+                name=name.lower(),
+                variant=variant,
+                time_model=TimeModel(
+                    float(r["a_ms"]), float(r["b_ms_per_new_token"]), float(r["c_ms_per_context_token"])
+                ),
+                kv_capacity_tokens=int(r["kv_capacity_tokens_90pct"]),
+                kv_bytes_per_token=int(r["kv_bytes_per_token"]),
+                r2=float(r["r2"]),
+                max_rel_err=float(r["max_rel_err"]),
+                mean_rel_err=float(r["mean_rel_err"]),
+            )
+    raise KeyError(
+        f"unknown profile {name!r} (variant {variant!r}); known: {', '.join(available_profiles(variant))}"
+    )
