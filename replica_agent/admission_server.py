@@ -1,0 +1,141 @@
+"""grpc.aio AdmissionService (proto/admission.proto): WatchBudget, Reserve, Release.
+
+WatchBudget sends one BudgetSnapshot at once, then one on every change the :class:`Agent`
+signals and at least every ``push_interval_ms`` (simulated ms), so a silent stream means a dead
+or stuck agent. Changes arriving while a snapshot is being sent coalesce into the next one.
+Reserve grants a lease only when the prompt ``fits`` the class's PAB (policy/pab.py); the answer's
+pab_ms/pab_tokens already include the new lease, and a push follows at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from proto import admission_pb2, admission_pb2_grpc
+from replica_agent.agent import Agent, BudgetView
+from replica_agent.policy.pab import ClassBudget
+
+log = logging.getLogger(__name__)
+
+
+def class_budget_pb(b: ClassBudget) -> admission_pb2.ClassBudget:
+    """Proto message of one class's budget (same field names and units)."""
+    return admission_pb2.ClassBudget(
+        slo_class=b.slo_class,
+        ttft_ms=b.ttft_ms,
+        tpot_ms=b.tpot_ms,
+        horizon_ms=b.horizon_ms,
+        pab_ms=b.pab_ms,
+        pab_tokens=b.pab_tokens,
+        decode_reservation_ms=b.decode_reservation_ms,
+        inflight_reservation_ms=b.inflight_reservation_ms,
+        kv_free_tokens=b.kv_free_tokens,
+        kv_limited_tokens=b.kv_limited_tokens,
+        decode_iterations=b.decode_iterations,
+    )
+
+
+def snapshot_pb(agent: Agent, view: BudgetView) -> admission_pb2.BudgetSnapshot:
+    """BudgetSnapshot of ``view`` with the next sequence number and the unix timestamp."""
+    tm = agent.config.time_model
+    return admission_pb2.BudgetSnapshot(
+        replica_id=agent.config.replica_id,
+        seq=agent.next_seq(),
+        timestamp_ms=agent.clock.unix_ms(),
+        ttl_ms=int(agent.config.ttl_ms),
+        coefficients=admission_pb2.TimeModelCoefficients(
+            a_ms=tm.a_ms, b_ms_per_new_token=tm.b_ms_per_new_token, c_ms_per_context_token=tm.c_ms_per_context_token
+        ),
+        classes=[class_budget_pb(b) for b in view.classes.values()],
+        healthy=view.healthy,
+        num_running=view.num_running,
+        num_waiting=view.num_waiting,
+        kv_usage=view.kv_usage,
+        kv_capacity_tokens=view.kv_capacity_tokens,
+        active_leases=view.active_leases,
+        max_prompt_tokens=view.max_prompt_tokens,
+        status_detail=view.status_detail,
+    )
+
+
+class AdmissionService(admission_pb2_grpc.AdmissionServiceServicer):
+    """The agent's gRPC face. All state lives in ``agent``; nothing here blocks."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+
+    async def WatchBudget(  # noqa: N802 - gRPC method name
+        self, request: admission_pb2.WatchBudgetRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[admission_pb2.BudgetSnapshot]:
+        """Stream snapshots: one now, then on change and at least every push interval."""
+        agent = self._agent
+        period_s = agent.clock.to_wall_s(agent.config.push_interval_ms)
+        log.info("WatchBudget from router %r", request.router_id)
+        while True:
+            changed = agent.change_event
+            yield snapshot_pb(agent, agent.compute_budget(agent.clock.now_ms()))
+            try:
+                await asyncio.wait_for(changed.wait(), timeout=period_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def Reserve(  # noqa: N802
+        self, request: admission_pb2.ReserveRequest, context: grpc.aio.ServicerContext
+    ) -> admission_pb2.ReserveResponse:
+        """Grant a lease or refuse with a reason (unhealthy, unknown-class, no-budget, kv-full, ...)."""
+        agent = self._agent
+        res = agent.reserve(
+            request.slo_class,
+            int(request.prompt_tokens),
+            int(request.max_tokens) or None,
+            request.request_id,
+            agent.clock.now_ms(),
+        )
+        b = res.budget
+        return admission_pb2.ReserveResponse(
+            granted=res.granted,
+            lease_id=res.lease_id,
+            reason=res.reason,
+            pab_ms=b.pab_ms if b else 0.0,
+            pab_tokens=b.pab_tokens if b else 0,
+            expires_ms=res.expires_unix_ms,
+            seq=agent.next_seq(),
+        )
+
+    async def Release(  # noqa: N802
+        self, request: admission_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> admission_pb2.ReleaseResponse:
+        """Give a lease back; released=false when it was unknown (used, expired or released)."""
+        released = self._agent.release(request.lease_id)
+        log.debug("release %s (%s): %s", request.lease_id, request.reason, released)
+        return admission_pb2.ReleaseResponse(released=released)
+
+
+async def expire_leases_loop(agent: Agent) -> None:
+    """Drop lapsed leases every min(lease_ttl / 4, push_interval) simulated ms, until cancelled."""
+    period_ms = min(agent.config.lease_ttl_ms / 4.0, agent.config.push_interval_ms)
+    while True:
+        await agent.clock.sleep_ms(period_ms)
+        agent.expire_leases(agent.clock.now_ms())
+
+
+async def start_grpc_server(agent: Agent, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server with :class:`AdmissionService` on ``host:port`` (0 = any free port).
+
+    Returns:
+        (server, bound port).
+
+    Raises:
+        RuntimeError: if the port cannot be bound.
+    """
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    admission_pb2_grpc.add_AdmissionServiceServicer_to_server(AdmissionService(agent), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind gRPC server to {host}:{port}")
+    await server.start()
+    return server, bound

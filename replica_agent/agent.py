@@ -1,0 +1,427 @@
+"""The replica agent's core object: tracker + lease table + engine metrics + PAB + clock.
+
+The proxy feeds request events, the scraper feeds engine metrics, the gRPC server reads budgets and
+grants leases; every structural change (arrival, first token, finish, lease grant/consume/release/
+expiry, a material metrics change) wakes the WatchBudget streams through :meth:`Agent.change_event`.
+Everything runs on one event loop, so no locks are needed; nothing here blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from replica_agent.clock import Clock
+from replica_agent.engine_metrics import EngineMetrics
+from replica_agent.policy.leases import Lease, LeaseTable, LeaseTableFull
+from replica_agent.policy.pab import ClassBudget, PendingPrefill, ReplicaState, SloClass, compute_budgets, fits
+from replica_agent.policy.time_model import TimeModel
+from replica_agent.tracker import FinishedRequest, Tracker, TrackedRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """Settings of one agent (CLI flags; all times in simulated ms).
+
+    Attributes:
+        replica_id: id reported in snapshots.
+        time_model: a, b, c (ms).
+        slo_classes: classes budgets are computed for (non-empty).
+        default_slo_class: class of requests without ``x-fairbatch-slo-class``.
+        margin_frac: H = ttft * (1 - margin_frac).
+        kv_capacity_tokens: KV capacity from the flag, None to use the engine's, then the profile's.
+        profile_kv_capacity_tokens: last-resort KV capacity (tokens).
+        push_interval_ms: WatchBudget pushes at least this often.
+        ttl_ms: snapshot TTL for routers.
+        lease_ttl_ms: a lease whose request never arrives lapses after this.
+        metrics_interval_ms: engine /metrics scrape period.
+        metrics_stale_ms: metrics older than this make the agent unhealthy (None: max(5 * interval, ttl)).
+        max_leases, max_requests: bounds of the lease table and the tracker.
+    """
+
+    replica_id: str
+    time_model: TimeModel
+    slo_classes: tuple[SloClass, ...]
+    default_slo_class: str
+    margin_frac: float = 0.1
+    kv_capacity_tokens: int | None = None
+    profile_kv_capacity_tokens: int = 0
+    push_interval_ms: float = 100.0
+    ttl_ms: float = 1000.0
+    lease_ttl_ms: float = 5000.0
+    metrics_interval_ms: float = 50.0
+    metrics_stale_ms: float | None = None
+    max_leases: int = 4096
+    max_requests: int = 65536
+
+    def __post_init__(self) -> None:
+        if not self.slo_classes:
+            raise ValueError("at least one SLO class is needed")
+        names = [c.name for c in self.slo_classes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate SLO class names: {names}")
+        if self.default_slo_class not in names:
+            raise ValueError(f"default SLO class {self.default_slo_class!r} is not one of {names}")
+        for name in ("push_interval_ms", "ttl_ms", "lease_ttl_ms", "metrics_interval_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
+    @property
+    def stale_after_ms(self) -> float:
+        """Age (ms) after which engine metrics count as stale."""
+        if self.metrics_stale_ms is not None:
+            return self.metrics_stale_ms
+        return max(5.0 * self.metrics_interval_ms, self.ttl_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetView:
+    """The agent's state at one instant, as a snapshot reports it.
+
+    Attributes:
+        now_ms: simulated ms of the computation.
+        classes: PAB per class name.
+        healthy: engine reachable and metrics fresh.
+        status_detail: why unhealthy or degraded ("" when fine).
+        num_running, num_waiting, kv_usage: from the engine's last scrape (0, 0, 1.0 when none).
+        kv_capacity_tokens: capacity used for kv_free (tokens).
+        active_leases: leases granted, not arrived.
+        max_prompt_tokens: engine max model length (0 = unknown).
+    """
+
+    now_ms: float
+    classes: dict[str, ClassBudget]
+    healthy: bool
+    status_detail: str
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    kv_capacity_tokens: int
+    active_leases: int
+    max_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveResult:
+    """Answer to a Reserve.
+
+    Attributes:
+        granted: whether a lease was granted.
+        lease_id: the lease ("" when refused).
+        reason: refusal reason: ``unhealthy``, ``unknown-class``, ``no-budget``, ``kv-full``,
+            ``prompt-too-long``, ``too-many-leases`` ("" when granted).
+        budget: the class's budget after the decision (None for an unknown class).
+        expires_unix_ms: unix ms when the lease lapses (0 when refused).
+    """
+
+    granted: bool
+    lease_id: str
+    reason: str
+    budget: ClassBudget | None
+    expires_unix_ms: int
+
+
+class AgentMetrics:
+    """The agent's own Prometheus metrics, in their own registry (``fairbatch_agent_*``)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.pab_ms = Gauge("fairbatch_agent_pab_ms", "PAB per SLO class (simulated ms)", ["slo_class"], registry=r)
+        self.pab_tokens = Gauge("fairbatch_agent_pab_tokens", "PAB per SLO class (tokens)", ["slo_class"], registry=r)
+        self.decode_reservation_ms = Gauge(
+            "fairbatch_agent_decode_reservation_ms", "decode reservation inside the class horizon (ms)",
+            ["slo_class"], registry=r,
+        )
+        self.inflight_reservation_ms = Gauge(
+            "fairbatch_agent_inflight_reservation_ms", "in-flight prefill + lease reservation (ms)",
+            ["slo_class"], registry=r,
+        )
+        self.min_slack_ms = Gauge("fairbatch_agent_min_slack_ms", "smallest slack over tracked requests (ms)", registry=r)
+        self.requests = Gauge("fairbatch_agent_requests", "tracked requests by state", ["state"], registry=r)
+        self.leases_active = Gauge("fairbatch_agent_leases_active", "leases granted, request not arrived", registry=r)
+        self.kv_usage = Gauge("fairbatch_agent_engine_kv_usage", "engine KV cache usage 0..1 (last scrape)", registry=r)
+        self.healthy = Gauge("fairbatch_agent_healthy", "1 when the engine is reachable and metrics fresh", registry=r)
+        self.engine_metrics_missing = Counter(
+            "fairbatch_agent_engine_metrics_missing", "engine scrapes missing a metric", ["metric"], registry=r
+        )
+        self.scrape_errors = Counter("fairbatch_agent_engine_scrape_errors", "failed engine /metrics scrapes", registry=r)
+        self.requests_total = Counter(
+            "fairbatch_agent_requests_finished",
+            "finished requests by outcome (ok, client_disconnect, upstream_error, ...)",
+            ["outcome"],
+            registry=r,
+        )
+        self.reserve_total = Counter("fairbatch_agent_reserve", "Reserve calls by result", ["result"], registry=r)
+        self.leases_expired = Counter("fairbatch_agent_leases_expired", "leases that lapsed", registry=r)
+
+
+@dataclass(slots=True)
+class _EngineView:
+    metrics: EngineMetrics | None = None
+    ok_ms: float | None = None
+    error: str = "engine metrics not scraped yet"
+    missing: tuple[str, ...] = ()
+    logged_missing: set[str] = field(default_factory=set)
+
+
+class Agent:
+    """Wires tracker, leases, engine metrics and PAB (see module docstring).
+
+    Args:
+        config: settings.
+        clock: the process clock (simulated ms).
+        lease_id_prefix: prefix of lease ids, unique per agent process.
+    """
+
+    def __init__(self, config: AgentConfig, clock: Clock, lease_id_prefix: str = "lease") -> None:
+        self.config = config
+        self.clock = clock
+        self.tracker = Tracker(max_requests=config.max_requests)
+        self.leases = LeaseTable(max_leases=config.max_leases, id_prefix=lease_id_prefix)
+        self.metrics = AgentMetrics()
+        self.classes = {c.name: c for c in config.slo_classes}
+        self.max_prompt_tokens = 0
+        self._engine = _EngineView()
+        self._seq = itertools.count(1)
+        self._changed = asyncio.Event()
+        for c in config.slo_classes:  # export every class from the start
+            self.metrics.pab_ms.labels(c.name)
+            self.metrics.pab_tokens.labels(c.name)
+
+    # ---- change notification -------------------------------------------------------------
+    @property
+    def change_event(self) -> asyncio.Event:
+        """Event set at the next change; take it *before* computing, then wait on it."""
+        return self._changed
+
+    def notify(self) -> None:
+        """Wake every waiter of the current change event."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def next_seq(self) -> int:
+        """Strictly increasing sequence number (snapshots and Reserve answers)."""
+        return next(self._seq)
+
+    # ---- engine metrics ------------------------------------------------------------------
+    def on_engine_metrics(
+        self, metrics: EngineMetrics | None, missing: list[str], error: str, now_ms: float | None = None
+    ) -> None:
+        """Record a scrape result (scraper callback): metrics and missing names, or an error."""
+        now = self.clock.now_ms() if now_ms is None else now_ms
+        ev = self._engine
+        was_healthy = self._healthy(now)
+        if metrics is None:
+            ev.error = error or "engine metrics unavailable"
+            self.metrics.scrape_errors.inc()
+            if was_healthy != self._healthy(now):
+                self.notify()
+            return
+        for name in missing:
+            self.metrics.engine_metrics_missing.labels(name).inc()
+            if name not in ev.logged_missing:
+                ev.logged_missing.add(name)
+                log.warning("engine /metrics lacks %s; treated conservatively", name)
+        old = ev.metrics
+        ev.metrics, ev.ok_ms, ev.error, ev.missing = metrics, now, "", tuple(missing)
+        material = (
+            old is None
+            or not was_healthy
+            or abs(old.kv_usage - metrics.kv_usage) >= 0.01
+            or old.num_running != metrics.num_running
+            or old.num_waiting != metrics.num_waiting
+        )
+        if material:
+            self.notify()
+
+    def _healthy(self, now_ms: float) -> bool:
+        ev = self._engine
+        return ev.ok_ms is not None and not ev.error and now_ms - ev.ok_ms <= self.config.stale_after_ms
+
+    def health(self, now_ms: float) -> tuple[bool, str]:
+        """(healthy, status_detail) at ``now_ms``."""
+        ev = self._engine
+        if ev.ok_ms is None:
+            return False, ev.error or "engine metrics not scraped yet"
+        if ev.error:
+            return False, ev.error
+        age = now_ms - ev.ok_ms
+        if age > self.config.stale_after_ms:
+            return False, f"engine metrics stale ({age:.0f} ms old)"
+        if ev.missing:
+            return True, "missing engine metrics: " + ", ".join(ev.missing)
+        return True, ""
+
+    def kv_capacity_tokens(self) -> int:
+        """KV capacity (tokens): the flag, else the engine's cache_config_info, else the profile."""
+        if self.config.kv_capacity_tokens is not None:
+            return self.config.kv_capacity_tokens
+        m = self._engine.metrics
+        if m is not None and m.kv_capacity_tokens:
+            return m.kv_capacity_tokens
+        return self.config.profile_kv_capacity_tokens
+
+    # ---- PAB -----------------------------------------------------------------------------
+    def replica_state(self, now_ms: float) -> ReplicaState:
+        """PAB inputs now: tracked decodes, in-flight prefills + leases, free KV (proxy mode)."""
+        m = self._engine.metrics
+        kv_usage = 1.0 if m is None else m.kv_usage
+        kv_free = math.floor((1.0 - kv_usage) * self.kv_capacity_tokens())
+        prefills = self.tracker.prefills() + tuple(PendingPrefill(lease.prompt_tokens) for lease in self.leases.active())
+        return ReplicaState(
+            now_ms=now_ms,
+            decodes=self.tracker.decodes(),
+            prefills=prefills,
+            kv_free_tokens=max(0, kv_free),
+            time_model=self.config.time_model,
+            margin_frac=self.config.margin_frac,
+        )
+
+    def compute_budget(self, now_ms: float) -> BudgetView:
+        """PAB of every class plus the replica figures a snapshot carries."""
+        classes = compute_budgets(self.replica_state(now_ms), self.config.slo_classes)
+        healthy, detail = self.health(now_ms)
+        m = self._engine.metrics
+        return BudgetView(
+            now_ms=now_ms,
+            classes=classes,
+            healthy=healthy,
+            status_detail=detail,
+            num_running=0 if m is None else m.num_running,
+            num_waiting=0 if m is None else m.num_waiting,
+            kv_usage=1.0 if m is None else m.kv_usage,
+            kv_capacity_tokens=self.kv_capacity_tokens(),
+            active_leases=len(self.leases),
+            max_prompt_tokens=self.max_prompt_tokens,
+        )
+
+    def refresh_gauges(self, now_ms: float) -> BudgetView:
+        """Set the Prometheus gauges from a fresh computation (called by GET /metrics)."""
+        view = self.compute_budget(now_ms)
+        m = self.metrics
+        for name, b in view.classes.items():
+            m.pab_ms.labels(name).set(b.pab_ms)
+            m.pab_tokens.labels(name).set(b.pab_tokens)
+            m.decode_reservation_ms.labels(name).set(b.decode_reservation_ms)
+            m.inflight_reservation_ms.labels(name).set(b.inflight_reservation_ms)
+        slack = self.tracker.min_slack_ms(now_ms)
+        m.min_slack_ms.set(slack if slack is not None else math.nan)
+        for state, n in self.tracker.counts().items():
+            m.requests.labels(state).set(n)
+        m.requests.labels("lease").set(view.active_leases)
+        m.leases_active.set(view.active_leases)
+        m.kv_usage.set(view.kv_usage)
+        m.healthy.set(1.0 if view.healthy else 0.0)
+        return view
+
+    # ---- leases --------------------------------------------------------------------------
+    def reserve(
+        self, slo_class: str, prompt_tokens: int, max_tokens: int | None, request_id: str, now_ms: float
+    ) -> ReserveResult:
+        """Grant a lease when the prompt fits the class's PAB (architecture.md "Agent", Reserve)."""
+        budget = None
+        cls = self.classes.get(slo_class)
+        if cls is None:
+            reason = "unknown-class"
+        elif prompt_tokens < 0:
+            reason = "bad-request"
+        else:
+            view = self.compute_budget(now_ms)
+            budget = view.classes[slo_class]
+            if not view.healthy:
+                reason = "unhealthy"
+            elif self.max_prompt_tokens and prompt_tokens > self.max_prompt_tokens:
+                reason = "prompt-too-long"
+            elif not fits(prompt_tokens, budget, self.config.time_model):
+                reason = "kv-full" if prompt_tokens > budget.kv_limited_tokens else "no-budget"
+            else:
+                try:
+                    lease_id = self.leases.grant(
+                        prompt_tokens, slo_class, max_tokens, now_ms, self.config.lease_ttl_ms, request_id
+                    )
+                except LeaseTableFull:
+                    reason = "too-many-leases"
+                else:
+                    after = self.compute_budget(now_ms).classes[slo_class]
+                    self.metrics.reserve_total.labels("granted").inc()
+                    self.notify()
+                    expires = self.clock.unix_ms() + int(round(self.clock.to_wall_s(self.config.lease_ttl_ms) * 1000))
+                    return ReserveResult(True, lease_id, "", after, expires)
+        self.metrics.reserve_total.labels(reason).inc()
+        return ReserveResult(False, "", reason, budget, 0)
+
+    def release(self, lease_id: str) -> bool:
+        """Give a lease back; True when it was active."""
+        ok = self.leases.release(lease_id)
+        if ok:
+            self.notify()
+        return ok
+
+    def expire_leases(self, now_ms: float) -> list[Lease]:
+        """Drop lapsed leases (periodic task); notifies when any lapsed."""
+        expired = self.leases.expire(now_ms)
+        if expired:
+            self.metrics.leases_expired.inc(len(expired))
+            for lease in expired:
+                log.info("lease %s expired (request %s never arrived)", lease.lease_id, lease.request_id)
+            self.notify()
+        return expired
+
+    # ---- request events (proxy) ----------------------------------------------------------
+    def request_arrived(
+        self,
+        key: str,
+        slo_class: str | None,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        now_ms: float,
+        queued_ms: float = 0.0,
+        lease_id: str = "",
+    ) -> TrackedRequest:
+        """A request reached the proxy: consume its lease (if any) and track it in prefill.
+
+        With a valid lease, its prompt tokens and class stand in for the estimate and the missing
+        header. An unknown class falls back to the default class. Arrival = now - queued_ms.
+
+        Raises:
+            TrackerFull, KeyError: from :meth:`Tracker.on_arrival`.
+        """
+        lease = self.leases.consume(lease_id) if lease_id else None
+        if lease is not None:
+            prompt_tokens = lease.prompt_tokens
+            slo_class = slo_class or lease.slo_class
+            if max_tokens is None:
+                max_tokens = lease.max_tokens
+        name = slo_class if slo_class in self.classes else self.config.default_slo_class
+        cls = self.classes[name]
+        req = self.tracker.on_arrival(
+            key, name, cls.ttft_ms, cls.tpot_ms, now_ms - max(0.0, queued_ms), prompt_tokens, max_tokens,
+            lease.lease_id if lease else "",
+        )
+        self.notify()
+        return req
+
+    def request_tokens(self, key: str, now_ms: float, n: int = 1) -> None:
+        """Output tokens seen; notifies on the first (prefill -> decode)."""
+        if self.tracker.on_token(key, now_ms, n):
+            self.notify()
+
+    def request_usage(self, key: str, prompt_tokens: int | None, completion_tokens: int | None) -> None:
+        """The engine's ``usage`` corrects the counts."""
+        self.tracker.on_usage(key, prompt_tokens, completion_tokens)
+
+    def request_done(self, key: str, now_ms: float, outcome: str) -> FinishedRequest | None:
+        """Finished or aborted: stop tracking, count the outcome, notify."""
+        done = self.tracker.on_finish(key, now_ms, outcome)
+        if done is not None:
+            self.metrics.requests_total.labels(outcome).inc()
+            self.notify()
+        return done

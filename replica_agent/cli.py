@@ -1,0 +1,235 @@
+"""``fairbatch-agent``: the replica agent sidecar (docs/architecture.md "Agent").
+
+``fairbatch-agent serve ...`` runs, in one asyncio process, the HTTP reverse proxy in front of the
+engine (aiohttp), the AdmissionService gRPC server (grpc.aio), the engine /metrics scraper and the
+lease-expiry task. SIGTERM/SIGINT stop it gracefully.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+import yaml
+from aiohttp import web
+
+from replica_agent.admission_server import expire_leases_loop, start_grpc_server
+from replica_agent.agent import Agent, AgentConfig
+from replica_agent.clock import Clock
+from replica_agent.engine_metrics import MetricsScraper
+from replica_agent.policy.pab import SloClass
+from replica_agent.policy.time_model import TimeModel
+from replica_agent.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile
+from replica_agent.proxy import Proxy, ProxyConfig, make_session
+from replica_agent.runtime import run, setup_logging
+from replica_agent.telemetry import make_tracer
+
+log = logging.getLogger("replica_agent")
+
+
+def parse_slo_class(text: str) -> SloClass:
+    """``NAME:TTFT_MS:TPOT_MS`` -> SloClass.
+
+    Raises:
+        argparse.ArgumentTypeError: on a malformed value.
+    """
+    parts = text.split(":")
+    if len(parts) != 3 or not parts[0]:
+        raise argparse.ArgumentTypeError(f"expected NAME:TTFT_MS:TPOT_MS, got {text!r}")
+    try:
+        return SloClass(parts[0], float(parts[1]), float(parts[2]))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"bad SLO class {text!r}: {e}") from e
+
+
+def parse_coefficients(text: str) -> TimeModel:
+    """``A,B,C`` (ms, ms/token, ms/token) -> TimeModel.
+
+    Raises:
+        argparse.ArgumentTypeError: on a malformed value.
+    """
+    try:
+        a, b, c = (float(x) for x in text.split(","))
+        return TimeModel(a, b, c)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected A,B,C with a >= 0, b > 0, c >= 0; got {text!r}: {e}") from e
+
+
+def load_slo_classes(path: Path) -> list[SloClass]:
+    """The ``slo_classes`` mapping of a router YAML (only ttft_ms and tpot_ms are read).
+
+    Raises:
+        ValueError: when the file has no usable ``slo_classes`` mapping.
+        OSError: when it cannot be read.
+    """
+    data = yaml.safe_load(path.read_text())
+    classes = data.get("slo_classes") if isinstance(data, dict) else None
+    if not isinstance(classes, dict) or not classes:
+        raise ValueError(f"{path}: no slo_classes mapping")
+    out = []
+    for name, spec in classes.items():
+        if not isinstance(spec, dict) or "ttft_ms" not in spec or "tpot_ms" not in spec:
+            raise ValueError(f"{path}: slo_classes.{name} needs ttft_ms and tpot_ms")
+        out.append(SloClass(str(name), float(spec["ttft_ms"]), float(spec["tpot_ms"])))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser with the ``serve`` subcommand."""
+    p = argparse.ArgumentParser(
+        prog="fairbatch-agent",
+        description="fairbatch replica agent: proxies one vLLM replica, tracks every request against its "
+        "latency envelope and serves the Prefill Admission Budget (PAB) per SLO class over gRPC.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser(
+        "serve",
+        help="run the proxy + gRPC admission server",
+        description="Run the HTTP proxy in front of the engine and the AdmissionService gRPC server. "
+        "All times (SLOs, intervals, TTLs) are simulated ms: one lasts --time-scale wall ms.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    s.add_argument("--engine-url", required=True, help="engine base URL, e.g. http://127.0.0.1:8000")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (HTTP and gRPC)")
+    s.add_argument("--http-port", type=int, default=8101, help="HTTP proxy port")
+    s.add_argument("--grpc-port", type=int, default=9101, help="gRPC AdmissionService port")
+    s.add_argument("--replica-id", default="r0", help="replica id reported in budget snapshots")
+    s.add_argument("--profile", default=DEFAULT_PROFILE, help="GPU profile for a, b, c and the fallback KV capacity")
+    s.add_argument("--variant", default=DEFAULT_VARIANT, help="fit variant of the profile")
+    s.add_argument("--coefficients", type=parse_coefficients, default=None, metavar="A,B,C",
+                   help="time-model coefficients in ms (overrides the profile's)")
+    s.add_argument("--kv-capacity-tokens", type=int, default=None,
+                   help="KV capacity in tokens (default: engine's cache_config_info, else the profile's)")
+    s.add_argument("--config", type=Path, default=None, help="router YAML; only its slo_classes are read")
+    s.add_argument("--slo-class", type=parse_slo_class, action="append", default=[], metavar="NAME:TTFT_MS:TPOT_MS",
+                   help="an SLO class (repeatable); default default:1000:100 when neither this nor --config is given")
+    s.add_argument("--default-slo-class", default=None,
+                   help="class of requests without x-fairbatch-slo-class (default: the first class)")
+    s.add_argument("--margin-frac", type=float, default=0.1, help="PAB horizon = ttft * (1 - margin)")
+    s.add_argument("--push-interval-ms", type=float, default=100.0, help="WatchBudget pushes at least this often")
+    s.add_argument("--ttl-ms", type=float, default=1000.0, help="snapshot TTL given to routers")
+    s.add_argument("--lease-ttl-ms", type=float, default=5000.0, help="a lease lapses if its request never arrives")
+    s.add_argument("--metrics-interval-ms", type=float, default=50.0, help="engine /metrics scrape period")
+    s.add_argument("--time-scale", type=float, default=1.0, help="wall ms per simulated ms")
+    s.add_argument("--otlp-endpoint", default=None, help="OTLP/gRPC collector for spans (off by default)")
+    s.add_argument("--max-connections", type=int, default=1024, help="bound of pooled upstream connections")
+    s.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    """AgentConfig from parsed ``serve`` arguments.
+
+    Raises:
+        ValueError, KeyError: on an unknown profile, unreadable config or inconsistent classes.
+    """
+    profile = load_profile(args.profile, args.variant)
+    classes: list[SloClass] = []
+    if args.config is not None:
+        classes.extend(load_slo_classes(args.config))
+    by_name = {c.name: c for c in classes}
+    for c in args.slo_class:  # flags override the file's class of the same name
+        by_name[c.name] = c
+    classes = list(by_name.values()) or [SloClass("default", 1000.0, 100.0)]
+    default = args.default_slo_class or classes[0].name
+    return AgentConfig(
+        replica_id=args.replica_id,
+        time_model=args.coefficients or profile.time_model,
+        slo_classes=tuple(classes),
+        default_slo_class=default,
+        margin_frac=args.margin_frac,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        profile_kv_capacity_tokens=profile.kv_capacity_tokens,
+        push_interval_ms=args.push_interval_ms,
+        ttl_ms=args.ttl_ms,
+        lease_ttl_ms=args.lease_ttl_ms,
+        metrics_interval_ms=args.metrics_interval_ms,
+    )
+
+
+async def _fetch_max_model_len(agent: Agent, session: aiohttp.ClientSession, engine_url: str) -> None:
+    """Read ``max_model_len`` from the engine's /v1/models (retries every second until it answers)."""
+    url = engine_url.rstrip("/") + "/v1/models"
+    while True:
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+                if resp.status == 200:
+                    data = await resp.json()
+                    models = data.get("data") or []
+                    n = int(models[0].get("max_model_len") or 0) if models else 0
+                    agent.max_prompt_tokens = n
+                    return
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, AttributeError, TypeError):
+            pass
+        await asyncio.sleep(1.0)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Run the agent until SIGTERM/SIGINT."""
+    clock = Clock(args.time_scale)
+    agent = Agent(config_from_args(args), clock, lease_id_prefix=uuid.uuid4().hex[:12])
+    proxy_cfg = ProxyConfig(engine_url=args.engine_url, max_connections=args.max_connections)
+    session = make_session(proxy_cfg)
+    tracer = make_tracer("fairbatch-agent", args.otlp_endpoint)
+    proxy = Proxy(agent, proxy_cfg, session, tracer)
+    runner = web.AppRunner(proxy.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.http_port)
+    await site.start()
+    grpc_server, grpc_port = await start_grpc_server(agent, args.host, args.grpc_port)
+    scrape_timeout_s = max(0.5, clock.to_wall_s(agent.config.stale_after_ms))
+    scraper = MetricsScraper(
+        session, args.engine_url, clock, agent.config.metrics_interval_ms, agent.on_engine_metrics,
+        timeout_s=scrape_timeout_s,
+    )
+    tasks = [
+        asyncio.create_task(scraper.run(), name="metrics-scraper"),
+        asyncio.create_task(expire_leases_loop(agent), name="lease-expiry"),
+        asyncio.create_task(_fetch_max_model_len(agent, session, args.engine_url), name="max-model-len"),
+    ]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info(
+        "agent %s: http %s:%d grpc %s:%d engine %s classes %s",
+        agent.config.replica_id, args.host, args.http_port, args.host, grpc_port, args.engine_url,
+        ", ".join(f"{c.name}({c.ttft_ms:g}/{c.tpot_ms:g} ms)" for c in agent.config.slo_classes),
+    )
+    try:
+        await stop.wait()
+    finally:
+        log.info("stopping")
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await grpc_server.stop(grace=2.0)
+        await runner.cleanup()
+        await session.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    if args.command == "serve":
+        try:
+            config_from_args(args)  # fail fast with a readable message
+        except (ValueError, KeyError, OSError) as e:
+            parser.error(str(e))
+        run(serve(args))
+        return 0
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

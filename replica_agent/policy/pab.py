@@ -1,0 +1,276 @@
+"""Prefill Admission Budget (PAB): how much new prefill a replica can still take per SLO class.
+
+Source: DESIGN.md section 4 and docs/architecture.md section "PAB" (our own definition; the
+FairBatching preprint, arXiv 2510.14392, gives the idea, not a formula we could confirm). This
+module is PURE: plain data in (time passed in as ``now_ms``), one :class:`ClassBudget` out per
+class; no I/O, no clock reads.
+
+Derivation
+----------
+Let a request of SLO class k (``ttft_k``, ``tpot_k``) arrive at time t. It meets its TTFT target
+when its prefill has run by t + ttft_k. We keep a safety margin for model error and scheduling
+jitter and plan within the horizon::
+
+    H = ttft_k * (1 - margin_frac)
+
+Inside [t, t + H] the replica's time is claimed, before any new prompt, by two kinds of work that
+were admitted earlier and whose promises we must keep:
+
+1. Running decodes. Decode d (first token already emitted, ``tokens_out`` tokens so far) has a
+   deadline for its next token ``ddl_d = arrival_d + ttft_d + tokens_out_d * tpot_d`` (seed 000's
+   latency envelope) and one more every ``tpot_d`` after that. The tokens whose deadlines fall at
+   or before t + H are those j = 0, 1, ... with ``ddl_d + j * tpot_d <= t + H``, so their number is::
+
+       n_d = max(0, floor((t + H - ddl_d) / tpot_d) + 1)
+
+   (a decode already behind its envelope, ddl_d < t, needs even more, which the formula counts).
+   Continuous batching runs all decodes together, one token each per iteration, so the replica
+   needs ``N = max_d n_d`` iterations, each predicted by the batch-time model (TimeModel, seed 000
+   section 4) with |D| new tokens and the decodes' contexts read::
+
+       decode_reservation = N * (a + b * |D| + c * sum_d ctx_d)         (0 when D is empty)
+
+   ``ctx_d`` is the decode's tokens in the KV cache (prompt + tokens out). Context growth during
+   the N iterations is ignored (c * |D| * N^2 / 2 is small next to the rest for the sizes we run).
+
+2. In-flight prefills. Requests admitted but without a first token yet (and leases granted to a
+   router whose request has not arrived) will run their remaining prompt tokens inside the same
+   horizon. They ride in the decode iterations (chunked prefill), so they add only their token
+   terms, not another fixed cost ``a``::
+
+       inflight_reservation = sum_p (b * (prompt_p - computed_p) + c * computed_p)
+
+What remains is the prefill time a new prompt may use::
+
+    PAB_ms(k) = max(0, H - decode_reservation - inflight_reservation)
+
+A fresh prompt of P tokens run in one iteration of its own costs ``a + b * P``, so the largest
+prompt that time allows is ``floor((PAB_ms - a) / b)`` (0 when PAB_ms <= a).
+
+KV cache. The new prompt's P tokens must also fit in the KV cache next to what the existing work
+will still write within the horizon::
+
+    kv_free_tokens    = capacity - used      (proxy mode: floor((1 - kv_usage) * capacity))
+    growth_d          = min(remaining_output_d, ceil(H / tpot_d) + 1)
+                        (remaining_output_d = max_tokens - tokens_out, or ceil(H / tpot_d) + 1 if unknown)
+    kv_limited_tokens = max(0, kv_free_tokens - sum_d growth_d - sum_p (prompt_p - computed_p))
+    PAB_tokens(k)     = min(floor((PAB_ms - a) / b), kv_limited_tokens)
+
+Fit rule (:func:`fits`, shared by agent and router): a prompt of P tokens fits class k when
+``a + b * P <= PAB_ms(k)`` and ``P <= PAB_tokens(k)``. A prompt so long that ``a + b * P > H``
+cannot meet its TTFT on any replica; rather than starve it, it fits only on a replica with nothing
+reserved (PAB_ms = H: zero decode and in-flight reservation) whose KV cache holds it
+(``P <= kv_limited_tokens``; the time part of PAB_tokens is necessarily smaller than such P), so
+it takes a whole idle replica.
+
+Floating point: floors and ceils are taken with a 1e-9 tolerance so that exact multiples (e.g.
+(t + H - ddl) / tpot = 3.0 computed as 2.9999999) round as the arithmetic intends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from replica_agent.policy.time_model import TimeModel
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeState:
+    """A running decode (its first token was emitted).
+
+    Attributes:
+        next_deadline_ms: deadline of its next token (ms, same origin as ``now_ms``).
+        tpot_ms: its TPOT target (ms), > 0.
+        context_tokens: tokens in its KV cache (prompt + tokens out).
+        tokens_out: output tokens emitted so far.
+        max_tokens: requested output tokens, None when unknown.
+    """
+
+    next_deadline_ms: float
+    tpot_ms: float
+    context_tokens: int
+    tokens_out: int
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PendingPrefill:
+    """An admitted prefill without a first token yet, or a lease whose request has not arrived.
+
+    Attributes:
+        prompt_tokens: prompt length (tokens).
+        computed_tokens: prompt tokens already in the KV cache (chunked prefill; 0 in proxy mode).
+    """
+
+    prompt_tokens: int
+    computed_tokens: int = 0
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Prompt tokens still to compute (>= 0)."""
+        return max(0, self.prompt_tokens - self.computed_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class SloClass:
+    """An SLO class as PAB needs it.
+
+    Attributes:
+        name: class name, e.g. ``interactive``.
+        ttft_ms: time-to-first-token target (ms), > 0.
+        tpot_ms: time-per-output-token target (ms), > 0.
+    """
+
+    name: str
+    ttft_ms: float
+    tpot_ms: float
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_ms > 0 and self.tpot_ms > 0):
+            raise ValueError(f"SLO class {self.name!r} needs ttft_ms > 0 and tpot_ms > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """Everything PAB reads about one replica at one instant.
+
+    Attributes:
+        now_ms: the instant t (ms).
+        decodes: running decodes.
+        prefills: in-flight prefills and un-arrived leases.
+        kv_free_tokens: free KV cache (tokens, not blocks), >= 0.
+        time_model: batch-time coefficients a, b, c (ms).
+        margin_frac: safety margin, H = ttft * (1 - margin_frac); 0 <= margin_frac < 1.
+    """
+
+    now_ms: float
+    decodes: Sequence[DecodeState]
+    prefills: Sequence[PendingPrefill]
+    kv_free_tokens: int
+    time_model: TimeModel
+    margin_frac: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.margin_frac < 1.0:
+            raise ValueError(f"margin_frac must be in [0, 1), got {self.margin_frac}")
+
+
+@dataclass(frozen=True, slots=True)
+class ClassBudget:
+    """PAB of one SLO class with its components (mirrors proto ClassBudget).
+
+    The first five fields are all :func:`fits` reads (the router builds this type from a
+    snapshot with just those); the components after them default to 0 for such views.
+
+    Attributes:
+        slo_class: class name.
+        horizon_ms: H = ttft_ms * (1 - margin_frac).
+        pab_ms: max(0, H - decode_reservation_ms - inflight_reservation_ms).
+        pab_tokens: min(floor((pab_ms - a) / b), kv_limited_tokens).
+        kv_limited_tokens: kv_free minus decode growth reserve minus pending prompt tokens, >= 0.
+        ttft_ms, tpot_ms: the class's targets (ms).
+        decode_reservation_ms: N * (a + b*|D| + c*sum ctx).
+        inflight_reservation_ms: sum of b*remaining + c*computed over prefills and leases.
+        kv_free_tokens: free KV cache (tokens).
+        decode_iterations: N = max_d n_d.
+    """
+
+    slo_class: str
+    horizon_ms: float
+    pab_ms: float
+    pab_tokens: int
+    kv_limited_tokens: int
+    ttft_ms: float = 0.0
+    tpot_ms: float = 0.0
+    decode_reservation_ms: float = 0.0
+    inflight_reservation_ms: float = 0.0
+    kv_free_tokens: int = 0
+    decode_iterations: int = 0
+
+
+def decode_iterations(now_ms: float, horizon_ms: float, decodes: Iterable[DecodeState]) -> int:
+    """N = max_d max(0, floor((t + H - ddl_d) / tpot_d) + 1); 0 without decodes (DESIGN section 4)."""
+    n = 0
+    end = now_ms + horizon_ms
+    for d in decodes:
+        n_d = max(0, math.floor((end - d.next_deadline_ms) / d.tpot_ms + _EPS) + 1)
+        n = max(n, n_d)
+    return n
+
+
+def growth_reserve_tokens(horizon_ms: float, decodes: Iterable[DecodeState]) -> int:
+    """Sum over decodes of min(remaining output, ceil(H / tpot_d) + 1) (tokens)."""
+    total = 0
+    for d in decodes:
+        cap = math.ceil(horizon_ms / d.tpot_ms - _EPS) + 1
+        remaining = cap if d.max_tokens is None else max(0, d.max_tokens - d.tokens_out)
+        total += min(remaining, cap)
+    return total
+
+
+def class_budget(state: ReplicaState, slo: SloClass) -> ClassBudget:
+    """PAB of ``slo`` on the replica in ``state`` (formulas: module docstring, architecture.md "PAB")."""
+    tm = state.time_model
+    horizon = slo.ttft_ms * (1.0 - state.margin_frac)
+    n_iter = decode_iterations(state.now_ms, horizon, state.decodes)
+    if state.decodes and n_iter > 0:
+        ctx = sum(d.context_tokens for d in state.decodes)
+        decode_res = n_iter * tm.batch_ms(len(state.decodes), ctx)
+    else:
+        decode_res = 0.0
+    inflight_res = sum(
+        tm.b_ms_per_new_token * p.remaining_tokens + tm.c_ms_per_context_token * p.computed_tokens
+        for p in state.prefills
+    )
+    pab_ms = max(0.0, horizon - decode_res - inflight_res)
+    kv_free = max(0, int(state.kv_free_tokens))
+    pending_prompt = sum(p.remaining_tokens for p in state.prefills)
+    kv_limited = max(0, kv_free - growth_reserve_tokens(horizon, state.decodes) - pending_prompt)
+    pab_tokens = min(tm.tokens_within_ms(pab_ms), kv_limited)
+    return ClassBudget(
+        slo_class=slo.name,
+        ttft_ms=slo.ttft_ms,
+        tpot_ms=slo.tpot_ms,
+        horizon_ms=horizon,
+        pab_ms=pab_ms,
+        pab_tokens=pab_tokens,
+        decode_reservation_ms=decode_res,
+        inflight_reservation_ms=inflight_res,
+        kv_free_tokens=kv_free,
+        kv_limited_tokens=kv_limited,
+        decode_iterations=n_iter,
+    )
+
+
+def compute_budgets(state: ReplicaState, classes: Iterable[SloClass]) -> dict[str, ClassBudget]:
+    """PAB for every class, keyed by class name (insertion order of ``classes``)."""
+    return {c.name: class_budget(state, c) for c in classes}
+
+
+def fits(prompt_tokens: int, class_budget: ClassBudget, time_model: TimeModel) -> bool:
+    """Whether a fresh prompt of ``prompt_tokens`` tokens fits ``class_budget`` (architecture.md "PAB").
+
+    Rule: ``a + b * P <= pab_ms`` and ``P <= pab_tokens``. A prompt with ``a + b * P > horizon_ms``
+    cannot meet its TTFT anywhere; it fits only where nothing is reserved (``pab_ms == horizon_ms``,
+    within 1e-9) and ``P <= kv_limited_tokens``: it takes a whole idle replica. Only the first five
+    fields of ``class_budget`` are read, so a router-side view built from a snapshot works too.
+
+    Args:
+        prompt_tokens: P (tokens), >= 0.
+        class_budget: the replica's budget for the request's class (possibly from a snapshot).
+        time_model: the replica's a, b, c (ms).
+
+    Raises:
+        ValueError: if ``prompt_tokens`` is negative.
+    """
+    if prompt_tokens < 0:
+        raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
+    prefill_ms = time_model.prefill_ms(prompt_tokens)
+    if prefill_ms > class_budget.horizon_ms + _EPS:
+        idle = class_budget.pab_ms >= class_budget.horizon_ms - _EPS  # PAB_ms = H: nothing reserved
+        return idle and prompt_tokens <= class_budget.kv_limited_tokens
+    return prefill_ms <= class_budget.pab_ms + _EPS and prompt_tokens <= class_budget.pab_tokens

@@ -1,0 +1,496 @@
+"""aiohttp reverse proxy in front of the engine (proxy mode of the replica agent).
+
+Relays ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``GET /v1/models`` to the
+engine; serves ``GET /health`` (200 when the engine's /health answers 200, else 503) and
+``GET /metrics`` (the agent's own registry, ``fairbatch_agent_*``).
+
+Stream requests: the engine's bytes go to the client unchanged as they arrive; each SSE event is
+parsed on the side to timestamp tokens (one token per chunk with non-empty ``text`` or
+``delta.content``; the final ``usage`` corrects the counts). Non-stream requests go upstream with
+``stream: true`` and ``stream_options.include_usage: true`` and are re-assembled into vLLM's
+non-stream JSON. Headers honoured (docs/architecture.md "Agent"): ``x-request-id`` (forwarded),
+``x-fairbatch-lease`` (consumed), ``x-fairbatch-slo-class``, ``x-fairbatch-queued-ms`` (arrival =
+now - queued), ``x-fairbatch-tenant`` (logs/spans only), ``traceparent``/``tracestate`` (a child
+span is created and injected upstream).
+
+Failure handling: client disconnect -> upstream response closed (the engine aborts) and the request
+dropped from the tracker; engine failure mid-stream -> ``data: {"error": {...}}`` then
+``data: [DONE]`` and the request dropped; upstream 4xx/5xx before streaming -> status and body
+relayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from opentelemetry import trace
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from replica_agent.agent import Agent
+from replica_agent.telemetry import extract_context, inject_context
+from replica_agent.tracker import TrackerFull
+
+log = logging.getLogger(__name__)
+
+BYTES_PER_TOKEN = 4
+CHAT_TOKENS_PER_MESSAGE = 4
+_DONE_EVENT = b"data: [DONE]\n\n"
+_FORWARDED_HEADERS = ("authorization", "accept")
+
+
+def _ceil_bytes_tokens(text: str) -> int:
+    return math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN)
+
+
+def estimate_prompt_tokens(body: Mapping[str, Any], chat: bool) -> int:
+    """Prompt tokens of an OpenAI request body, for requests that arrive without a lease.
+
+    Completions: exact for token-id lists (``[1, 2]`` or ``[[1, 2]]``), else ceil(utf-8 bytes / 4)
+    of the prompt text(s). Chat: ceil(utf-8 bytes / 4) of the concatenated message contents (text
+    parts of list contents), plus 4 per message. Unrecognised shapes count 0 (the engine rejects
+    them; ``usage`` corrects any estimate).
+    """
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return 0
+        texts: list[str] = []
+        for m in messages:
+            content = m.get("content") if isinstance(m, Mapping) else None
+            if isinstance(content, str):
+                texts.append(content)
+            elif isinstance(content, list):
+                texts.extend(p["text"] for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str))
+        return _ceil_bytes_tokens("".join(texts)) + CHAT_TOKENS_PER_MESSAGE * len(messages)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return _ceil_bytes_tokens(prompt)
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) for t in prompt):
+            return len(prompt)
+        total = 0
+        for p in prompt:
+            if isinstance(p, str):
+                total += _ceil_bytes_tokens(p)
+            elif isinstance(p, list):
+                total += len(p)
+        return total
+    return 0
+
+
+@dataclass(slots=True)
+class SseParser:
+    """Incremental parser of an OpenAI SSE stream (``data: {json}\\n\\n`` ... ``data: [DONE]``).
+
+    :meth:`feed` takes raw bytes as they arrive (events may straddle chunks) and returns the JSON
+    objects of the events completed by them. ``done`` turns True at ``[DONE]``.
+    """
+
+    done: bool = False
+    _buf: bytearray = field(default_factory=bytearray)
+
+    def feed(self, chunk: bytes) -> list[dict[str, Any]]:
+        """Parse the events completed by ``chunk``; malformed JSON events are skipped."""
+        self._buf += chunk
+        out: list[dict[str, Any]] = []
+        while True:
+            end = self._buf.find(b"\n\n")
+            if end < 0:
+                return out
+            event = bytes(self._buf[:end])
+            del self._buf[: end + 2]
+            for line in event.split(b"\n"):
+                line = line.rstrip(b"\r")
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    self.done = True
+                    continue
+                try:
+                    obj = json.loads(payload)
+                except ValueError:
+                    continue
+                if isinstance(obj, dict):
+                    out.append(obj)
+
+
+def content_tokens(event: Mapping[str, Any]) -> int:
+    """1 when the chunk's first choice carries non-empty ``text`` or ``delta.content``, else 0."""
+    choices = event.get("choices")
+    if not choices:
+        return 0
+    ch = choices[0]
+    if ch.get("text"):
+        return 1
+    delta = ch.get("delta")
+    return 1 if isinstance(delta, Mapping) and delta.get("content") else 0
+
+
+def error_json(status: int, message: str, err_type: str = "upstream_error") -> web.Response:
+    """OpenAI-style error response ``{"error": {"message", "type", "param", "code"}}``."""
+    return web.json_response(
+        {"error": {"message": message, "type": err_type, "param": None, "code": status}}, status=status
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """Proxy settings.
+
+    Attributes:
+        engine_url: base URL of the engine, e.g. ``http://127.0.0.1:8000``.
+        max_connections: bound of the pooled upstream connector.
+        connect_timeout_s: wall seconds to open an upstream connection.
+        read_timeout_s: wall seconds of silence tolerated between upstream chunks.
+        health_timeout_s: wall seconds for the engine's /health.
+        max_body_bytes: bound on request bodies.
+    """
+
+    engine_url: str
+    max_connections: int = 1024
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    health_timeout_s: float = 2.0
+    max_body_bytes: int = 64 * 1024 * 1024
+
+
+def make_session(config: ProxyConfig) -> aiohttp.ClientSession:
+    """The one pooled upstream session (bounded connector, timeouts, bytes not decompressed)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=config.max_connections, limit_per_host=config.max_connections),
+        timeout=aiohttp.ClientTimeout(
+            total=None, sock_connect=config.connect_timeout_s, sock_read=config.read_timeout_s
+        ),
+        auto_decompress=False,
+    )
+
+
+class Proxy:
+    """Request handlers; ``session`` is owned by the caller (created inside the running loop).
+
+    Args:
+        agent: the agent whose tracker the requests feed.
+        config: proxy settings.
+        session: pooled upstream session (:func:`make_session`).
+        tracer: OpenTelemetry tracer (``make_tracer("fairbatch-agent")``).
+    """
+
+    def __init__(self, agent: Agent, config: ProxyConfig, session: aiohttp.ClientSession, tracer: trace.Tracer) -> None:
+        self._agent = agent
+        self._cfg = config
+        self._session = session
+        self._tracer = tracer
+        self._base = config.engine_url.rstrip("/")
+        self._key_counter = 0
+
+    def app(self) -> web.Application:
+        """The aiohttp application with all routes."""
+        app = web.Application(client_max_size=self._cfg.max_body_bytes)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    # ---- simple endpoints ----------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        """Relay GET /v1/models (status and body unchanged)."""
+        try:
+            async with self._session.get(self._base + "/v1/models", headers=self._fwd_headers(request)) as up:
+                body = await up.read()
+                return web.Response(
+                    status=up.status, body=body, headers={"Content-Type": up.headers.get("Content-Type", "application/json")}
+                )
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            return error_json(502, f"engine unreachable: {type(e).__name__}")
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 when the engine's /health answers 200 (bounded wait), else 503."""
+        try:
+            async with self._session.get(
+                self._base + "/health", timeout=aiohttp.ClientTimeout(total=self._cfg.health_timeout_s)
+            ) as up:
+                await up.read()
+                ok = up.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            ok = False
+        return web.Response(status=200 if ok else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The agent's own Prometheus metrics (gauges refreshed now)."""
+        self._agent.refresh_gauges(self._agent.clock.now_ms())
+        return web.Response(body=generate_latest(self._agent.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # ---- generation endpoints ------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions."""
+        return await self._generate(request, "/v1/completions", chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions."""
+        return await self._generate(request, "/v1/chat/completions", chat=True)
+
+    def _fwd_headers(self, request: web.Request) -> dict[str, str]:
+        headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
+        rid = request.headers.get("x-request-id")
+        if rid:
+            headers["x-request-id"] = rid
+        return headers
+
+    def _tracker_key(self, request_id: str) -> str:
+        if request_id not in self._agent.tracker:
+            return request_id
+        self._key_counter += 1
+        return f"{request_id}#{self._key_counter}"
+
+    async def _generate(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return error_json(400, "request body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return error_json(400, "request body must be a JSON object", "invalid_request_error")
+        hdrs = request.headers
+        request_id = hdrs.get("x-request-id") or uuid.uuid4().hex
+        try:
+            queued_ms = max(0.0, float(hdrs.get("x-fairbatch-queued-ms", "0")))
+        except ValueError:
+            queued_ms = 0.0
+        if not math.isfinite(queued_ms):
+            queued_ms = 0.0
+        max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+        max_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None
+        stream = bool(body.get("stream"))
+        agent = self._agent
+        key = self._tracker_key(request_id)
+        up_headers = self._fwd_headers(request)
+        up_headers["x-request-id"] = request_id
+        up_headers["Content-Type"] = "application/json"
+        with self._tracer.start_as_current_span(
+            "agent.relay", context=extract_context(hdrs), kind=trace.SpanKind.SERVER
+        ) as span:
+            inject_context(up_headers)
+            try:
+                tracked = agent.request_arrived(
+                    key,
+                    hdrs.get("x-fairbatch-slo-class"),
+                    estimate_prompt_tokens(body, chat),
+                    max_tokens,
+                    agent.clock.now_ms(),
+                    queued_ms,
+                    hdrs.get("x-fairbatch-lease", ""),
+                )
+            except TrackerFull:
+                return error_json(503, "agent is tracking too many requests", "server_overloaded")
+            span.set_attribute("fairbatch.request_id", request_id)
+            span.set_attribute("fairbatch.slo_class", tracked.slo_class)
+            span.set_attribute("fairbatch.stream", stream)
+            if "x-fairbatch-tenant" in hdrs:
+                span.set_attribute("fairbatch.tenant", hdrs["x-fairbatch-tenant"])
+            outcome = "aborted"
+            try:
+                if stream:
+                    resp, outcome = await self._relay_stream(request, path, raw, up_headers, key, request_id)
+                else:
+                    up_body = dict(body)
+                    up_body["stream"] = True
+                    opts = up_body.get("stream_options")
+                    up_body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+                    resp, outcome = await self._relay_assembled(
+                        request, path, json.dumps(up_body).encode(), up_headers, key, request_id, chat
+                    )
+                span.set_attribute("fairbatch.outcome", outcome)
+                return resp
+            finally:
+                done = agent.request_done(key, agent.clock.now_ms(), outcome)
+                if done is not None and outcome != "ok":
+                    log.info("request %s ended: %s", request_id, outcome)
+
+    async def _open_upstream(
+        self, path: str, data: bytes, headers: dict[str, str]
+    ) -> aiohttp.ClientResponse | web.Response:
+        try:
+            return await self._session.post(self._base + path, data=data, headers=headers)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            return error_json(502, f"engine unreachable: {type(e).__name__}")
+
+    @staticmethod
+    async def _relay_error_status(up: aiohttp.ClientResponse, request_id: str) -> web.Response:
+        body = await up.read()
+        return web.Response(
+            status=up.status,
+            body=body,
+            headers={"Content-Type": up.headers.get("Content-Type", "application/json"), "x-request-id": request_id},
+        )
+
+    async def _relay_stream(
+        self, request: web.Request, path: str, raw: bytes, headers: dict[str, str], key: str, request_id: str
+    ) -> tuple[web.StreamResponse, str]:
+        agent = self._agent
+        up = await self._open_upstream(path, raw, headers)
+        if isinstance(up, web.Response):
+            return up, "upstream_unreachable"
+        clean = False
+        try:
+            if up.status != 200:
+                clean = True
+                return await self._relay_error_status(up, request_id), "upstream_error"
+            resp = web.StreamResponse(
+                status=200,
+                headers={
+                    "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
+                    "Cache-Control": "no-cache",
+                    "x-request-id": request_id,
+                },
+            )
+            await resp.prepare(request)
+            parser = SseParser()
+            upstream_error = ""
+            it = up.content.iter_any().__aiter__()
+            while True:
+                try:
+                    chunk = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                    upstream_error = f"engine stream failed: {type(e).__name__}"
+                    break
+                now = agent.clock.now_ms()
+                try:
+                    await resp.write(chunk)
+                except (ConnectionError, aiohttp.ClientConnectionResetError, OSError):
+                    return resp, "client_disconnect"
+                for event in parser.feed(chunk):
+                    n = content_tokens(event)
+                    if n:
+                        agent.request_tokens(key, now, n)
+                    usage = event.get("usage")
+                    if isinstance(usage, dict):
+                        agent.request_usage(key, usage.get("prompt_tokens"), usage.get("completion_tokens"))
+                    if "error" in event and not upstream_error:
+                        upstream_error = "engine sent an error event"
+            if parser.done and not upstream_error:
+                clean = True
+                await resp.write_eof()
+                return resp, "ok"
+            if not parser.done:
+                upstream_error = upstream_error or "engine stream ended without [DONE]"
+                err = {"error": {"message": upstream_error, "type": "upstream_error", "param": None, "code": 502}}
+                try:
+                    await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n" + _DONE_EVENT)
+                    await resp.write_eof()
+                except (ConnectionError, aiohttp.ClientConnectionResetError, OSError):
+                    pass
+            return resp, "upstream_error"
+        finally:
+            if clean:
+                up.release()
+            else:
+                up.close()  # drops the connection: the engine sees the disconnect and aborts
+
+    async def _relay_assembled(
+        self,
+        request: web.Request,
+        path: str,
+        data: bytes,
+        headers: dict[str, str],
+        key: str,
+        request_id: str,
+        chat: bool,
+    ) -> tuple[web.StreamResponse, str]:
+        agent = self._agent
+        up = await self._open_upstream(path, data, headers)
+        if isinstance(up, web.Response):
+            return up, "upstream_unreachable"
+        clean = False
+        try:
+            if up.status != 200:
+                clean = True
+                return await self._relay_error_status(up, request_id), "upstream_error"
+            parser = SseParser()
+            head: dict[str, Any] = {}
+            texts: list[str] = []
+            finish_reason: Any = None
+            stop_reason: Any = None
+            usage: dict[str, Any] | None = None
+            error: Any = None
+            it = up.content.iter_any().__aiter__()
+            while True:
+                try:
+                    chunk = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                    return error_json(502, f"engine stream failed: {type(e).__name__}"), "upstream_error"
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    return web.Response(status=499), "client_disconnect"
+                now = agent.clock.now_ms()
+                for event in parser.feed(chunk):
+                    if "error" in event:
+                        error = event["error"]
+                        continue
+                    if not head:
+                        head = {k: event.get(k) for k in ("id", "created", "model")}
+                    choices = event.get("choices") or []
+                    if choices:
+                        ch = choices[0]
+                        piece = ch.get("text") if not chat else (ch.get("delta") or {}).get("content")
+                        if piece:
+                            texts.append(piece)
+                            agent.request_tokens(key, now, 1)
+                        if ch.get("finish_reason") is not None:
+                            finish_reason = ch.get("finish_reason")
+                            stop_reason = ch.get("stop_reason")
+                    if isinstance(event.get("usage"), dict):
+                        usage = event["usage"]
+                        agent.request_usage(key, usage.get("prompt_tokens"), usage.get("completion_tokens"))
+            if error is not None or not parser.done:
+                msg = error.get("message") if isinstance(error, dict) else "engine stream ended without [DONE]"
+                return error_json(502, f"engine failed: {msg}"), "upstream_error"
+            clean = True
+            text = "".join(texts)
+            if chat:
+                choice = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                    "stop_reason": stop_reason,
+                }
+                obj = "chat.completion"
+            else:
+                choice = {
+                    "index": 0,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                    "stop_reason": stop_reason,
+                }
+                obj = "text_completion"
+            out = {
+                "id": head.get("id"),
+                "object": obj,
+                "created": head.get("created"),
+                "model": head.get("model"),
+                "choices": [choice],
+                "usage": usage,
+            }
+            return web.json_response(out, headers={"x-request-id": request_id}), "ok"
+        finally:
+            if clean:
+                up.release()
+            else:
+                up.close()

@@ -1,0 +1,222 @@
+"""Per-request state on this replica, fed by the proxy's events (PURE: time passed in as ``now_ms``).
+
+Lifecycle (docs/architecture.md "Agent"): ``prefill`` (arrived, no token yet; counts in PAB's
+in-flight reservation with its prompt tokens) -> ``decode`` (first token seen; counts in the decode
+reservation with its next-token deadline) -> removed at finish or abort. Deadlines follow the
+latency envelope of seed 000 (:mod:`replica_agent.policy.envelope`):
+``deadline(j) = arrival + ttft + j * tpot``.
+
+Tokens out are counted per content-bearing chunk; the engine's final ``usage`` corrects the prompt
+and completion counts (:meth:`Tracker.on_usage`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from replica_agent.policy.envelope import Envelope
+from replica_agent.policy.pab import DecodeState, PendingPrefill
+
+
+class Phase(enum.Enum):
+    """Where a tracked request is."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class TrackerFull(Exception):
+    """Raised by :meth:`Tracker.on_arrival` when ``max_requests`` requests are tracked."""
+
+
+@dataclass(slots=True)
+class TrackedRequest:
+    """One request on this replica.
+
+    Attributes:
+        request_id: tracker key (unique among tracked requests).
+        slo_class: SLO class name.
+        envelope: arrival, TTFT and TPOT targets (ms).
+        prompt_tokens: prompt length (tokens; estimate until ``usage`` corrects it).
+        max_tokens: requested output tokens, None when unknown.
+        lease_id: the lease it consumed, "" when none.
+        phase: prefill or decode.
+        tokens_out: output tokens seen so far.
+        computed_tokens: prompt tokens already in the KV cache (0 in proxy mode until decode).
+        first_token_ms, last_token_ms: token times (ms), None before the first token.
+    """
+
+    request_id: str
+    slo_class: str
+    envelope: Envelope
+    prompt_tokens: int
+    max_tokens: int | None = None
+    lease_id: str = ""
+    phase: Phase = Phase.PREFILL
+    tokens_out: int = 0
+    computed_tokens: int = 0
+    first_token_ms: float | None = None
+    last_token_ms: float | None = None
+
+    def next_deadline_ms(self) -> float:
+        """Deadline (ms) of the next output token."""
+        return self.envelope.deadline_ms(self.tokens_out)
+
+    def slack_ms(self, now_ms: float) -> float:
+        """Next token's deadline minus ``now_ms`` (ms); negative = behind its envelope."""
+        return self.envelope.slack_ms(self.tokens_out, now_ms)
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens in the KV cache once prefilled: prompt + tokens out."""
+        return self.prompt_tokens + self.tokens_out
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequest:
+    """What remains of a request after finish or abort (for metrics and logs).
+
+    Attributes:
+        request: its final state.
+        outcome: ``ok``, ``client_disconnect``, ``upstream_error``, ...
+        end_ms: finish time (ms).
+    """
+
+    request: TrackedRequest
+    outcome: str
+    end_ms: float
+
+
+@dataclass(slots=True)
+class Tracker:
+    """The requests on this replica, keyed by request id.
+
+    Attributes:
+        max_requests: bound on tracked requests (> 0).
+    """
+
+    max_requests: int = 65536
+    _requests: dict[str, TrackedRequest] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
+
+    def get(self, request_id: str) -> TrackedRequest | None:
+        """The tracked request, or None."""
+        return self._requests.get(request_id)
+
+    def on_arrival(
+        self,
+        request_id: str,
+        slo_class: str,
+        ttft_ms: float,
+        tpot_ms: float,
+        arrival_ms: float,
+        prompt_tokens: int,
+        max_tokens: int | None = None,
+        lease_id: str = "",
+    ) -> TrackedRequest:
+        """Start tracking a request in the prefill phase.
+
+        Args:
+            arrival_ms: arrival time (ms); the proxy passes now - router queue time.
+            prompt_tokens: prompt length (tokens), >= 0.
+
+        Raises:
+            KeyError: if ``request_id`` is already tracked.
+            TrackerFull: if ``max_requests`` requests are tracked.
+            ValueError: on negative ``prompt_tokens``.
+        """
+        if request_id in self._requests:
+            raise KeyError(f"request {request_id!r} already tracked")
+        if len(self._requests) >= self.max_requests:
+            raise TrackerFull(f"{len(self._requests)} requests tracked (max {self.max_requests})")
+        if prompt_tokens < 0:
+            raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
+        req = TrackedRequest(
+            request_id=request_id,
+            slo_class=slo_class,
+            envelope=Envelope(arrival_ms, ttft_ms, tpot_ms),
+            prompt_tokens=int(prompt_tokens),
+            max_tokens=max_tokens if max_tokens and max_tokens > 0 else None,
+            lease_id=lease_id,
+        )
+        self._requests[request_id] = req
+        return req
+
+    def on_token(self, request_id: str, now_ms: float, n: int = 1) -> bool:
+        """``n`` output tokens seen at ``now_ms``. Returns True when this was the first token
+        (the request moved from prefill to decode). Unknown ids are ignored (False)."""
+        req = self._requests.get(request_id)
+        if req is None or n <= 0:
+            return False
+        first = req.phase is Phase.PREFILL
+        if first:
+            req.phase = Phase.DECODE
+            req.first_token_ms = now_ms
+            req.computed_tokens = req.prompt_tokens
+        req.tokens_out += n
+        req.last_token_ms = now_ms
+        return first
+
+    def on_usage(
+        self, request_id: str, prompt_tokens: int | None = None, completion_tokens: int | None = None
+    ) -> None:
+        """Correct counts from the engine's ``usage`` (exact where chunks carried several tokens)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        if prompt_tokens is not None and prompt_tokens >= 0:
+            req.prompt_tokens = int(prompt_tokens)
+            if req.phase is Phase.DECODE:
+                req.computed_tokens = req.prompt_tokens
+        if completion_tokens is not None and completion_tokens >= 0:
+            req.tokens_out = int(completion_tokens)
+
+    def on_finish(self, request_id: str, now_ms: float, outcome: str = "ok") -> FinishedRequest | None:
+        """Stop tracking (finished or aborted); None when unknown."""
+        req = self._requests.pop(request_id, None)
+        return None if req is None else FinishedRequest(req, outcome, now_ms)
+
+    def on_abort(self, request_id: str, now_ms: float, outcome: str = "aborted") -> FinishedRequest | None:
+        """Same as :meth:`on_finish` with an abort outcome."""
+        return self.on_finish(request_id, now_ms, outcome)
+
+    def decodes(self) -> tuple[DecodeState, ...]:
+        """Running decodes as PAB inputs."""
+        return tuple(
+            DecodeState(
+                next_deadline_ms=r.next_deadline_ms(),
+                tpot_ms=r.envelope.tpot_ms,
+                context_tokens=r.context_tokens,
+                tokens_out=r.tokens_out,
+                max_tokens=r.max_tokens,
+            )
+            for r in self._requests.values()
+            if r.phase is Phase.DECODE
+        )
+
+    def prefills(self) -> tuple[PendingPrefill, ...]:
+        """In-flight prefills (arrived, no token yet) as PAB inputs."""
+        return tuple(
+            PendingPrefill(r.prompt_tokens, r.computed_tokens)
+            for r in self._requests.values()
+            if r.phase is Phase.PREFILL
+        )
+
+    def counts(self) -> dict[str, int]:
+        """Tracked requests per phase name (``prefill``, ``decode``)."""
+        out = {p.value: 0 for p in Phase}
+        for r in self._requests.values():
+            out[r.phase.value] += 1
+        return out
+
+    def min_slack_ms(self, now_ms: float) -> float | None:
+        """Smallest slack (ms) over tracked requests (prefills: against the first-token deadline); None if empty."""
+        if not self._requests:
+            return None
+        return min(r.slack_ms(now_ms) for r in self._requests.values())

@@ -1,0 +1,162 @@
+"""The agent's AdmissionService served for real by grpc.aio on loopback.
+
+Engine metrics are injected (no engine needed): KV usage 0 of 100 000 tokens. Time model a = 10,
+b = 0.1, c = 0.001 ms; class interactive TTFT 500 / TPOT 50, margin 0.1 -> H = 450 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from proto import admission_pb2, admission_pb2_grpc
+from replica_agent.admission_server import expire_leases_loop, start_grpc_server
+from replica_agent.agent import Agent, AgentConfig
+from replica_agent.clock import Clock
+from replica_agent.engine_metrics import EngineMetrics
+from replica_agent.policy.pab import SloClass
+from replica_agent.policy.time_model import TimeModel
+
+TM = TimeModel(10.0, 0.1, 0.001)
+
+
+def make_agent(lease_ttl_ms: float = 60_000.0) -> Agent:
+    cfg = AgentConfig(
+        replica_id="r-test",
+        time_model=TM,
+        slo_classes=(SloClass("interactive", 500.0, 50.0), SloClass("batch", 20_000.0, 200.0)),
+        default_slo_class="interactive",
+        margin_frac=0.1,
+        kv_capacity_tokens=100_000,
+        push_interval_ms=50.0,
+        ttl_ms=1000.0,
+        lease_ttl_ms=lease_ttl_ms,
+        metrics_stale_ms=600_000.0,
+    )
+    agent = Agent(cfg, Clock(1.0), lease_id_prefix="t")
+    agent.on_engine_metrics(EngineMetrics(num_running=0, num_waiting=0, kv_usage=0.0), [], "")
+    return agent
+
+
+@pytest.fixture
+async def served():
+    servers = []
+
+    async def start(agent: Agent):
+        server, port = await start_grpc_server(agent, "127.0.0.1", 0)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        servers.append((server, channel))
+        return admission_pb2_grpc.AdmissionServiceStub(channel)
+
+    yield start
+    for server, channel in servers:
+        await channel.close()
+        await server.stop(grace=None)
+
+
+def interactive(snap: admission_pb2.BudgetSnapshot) -> admission_pb2.ClassBudget:
+    return next(c for c in snap.classes if c.slo_class == "interactive")
+
+
+async def next_snapshot(stream, after_seq: int, predicate=lambda s: True, timeout_s: float = 5.0):
+    async def loop():
+        while True:
+            snap = await stream.read()
+            assert snap is not grpc.aio.EOF
+            if snap.seq > after_seq and predicate(snap):
+                return snap
+
+    return await asyncio.wait_for(loop(), timeout_s)
+
+
+async def test_watch_budget_streams_increasing_seq(served):
+    agent = make_agent()
+    stub = await served(agent)
+    stream = stub.WatchBudget(admission_pb2.WatchBudgetRequest(router_id="test"))
+    first = await asyncio.wait_for(stream.read(), 5.0)
+    assert first.replica_id == "r-test" and first.healthy and first.ttl_ms == 1000
+    assert first.coefficients.b_ms_per_new_token == pytest.approx(0.1)
+    assert first.kv_capacity_tokens == 100_000
+    b = interactive(first)
+    assert b.horizon_ms == pytest.approx(450.0) and b.pab_ms == pytest.approx(450.0) and b.pab_tokens == 4400
+    assert {c.slo_class for c in first.classes} == {"interactive", "batch"}
+    seqs = [first.seq]
+    for _ in range(3):  # periodic pushes with nothing changing
+        seqs.append((await asyncio.wait_for(stream.read(), 5.0)).seq)
+    assert seqs == sorted(set(seqs))
+    stream.cancel()
+
+
+async def test_reserve_lowers_pab_and_release_restores(served):
+    agent = make_agent()
+    stub = await served(agent)
+    stream = stub.WatchBudget(admission_pb2.WatchBudgetRequest(router_id="test"))
+    first = await asyncio.wait_for(stream.read(), 5.0)
+    before = interactive(first).pab_ms
+
+    resp = await stub.Reserve(admission_pb2.ReserveRequest(slo_class="interactive", prompt_tokens=1000, request_id="q1"))
+    assert resp.granted and resp.lease_id and resp.reason == ""
+    # in-flight reservation b * 1000 = 100 ms -> 350 ms; tokens floor(340 / 0.1) = 3400
+    assert resp.pab_ms == pytest.approx(before - 100.0)
+    assert resp.pab_tokens == 3400
+    assert resp.expires_ms > first.timestamp_ms
+    assert resp.seq > first.seq
+    snap = await next_snapshot(stream, first.seq)
+    assert snap.active_leases == 1
+    assert interactive(snap).pab_ms == pytest.approx(before - 100.0)
+    assert interactive(snap).inflight_reservation_ms == pytest.approx(100.0)
+
+    assert (await stub.Release(admission_pb2.ReleaseRequest(lease_id=resp.lease_id, reason="test"))).released
+    snap2 = await next_snapshot(stream, snap.seq, lambda s: s.active_leases == 0)
+    assert interactive(snap2).pab_ms == pytest.approx(before)
+    assert not (await stub.Release(admission_pb2.ReleaseRequest(lease_id=resp.lease_id))).released
+    stream.cancel()
+
+
+async def test_lease_expiry_restores_budget(served):
+    agent = make_agent(lease_ttl_ms=200.0)
+    stub = await served(agent)
+    expiry = asyncio.create_task(expire_leases_loop(agent))
+    try:
+        stream = stub.WatchBudget(admission_pb2.WatchBudgetRequest(router_id="test"))
+        first = await asyncio.wait_for(stream.read(), 5.0)
+        resp = await stub.Reserve(admission_pb2.ReserveRequest(slo_class="interactive", prompt_tokens=2000))
+        assert resp.granted and resp.pab_ms == pytest.approx(250.0)
+        low = await next_snapshot(stream, first.seq, lambda s: s.active_leases == 1)
+        assert interactive(low).pab_ms == pytest.approx(250.0)
+        restored = await next_snapshot(stream, low.seq, lambda s: s.active_leases == 0)
+        assert interactive(restored).pab_ms == pytest.approx(450.0)
+        assert not (await stub.Release(admission_pb2.ReleaseRequest(lease_id=resp.lease_id))).released
+        stream.cancel()
+    finally:
+        expiry.cancel()
+
+
+async def test_refusals(served):
+    agent = make_agent()
+    stub = await served(agent)
+    r = await stub.Reserve(admission_pb2.ReserveRequest(slo_class="nope", prompt_tokens=10))
+    assert not r.granted and r.reason == "unknown-class" and r.lease_id == ""
+    # 4000 tokens fit (410 ms); a second 4000 no longer does (50 ms left)
+    assert (await stub.Reserve(admission_pb2.ReserveRequest(slo_class="interactive", prompt_tokens=4000))).granted
+    r = await stub.Reserve(admission_pb2.ReserveRequest(slo_class="interactive", prompt_tokens=4000))
+    assert not r.granted and r.reason == "no-budget"
+    assert r.pab_ms == pytest.approx(50.0)
+    # KV: 100 000 - 4 000 pending; a long-horizon class asks for more than the rest of the KV cache
+    r = await stub.Reserve(admission_pb2.ReserveRequest(slo_class="batch", prompt_tokens=97_000))
+    assert not r.granted and r.reason == "kv-full"
+    agent.on_engine_metrics(None, [], "engine /metrics unreachable: ClientConnectorError")
+    r = await stub.Reserve(admission_pb2.ReserveRequest(slo_class="batch", prompt_tokens=10))
+    assert not r.granted and r.reason == "unhealthy"
+
+
+async def test_unhealthy_snapshot_names_the_reason(served):
+    agent = make_agent()
+    stub = await served(agent)
+    agent.on_engine_metrics(None, [], "engine /metrics answered 500")
+    stream = stub.WatchBudget(admission_pb2.WatchBudgetRequest(router_id="test"))
+    snap = await asyncio.wait_for(stream.read(), 5.0)
+    assert not snap.healthy and "500" in snap.status_detail
+    stream.cancel()

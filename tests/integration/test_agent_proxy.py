@@ -1,0 +1,309 @@
+"""The agent's HTTP proxy against the real simulated engine (loadgen/sim/server.py) on loopback.
+
+The engine runs as a child process (time scale 0.05: one simulated ms lasts 50 wall us). Most
+tests run the agent's proxy in this process so they can watch its tracker; one runs the real
+``fairbatch-agent serve`` console script.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from loadgen.procs import ProcessGroup, free_port, script
+from loadgen.sim.tokenizer import make_prompt
+from replica_agent.agent import Agent, AgentConfig
+from replica_agent.clock import Clock
+from replica_agent.engine_metrics import MetricsScraper, parse_engine_metrics
+from replica_agent.policy.pab import SloClass
+from replica_agent.profiles import load_profile
+from replica_agent.proxy import Proxy, ProxyConfig, make_session
+from replica_agent.telemetry import make_tracer
+from replica_agent.tracker import Phase
+
+SCALE = 0.05
+MODEL = "llama-3-8b-a100"
+_ID = re.compile(rb'"id":\s*"[^"]*"')
+_CREATED = re.compile(rb'"created":\s*\d+')
+
+
+def start_engine(group: ProcessGroup, name: str) -> str:
+    port = free_port()
+    child = group.start(
+        name,
+        [sys.executable, "-m", "loadgen.sim.server", "--port", str(port), "--time-scale", str(SCALE), "--profile", MODEL],
+    )
+    url = f"http://127.0.0.1:{port}"
+    group.wait_http_ok(child, url + "/health", timeout_s=30)
+    return url
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    with ProcessGroup(tmp_path_factory.mktemp("engine-logs")) as group:
+        yield start_engine(group, "sim-engine")
+
+
+class SpyAgent(Agent):
+    """Agent that records the lifecycle events the proxy feeds it."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.events: list[tuple[str, str]] = []
+
+    def request_arrived(self, key, *a, **kw):
+        req = super().request_arrived(key, *a, **kw)
+        self.events.append((key, req.phase.value))
+        return req
+
+    def request_tokens(self, key, now_ms, n=1):
+        before = self.tracker.get(key)
+        was_prefill = before is not None and before.phase is Phase.PREFILL
+        super().request_tokens(key, now_ms, n)
+        if was_prefill:
+            self.events.append((key, self.tracker.get(key).phase.value))
+
+    def request_done(self, key, now_ms, outcome):
+        done = super().request_done(key, now_ms, outcome)
+        self.events.append((key, f"done:{outcome}"))
+        return done
+
+
+@pytest.fixture
+async def agent_proxy(engine):
+    profile = load_profile(MODEL)
+    cfg = AgentConfig(
+        replica_id="r0",
+        time_model=profile.time_model,
+        slo_classes=(SloClass("interactive", 500.0, 50.0), SloClass("batch", 20_000.0, 200.0)),
+        default_slo_class="interactive",
+        profile_kv_capacity_tokens=profile.kv_capacity_tokens,
+        metrics_interval_ms=50.0,
+    )
+    clock = Clock(SCALE)
+    agent = SpyAgent(cfg, clock, lease_id_prefix="t")
+    pcfg = ProxyConfig(engine_url=engine)
+    session = make_session(pcfg)
+    proxy = Proxy(agent, pcfg, session, make_tracer("fairbatch-agent-test"))
+    runner = web.AppRunner(proxy.app())
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    scraper = asyncio.create_task(
+        MetricsScraper(session, engine, clock, cfg.metrics_interval_ms, agent.on_engine_metrics).run()
+    )
+    try:
+        yield agent, f"http://127.0.0.1:{port}"
+    finally:
+        scraper.cancel()
+        await asyncio.gather(scraper, return_exceptions=True)
+        await runner.cleanup()
+        await session.close()
+
+
+def completion_body(max_tokens: int, stream: bool, prompt_tokens: int = 20) -> dict:
+    body = {"model": MODEL, "prompt": make_prompt(prompt_tokens), "max_tokens": max_tokens, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def normalise(raw: bytes) -> bytes:
+    return _CREATED.sub(b'"created":0', _ID.sub(b'"id":""', raw))
+
+
+async def engine_running(session: aiohttp.ClientSession, engine: str) -> int:
+    async with session.get(engine + "/metrics") as resp:
+        metrics, _ = parse_engine_metrics(await resp.text())
+    return metrics.num_running
+
+
+async def test_stream_bytes_relayed_unchanged(agent_proxy, engine):
+    agent, url = agent_proxy
+    async with aiohttp.ClientSession() as s:
+        for path, body in [
+            ("/v1/completions", completion_body(8, True)),
+            (
+                "/v1/chat/completions",
+                {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5, "stream": True},
+            ),
+        ]:
+            async with s.post(engine + path, json=body, headers={"x-request-id": "direct"}) as r:
+                assert r.status == 200
+                direct = await r.read()
+            async with s.post(url + path, json=body, headers={"x-request-id": "via-agent"}) as r:
+                assert r.status == 200
+                assert r.headers["x-request-id"] == "via-agent"
+                assert r.headers["Content-Type"].startswith("text/event-stream")
+                relayed = await r.read()
+            assert b"via-agent" in relayed  # the engine got our x-request-id
+            assert normalise(relayed) == normalise(direct)
+            assert relayed.endswith(b"data: [DONE]\n\n")
+    assert len(agent.tracker) == 0
+
+
+async def test_non_stream_reassembled_with_usage(agent_proxy, engine):
+    _, url = agent_proxy
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/completions", json=completion_body(6, False, prompt_tokens=12)) as r:
+            assert r.status == 200
+            out = await r.json()
+        assert out["object"] == "text_completion"
+        assert out["model"] == MODEL
+        assert out["choices"][0]["text"] == " tok" * 6
+        assert out["choices"][0]["finish_reason"] == "length"
+        assert out["usage"] == {"prompt_tokens": 12, "total_tokens": 18, "completion_tokens": 6}
+
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        async with s.post(url + "/v1/chat/completions", json=chat) as r:
+            assert r.status == 200
+            out = await r.json()
+        assert out["object"] == "chat.completion"
+        assert out["choices"][0]["message"] == {"role": "assistant", "content": " tok" * 3}
+        assert out["usage"]["completion_tokens"] == 3
+
+
+async def test_tracker_sees_prefill_decode_done(agent_proxy, engine):
+    agent, url = agent_proxy
+    headers = {"x-request-id": "life-1", "x-fairbatch-slo-class": "batch", "x-fairbatch-queued-ms": "40"}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/completions", json=completion_body(200, True), headers=headers) as r:
+            assert r.status == 200
+            seen_decode = False
+            async for _ in r.content.iter_any():
+                req = agent.tracker.get("life-1")
+                if req is not None and req.phase is Phase.DECODE:
+                    seen_decode = True
+                    assert req.slo_class == "batch"
+                    assert req.envelope.ttft_ms == 20_000.0
+                    assert req.tokens_out >= 1
+    assert seen_decode
+    assert [e for k, e in agent.events if k == "life-1"] == ["prefill", "decode", "done:ok"]
+    assert "life-1" not in agent.tracker
+
+
+async def test_lease_header_consumed(agent_proxy, engine):
+    agent, url = agent_proxy
+    await asyncio.sleep(0.05)  # a first scrape, so the agent is healthy
+    res = agent.reserve("interactive", 20, 4, "leased", agent.clock.now_ms())
+    assert res.granted and len(agent.leases) == 1
+    headers = {"x-request-id": "leased", "x-fairbatch-lease": res.lease_id}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/completions", json=completion_body(4, False), headers=headers) as r:
+            assert r.status == 200
+    assert len(agent.leases) == 0
+
+
+async def test_client_disconnect_aborts_engine_request(agent_proxy, engine):
+    agent, url = agent_proxy
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(url + "/v1/completions", json=completion_body(20_000, True), headers={"x-request-id": "gone"})
+        assert resp.status == 200
+        got = 0
+        async for _ in resp.content.iter_any():
+            got += 1
+            if got >= 5:
+                break
+        assert await engine_running(s, engine) == 1
+        resp.close()  # drop the connection mid-stream
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if "gone" not in agent.tracker and await engine_running(s, engine) == 0:
+                break
+        assert "gone" not in agent.tracker
+        assert await engine_running(s, engine) == 0
+    assert ("gone", "done:client_disconnect") in agent.events
+
+
+async def test_upstream_error_status_relayed(agent_proxy, engine):
+    agent, url = agent_proxy
+    async with aiohttp.ClientSession() as s:
+        body = completion_body(4, True)
+        body["model"] = "no-such-model"
+        async with s.post(url + "/v1/completions", json=body) as r:
+            assert r.status == 404
+            err = await r.json()
+        assert "error" in err
+        async with s.post(url + "/v1/completions", data=b"{not json") as r:
+            assert r.status == 400
+        async with s.get(url + "/v1/models") as r:
+            assert r.status == 200
+            assert (await r.json())["data"][0]["id"] == MODEL
+        async with s.get(url + "/health") as r:
+            assert r.status == 200
+    assert len(agent.tracker) == 0
+
+
+async def test_engine_failure_mid_stream_sends_error_event(tmp_path):
+    with ProcessGroup(tmp_path) as group:
+        engine = start_engine(group, "doomed-engine")
+        cfg = AgentConfig(
+            replica_id="r1",
+            time_model=load_profile(MODEL).time_model,
+            slo_classes=(SloClass("default", 1000.0, 100.0),),
+            default_slo_class="default",
+            profile_kv_capacity_tokens=1000,
+        )
+        agent = Agent(cfg, Clock(SCALE))
+        pcfg = ProxyConfig(engine_url=engine)
+        session = make_session(pcfg)
+        runner = web.AppRunner(Proxy(agent, pcfg, session, make_tracer("t")).app())
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=completion_body(20_000, True)) as r:
+                    chunks = []
+                    async for chunk in r.content.iter_any():
+                        chunks.append(chunk)
+                        if len(chunks) == 3:
+                            group.stop(grace_s=0.0)  # the engine dies mid-stream
+                body = b"".join(chunks)
+            events = [e for e in body.split(b"\n\n") if e]
+            assert events[-1] == b"data: [DONE]"
+            assert json.loads(events[-2][len(b"data: "):])["error"]["type"] == "upstream_error"
+            assert len(agent.tracker) == 0
+        finally:
+            await runner.cleanup()
+            await session.close()
+
+
+def test_cli_agent_exposes_pab_per_class(engine, tmp_path):
+    http_port, grpc_port = free_port(), free_port()
+    config = tmp_path / "fairbatch.yaml"
+    config.write_text(
+        "slo_classes:\n"
+        "  interactive: {ttft_ms: 500, tpot_ms: 50, priority: 0}\n"
+        "  batch: {ttft_ms: 20000, tpot_ms: 200, priority: 1}\n"
+    )
+    with ProcessGroup(tmp_path / "logs") as group:
+        child = group.start(
+            "agent",
+            script("fairbatch-agent")
+            + [
+                "serve", "--engine-url", engine, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+                "--replica-id", "r9", "--config", str(config), "--slo-class", "tiny:100:10",
+                "--time-scale", str(SCALE),
+            ],
+        )
+        base = f"http://127.0.0.1:{http_port}"
+        group.wait_http_ok(child, base + "/health", timeout_s=30)
+        text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
+        for cls in ("interactive", "batch", "tiny"):
+            assert f'fairbatch_agent_pab_ms{{slo_class="{cls}"}}' in text
+            assert f'fairbatch_agent_pab_tokens{{slo_class="{cls}"}}' in text
+        # interactive: H = 450 ms on an idle engine
+        assert 'fairbatch_agent_pab_ms{slo_class="interactive"} 450.0' in text
+        assert "fairbatch_agent_leases_active 0.0" in text
+        assert child.popen.poll() is None
+    assert child.popen.returncode is not None
+    assert "Traceback" not in Path(child.log_path).read_text()

@@ -1,0 +1,122 @@
+"""Parser of the engine's Prometheus text (replica_agent/engine_metrics.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from replica_agent.engine_metrics import (
+    CACHE_CONFIG,
+    ITL,
+    KV_USAGE,
+    PREEMPTIONS,
+    RUNNING,
+    WAITING,
+    parse_engine_metrics,
+)
+
+# Shape of vLLM 0.32.0's /metrics (trimmed), new names.
+VLLM_032 = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny-llama"} 3.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny-llama"} 2.0
+# HELP vllm:num_requests_waiting_by_reason Number of requests waiting, by reason.
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny-llama",reason="capacity"} 2.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny-llama"} 0.4375
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="16",num_gpu_blocks_override="16",prefix_caching_hash_algo="sha256"} 1.0
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="tiny-llama"} 7.0
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="tiny-llama"} 1234.0
+# HELP vllm:inter_token_latency_seconds Histogram of inter-token latency in seconds.
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="tiny-llama"} 10.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="tiny-llama"} 40.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="tiny-llama"} 40.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="tiny-llama"} 0.8
+"""
+
+# Older vLLM: gpu_cache_usage_perc and time_per_output_token_seconds.
+VLLM_OLD = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} 0.0
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="m"} 0.25
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1.0
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{model_name="m"} 0.0
+# TYPE vllm:time_per_output_token_seconds histogram
+vllm:time_per_output_token_seconds_bucket{le="+Inf",model_name="m"} 4.0
+vllm:time_per_output_token_seconds_count{model_name="m"} 4.0
+vllm:time_per_output_token_seconds_sum{model_name="m"} 0.2
+"""
+
+
+def test_new_names():
+    m, missing = parse_engine_metrics(VLLM_032)
+    assert missing == []
+    assert m.num_running == 3 and m.num_waiting == 2
+    assert m.kv_usage == 0.4375
+    assert m.block_size == 128 and m.num_gpu_blocks == 16
+    assert m.kv_capacity_tokens == 2048
+    assert m.preemptions == 7.0
+    assert m.itl_count == 40.0 and m.itl_sum_s == pytest.approx(0.8)
+
+
+def test_old_names():
+    m, missing = parse_engine_metrics(VLLM_OLD)
+    assert missing == []
+    assert m.kv_usage == 0.25
+    assert m.kv_capacity_tokens == 16_000
+    assert m.itl_count == 4.0 and m.itl_sum_s == pytest.approx(0.2)
+
+
+def test_new_name_wins_when_both_present():
+    text = VLLM_032 + "# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc 0.9\n"
+    m, _ = parse_engine_metrics(text)
+    assert m.kv_usage == 0.4375
+
+
+def test_several_engines_sum_counts_and_take_max_kv():
+    text = VLLM_032.replace('engine="0"', 'engine="1"') + "\n".join(
+        line for line in VLLM_032.splitlines() if not line.startswith("#")
+    )
+    m, missing = parse_engine_metrics(text)
+    assert m.num_running == 6 and m.num_waiting == 4 and m.kv_usage == 0.4375
+
+
+def test_missing_metrics_are_reported_and_conservative():
+    m, missing = parse_engine_metrics("# TYPE something_else gauge\nsomething_else 1.0\n")
+    assert missing == [RUNNING, WAITING, KV_USAGE, CACHE_CONFIG, PREEMPTIONS, ITL]
+    assert m.kv_usage == 1.0  # missing KV usage = full, never an empty replica
+    assert m.kv_capacity_tokens is None
+    assert m.num_running == 0
+
+
+def test_missing_kv_only():
+    text = "\n".join(line for line in VLLM_032.splitlines() if "kv_cache_usage" not in line) + "\n"
+    m, missing = parse_engine_metrics(text)
+    assert missing == [KV_USAGE]
+    assert m.kv_usage == 1.0
+
+
+def test_empty_text():
+    m, missing = parse_engine_metrics("")
+    assert KV_USAGE in missing and m.kv_usage == 1.0
+
+
+def test_garbage_raises_value_error():
+    with pytest.raises(ValueError):
+        parse_engine_metrics("vllm:num_requests_running{engine= 3 3 3\n")
