@@ -1,0 +1,235 @@
+"""The router's view of every replica's Prefill Admission Budget (PAB).
+
+Holds the latest ``BudgetSnapshot`` per replica with the router-clock time it arrived. A budget is
+usable only while the agent reports healthy and the snapshot is younger than its ``ttl_ms``
+(simulated ms, router clock: no trust in the agent's wall clock); otherwise it counts as zero.
+A granted or refused Reserve carries the class's new ``pab_ms``/``pab_tokens``; they are applied at
+once so the next placement does not spend the same budget twice.
+
+Every change wakes the waiters of :meth:`BudgetBook.wait_changed` (the queue's dispatcher).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+
+from replica_agent.clock import Clock
+from replica_agent.policy.time_model import TimeModel
+from replica_agent.policy.pab import ClassBudget
+from router.placement import ReplicaView
+
+DEFAULT_TTL_MS = 1000.0
+
+
+@dataclass(slots=True)
+class ReplicaBudget:
+    """Latest budget of one replica.
+
+    Attributes:
+        replica_id: replica id.
+        received_ms: router clock (simulated ms) when the latest snapshot arrived; None = never.
+        ttl_ms: the snapshot's TTL (simulated ms).
+        seq: the snapshot's sequence number.
+        healthy: agent-reported health.
+        connected: the WatchBudget stream is up.
+        time_model: a, b, c from the snapshot.
+        classes: PAB per SLO class (updated by snapshots and Reserve answers).
+        max_prompt_tokens: engine max model length (0 = unknown).
+        status_detail: agent's reason when unhealthy.
+    """
+
+    replica_id: str
+    received_ms: float | None = None
+    ttl_ms: float = DEFAULT_TTL_MS
+    seq: int = 0
+    healthy: bool = False
+    connected: bool = False
+    time_model: TimeModel | None = None
+    classes: dict[str, ClassBudget] | None = None
+    max_prompt_tokens: int = 0
+    status_detail: str = ""
+
+
+class BudgetBook:
+    """Latest budget per replica, freshness, and a broadcast wake-up on every change.
+
+    Args:
+        clock: router clock (simulated ms).
+        replica_ids: the replicas of the config (others are ignored).
+    """
+
+    def __init__(self, clock: Clock, replica_ids: Iterable[str]) -> None:
+        self._clock = clock
+        self._budgets: dict[str, ReplicaBudget] = {rid: ReplicaBudget(rid) for rid in replica_ids}
+        self._changed = asyncio.Event()
+        self._listeners: list[Callable[[], None]] = []
+        self.version = 0
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (synchronously, must not block) on every change."""
+        self._listeners.append(callback)
+
+    # -------------------------------------------------------------- updates
+
+    def update(self, replica_id: str, snapshot: object) -> bool:
+        """Store a ``BudgetSnapshot`` (proto) received now; False when unknown replica or older seq.
+
+        A lower ``seq`` than the stored one is accepted only after a reconnect (agent restart).
+        """
+        budget = self._budgets.get(replica_id)
+        if budget is None:
+            return False
+        seq = int(snapshot.seq)  # type: ignore[attr-defined]
+        if budget.connected and budget.received_ms is not None and seq <= budget.seq and seq != 0:
+            return False
+        coef = snapshot.coefficients  # type: ignore[attr-defined]
+        try:
+            tm = TimeModel(coef.a_ms, coef.b_ms_per_new_token, coef.c_ms_per_context_token)
+        except ValueError:
+            tm = None
+        budget.time_model = tm
+        budget.classes = {
+            c.slo_class: ClassBudget(
+                slo_class=c.slo_class,
+                ttft_ms=c.ttft_ms,
+                tpot_ms=c.tpot_ms,
+                horizon_ms=c.horizon_ms,
+                pab_ms=max(0.0, c.pab_ms),
+                pab_tokens=max(0, int(c.pab_tokens)),
+                decode_reservation_ms=c.decode_reservation_ms,
+                inflight_reservation_ms=c.inflight_reservation_ms,
+                kv_free_tokens=int(c.kv_free_tokens),
+                kv_limited_tokens=max(0, int(c.kv_limited_tokens)),
+                decode_iterations=int(c.decode_iterations),
+            )
+            for c in snapshot.classes  # type: ignore[attr-defined]
+        }
+        budget.seq = seq
+        ttl = float(snapshot.ttl_ms)  # type: ignore[attr-defined]
+        budget.ttl_ms = ttl if ttl > 0 else DEFAULT_TTL_MS
+        budget.healthy = bool(snapshot.healthy)  # type: ignore[attr-defined]
+        budget.max_prompt_tokens = max(0, int(snapshot.max_prompt_tokens))  # type: ignore[attr-defined]
+        budget.status_detail = snapshot.status_detail  # type: ignore[attr-defined]
+        budget.received_ms = self._clock.now_ms()
+        budget.connected = True
+        self.notify()
+        return True
+
+    def apply_reserve(self, replica_id: str, slo_class: str, pab_ms: float, pab_tokens: int) -> None:
+        """Apply the class budget a Reserve answer reported (granted or refused) at once."""
+        budget = self._budgets.get(replica_id)
+        if budget is None or budget.classes is None:
+            return
+        cur = budget.classes.get(slo_class)
+        if cur is None:
+            return
+        new_ms = max(0.0, float(pab_ms))
+        # The budget a lease took counts as in-flight reservation until the next snapshot, so the
+        # "nothing reserved" test of the fit rule (oversize prompts) sees it too.
+        taken_ms = max(0.0, cur.pab_ms - new_ms)
+        budget.classes[slo_class] = replace(
+            cur,
+            pab_ms=new_ms,
+            pab_tokens=max(0, int(pab_tokens)),
+            inflight_reservation_ms=cur.inflight_reservation_ms + taken_ms,
+        )
+        self.notify()
+
+    def take_local(self, replica_id: str, slo_class: str, prompt_tokens: int) -> None:
+        """Deduct a prompt's predicted prefill (a + b*P ms, P tokens) from the local view at once,
+        before its Reserve answer arrives, so that concurrent placements spread instead of all
+        choosing the same replica. The Reserve answer (:meth:`apply_reserve`) or the next
+        snapshot then sets the agent's figures."""
+        budget = self._budgets.get(replica_id)
+        if budget is None or budget.classes is None or budget.time_model is None:
+            return
+        cur = budget.classes.get(slo_class)
+        if cur is None:
+            return
+        prefill_ms = budget.time_model.prefill_ms(prompt_tokens)
+        budget.classes[slo_class] = replace(
+            cur,
+            pab_ms=max(0.0, cur.pab_ms - prefill_ms),
+            pab_tokens=max(0, cur.pab_tokens - int(prompt_tokens)),
+            inflight_reservation_ms=cur.inflight_reservation_ms + prefill_ms,
+        )
+
+    def mark_disconnected(self, replica_id: str, detail: str = "watch stream down") -> None:
+        """The WatchBudget stream broke: the budget is stale (zero) until the next snapshot."""
+        budget = self._budgets.get(replica_id)
+        if budget is None:
+            return
+        budget.connected = False
+        budget.received_ms = None
+        budget.status_detail = detail
+        self.notify()
+
+    def notify(self) -> None:
+        """Wake every waiter of :meth:`wait_changed` (also called on lease releases)."""
+        self.version += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+        for callback in self._listeners:
+            callback()
+
+    async def wait_changed(self, timeout_s: float | None = None) -> bool:
+        """Wait for the next change (wall seconds timeout); True when woken by a change."""
+        event = self._changed
+        if timeout_s is None:
+            await event.wait()
+            return True
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    # -------------------------------------------------------------- reads
+
+    def get(self, replica_id: str) -> ReplicaBudget | None:
+        """The stored budget of a replica (mutable; read only)."""
+        return self._budgets.get(replica_id)
+
+    def is_fresh(self, budget: ReplicaBudget, now_ms: float) -> bool:
+        """True when the latest snapshot arrived less than ``ttl_ms`` ago (simulated ms)."""
+        return budget.received_ms is not None and budget.connected and now_ms - budget.received_ms <= budget.ttl_ms
+
+    def age_ms(self, replica_id: str, now_ms: float | None = None) -> float | None:
+        """Simulated ms since the latest snapshot of ``replica_id`` (None: never received / disconnected)."""
+        budget = self._budgets.get(replica_id)
+        if budget is None or budget.received_ms is None:
+            return None
+        return (self._clock.now_ms() if now_ms is None else now_ms) - budget.received_ms
+
+    def views(self, now_ms: float | None = None) -> list[ReplicaView]:
+        """Placement input: one :class:`ReplicaView` per replica, stale or unhealthy ones marked so."""
+        now = self._clock.now_ms() if now_ms is None else now_ms
+        out = []
+        for b in self._budgets.values():
+            out.append(
+                ReplicaView(
+                    replica_id=b.replica_id,
+                    healthy=b.healthy,
+                    fresh=self.is_fresh(b, now),
+                    time_model=b.time_model,
+                    classes=b.classes or {},
+                    max_prompt_tokens=b.max_prompt_tokens,
+                )
+            )
+        return out
+
+    def usable(self, replica_id: str, slo_class: str, now_ms: float | None = None) -> ClassBudget | None:
+        """The class budget when healthy and fresh, else None (zero budget)."""
+        b = self._budgets.get(replica_id)
+        if b is None or not b.healthy or b.classes is None:
+            return None
+        now = self._clock.now_ms() if now_ms is None else now_ms
+        if not self.is_fresh(b, now):
+            return None
+        return b.classes.get(slo_class)
+
+    def replica_ids(self) -> list[str]:
+        """Ids of the known replicas in config order."""
+        return list(self._budgets)

@@ -1,0 +1,287 @@
+"""Router configuration: one YAML file validated by pydantic (the only place pydantic is used).
+
+Schema (docs/architecture.md, section "Router"; DESIGN.md section 6)::
+
+    model: llama-3-8b-a100            # optional: served model name for /v1/models
+    slo_classes:
+      interactive: {ttft_ms: 500, tpot_ms: 50, priority: 0, sheddable: true, max_queue_ms: 2000}
+    tenants:
+      acme: {weight: 3, slo_class: interactive, max_concurrency: 256, tokens_per_minute: 2000000,
+             requests_per_minute: 600, min_share: 0.2}
+    api_keys:                          # sha256 hex of the API key -> tenant
+      "<64 hex>": acme
+    replicas:
+      - {id: r0, http_url: "http://127.0.0.1:8101", grpc_target: "127.0.0.1:9101"}
+    queue: {max_requests: 1024, max_tokens: 4000000, max_bypass: 8}
+    admission: {bytes_per_token: 4.0, reserve_timeout_ms: 200}
+    telemetry: {otlp_endpoint: null, service_name: fairbatch-router}
+    redis_url: null                    # kept for the quota issue; unused for now
+
+Every error is reported as ``<file>:<line>: <field.path>: <message>``; the line comes from the
+YAML node of the failing field (``yaml.compose`` marks), or from the parser's mark for a YAML
+syntax error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class ConfigError(Exception):
+    """A configuration file that cannot be used; the message names file, line and field path."""
+
+
+class _FieldError(ValueError):
+    """Cross-reference error raised inside a model validator, carrying the field path it concerns."""
+
+    def __init__(self, loc: tuple[str | int, ...], message: str) -> None:
+        super().__init__(f"{_dotted(loc)}: {message}")
+        self.loc = loc
+        self.message = message
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SloClassConfig(_Strict):
+    """One SLO class.
+
+    Attributes:
+        ttft_ms: time-to-first-token target (simulated ms, > 0).
+        tpot_ms: time-per-output-token target (simulated ms, > 0).
+        priority: band, 0 = most urgent (>= 0).
+        sheddable: may be rejected early when its deadline cannot be met.
+        max_queue_ms: longest wait in the router queue before a 429 queue-timeout (simulated ms, > 0).
+    """
+
+    ttft_ms: float = Field(gt=0)
+    tpot_ms: float = Field(gt=0)
+    priority: int = Field(default=0, ge=0)
+    sheddable: bool = False
+    max_queue_ms: float = Field(default=30000.0, gt=0)
+
+
+class TenantConfig(_Strict):
+    """One tenant.
+
+    Attributes:
+        weight: fair-share weight (> 0).
+        slo_class: name of an SLO class in ``slo_classes``.
+        max_concurrency: requests in flight cap (later issue), None = unlimited.
+        tokens_per_minute: token-bucket rate (later issue), None = unlimited.
+        requests_per_minute: request-bucket rate (later issue), None = unlimited.
+        min_share: guaranteed share of service in [0, 1] (later issue).
+    """
+
+    weight: float = Field(default=1.0, gt=0)
+    slo_class: str
+    max_concurrency: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    min_share: float | None = Field(default=None, ge=0, le=1)
+
+
+class ReplicaConfig(_Strict):
+    """One replica (its agent's HTTP and gRPC addresses).
+
+    Attributes:
+        id: replica id, unique in the file.
+        http_url: agent HTTP base URL, e.g. ``http://127.0.0.1:8101``.
+        grpc_target: agent gRPC target, e.g. ``127.0.0.1:9101``.
+    """
+
+    id: str = Field(min_length=1)
+    http_url: str = Field(pattern=r"^https?://")
+    grpc_target: str = Field(min_length=1)
+
+    @field_validator("http_url")
+    @classmethod
+    def _strip_slash(cls, v: str) -> str:
+        return v.rstrip("/")
+
+
+class QueueConfig(_Strict):
+    """Bounds of the router's admission queue.
+
+    Attributes:
+        max_requests: most waiting requests (>= 1).
+        max_tokens: most waiting prompt tokens, summed (>= 1).
+        max_bypass: how many later requests may pass a head that fits nowhere before the queue
+            holds for it (>= 0; 0 = strict FIFO).
+    """
+
+    max_requests: int = Field(default=1024, ge=1)
+    max_tokens: int = Field(default=4_000_000, ge=1)
+    max_bypass: int = Field(default=8, ge=0)
+
+
+class AdmissionConfig(_Strict):
+    """Admission knobs.
+
+    Attributes:
+        bytes_per_token: UTF-8 bytes per token of the text estimate (> 0).
+        reserve_timeout_ms: deadline of one Reserve call (simulated ms, > 0).
+    """
+
+    bytes_per_token: float = Field(default=4.0, gt=0)
+    reserve_timeout_ms: float = Field(default=200.0, gt=0)
+
+
+class TelemetryConfig(_Strict):
+    """OpenTelemetry export.
+
+    Attributes:
+        otlp_endpoint: OTLP/gRPC collector, None = no export.
+        service_name: ``service.name`` of the spans.
+    """
+
+    otlp_endpoint: str | None = None
+    service_name: str = "fairbatch-router"
+
+
+class RouterConfig(_Strict):
+    """The whole router YAML (see the module docstring). Cross-references are checked:
+    a tenant's slo_class exists, api_keys are 64-hex sha256 digests of existing tenants,
+    replica ids are unique."""
+
+    model: str | None = None
+    slo_classes: dict[str, SloClassConfig] = Field(min_length=1)
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+    api_keys: dict[str, str] = Field(default_factory=dict)
+    replicas: list[ReplicaConfig] = Field(min_length=1)
+    queue: QueueConfig = Field(default_factory=QueueConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    redis_url: str | None = None
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _check_hashes(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        for key in v:
+            if not isinstance(key, str) or not _HEX64.match(key.lower()):
+                raise _FieldError(
+                    ("api_keys", str(key)),
+                    "key must be the sha256 hex digest (64 hex characters) of an API key",
+                )
+        return {k.lower(): t for k, t in v.items()}
+
+    @model_validator(mode="after")
+    def _cross_check(self) -> RouterConfig:
+        for name, tenant in self.tenants.items():
+            if tenant.slo_class not in self.slo_classes:
+                raise _FieldError(
+                    ("tenants", name, "slo_class"),
+                    f"unknown SLO class {tenant.slo_class!r} (known: {', '.join(sorted(self.slo_classes))})",
+                )
+        for digest, tenant_name in self.api_keys.items():
+            if tenant_name not in self.tenants:
+                raise _FieldError(("api_keys", digest), f"unknown tenant {tenant_name!r}")
+        seen: set[str] = set()
+        for i, rep in enumerate(self.replicas):
+            if rep.id in seen:
+                raise _FieldError(("replicas", i, "id"), f"duplicate replica id {rep.id!r}")
+            seen.add(rep.id)
+        return self
+
+
+def hash_api_key(key: str) -> str:
+    """sha256 hex digest (64 lower-case hex characters) of an API key, as stored in ``api_keys``."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def _dotted(loc: tuple[str | int, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "<root>"
+
+
+def _node_line(root: yaml.Node | None, loc: tuple[str | int, ...]) -> int:
+    """1-based line of the deepest YAML node reachable along ``loc`` (1 when none)."""
+    if root is None:
+        return 1
+    node: yaml.Node = root
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            nxt = None
+            for key_node, value_node in node.value:
+                if str(key_node.value) == str(part):
+                    nxt = value_node
+                    break
+            if nxt is None:
+                break
+            node = nxt
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            if 0 <= part < len(node.value):
+                node = node.value[part]
+            else:
+                break
+        else:
+            break
+    return node.start_mark.line + 1
+
+
+def _format_validation(path: Path, root: yaml.Node | None, exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"] if p != "[key]")
+        msg = err["msg"]
+        inner = (err.get("ctx") or {}).get("error")
+        if isinstance(inner, _FieldError):
+            loc, msg = inner.loc, inner.message
+        lines.append(f"{path.name}:{_node_line(root, loc)}: {_dotted(loc)}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_config(text: str, path: Path | str = "<config>") -> RouterConfig:
+    """Validate YAML text as a :class:`RouterConfig`.
+
+    Raises:
+        ConfigError: YAML syntax error (line of the parser's mark) or a field that fails
+            validation (line of that field's node), message ``file:line: field.path: reason``.
+    """
+    path = Path(path)
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark is not None else 1
+        raise ConfigError(f"{path.name}:{line}: YAML syntax error: {exc.problem or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path.name}:1: YAML error: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path.name}:1: <root>: the file must hold a mapping (slo_classes, tenants, ...)")
+    try:
+        return RouterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation(path, root, exc)) from None
+
+
+def load_config(path: Path | str) -> RouterConfig:
+    """Read and validate the router YAML at ``path``.
+
+    Raises:
+        ConfigError: file unreadable, YAML syntax error or invalid field; the message is
+            ``<file>:<line>: <field.path>: <reason>`` (one line per error).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
+    return parse_config(text, path)

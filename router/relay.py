@@ -1,0 +1,257 @@
+"""Upstream HTTP relay to a replica's agent: pooled connections, bytes passed through unchanged.
+
+One ``aiohttp.ClientSession`` for the whole router (bounded connector, keep-alive). The request
+body is forwarded as the client sent it (never re-encoded); the answer is relayed as it arrives:
+
+- stream: nothing is sent to the client until the first upstream body chunk arrives, so a replica
+  that fails before its first byte can be retried elsewhere (:attr:`RelayOutcome.retryable`).
+  After that every chunk is written as is (``readany``, no per-chunk parsing). An upstream failure
+  mid-stream ends the client stream with one SSE error event and ``data: [DONE]``.
+- non-stream: status and body relayed.
+- client disconnect (write fails, or the handler is cancelled): the upstream response is closed
+  at once, which makes the agent abort the engine request; the caller releases the lease.
+
+Statuses 502/503/504 from the agent, connection errors before the first byte, and a stream whose
+first event is an SSE error event (no token was produced) are retryable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+RETRYABLE_STATUSES = frozenset({502, 503, 504})
+_SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class RelayOutcome:
+    """What happened to one forwarding attempt.
+
+    Attributes:
+        kind: ``ok`` (answer relayed, stream complete), ``retryable`` (failed before any byte
+            reached the client), ``upstream_error`` (failed mid-stream; error event sent),
+            ``client_gone`` (client disconnected; upstream closed).
+        response: the response to return from the handler (prepared when streamed); None when
+            nothing was sent (retryable, or client gone before the first byte).
+        status: upstream HTTP status (0 when no answer).
+        detail: short reason for logs and error messages.
+        error_body: body of a retryable error answer (relayed when no retry is left).
+        error_content_type: its content type.
+    """
+
+    kind: str
+    response: web.StreamResponse | None = None
+    status: int = 0
+    detail: str = ""
+    error_body: bytes = b""
+    error_content_type: str = "application/json"
+
+
+def _is_error_event(first_chunk: bytes) -> bool:
+    """True when a stream's first chunk is an SSE error event (checked once per request, not per chunk)."""
+    head = first_chunk[:64].lstrip()
+    if not head.startswith(b"data:"):
+        return False
+    return head[5:].lstrip().startswith(b'{"error"')
+
+
+def sse_error_event(message: str, code: int = 502) -> bytes:
+    """The SSE error event sent when the upstream fails mid-stream (followed by ``[DONE]``)."""
+    payload = {"error": {"message": message, "type": "upstream_error", "code": code}}
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n" + _SSE_DONE
+
+
+class Relay:
+    """Forwards requests to agents over one pooled client session.
+
+    Args:
+        max_connections: connector limit over all replicas.
+        max_connections_per_host: connector limit per replica.
+        connect_timeout_s: wall seconds to get a pooled connection or connect.
+        read_timeout_s: wall seconds allowed between two upstream reads.
+        keepalive_timeout_s: idle keep-alive of pooled connections (wall s).
+    """
+
+    def __init__(
+        self,
+        max_connections: int = 4096,
+        max_connections_per_host: int = 1024,
+        connect_timeout_s: float = 3.0,
+        read_timeout_s: float = 600.0,
+        keepalive_timeout_s: float = 60.0,
+    ) -> None:
+        self._limits = (max_connections, max_connections_per_host, keepalive_timeout_s)
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s, sock_read=read_timeout_s
+        )
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        """Create the pooled session (call inside the running loop)."""
+        limit, per_host, keepalive = self._limits
+        connector = aiohttp.TCPConnector(
+            limit=limit, limit_per_host=per_host, keepalive_timeout=keepalive, ttl_dns_cache=300
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=self._timeout,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        )
+
+    async def close(self) -> None:
+        """Close the session and its pooled connections."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The pooled session.
+
+        Raises:
+            RuntimeError: before :meth:`start`.
+        """
+        if self._session is None:
+            raise RuntimeError("relay not started")
+        return self._session
+
+    async def forward(
+        self,
+        request: web.Request,
+        url: str,
+        body: bytes,
+        upstream_headers: Mapping[str, str],
+        response_headers: Mapping[str, str],
+    ) -> RelayOutcome:
+        """POST ``body`` to ``url`` and relay the answer to ``request``'s client.
+
+        Args:
+            request: the client's request (its response is written here when streaming).
+            url: agent URL (replica http_url + the client's path).
+            body: the client's body bytes, unchanged.
+            upstream_headers: headers for the agent (content-type, x-request-id, lease, ...).
+            response_headers: extra headers for the client (x-request-id, x-fairbatch-replica).
+
+        Raises:
+            asyncio.CancelledError: the handler was cancelled (client gone); upstream is closed first.
+        """
+        try:
+            upstream = await self.session.post(url, data=body, headers=upstream_headers)
+        except asyncio.CancelledError:
+            raise
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            return RelayOutcome("retryable", detail=f"connect: {exc.__class__.__name__}: {exc}")
+        try:
+            return await self._relay(request, upstream, response_headers)
+        finally:
+            if not upstream.closed:
+                upstream.release()
+
+    async def _relay(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, response_headers: Mapping[str, str]
+    ) -> RelayOutcome:
+        status = upstream.status
+        ctype = upstream.headers.get("Content-Type", "application/json")
+        if status in RETRYABLE_STATUSES:
+            try:
+                err = await upstream.read()
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                err = b""
+            return RelayOutcome(
+                "retryable", status=status, detail=f"upstream status {status}", error_body=err, error_content_type=ctype
+            )
+        if not ctype.startswith("text/event-stream"):
+            try:
+                payload = await upstream.read()
+            except asyncio.CancelledError:
+                upstream.close()
+                raise
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                upstream.close()
+                return RelayOutcome("retryable", status=status, detail=f"read: {exc.__class__.__name__}")
+            headers = dict(response_headers)
+            headers["Content-Type"] = ctype
+            return RelayOutcome("ok", web.Response(status=status, body=payload, headers=headers), status=status)
+        return await self._relay_stream(request, upstream, ctype, response_headers)
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        ctype: str,
+        response_headers: Mapping[str, str],
+    ) -> RelayOutcome:
+        content = upstream.content
+        status = upstream.status
+        try:
+            first = await content.readany()
+        except asyncio.CancelledError:
+            upstream.close()
+            raise
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            upstream.close()
+            return RelayOutcome("retryable", status=status, detail=f"first read: {exc.__class__.__name__}")
+        if not first:
+            upstream.close()
+            return RelayOutcome("retryable", status=status, detail="upstream closed before the first byte")
+        if _is_error_event(first):
+            # The replica failed before producing anything (the agent, or vLLM, sent its SSE
+            # headers early and then only an error event): nothing reached the client yet, retry.
+            upstream.close()
+            body = first if first.rstrip().endswith(b"[DONE]") else first + _SSE_DONE
+            return RelayOutcome(
+                "retryable", status=status, detail="upstream error event before the first token",
+                error_body=body, error_content_type=ctype,
+            )
+        resp = web.StreamResponse(status=status, headers=response_headers)
+        resp.content_type = ctype.split(";", 1)[0]
+        resp.headers["Cache-Control"] = "no-cache"
+        try:
+            await resp.prepare(request)
+            await resp.write(first)
+        except asyncio.CancelledError:
+            upstream.close()
+            raise
+        except (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError):
+            upstream.close()
+            return RelayOutcome("client_gone", None, status, "client disconnected")
+        while True:
+            try:
+                chunk = await content.readany()
+            except asyncio.CancelledError:
+                upstream.close()
+                raise
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                upstream.close()
+                detail = f"upstream failed mid-stream: {exc.__class__.__name__}"
+                try:
+                    await resp.write(sse_error_event(detail))
+                    await resp.write_eof()
+                except (ConnectionError, RuntimeError):
+                    return RelayOutcome("client_gone", resp, status, "client disconnected")
+                return RelayOutcome("upstream_error", resp, status, detail)
+            if not chunk:
+                break
+            try:
+                await resp.write(chunk)
+            except asyncio.CancelledError:
+                upstream.close()
+                raise
+            except (ConnectionError, RuntimeError):
+                upstream.close()
+                return RelayOutcome("client_gone", resp, status, "client disconnected")
+        try:
+            await resp.write_eof()
+        except (ConnectionError, RuntimeError):
+            return RelayOutcome("client_gone", resp, status, "client disconnected")
+        return RelayOutcome("ok", resp, status)

@@ -1,0 +1,482 @@
+"""The router's HTTP front door (aiohttp): OpenAI-compatible endpoints, request path, metrics.
+
+One request's path (DESIGN.md section 5): authenticate (API key -> tenant) -> classify (tenant ->
+SLO class) -> estimate prompt tokens -> place (filters -> scorers -> picker) and Reserve on the
+best replica, falling back to the next on refusal -> else wait in the bounded admission queue,
+woken on every budget update and release -> relay to the replica's agent, bytes unchanged.
+
+Every reservation is freed on every error path (Release RPC in the background); a successful
+request's lease is consumed by the agent. Times are simulated ms from the router's
+:class:`~replica_agent.clock.Clock`; metric durations in seconds are wall seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from replica_agent.clock import Clock
+from replica_agent.telemetry import extract_context, inject_context, make_tracer
+from router.admission_queue import Dispatcher, FifoQueue, QueueFull, QueueTimeout, WaitingRequest
+from router.auth import ApiKeyAuthenticator, Principal
+from router.budget_client import BudgetClient
+from router.budgets import BudgetBook
+from router.config import RouterConfig
+from router.placement import PlacementPolicy, PlacementRequest, default_registry, prompt_exceeds_every_replica
+from router.relay import Relay, RelayOutcome
+from router.tokens import PromptError, estimate_prompt_tokens
+
+log = logging.getLogger(__name__)
+
+MAX_RELAY_TRIES = 2          # replicas tried per request when one fails before its first byte
+MAX_RESERVE_CANDIDATES = 3   # Reserve calls per placement before giving up for this pass
+RETRY_AFTER_S = 1
+_REQUEST_ID_KEY = web.RequestKey("fairbatch_request_id", str)
+_ROUTER_KEY = web.AppKey("fairbatch_router", object)
+
+
+@dataclass(slots=True)
+class Grant:
+    """A lease granted on one replica for one request."""
+
+    replica_id: str
+    lease_id: str
+
+
+class NoReplica(Exception):
+    """Every replica has been tried (and failed) for this request."""
+
+
+class RouterMetrics:
+    """The router's Prometheus metrics in their own registry (no global registry)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "fairbatch_router_requests", "Requests by tenant, SLO class and outcome",
+            ["tenant", "slo_class", "outcome"], registry=r,
+        )
+        self.queue_depth = Gauge("fairbatch_router_queue_depth", "Requests waiting in the admission queue", registry=r)
+        self.queue_wait_ms = Histogram(
+            "fairbatch_router_queue_wait_ms", "Time spent in the admission queue (simulated ms)",
+            buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 300000),
+            registry=r,
+        )
+        self.placement_seconds = Histogram(
+            "fairbatch_router_placement_seconds", "Placement decision time (wall s)",
+            buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2), registry=r,
+        )
+        self.reserve_seconds = Histogram(
+            "fairbatch_router_reserve_seconds", "Reserve RPC latency (wall s)",
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0), registry=r,
+        )
+        self.replica_pab_ms = Gauge(
+            "fairbatch_router_replica_pab_ms", "Usable PAB per replica and class (simulated ms; 0 when stale)",
+            ["replica", "slo_class"], registry=r,
+        )
+        self.budget_age_ms = Gauge(
+            "fairbatch_router_budget_age_ms", "Age of the latest budget snapshot (simulated ms; -1 = none)",
+            ["replica"], registry=r,
+        )
+
+
+def openai_error(
+    status: int,
+    message: str,
+    err_type: str = "invalid_request_error",
+    code: str | int | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    """An OpenAI-format error response ``{"error": {"message", "type", "param", "code"}}``."""
+    body = json.dumps({"error": {"message": message, "type": err_type, "param": param, "code": code}})
+    return web.Response(status=status, text=body, content_type="application/json", headers=headers)
+
+
+def throttled(reason: str, message: str, retry_after_s: int = RETRY_AFTER_S) -> web.Response:
+    """429 with ``Retry-After`` (whole seconds >= 1) and ``x-fairbatch-reason``."""
+    return openai_error(
+        429, message, "rate_limit_error", reason.replace("-", "_"),
+        headers={"Retry-After": str(max(1, int(retry_after_s))), "x-fairbatch-reason": reason},
+    )
+
+
+class Router:
+    """All router state for one process; dependencies are built here and passed down.
+
+    Args:
+        config: validated configuration.
+        clock: router clock (simulated ms).
+        router_id: name in Reserve/WatchBudget calls and logs.
+        policy: placement policy name from the registry (default ``pab``).
+        seed: RNG seed for tie-breaks (None: lowest replica id wins ties).
+        max_relay_tries: replicas tried when one fails before its first byte.
+    """
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        clock: Clock | None = None,
+        router_id: str = "router-0",
+        policy: str = "pab",
+        seed: int | None = None,
+        max_relay_tries: int = MAX_RELAY_TRIES,
+    ) -> None:
+        self.config = config
+        self.clock = clock or Clock(1.0)
+        self.router_id = router_id
+        self.max_relay_tries = max(1, max_relay_tries)
+        self.replicas = {r.id: r for r in config.replicas}
+        self.auth = ApiKeyAuthenticator(config)
+        self.book = BudgetBook(self.clock, self.replicas)
+        self.policy: PlacementPolicy = default_registry().build(policy, seed=seed)
+        self.queue = FifoQueue(config.queue.max_requests, config.queue.max_tokens)
+        self.dispatcher: Dispatcher[Grant] = Dispatcher(
+            queue=self.queue,
+            clock=self.clock,
+            admit=self._admit_waiting,
+            release_orphan=self._release_orphan,
+            max_bypass=config.queue.max_bypass,
+        )
+        self.book.add_listener(self.dispatcher.wake)
+        self.budgets = BudgetClient(
+            config.replicas, self.book, self.clock, router_id, config.admission.reserve_timeout_ms
+        )
+        self.relay = Relay()
+        self.metrics = RouterMetrics()
+        self.tracer = make_tracer(config.telemetry.service_name, config.telemetry.otlp_endpoint)
+        self._background: set[asyncio.Task[Any]] = set()
+        self._dispatch_task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def build_app(self) -> web.Application:
+        """The aiohttp application (routes, lifecycle hooks, response headers)."""
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app[_ROUTER_KEY] = self
+        app.router.add_post("/v1/completions", self.handle_completions)
+        app.router.add_post("/v1/chat/completions", self.handle_chat)
+        app.router.add_get("/v1/models", self.handle_models)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/metrics", self.handle_metrics)
+        app.on_response_prepare.append(self._on_response_prepare)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def start(self) -> None:
+        """Open the relay session, the budget subscriptions and the dispatcher."""
+        await self.relay.start()
+        await self.budgets.start()
+        self._dispatch_task = asyncio.create_task(self.dispatcher.run(), name="dispatcher")
+
+    async def close(self) -> None:
+        """Stop the dispatcher, finish background releases (bounded), close clients."""
+        if self._dispatch_task is not None:
+            self._dispatch_task.cancel()
+            try:
+                await self._dispatch_task
+            except asyncio.CancelledError:
+                pass
+            self._dispatch_task = None
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=2.0)
+        await self.budgets.close()
+        await self.relay.close()
+
+    async def _on_startup(self, app: web.Application) -> None:
+        await self.start()
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        await self.close()
+
+    async def _on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        if "x-request-id" not in response.headers:
+            rid = request.get(_REQUEST_ID_KEY) or request.headers.get("x-request-id") or uuid.uuid4().hex
+            response.headers["x-request-id"] = rid
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ------------------------------------------------------------------ leases
+
+    def _release(self, grant: Grant, reason: str) -> None:
+        """Release ``grant`` in the background (never delays the response)."""
+        self._spawn(self.budgets.release(grant.lease_id, reason))
+
+    async def _release_orphan(self, grant: Grant) -> None:
+        self._release(grant, "client-gone")
+
+    async def _place_and_reserve(
+        self, slo_class: str, prompt_tokens: int, max_tokens: int, request_id: str, exclude: frozenset[str]
+    ) -> Grant | None:
+        """Placement, then Reserve on the candidates in order; None when none granted."""
+        t0 = time.perf_counter()
+        result = self.policy.place(PlacementRequest(slo_class, prompt_tokens, exclude), self.book.views())
+        self.metrics.placement_seconds.observe(time.perf_counter() - t0)
+        for replica_id in result.candidates[:MAX_RESERVE_CANDIDATES]:
+            self.book.take_local(replica_id, slo_class, prompt_tokens)
+            t1 = time.perf_counter()
+            answer = await self.budgets.reserve(replica_id, slo_class, prompt_tokens, request_id, max_tokens)
+            self.metrics.reserve_seconds.observe(time.perf_counter() - t1)
+            if answer.granted:
+                return Grant(replica_id, answer.lease_id)
+        return None
+
+    async def _admit_waiting(self, entry: WaitingRequest) -> Grant | None:
+        return await self._place_and_reserve(
+            entry.slo_class, entry.prompt_tokens, entry.max_tokens, entry.request_id, entry.exclude
+        )
+
+    async def _acquire(
+        self,
+        principal: Principal,
+        prompt_tokens: int,
+        max_tokens: int,
+        request_id: str,
+        exclude: frozenset[str],
+        arrival_ms: float,
+    ) -> Grant:
+        """A lease for this request: at once when a replica fits and nobody waits, else via the queue.
+
+        Raises:
+            QueueFull: the queue is at its bound.
+            QueueTimeout: ``max_queue_ms`` of the class passed while waiting.
+            NoReplica: every replica already failed for this request.
+        """
+        if exclude and len(exclude) >= len(self.replicas):
+            raise NoReplica()
+        if len(self.queue) == 0:
+            with self.tracer.start_as_current_span("router.placement") as span:
+                grant = await self._place_and_reserve(
+                    principal.slo_class, prompt_tokens, max_tokens, request_id, exclude
+                )
+                span.set_attribute("fairbatch.replica", grant.replica_id if grant else "")
+            if grant is not None:
+                return grant
+        now = self.clock.now_ms()
+        deadline_ms = arrival_ms + principal.slo.max_queue_ms
+        if deadline_ms <= now:
+            raise QueueTimeout()
+        entry = WaitingRequest(
+            request_id=request_id,
+            tenant=principal.tenant,
+            slo_class=principal.slo_class,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            enqueued_ms=now,
+            deadline_ms=deadline_ms,
+            future=asyncio.get_running_loop().create_future(),
+            exclude=exclude,
+        )
+        self.queue.push(entry)  # QueueFull propagates
+        self.metrics.queue_depth.set(len(self.queue))
+        self.dispatcher.wake()
+        try:
+            return await asyncio.wait_for(entry.future, self.clock.to_wall_s(deadline_ms - now))
+        except TimeoutError:
+            raise QueueTimeout() from None
+        except asyncio.CancelledError:
+            # the client left; a grant handed over in the same instant must not leak
+            fut = entry.future
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._release(fut.result(), "client-disconnect")
+            raise
+        finally:
+            self.queue.remove(entry)
+            self.metrics.queue_depth.set(len(self.queue))
+            self.metrics.queue_wait_ms.observe(self.clock.now_ms() - now)
+
+    # ------------------------------------------------------------------ handlers
+
+    async def handle_completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions."""
+        return await self._handle_generate(request, chat=False)
+
+    async def handle_chat(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions."""
+        return await self._handle_generate(request, chat=True)
+
+    async def _handle_generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        arrival_ms = self.clock.now_ms()
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request[_REQUEST_ID_KEY] = request_id
+        parent = extract_context(request.headers) if "traceparent" in request.headers else None
+        with self.tracer.start_as_current_span(
+            "router.request", context=parent, kind=trace.SpanKind.SERVER
+        ) as span:
+            span.set_attribute("fairbatch.request_id", request_id)
+            principal = self.auth.authenticate(request.headers.get("Authorization"))
+            if principal is None:
+                self.metrics.requests.labels("unknown", "unknown", "unauthorized").inc()
+                return openai_error(401, "Invalid or missing API key.", code="invalid_api_key")
+            span.set_attribute("fairbatch.tenant", principal.tenant)
+            span.set_attribute("fairbatch.slo_class", principal.slo_class)
+            try:
+                outcome, response = await self._serve(request, principal, chat, request_id, arrival_ms)
+            except asyncio.CancelledError:  # client went away (queued or mid-relay); leases already freed
+                self.metrics.requests.labels(principal.tenant, principal.slo_class, "client_disconnect").inc()
+                raise
+            self.metrics.requests.labels(principal.tenant, principal.slo_class, outcome).inc()
+            span.set_attribute("fairbatch.outcome", outcome)
+            return response
+
+    async def _serve(
+        self, request: web.Request, principal: Principal, chat: bool, request_id: str, arrival_ms: float
+    ) -> tuple[str, web.StreamResponse]:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return "bad_request", openai_error(400, f"Malformed JSON body: {exc}", code="invalid_json")
+        if not isinstance(body, dict):
+            return "bad_request", openai_error(400, "The JSON body must be an object.", code="invalid_json")
+        if not isinstance(body.get("model"), str) or not body["model"]:
+            return "bad_request", openai_error(400, "'model' is required.", param="model")
+        try:
+            prompt_tokens = estimate_prompt_tokens(body, chat, self.config.admission.bytes_per_token)
+        except PromptError as exc:
+            return "bad_request", openai_error(400, str(exc), param="messages" if chat else "prompt")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else 0
+        if prompt_exceeds_every_replica(prompt_tokens, self.book.views()):
+            return "bad_request", openai_error(
+                400,
+                f"The prompt ({prompt_tokens} tokens, estimated) is longer than every replica's maximum context.",
+                param="messages" if chat else "prompt",
+                code="context_length_exceeded",
+            )
+
+        exclude: frozenset[str] = frozenset()
+        last: RelayOutcome | None = None
+        last_replica = ""
+        for _attempt in range(self.max_relay_tries):
+            try:
+                grant = await self._acquire(principal, prompt_tokens, max_tokens, request_id, exclude, arrival_ms)
+            except QueueFull:
+                return "queue_full", throttled("queue-full", "The router's admission queue is full; retry later.")
+            except QueueTimeout:
+                return "queue_timeout", throttled(
+                    "queue-timeout",
+                    f"No replica could take the request within max_queue_ms "
+                    f"({principal.slo.max_queue_ms:g} ms) of class {principal.slo_class!r}.",
+                )
+            except NoReplica:
+                break
+            outcome = await self._forward(request, principal, grant, raw, request_id, arrival_ms)
+            if outcome.kind == "ok":
+                self.budgets.forget(grant.lease_id)
+                return "ok", outcome.response  # type: ignore[return-value]
+            self._release(grant, "upstream-error" if outcome.kind != "client_gone" else "client-disconnect")
+            if outcome.kind == "client_gone":
+                return "client_disconnect", outcome.response or web.Response(status=499)
+            if outcome.kind == "upstream_error":
+                return "upstream_error", outcome.response  # type: ignore[return-value]
+            log.warning("request %s: replica %s failed before the first byte: %s",
+                        request_id, grant.replica_id, outcome.detail)
+            exclude = exclude | {grant.replica_id}
+            last, last_replica = outcome, grant.replica_id
+        if last is not None and last.status and last.error_body:
+            return "upstream_error", web.Response(
+                status=last.status, body=last.error_body,
+                headers={"Content-Type": last.error_content_type, "x-fairbatch-replica": last_replica},
+            )
+        return "upstream_error", openai_error(
+            503, "No replica could serve the request (upstream failures).", "service_unavailable", 503
+        )
+
+    async def _forward(
+        self, request: web.Request, principal: Principal, grant: Grant, raw: bytes, request_id: str, arrival_ms: float
+    ) -> RelayOutcome:
+        replica = self.replicas[grant.replica_id]
+        queued_ms = max(0.0, self.clock.now_ms() - arrival_ms)
+        headers = {
+            "Content-Type": "application/json",
+            "Accept-Encoding": "identity",
+            "x-request-id": request_id,
+            "x-fairbatch-lease": grant.lease_id,
+            "x-fairbatch-slo-class": principal.slo_class,
+            "x-fairbatch-tenant": principal.tenant,
+            "x-fairbatch-queued-ms": f"{queued_ms:.3f}",
+        }
+        response_headers = {"x-request-id": request_id, "x-fairbatch-replica": grant.replica_id}
+        with self.tracer.start_as_current_span("router.relay", kind=trace.SpanKind.CLIENT) as span:
+            span.set_attribute("fairbatch.replica", grant.replica_id)
+            inject_context(headers)
+            try:
+                outcome = await self.relay.forward(
+                    request, replica.http_url + request.path, raw, headers, response_headers
+                )
+            except asyncio.CancelledError:
+                self._release(grant, "client-disconnect")
+                raise
+            except BaseException:
+                self._release(grant, "router-error")
+                raise
+            span.set_attribute("fairbatch.relay_outcome", outcome.kind)
+        if outcome.response is not None:
+            outcome.response.headers.setdefault("x-fairbatch-replica", grant.replica_id)
+        return outcome
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        """GET /v1/models: the configured model name, else the first replica that answers."""
+        if self.config.model:
+            data = {
+                "object": "list",
+                "data": [{"id": self.config.model, "object": "model", "created": 0, "owned_by": "fairbatch"}],
+            }
+            return web.json_response(data)
+        for replica in self.replicas.values():
+            try:
+                async with self.relay.session.get(replica.http_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)) as up:
+                    if up.status == 200:
+                        return web.Response(
+                            body=await up.read(), headers={"Content-Type": up.headers.get("Content-Type", "application/json")}
+                        )
+            except Exception:  # noqa: BLE001 - try the next replica
+                continue
+        return web.json_response({"object": "list", "data": []})
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        """GET /health: 200 with the number of replicas whose budget is usable."""
+        views = self.book.views()
+        usable = [v.replica_id for v in views if v.healthy and v.fresh]
+        return web.json_response(
+            {"status": "ok", "replicas": len(views), "replicas_usable": usable, "queue_depth": len(self.queue)}
+        )
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        """GET /metrics (Prometheus text format)."""
+        now = self.clock.now_ms()
+        m = self.metrics
+        m.queue_depth.set(len(self.queue))
+        for view in self.book.views(now):
+            age = self.book.age_ms(view.replica_id, now)
+            m.budget_age_ms.labels(view.replica_id).set(-1.0 if age is None else age)
+            for name, budget in view.classes.items():
+                usable = budget.pab_ms if (view.healthy and view.fresh) else 0.0
+                m.replica_pab_ms.labels(view.replica_id, name).set(usable)
+        return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def build_app(
+    config: RouterConfig, clock: Clock | None = None, router_id: str = "router-0", **kwargs: Any
+) -> tuple[web.Application, Router]:
+    """Build a :class:`Router` and its aiohttp application (started by the app's startup hook)."""
+    router = Router(config, clock, router_id, **kwargs)
+    return router.build_app(), router

@@ -1,0 +1,100 @@
+"""Prompt-token estimate for placement (before any tokenizer runs).
+
+- token-id arrays (``prompt: [1, 2, 3]`` or ``[[1, 2, 3]]``): exact (their length);
+- text: ceil(UTF-8 bytes / bytes_per_token) per string;
+- chat: the sum over messages of the estimate of their text content, plus 4 tokens per message
+  (role and template framing).
+
+Matches loadgen/sim/tokenizer.py (1 token = 4 bytes) with the default bytes_per_token = 4.0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+CHAT_TOKENS_PER_MESSAGE = 4
+
+
+class PromptError(ValueError):
+    """The request has no usable prompt (missing or of the wrong type); the message says which field."""
+
+
+def text_tokens(text: str, bytes_per_token: float) -> int:
+    """ceil(UTF-8 bytes / bytes_per_token) tokens for ``text`` (0 for an empty string)."""
+    if not text:
+        return 0
+    return math.ceil(len(text.encode("utf-8")) / bytes_per_token)
+
+
+def _is_token_ids(value: list[Any]) -> bool:
+    return all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+
+
+def completion_prompt_tokens(prompt: Any, bytes_per_token: float) -> int:
+    """Estimate for a ``/v1/completions`` ``prompt``: string, list of strings, token ids, or list of token-id lists.
+
+    Raises:
+        PromptError: missing or of another type.
+    """
+    if isinstance(prompt, str):
+        return text_tokens(prompt, bytes_per_token)
+    if isinstance(prompt, list) and prompt:
+        if _is_token_ids(prompt):
+            return len(prompt)
+        total = 0
+        for item in prompt:
+            if isinstance(item, str):
+                total += text_tokens(item, bytes_per_token)
+            elif isinstance(item, list) and _is_token_ids(item):
+                total += len(item)
+            else:
+                raise PromptError("'prompt' must be a string, a list of strings or a list of token ids")
+        return total
+    raise PromptError("'prompt' is required (a string, a list of strings or a list of token ids)")
+
+
+def _content_tokens(content: Any, bytes_per_token: float) -> int:
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return text_tokens(content, bytes_per_token)
+    if isinstance(content, list):
+        total = 0
+        for part in content:
+            if isinstance(part, Mapping):
+                text = part.get("text")
+                if isinstance(text, str):
+                    total += text_tokens(text, bytes_per_token)
+            elif isinstance(part, str):
+                total += text_tokens(part, bytes_per_token)
+        return total
+    raise PromptError("message 'content' must be a string or a list of content parts")
+
+
+def chat_prompt_tokens(messages: Any, bytes_per_token: float) -> int:
+    """Estimate for ``/v1/chat/completions`` ``messages``: contents + 4 tokens per message.
+
+    Raises:
+        PromptError: ``messages`` missing, empty, or not a list of objects.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise PromptError("'messages' is required (a non-empty list of messages)")
+    total = 0
+    for msg in messages:
+        if not isinstance(msg, Mapping):
+            raise PromptError("each entry of 'messages' must be an object")
+        total += _content_tokens(msg.get("content"), bytes_per_token) + CHAT_TOKENS_PER_MESSAGE
+    return total
+
+
+def estimate_prompt_tokens(body: Mapping[str, Any], chat: bool, bytes_per_token: float) -> int:
+    """Prompt tokens of an OpenAI request body (``chat`` selects ``messages`` over ``prompt``).
+
+    Raises:
+        PromptError: no usable prompt.
+    """
+    if chat:
+        return chat_prompt_tokens(body.get("messages"), bytes_per_token)
+    return completion_prompt_tokens(body.get("prompt"), bytes_per_token)

@@ -1,0 +1,99 @@
+"""Fixtures that start a real local fleet: simulated engines, agents and a router as child processes."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loadgen.procs import ProcessGroup, free_port, script
+
+
+@dataclass
+class Fleet:
+    """Addresses of a started fleet (all on 127.0.0.1)."""
+
+    group: ProcessGroup
+    config_path: Path
+    router_url: str
+    api_keys: dict[str, str]
+    engine_urls: list[str] = field(default_factory=list)
+    agent_urls: list[str] = field(default_factory=list)
+    grpc_targets: list[str] = field(default_factory=list)
+    children: dict[str, object] = field(default_factory=dict)
+
+
+def write_config(path: Path, replicas: list[dict[str, str]], api_keys: dict[str, str], **overrides: object) -> None:
+    """Router YAML (docs/architecture.md) with classes `interactive` and tenants acme/beta."""
+    cfg: dict[str, object] = {
+        "model": "llama-3-8b-a100",
+        "slo_classes": {
+            "interactive": {"ttft_ms": 1000, "tpot_ms": 100, "priority": 0, "sheddable": True, "max_queue_ms": 8000},
+        },
+        "tenants": {"acme": {"weight": 3, "slo_class": "interactive"}, "beta": {"weight": 1, "slo_class": "interactive"}},
+        "api_keys": {hashlib.sha256(k.encode()).hexdigest(): t for t, k in api_keys.items()},
+        "replicas": replicas,
+        "queue": {"max_requests": 64, "max_tokens": 4_000_000},
+    }
+    cfg.update(overrides)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+def start_fleet(tmp: Path, n: int, *, time_scale: float = 1.0, ttl_ms: int = 1000, engine_args: list[str] | None = None,
+                **config_overrides: object) -> Fleet:
+    """Start ``n`` simulated engines + ``n`` agents + one router; wait for every /health."""
+    group = ProcessGroup(tmp / "logs")
+    api_keys = {"acme": "sk-test-acme", "beta": "sk-test-beta"}
+    ts = str(time_scale)
+    replicas = []
+    fleet = Fleet(group, tmp / "fairbatch.yaml", "", api_keys)
+    ports = [(free_port(), free_port(), free_port()) for _ in range(n)]
+    for i, (_, http_port, grpc_port) in enumerate(ports):
+        replicas.append({"id": f"r{i}", "http_url": f"http://127.0.0.1:{http_port}", "grpc_target": f"127.0.0.1:{grpc_port}"})
+    write_config(fleet.config_path, replicas, api_keys, **config_overrides)
+    try:
+        for i, (eport, hport, gport) in enumerate(ports):
+            e = group.start(f"engine{i}", script("fairbatch-loadgen") + [
+                "sim-engine", "--port", str(eport), "--time-scale", ts, *(engine_args or [])])
+            fleet.engine_urls.append(f"http://127.0.0.1:{eport}")
+            fleet.children[f"engine{i}"] = e
+        for i, (eport, hport, gport) in enumerate(ports):
+            group.wait_http_ok(fleet.children[f"engine{i}"], f"http://127.0.0.1:{eport}/health")
+            a = group.start(f"agent{i}", script("fairbatch-agent") + [
+                "serve", "--engine-url", f"http://127.0.0.1:{eport}", "--http-port", str(hport), "--grpc-port", str(gport),
+                "--replica-id", f"r{i}", "--profile", "llama-3-8b-a100", "--config", str(fleet.config_path),
+                "--time-scale", ts, "--ttl-ms", str(ttl_ms)])
+            fleet.agent_urls.append(f"http://127.0.0.1:{hport}")
+            fleet.grpc_targets.append(f"127.0.0.1:{gport}")
+            fleet.children[f"agent{i}"] = a
+        for i in range(n):
+            group.wait_http_ok(fleet.children[f"agent{i}"], f"{fleet.agent_urls[i]}/health")
+        rport = free_port()
+        r = group.start("router", script("fairbatch-router") + [
+            "--config", str(fleet.config_path), "--port", str(rport), "--time-scale", ts])
+        fleet.children["router"] = r
+        fleet.router_url = f"http://127.0.0.1:{rport}"
+        group.wait_http_ok(r, f"{fleet.router_url}/health")
+    except BaseException:
+        group.stop()
+        raise
+    return fleet
+
+
+@pytest.fixture
+def fleet_factory(tmp_path: Path) -> Iterator[object]:
+    """Call ``fleet_factory(n, **kw)`` to start a fleet; everything is stopped after the test."""
+    started: list[Fleet] = []
+
+    def make(n: int = 2, **kw: object) -> Fleet:
+        f = start_fleet(tmp_path, n, **kw)  # type: ignore[arg-type]
+        started.append(f)
+        return f
+
+    yield make
+    for f in started:
+        f.group.stop()

@@ -1,0 +1,185 @@
+"""End to end over loopback: 2 simulated engines + 2 agents (real gRPC) + the router (real HTTP).
+
+Expected values come from the contracts (docs/architecture.md) and the llama-3-8b-a100 profile:
+a = 9.8626 ms, b = 0.0726711 ms/token. Class `interactive`: TTFT 1000 ms, TPOT 100 ms, so with the
+agent's default margin of 10 % the horizon is 900 ms and an idle replica's PAB is 900 ms, which
+fits a fresh prompt of floor((900 - 9.8626) / 0.0726711) = 12,248 tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+
+import aiohttp
+import pytest
+
+from loadgen.procs import script
+from loadgen.sim.tokenizer import make_prompt
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def auth(fleet, tenant: str = "acme") -> dict[str, str]:
+    return {"Authorization": f"Bearer {fleet.api_keys[tenant]}"}
+
+
+async def complete(session: aiohttp.ClientSession, fleet, prompt_tokens: int, max_tokens: int, *, stream: bool = True,
+                   tenant: str = "acme") -> dict:
+    """One completion through the router; returns status, headers, first/last token times (s) and token count."""
+    body = {"model": "llama-3-8b-a100", "prompt": make_prompt(prompt_tokens), "max_tokens": max_tokens,
+            "stream": stream, "ignore_eos": True}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    t0 = time.monotonic()
+    async with session.post(f"{fleet.router_url}/v1/completions", json=body, headers=auth(fleet, tenant)) as resp:
+        out = {"status": resp.status, "headers": dict(resp.headers), "t0": t0, "first": None, "tokens": 0, "usage": None}
+        if resp.status != 200 or not stream:
+            out["body"] = await resp.json(content_type=None)
+            out["end"] = time.monotonic()
+            return out
+        async for line in resp.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("choices") and ev["choices"][0].get("text"):
+                out["tokens"] += 1
+                out["first"] = out["first"] or time.monotonic()
+            if ev.get("usage"):
+                out["usage"] = ev["usage"]
+        out["end"] = time.monotonic()
+        return out
+
+
+async def metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
+    """Sum of all samples of one metric on a /metrics page."""
+    async with session.get(f"{url}/metrics") as r:
+        text = await r.text()
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+            seen = True
+    assert seen, f"{name} not on {url}/metrics"
+    return total
+
+
+async def test_requests_spread_over_both_replicas_and_complete(fleet_factory) -> None:
+    fleet = fleet_factory(2, time_scale=0.2)
+    async with aiohttp.ClientSession() as s:
+        results = await asyncio.gather(*(complete(s, fleet, 200, 20, tenant=("acme", "beta")[i % 2]) for i in range(16)))
+        non_stream = await complete(s, fleet, 100, 7, stream=False)
+    assert [r["status"] for r in results] == [200] * 16
+    assert all(r["tokens"] == 20 and r["usage"]["completion_tokens"] == 20 and r["usage"]["prompt_tokens"] == 200
+               for r in results)
+    placed = Counter(r["headers"]["x-fairbatch-replica"] for r in results)
+    assert set(placed) == {"r0", "r1"}, placed
+    assert non_stream["status"] == 200 and non_stream["body"]["usage"]["completion_tokens"] == 7
+    assert non_stream["body"]["choices"][0]["text"] == " tok" * 7
+
+
+async def test_no_budget_queues_then_flows_when_budget_returns(fleet_factory) -> None:
+    # Two 11,000-token prompts take each replica's budget (11,000 <= 12,248 fits an idle replica; their
+    # in-flight reservation 0.0727 * 11,000 = 799 ms leaves 101 ms, which fits no third 11,000-token prompt).
+    # The third waits in the router until a prefill completes (predicted 9.86 + 0.0727 * 11,000 = 809 ms),
+    # then flows. time_scale 1: simulated ms = wall ms.
+    fleet = fleet_factory(2, time_scale=1.0)
+    async with aiohttp.ClientSession() as s:
+        first = [asyncio.create_task(complete(s, fleet, 11_000, 30)) for _ in range(2)]
+        await asyncio.sleep(0.15)
+        third = asyncio.create_task(complete(s, fleet, 11_000, 5))
+        await asyncio.sleep(0.2)
+        depth = await metric(s, fleet.router_url, "fairbatch_router_queue_depth")
+        results = await asyncio.gather(*first, third)
+    assert depth == 1
+    assert [r["status"] for r in results] == [200, 200, 200]
+    assert {results[0]["headers"]["x-fairbatch-replica"], results[1]["headers"]["x-fairbatch-replica"]} == {"r0", "r1"}
+    # the third could not start before one of the first prefills ended (>= 0.8 s after they were sent)
+    assert results[2]["first"] - results[0]["t0"] >= 0.8
+
+
+async def test_full_queue_is_refused_with_429_and_retry_after(fleet_factory) -> None:
+    fleet = fleet_factory(2, time_scale=1.0, queue={"max_requests": 1, "max_tokens": 4_000_000})
+    async with aiohttp.ClientSession() as s:
+        running = [asyncio.create_task(complete(s, fleet, 11_000, 30)) for _ in range(2)]
+        await asyncio.sleep(0.15)
+        queued = asyncio.create_task(complete(s, fleet, 11_000, 5))
+        await asyncio.sleep(0.15)
+        refused = await complete(s, fleet, 11_000, 5)
+        rest = await asyncio.gather(*running, queued)
+    assert refused["status"] == 429
+    assert refused["headers"]["x-fairbatch-reason"] == "queue-full"
+    assert int(refused["headers"]["Retry-After"]) >= 1
+    assert refused["body"]["error"]["message"]
+    assert [r["status"] for r in rest] == [200, 200, 200]
+
+
+async def test_client_disconnect_frees_lease_and_stops_the_engine(fleet_factory) -> None:
+    fleet = fleet_factory(2, time_scale=1.0)
+    body = {"model": "llama-3-8b-a100", "prompt": make_prompt(50), "max_tokens": 20_000, "stream": True, "ignore_eos": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{fleet.router_url}/v1/completions", json=body, headers=auth(fleet)) as resp:
+            assert resp.status == 200
+            replica = int(resp.headers["x-fairbatch-replica"][1:])
+            got = 0
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    got += 1
+                    if got == 5:
+                        break
+        engine = fleet.engine_urls[replica]
+        assert got == 5
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if await metric(s, engine, "vllm:num_requests_running") == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert await metric(s, engine, "vllm:num_requests_running") == 0
+        gen1 = await metric(s, engine, "vllm:generation_tokens_total")
+        await asyncio.sleep(0.5)
+        assert await metric(s, engine, "vllm:generation_tokens_total") == gen1  # generation stopped
+        assert await metric(s, fleet.agent_urls[replica], "fairbatch_agent_leases_active") == 0
+
+
+async def test_stale_agent_gets_no_work(fleet_factory) -> None:
+    fleet = fleet_factory(2, time_scale=1.0, ttl_ms=500)
+    agent0 = fleet.children["agent0"].popen
+    os.kill(agent0.pid, signal.SIGSTOP)  # its budget stream goes silent; after the TTL it counts as zero
+    try:
+        await asyncio.sleep(1.0)
+        async with aiohttp.ClientSession() as s:
+            results = await asyncio.gather(*(complete(s, fleet, 100, 3) for _ in range(6)))
+    finally:
+        os.kill(agent0.pid, signal.SIGCONT)
+    assert [r["status"] for r in results] == [200] * 6
+    assert {r["headers"]["x-fairbatch-replica"] for r in results} == {"r1"}
+
+
+async def test_unknown_api_key_gets_401_in_openai_format(fleet_factory) -> None:
+    fleet = fleet_factory(1, time_scale=0.2)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{fleet.router_url}/v1/completions", json={"model": "m", "prompt": "hi"},
+                          headers={"Authorization": "Bearer sk-nobody"}) as r:
+            assert r.status == 401
+            err = (await r.json())["error"]
+        async with s.post(f"{fleet.router_url}/v1/completions", data=b"{not json", headers=auth(fleet)) as r:
+            assert r.status == 400
+            assert "JSON" in (await r.json())["error"]["message"]
+    assert err["code"] == "invalid_api_key" and err["message"]
+
+
+def test_broken_yaml_is_refused_naming_line_and_field(tmp_path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("slo_classes:\n  interactive: {ttft_ms: 500, tpot_ms: 50}\ntenants:\n  acme: {weight: -3, slo_class: interactive}\n")
+    proc = subprocess.run(script("fairbatch-router") + ["--config", str(bad)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "bad.yaml:4" in proc.stderr and "tenants.acme.weight" in proc.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("slo_classes:\n  interactive: {ttft_ms: 500\n")
+    proc = subprocess.run(script("fairbatch-router") + ["--config", str(broken)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "broken.yaml:" in proc.stderr

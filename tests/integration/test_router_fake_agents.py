@@ -1,0 +1,511 @@
+"""The router, started for real on loopback, against test doubles of the agents.
+
+Each fake replica is an in-test grpc.aio AdmissionService (budgets controlled by the test,
+Reserve grants when the prompt fits the PAB, Release recorded) plus an in-test aiohttp server
+standing in for the agent's HTTP side (records headers, streams SSE, can fail on demand).
+The real end-to-end test with real agents and simulated engines lives elsewhere.
+
+Time model of every fake replica: a = 10 ms, b = 0.1 ms/token, c = 0; horizon 450 ms.
+A prompt of 400 ASCII bytes = 100 tokens -> 20 ms of prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from dataclasses import dataclass, field
+
+import aiohttp
+import grpc
+import pytest
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proto import admission_pb2, admission_pb2_grpc
+from replica_agent.clock import Clock
+from router.config import RouterConfig, hash_api_key
+from router.server import Router
+
+API_KEY = "sk-test-acme"
+A_MS, B_MS, H_MS = 10.0, 0.1, 450.0
+PROMPT = "x" * 400  # 100 tokens
+
+
+class FakeAdmission(admission_pb2_grpc.AdmissionServiceServicer):
+    """Controlled budgets: PAB per class is ``pab_ms`` (same for every class)."""
+
+    def __init__(self, replica_id: str, pab_ms: float, ttl_ms: int = 300, push_ms: int = 50) -> None:
+        self.replica_id = replica_id
+        self.pab_ms = pab_ms
+        self.ttl_ms = ttl_ms
+        self.push_s = push_ms / 1000
+        self.pushing = True
+        self.healthy = True
+        self.seq = itertools.count(1)
+        self.changed = asyncio.Event()
+        self.reserves: list[admission_pb2.ReserveRequest] = []
+        self.releases: list[admission_pb2.ReleaseRequest] = []
+        self.leases: dict[str, float] = {}
+        self.watch_calls = 0
+
+    def set_budget(self, pab_ms: float) -> None:
+        self.pab_ms = pab_ms
+        self.changed.set()
+
+    def _pab_tokens(self) -> int:
+        return max(0, int((self.pab_ms - A_MS) / B_MS)) if self.pab_ms > A_MS else 0
+
+    def snapshot(self) -> admission_pb2.BudgetSnapshot:
+        cls = admission_pb2.ClassBudget(
+            slo_class="interactive", ttft_ms=500, tpot_ms=50, horizon_ms=H_MS, pab_ms=self.pab_ms,
+            pab_tokens=self._pab_tokens(), decode_reservation_ms=H_MS - self.pab_ms,
+            kv_free_tokens=100_000, kv_limited_tokens=100_000,
+        )
+        return admission_pb2.BudgetSnapshot(
+            replica_id=self.replica_id, seq=next(self.seq), ttl_ms=self.ttl_ms, healthy=self.healthy,
+            coefficients=admission_pb2.TimeModelCoefficients(a_ms=A_MS, b_ms_per_new_token=B_MS),
+            classes=[cls], max_prompt_tokens=32768,
+        )
+
+    async def WatchBudget(self, request, context):  # noqa: N802 - gRPC name
+        self.watch_calls += 1
+        while True:
+            if self.pushing:
+                yield self.snapshot()
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), self.push_s)
+            except TimeoutError:
+                pass
+
+    async def Reserve(self, request, context):  # noqa: N802
+        self.reserves.append(request)
+        need = A_MS + B_MS * request.prompt_tokens
+        if not self.healthy or need > self.pab_ms:
+            return admission_pb2.ReserveResponse(
+                granted=False, reason="no-budget", pab_ms=self.pab_ms, pab_tokens=self._pab_tokens()
+            )
+        self.pab_ms -= need
+        lease = f"{self.replica_id}-lease-{len(self.reserves)}"
+        self.leases[lease] = need
+        return admission_pb2.ReserveResponse(
+            granted=True, lease_id=lease, pab_ms=self.pab_ms, pab_tokens=self._pab_tokens()
+        )
+
+    async def Release(self, request, context):  # noqa: N802
+        self.releases.append(request)
+        need = self.leases.pop(request.lease_id, None)
+        if need is not None:
+            self.pab_ms += need
+            self.changed.set()
+        return admission_pb2.ReleaseResponse(released=need is not None)
+
+
+@dataclass
+class FakeUpstream:
+    """The agent's HTTP side. ``mode``: ok | fail503 | drop (close before any byte) | slow."""
+
+    replica_id: str
+    mode: str = "ok"
+    hits: list[CIMultiDict[str]] = field(default_factory=list)
+    bodies: list[bytes] = field(default_factory=list)
+    disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def chunks(self) -> list[bytes]:
+        out = []
+        for i in range(3):
+            out.append(b'data: {"id":"cmpl-1","choices":[{"index":0,"text":" t%d"}]}\n\n' % i)
+        out.append(b"data: [DONE]\n\n")
+        return out
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.hits.append(CIMultiDict(request.headers))
+        body = await request.read()
+        self.bodies.append(body)
+        if self.mode == "fail503":
+            return web.json_response({"error": {"message": "engine down"}}, status=503)
+        if self.mode == "drop":
+            request.transport.close()  # type: ignore[union-attr]
+            await asyncio.sleep(0.05)
+            return web.Response()
+        stream = json.loads(body).get("stream", False)
+        if not stream:
+            return web.json_response({"id": "cmpl-1", "replica": self.replica_id, "choices": [{"text": "hi"}]},
+                                     headers={"x-upstream": self.replica_id})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            if self.mode == "error-first":  # SSE headers early, then only an error event
+                await resp.write(b'data: {"error": {"message": "engine stream failed", "type": "upstream_error", '
+                                 b'"param": null, "code": 502}}\n\ndata: [DONE]\n\n')
+                await resp.write_eof()
+                return resp
+            if self.mode == "cut":  # two events, then the replica dies mid-stream
+                for c in self.chunks()[:2]:
+                    await resp.write(c)
+                await asyncio.sleep(0.05)
+                request.transport.close()  # type: ignore[union-attr]
+                return resp
+            if self.mode == "slow":
+                for i in range(200):
+                    await resp.write(b'data: {"choices":[{"text":" s%d"}]}\n\n' % i)
+                    await asyncio.sleep(0.05)
+            else:
+                for c in self.chunks():
+                    await resp.write(c)
+            await resp.write_eof()
+        except (ConnectionError, asyncio.CancelledError):
+            self.disconnected.set()
+            raise
+        return resp
+
+
+class Fleet:
+    """Fake replicas + the router, all on loopback."""
+
+    def __init__(self) -> None:
+        self.admission: dict[str, FakeAdmission] = {}
+        self.upstreams: dict[str, FakeUpstream] = {}
+        self._grpc: list[grpc.aio.Server] = []
+        self._runners: list[web.AppRunner] = []
+        self.router: Router | None = None
+        self.url = ""
+        self.session: aiohttp.ClientSession | None = None
+
+    async def add_replica(self, rid: str, pab_ms: float, mode: str = "ok") -> tuple[str, str]:
+        servicer = FakeAdmission(rid, pab_ms)
+        server, gport = await self.start_grpc(servicer)
+        upstream = FakeUpstream(rid, mode)
+        app = web.Application()
+        app.router.add_post("/v1/completions", upstream.handle)
+        app.router.add_post("/v1/chat/completions", upstream.handle)
+        runner = web.AppRunner(app, handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self._runners.append(runner)
+        hport = runner.addresses[0][1]
+        self.admission[rid] = servicer
+        self.upstreams[rid] = upstream
+        return f"http://127.0.0.1:{hport}", f"127.0.0.1:{gport}"
+
+    async def start_grpc(self, servicer: FakeAdmission, port: int = 0) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        admission_pb2_grpc.add_AdmissionServiceServicer_to_server(servicer, server)
+        gport = server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        self._grpc.append(server)
+        return server, gport
+
+    async def start(self, replicas: dict[str, float], modes: dict[str, str] | None = None,
+                    max_queue_ms: float = 3000, queue_max_requests: int = 64, silence_s: float = 10.0) -> None:
+        modes = modes or {}
+        reps = []
+        for rid, pab in replicas.items():
+            http_url, target = await self.add_replica(rid, pab, modes.get(rid, "ok"))
+            reps.append({"id": rid, "http_url": http_url, "grpc_target": target})
+        config = RouterConfig.model_validate({
+            "model": "sim-model",
+            "slo_classes": {"interactive": {"ttft_ms": 500, "tpot_ms": 50, "max_queue_ms": max_queue_ms}},
+            "tenants": {"acme": {"weight": 1, "slo_class": "interactive"}},
+            "api_keys": {hash_api_key(API_KEY): "acme"},
+            "replicas": reps,
+            "queue": {"max_requests": queue_max_requests, "max_tokens": 1_000_000},
+            "admission": {"bytes_per_token": 4.0, "reserve_timeout_ms": 500},
+        })
+        self.router = Router(config, Clock(1.0), "test-router")
+        self.router.budgets._silence_s = silence_s
+        runner = web.AppRunner(self.router.build_app(), handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self._runners.insert(0, runner)
+        self.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        self.session = aiohttp.ClientSession()
+        await self.wait_fresh(set(replicas))
+
+    async def wait_fresh(self, rids: set[str], timeout_s: float = 5.0) -> None:
+        assert self.router is not None
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while loop.time() < end:
+            fresh = {v.replica_id for v in self.router.book.views() if v.fresh and v.healthy}
+            if rids <= fresh:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"replicas {rids} never became fresh")
+
+    async def post(self, body: object, key: str | None = API_KEY, path: str = "/v1/completions",
+                   raw: bytes | None = None, headers: dict[str, str] | None = None) -> aiohttp.ClientResponse:
+        assert self.session is not None
+        h = dict(headers or {})
+        if key is not None:
+            h["Authorization"] = f"Bearer {key}"
+        data = raw if raw is not None else json.dumps(body).encode()
+        return await self.session.post(self.url + path, data=data, headers=h)
+
+    async def stop(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+        for r in self._runners:
+            await r.cleanup()
+        for s in self._grpc:
+            await s.stop(None)
+
+
+@pytest.fixture
+async def fleet():
+    f = Fleet()
+    try:
+        yield f
+    finally:
+        await f.stop()
+
+
+def completion(stream: bool = False) -> dict:
+    return {"model": "sim-model", "prompt": PROMPT, "max_tokens": 4, "stream": stream}
+
+
+async def test_routes_to_most_headroom_with_headers(fleet: Fleet) -> None:
+    await fleet.start({"r0": 200.0, "r1": 400.0, "r2": 300.0})
+    resp = await fleet.post(completion(), headers={"x-request-id": "req-123"})
+    assert resp.status == 200
+    assert resp.headers["x-fairbatch-replica"] == "r1"
+    assert resp.headers["x-request-id"] == "req-123"
+    assert (await resp.json())["replica"] == "r1"
+    hit = fleet.upstreams["r1"].hits[0]
+    assert hit["x-request-id"] == "req-123"
+    assert hit["x-fairbatch-lease"] == "r1-lease-1"
+    assert hit["x-fairbatch-slo-class"] == "interactive"
+    assert hit["x-fairbatch-tenant"] == "acme"
+    assert float(hit["x-fairbatch-queued-ms"]) >= 0
+    assert hit["traceparent"].startswith("00-")
+    assert "Authorization" not in hit
+    assert fleet.upstreams["r1"].bodies[0] == json.dumps(completion()).encode()  # bytes unchanged
+    assert fleet.admission["r1"].reserves[0].prompt_tokens == 100
+    assert not fleet.upstreams["r0"].hits and not fleet.upstreams["r2"].hits
+
+
+async def test_concurrent_requests_spread(fleet: Fleet) -> None:
+    await fleet.start({"r0": 400.0, "r1": 400.0})
+    resps = await asyncio.gather(*(fleet.post(completion()) for _ in range(8)))
+    placed = [r.headers["x-fairbatch-replica"] for r in resps]
+    assert all(r.status == 200 for r in resps)
+    assert placed.count("r0") == placed.count("r1") == 4, placed
+
+
+async def test_stream_bytes_relayed_unchanged(fleet: Fleet) -> None:
+    await fleet.start({"r0": 400.0})
+    resp = await fleet.post(completion(stream=True))
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    assert await resp.read() == b"".join(fleet.upstreams["r0"].chunks())
+
+
+async def test_chat_and_new_request_id(fleet: Fleet) -> None:
+    await fleet.start({"r0": 400.0})
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": PROMPT}]}
+    resp = await fleet.post(body, path="/v1/chat/completions")
+    assert resp.status == 200
+    rid = resp.headers["x-request-id"]
+    assert len(rid) == 32 and int(rid, 16) >= 0
+    assert fleet.admission["r0"].reserves[0].prompt_tokens == 104  # 100 + 4 per message
+
+
+async def test_zero_budget_queues_then_flows(fleet: Fleet) -> None:
+    await fleet.start({"r0": 0.0, "r1": 0.0})
+    task = asyncio.create_task(fleet.post(completion()))
+    await asyncio.sleep(0.3)
+    assert not task.done()
+    assert fleet.router is not None and len(fleet.router.queue) == 1
+    fleet.admission["r1"].set_budget(400.0)
+    resp = await asyncio.wait_for(task, 3.0)
+    assert resp.status == 200
+    assert resp.headers["x-fairbatch-replica"] == "r1"
+    assert float(fleet.upstreams["r1"].hits[0]["x-fairbatch-queued-ms"]) >= 250
+    assert len(fleet.router.queue) == 0
+
+
+async def test_full_queue_429(fleet: Fleet) -> None:
+    await fleet.start({"r0": 0.0}, queue_max_requests=1)
+    waiting = asyncio.create_task(fleet.post(completion()))
+    await asyncio.sleep(0.2)
+    resp = await fleet.post(completion())
+    assert resp.status == 429
+    assert resp.headers["x-fairbatch-reason"] == "queue-full"
+    assert int(resp.headers["Retry-After"]) >= 1
+    assert "x-request-id" in resp.headers
+    err = (await resp.json())["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    waiting.cancel()
+
+
+async def test_queue_timeout_429(fleet: Fleet) -> None:
+    await fleet.start({"r0": 0.0}, max_queue_ms=300)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    resp = await fleet.post(completion())
+    waited = loop.time() - t0
+    assert resp.status == 429
+    assert resp.headers["x-fairbatch-reason"] == "queue-timeout"
+    assert int(resp.headers["Retry-After"]) >= 1
+    assert 0.25 <= waited < 2.0
+    assert fleet.router is not None and len(fleet.router.queue) == 0
+    metrics = await (await fleet.session.get(fleet.url + "/metrics")).text()  # type: ignore[union-attr]
+    assert 'fairbatch_router_requests_total{outcome="queue_timeout",slo_class="interactive",tenant="acme"} 1.0' in metrics
+
+
+async def test_auth_and_bad_requests(fleet: Fleet) -> None:
+    await fleet.start({"r0": 400.0})
+    resp = await fleet.post(completion(), key="sk-wrong")
+    assert resp.status == 401
+    err = (await resp.json())["error"]
+    assert err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error"
+    resp = await fleet.post(completion(), key=None)
+    assert resp.status == 401
+    resp = await fleet.post(None, raw=b"{not json")
+    assert resp.status == 400 and "x-request-id" in resp.headers
+    resp = await fleet.post({"model": "sim-model"})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "prompt"
+    resp = await fleet.post({"prompt": "hi"})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "model"
+    resp = await fleet.post({"model": "m", "prompt": [1] * 40000})
+    assert resp.status == 400 and (await resp.json())["error"]["code"] == "context_length_exceeded"
+    assert not fleet.upstreams["r0"].hits
+
+
+async def test_stale_replica_gets_no_work(fleet: Fleet) -> None:
+    await fleet.start({"r0": 450.0, "r1": 100.0})
+    fleet.admission["r0"].pushing = False  # stream stays open but silent
+    await asyncio.sleep(0.45)  # > ttl 300 ms
+    for _ in range(3):
+        resp = await fleet.post(completion())
+        assert resp.status == 200
+        assert resp.headers["x-fairbatch-replica"] == "r1"
+        fleet.admission["r1"].set_budget(100.0)
+    assert not fleet.upstreams["r0"].hits
+    assert not fleet.admission["r0"].reserves
+
+
+async def test_agent_restart_stale_then_reconnects(fleet: Fleet) -> None:
+    await fleet.start({"r0": 400.0})
+    assert fleet.router is not None
+    old = fleet._grpc[0]
+    port = int(fleet.router.config.replicas[0].grpc_target.rsplit(":", 1)[1])
+    await old.stop(None)
+    fleet._grpc.remove(old)
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 2.0
+    while fleet.router.book.views()[0].fresh and loop.time() < end:
+        await asyncio.sleep(0.01)
+    assert not fleet.router.book.views()[0].fresh  # stale at once on disconnect
+    waiting = asyncio.create_task(fleet.post(completion()))  # nothing usable: queued ...
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    await fleet.start_grpc(FakeAdmission("r0", 400.0), port)
+    resp = await asyncio.wait_for(waiting, 5.0)  # ... the watch reconnects (backoff <= 2 s) and it flows
+    assert resp.status == 200 and resp.headers["x-fairbatch-replica"] == "r0"
+
+
+async def test_silent_stream_is_reopened(fleet: Fleet) -> None:
+    await fleet.start({"r0": 400.0}, silence_s=0.3)
+    fleet.admission["r0"].pushing = False
+    await asyncio.sleep(0.8)
+    assert fleet.admission["r0"].watch_calls >= 2
+    fleet.admission["r0"].pushing = True
+    await fleet.wait_fresh({"r0"})
+
+
+async def test_client_disconnect_mid_stream_releases(fleet: Fleet) -> None:
+    await fleet.start({"r0": 400.0}, modes={"r0": "slow"})
+    assert fleet.session is not None
+    resp = await fleet.session.post(
+        fleet.url + "/v1/completions", json=completion(stream=True), headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    assert resp.status == 200
+    first = await resp.content.readany()
+    assert first.startswith(b"data: ")
+    resp.close()  # client goes away mid-stream
+    await asyncio.wait_for(fleet.upstreams["r0"].disconnected.wait(), 3.0)
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 3.0
+    while not fleet.admission["r0"].releases and loop.time() < end:
+        await asyncio.sleep(0.02)
+    assert [r.lease_id for r in fleet.admission["r0"].releases] == ["r0-lease-1"]
+    assert fleet.admission["r0"].releases[0].reason == "client-disconnect"
+
+
+async def test_client_disconnect_while_queued_leaves_queue(fleet: Fleet) -> None:
+    await fleet.start({"r0": 0.0})
+    task = asyncio.create_task(fleet.post(completion()))
+    await asyncio.sleep(0.2)
+    assert fleet.router is not None and len(fleet.router.queue) == 1
+    task.cancel()
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 2.0
+    while len(fleet.router.queue) and loop.time() < end:
+        await asyncio.sleep(0.02)
+    assert len(fleet.router.queue) == 0
+
+
+@pytest.mark.parametrize("mode", ["fail503", "drop", "error-first"])
+async def test_failure_before_first_byte_retried_elsewhere(fleet: Fleet, mode: str) -> None:
+    await fleet.start({"r0": 400.0, "r1": 300.0}, modes={"r0": mode})
+    resp = await fleet.post(completion(stream=True))
+    assert resp.status == 200
+    assert resp.headers["x-fairbatch-replica"] == "r1"
+    assert await resp.read() == b"".join(fleet.upstreams["r1"].chunks())
+    assert len(fleet.upstreams["r0"].hits) == 1
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 2.0
+    while not fleet.admission["r0"].releases and loop.time() < end:
+        await asyncio.sleep(0.02)
+    assert [r.lease_id for r in fleet.admission["r0"].releases] == ["r0-lease-1"]
+
+
+async def test_failure_mid_stream_ends_with_error_event(fleet: Fleet) -> None:
+    await fleet.start({"r0": 400.0, "r1": 300.0}, modes={"r0": "cut"})
+    resp = await fleet.post(completion(stream=True))
+    assert resp.status == 200 and resp.headers["x-fairbatch-replica"] == "r0"
+    raw = await resp.read()
+    chunks = fleet.upstreams["r0"].chunks()
+    assert raw.startswith(chunks[0] + chunks[1])
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    err = json.loads(events[-2][len("data: "):])["error"]
+    assert err["type"] == "upstream_error" and err["code"] == 502 and err["message"]
+    assert not fleet.upstreams["r1"].hits  # no retry after the first byte
+
+
+async def test_error_event_first_everywhere_is_relayed(fleet: Fleet) -> None:
+    await fleet.start({"r0": 400.0, "r1": 300.0}, modes={"r0": "error-first", "r1": "error-first"})
+    resp = await fleet.post(completion(stream=True))
+    assert resp.status == 200
+    raw = await resp.read()
+    assert raw.startswith(b'data: {"error"') and raw.endswith(b"data: [DONE]\n\n")
+    assert len(fleet.upstreams["r0"].hits) == len(fleet.upstreams["r1"].hits) == 1
+
+
+async def test_all_replicas_fail_503(fleet: Fleet) -> None:
+    await fleet.start({"r0": 400.0, "r1": 300.0}, modes={"r0": "drop", "r1": "drop"})
+    resp = await fleet.post(completion())
+    assert resp.status == 503
+    assert (await resp.json())["error"]["type"] == "service_unavailable"
+
+
+async def test_models_health_metrics(fleet: Fleet) -> None:
+    await fleet.start({"r0": 400.0})
+    assert fleet.session is not None
+    models = await (await fleet.session.get(fleet.url + "/v1/models")).json()
+    assert models["data"][0]["id"] == "sim-model"
+    health = await fleet.session.get(fleet.url + "/health")
+    assert health.status == 200 and (await health.json())["replicas_usable"] == ["r0"]
+    assert "x-request-id" in health.headers
+    await fleet.post(completion())
+    text = await (await fleet.session.get(fleet.url + "/metrics")).text()
+    for name in ("fairbatch_router_requests_total", "fairbatch_router_queue_depth", "fairbatch_router_queue_wait_ms",
+                 "fairbatch_router_placement_seconds", "fairbatch_router_reserve_seconds",
+                 'fairbatch_router_replica_pab_ms{replica="r0",slo_class="interactive"}',
+                 'fairbatch_router_budget_age_ms{replica="r0"}'):
+        assert name in text, name

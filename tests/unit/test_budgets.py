@@ -1,0 +1,108 @@
+"""router/budgets.py: freshness by TTL on the router clock, Reserve answers applied at once, wake-ups."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from proto import admission_pb2
+from router.budgets import BudgetBook
+
+
+@dataclass
+class FakeClock:
+    t: float = 1000.0
+    scale: float = 1.0
+
+    def now_ms(self) -> float:
+        return self.t
+
+
+def snapshot(rid: str = "r0", seq: int = 1, pab_ms: float = 300.0, healthy: bool = True, ttl_ms: int = 500,
+             max_prompt: int = 8192) -> admission_pb2.BudgetSnapshot:
+    return admission_pb2.BudgetSnapshot(
+        replica_id=rid, seq=seq, timestamp_ms=0, ttl_ms=ttl_ms, healthy=healthy, max_prompt_tokens=max_prompt,
+        coefficients=admission_pb2.TimeModelCoefficients(a_ms=10, b_ms_per_new_token=0.1, c_ms_per_context_token=0),
+        classes=[admission_pb2.ClassBudget(
+            slo_class="interactive", ttft_ms=500, tpot_ms=50, horizon_ms=450, pab_ms=pab_ms,
+            pab_tokens=int((pab_ms - 10) / 0.1), kv_free_tokens=100000, kv_limited_tokens=100000,
+        )],
+    )
+
+
+def test_fresh_within_ttl_then_stale() -> None:
+    clock = FakeClock()
+    book = BudgetBook(clock, ["r0", "r1"])  # type: ignore[arg-type]
+    assert book.usable("r0", "interactive") is None  # nothing received
+    assert book.update("r0", snapshot())
+    assert book.usable("r0", "interactive").pab_ms == 300.0
+    clock.t += 500
+    assert book.usable("r0", "interactive") is not None  # exactly ttl old: still fresh
+    clock.t += 1
+    assert book.usable("r0", "interactive") is None
+    views = {v.replica_id: v for v in book.views()}
+    assert not views["r0"].fresh and not views["r1"].fresh
+    assert views["r0"].max_prompt_tokens == 8192
+    assert book.age_ms("r0") == 501 and book.age_ms("r1") is None
+
+
+def test_unhealthy_is_zero_budget() -> None:
+    book = BudgetBook(FakeClock(), ["r0"])  # type: ignore[arg-type]
+    book.update("r0", snapshot(healthy=False))
+    assert book.usable("r0", "interactive") is None
+    assert not book.views()[0].healthy
+
+
+def test_old_seq_ignored_and_unknown_replica() -> None:
+    book = BudgetBook(FakeClock(), ["r0"])  # type: ignore[arg-type]
+    assert book.update("r0", snapshot(seq=5, pab_ms=300))
+    assert not book.update("r0", snapshot(seq=4, pab_ms=100))
+    assert book.usable("r0", "interactive").pab_ms == 300
+    assert not book.update("rX", snapshot(rid="rX"))
+
+
+def test_disconnect_makes_stale_and_restart_accepts_lower_seq() -> None:
+    book = BudgetBook(FakeClock(), ["r0"])  # type: ignore[arg-type]
+    book.update("r0", snapshot(seq=9))
+    book.mark_disconnected("r0")
+    assert book.usable("r0", "interactive") is None
+    assert book.update("r0", snapshot(seq=1, pab_ms=200))  # agent restarted
+    assert book.usable("r0", "interactive").pab_ms == 200
+
+
+def test_reserve_answer_applied_at_once() -> None:
+    book = BudgetBook(FakeClock(), ["r0"])  # type: ignore[arg-type]
+    book.update("r0", snapshot(pab_ms=450))
+    before = book.usable("r0", "interactive")
+    assert before.inflight_reservation_ms == 0
+    book.apply_reserve("r0", "interactive", 250.0, 2400)
+    after = book.usable("r0", "interactive")
+    assert (after.pab_ms, after.pab_tokens) == (250.0, 2400)
+    assert after.inflight_reservation_ms == 200.0  # the lease counts as reserved until the next snapshot
+    book.apply_reserve("r0", "batch", 1.0, 1)  # unknown class: ignored
+    book.apply_reserve("rX", "interactive", 1.0, 1)  # unknown replica: ignored
+
+
+async def test_waiters_and_listeners_woken_on_every_change() -> None:
+    book = BudgetBook(FakeClock(), ["r0"])  # type: ignore[arg-type]
+    calls: list[int] = []
+    book.add_listener(lambda: calls.append(book.version))
+    waiter = asyncio.create_task(book.wait_changed(1.0))
+    await asyncio.sleep(0)
+    book.update("r0", snapshot())
+    assert await waiter is True
+    book.apply_reserve("r0", "interactive", 100.0, 900)
+    book.notify()
+    assert calls == [1, 2, 3]
+    assert await book.wait_changed(0.01) is False
+
+
+def test_take_local_deducts_predicted_prefill_before_the_answer() -> None:
+    book = BudgetBook(FakeClock(), ["r0"])  # type: ignore[arg-type]
+    book.update("r0", snapshot(pab_ms=300))  # pab_tokens 2900
+    book.take_local("r0", "interactive", 1000)  # 10 + 0.1 * 1000 = 110 ms
+    b = book.usable("r0", "interactive")
+    assert (b.pab_ms, b.pab_tokens, b.inflight_reservation_ms) == (190.0, 1900, 110.0)
+    book.apply_reserve("r0", "interactive", 195.0, 1850)  # the agent's figures win
+    b = book.usable("r0", "interactive")
+    assert (b.pab_ms, b.pab_tokens) == (195.0, 1850)
