@@ -1,0 +1,226 @@
+"""Read real LLM-serving traces into a list of :class:`TraceRequest`.
+
+Two formats are recognised from the file's first line:
+
+- Azure LLM inference trace 2023 (CSV, header ``TIMESTAMP,ContextTokens,GeneratedTokens``):
+  ``TIMESTAMP`` is an absolute wall-clock time ``YYYY-MM-DD HH:MM:SS.fffffff`` (7 fraction
+  digits, 100 ns); ``ContextTokens`` prompt tokens; ``GeneratedTokens`` output tokens.
+- Mooncake FAST'25 (JSON lines): ``timestamp`` ms relative to the trace start,
+  ``input_length`` prompt tokens, ``output_length`` output tokens (other keys ignored).
+
+Arrivals are returned in ms relative to the first arrival, sorted. The embedded traces (origin
+and licence in ``loadgen/traces/SOURCES.md``) are named by :data:`EMBEDDED_TRACES`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+EMBEDDED_TRACES: dict[str, str] = {
+    "azure-conv": "azure_llm_2023_conv_first30min.csv",
+    "azure-code": "azure_llm_2023_code.csv",
+    "mooncake-conv": "mooncake_fast25_conversation.jsonl",
+}
+"""Name -> file name inside the ``loadgen/traces`` package-data folder."""
+
+_AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+class TraceFormatError(ValueError):
+    """A trace file is of an unknown format or has a bad row (the message names file and line)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of a trace.
+
+    Attributes:
+        arrival_ms: arrival time in ms, relative to the first request of the trace (or of the
+            selected window, after :func:`select`).
+        prompt_tokens: prompt length (tokens).
+        output_tokens: output length (tokens).
+    """
+
+    arrival_ms: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+def embedded_trace(name: str) -> Path:
+    """Path of an embedded trace by name (``azure-conv``, ``azure-code``, ``mooncake-conv``).
+
+    Raises:
+        KeyError: for an unknown name (the message lists the known ones).
+    """
+    try:
+        file_name = EMBEDDED_TRACES[name]
+    except KeyError:
+        raise KeyError(f"unknown embedded trace {name!r}; known: {', '.join(sorted(EMBEDDED_TRACES))}") from None
+    return Path(str(resources.files("loadgen").joinpath("traces", file_name)))
+
+
+def resolve_trace(name_or_path: str) -> Path:
+    """An embedded trace name, else a file path.
+
+    Raises:
+        FileNotFoundError: if it is neither an embedded name nor an existing file.
+    """
+    if name_or_path in EMBEDDED_TRACES:
+        return embedded_trace(name_or_path)
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"trace {name_or_path!r} is neither an embedded trace ({', '.join(sorted(EMBEDDED_TRACES))}) nor a file"
+        )
+    return path
+
+
+def load_trace(path: str | Path) -> list[TraceRequest]:
+    """Read an Azure 2023 CSV or Mooncake JSONL trace (format detected from the first line).
+
+    Returns:
+        Requests sorted by arrival, arrivals in ms relative to the earliest one.
+
+    Raises:
+        TraceFormatError: unknown format, or a malformed row (message: ``file:line: problem``).
+        OSError: if the file cannot be read.
+    """
+    path = Path(path)
+    with open(path, encoding="utf-8", newline="") as f:
+        lines = f.read().splitlines()
+    first = next((i for i, line in enumerate(lines) if line.strip()), None)
+    if first is None:
+        raise TraceFormatError(f"{path}: empty trace file")
+    head = lines[first].lstrip("\ufeff").strip()
+    if head.startswith("{"):
+        reqs = _parse_mooncake(path, lines)
+    elif tuple(c.strip() for c in head.split(",")) == _AZURE_HEADER:
+        reqs = _parse_azure(path, lines, first)
+    else:
+        raise TraceFormatError(
+            f"{path}:{first + 1}: unknown trace format (expected the Azure 2023 CSV header "
+            f"{','.join(_AZURE_HEADER)!r} or Mooncake JSON lines), got {head[:80]!r}"
+        )
+    if not reqs:
+        raise TraceFormatError(f"{path}: trace has no requests")
+    reqs.sort(key=lambda r: r.arrival_ms)
+    t0 = reqs[0].arrival_ms
+    return [TraceRequest(r.arrival_ms - t0, r.prompt_tokens, r.output_tokens) for r in reqs]
+
+
+def _tokens(path: Path, lineno: int, field_name: str, raw: object) -> int:
+    """A non-negative integer token count, or a TraceFormatError naming file and line."""
+    if isinstance(raw, bool):
+        raise TraceFormatError(f"{path}:{lineno}: {field_name} must be an integer, got {raw!r}")
+    try:
+        n = int(raw)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise TraceFormatError(f"{path}:{lineno}: {field_name} must be an integer, got {raw!r}") from None
+    if isinstance(raw, float) and raw != n:
+        raise TraceFormatError(f"{path}:{lineno}: {field_name} must be an integer, got {raw!r}")
+    if n < 0:
+        raise TraceFormatError(f"{path}:{lineno}: {field_name} must be >= 0, got {n}")
+    return n
+
+
+def _azure_time_ticks(path: Path, lineno: int, raw: str) -> int:
+    """``YYYY-MM-DD HH:MM:SS[.fffffff]`` -> 100 ns ticks since the unix epoch (naive, exact integer)."""
+    text = raw.strip()
+    whole, _, frac = text.partition(".")
+    try:
+        base = dt.datetime.strptime(whole, "%Y-%m-%d %H:%M:%S")
+        if frac and not frac.isdigit():
+            raise ValueError(frac)
+    except ValueError:
+        raise TraceFormatError(
+            f"{path}:{lineno}: TIMESTAMP must be 'YYYY-MM-DD HH:MM:SS.fffffff', got {raw!r}"
+        ) from None
+    if len(frac) > 7:
+        raise TraceFormatError(f"{path}:{lineno}: TIMESTAMP has more than 7 fraction digits: {raw!r}")
+    seconds = (base - dt.datetime(1970, 1, 1)) // dt.timedelta(seconds=1)
+    return seconds * 10_000_000 + (int(frac.ljust(7, "0")) if frac else 0)
+
+
+def _parse_azure(path: Path, lines: list[str], header_index: int) -> list[TraceRequest]:
+    """Rows -> requests with arrivals in ms relative to the earliest row (exact: integer 100 ns ticks)."""
+    rows: list[tuple[int, int, int]] = []
+    for i in range(header_index + 1, len(lines)):
+        line = lines[i]
+        if not line.strip():
+            continue
+        lineno = i + 1
+        cols = line.split(",")
+        if len(cols) != 3:
+            raise TraceFormatError(
+                f"{path}:{lineno}: expected 3 comma-separated columns, got {len(cols)}: {line[:80]!r}"
+            )
+        rows.append(
+            (
+                _azure_time_ticks(path, lineno, cols[0]),
+                _tokens(path, lineno, "ContextTokens", cols[1].strip()),
+                _tokens(path, lineno, "GeneratedTokens", cols[2].strip()),
+            )
+        )
+    if not rows:
+        return []
+    t0 = min(r[0] for r in rows)
+    return [TraceRequest((ticks - t0) / 10_000.0, p, o) for ticks, p, o in rows]
+
+
+def _parse_mooncake(path: Path, lines: list[str]) -> list[TraceRequest]:
+    out: list[TraceRequest] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        lineno = i + 1
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceFormatError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise TraceFormatError(f"{path}:{lineno}: expected a JSON object")
+        missing = [k for k in ("timestamp", "input_length", "output_length") if k not in obj]
+        if missing:
+            raise TraceFormatError(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
+        ts = obj["timestamp"]
+        if isinstance(ts, bool) or not isinstance(ts, int | float) or ts < 0:
+            raise TraceFormatError(f"{path}:{lineno}: timestamp must be a number of ms >= 0, got {ts!r}")
+        out.append(
+            TraceRequest(
+                float(ts),
+                _tokens(path, lineno, "input_length", obj["input_length"]),
+                _tokens(path, lineno, "output_length", obj["output_length"]),
+            )
+        )
+    return out
+
+
+def select(
+    reqs: list[TraceRequest], duration_s: float | None, rate_scale: float = 1.0, start_s: float = 0.0
+) -> list[TraceRequest]:
+    """A window of the trace, then compressed in time.
+
+    Keeps requests with ``start_s <= arrival < start_s + duration_s`` (seconds of trace time;
+    ``duration_s=None`` keeps everything from ``start_s``), re-bases arrivals to ``start_s`` and
+    divides them by ``rate_scale`` (2 = twice the request rate, half the gaps).
+
+    Raises:
+        ValueError: if ``rate_scale`` or ``duration_s`` is not positive or ``start_s`` is negative.
+    """
+    if not rate_scale > 0:
+        raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
+    if duration_s is not None and not duration_s > 0:
+        raise ValueError(f"duration_s must be > 0, got {duration_s}")
+    if start_s < 0:
+        raise ValueError(f"start_s must be >= 0, got {start_s}")
+    lo_ms = start_s * 1000.0
+    hi_ms = float("inf") if duration_s is None else lo_ms + duration_s * 1000.0
+    return [
+        TraceRequest((r.arrival_ms - lo_ms) / rate_scale, r.prompt_tokens, r.output_tokens)
+        for r in reqs
+        if lo_ms <= r.arrival_ms < hi_ms
+    ]
