@@ -1,5 +1,8 @@
 """``fairbatch-agent``: the replica agent sidecar (docs/architecture.md "Agent").
 
+``fairbatch-agent calibrate LOG`` fits the batch-time model a, b, c from a per-step log
+(replica_agent/calibrate.py) and prints R², max and mean relative error.
+
 ``fairbatch-agent serve ...`` runs, in one asyncio process, the HTTP reverse proxy in front of the
 engine (aiohttp), the AdmissionService gRPC server (grpc.aio), the engine /metrics scraper and the
 lease-expiry task. SIGTERM/SIGINT stop it gracefully.
@@ -21,6 +24,7 @@ import yaml
 from aiohttp import web
 
 from replica_agent.admission_server import expire_leases_loop, start_grpc_server
+from replica_agent.calibrate import calibrate, format_fit
 from replica_agent.agent import Agent, AgentConfig
 from replica_agent.clock import Clock
 from replica_agent.engine_metrics import MetricsScraper
@@ -121,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--otlp-endpoint", default=None, help="OTLP/gRPC collector for spans (off by default)")
     s.add_argument("--max-connections", type=int, default=1024, help="bound of pooled upstream connections")
     s.add_argument("--log-level", default="INFO")
+    c = sub.add_parser(
+        "calibrate",
+        help="fit a, b, c of the batch-time model from a per-step log",
+        description="Least-squares fit of batch_ms = a + b*new_tokens + c*context_tokens (seed 000) from a "
+        "per-step log: JSON lines or CSV with new_tokens, context_tokens, measured_ms (the simulator writes "
+        "one with --step-log). Prints the coefficients, R^2 and the max and mean relative error.",
+    )
+    c.add_argument("log", type=Path, help="step log (JSONL or CSV)")
+    c.add_argument("--log-level", default="WARNING")
     return p
 
 
@@ -220,6 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
+    if args.command == "calibrate":
+        try:
+            print(format_fit(calibrate(args.log)))
+        except (ValueError, OSError) as e:
+            parser.error(str(e))
+        return 0
     if args.command == "serve":
         try:
             config_from_args(args)  # fail fast with a readable message

@@ -11,7 +11,8 @@ parsed on the side to timestamp tokens (one token per chunk with non-empty ``tex
 non-stream JSON. Headers honoured (docs/architecture.md "Agent"): ``x-request-id`` (forwarded),
 ``x-fairbatch-lease`` (consumed), ``x-fairbatch-slo-class``, ``x-fairbatch-queued-ms`` (arrival =
 now - queued), ``x-fairbatch-tenant`` (logs/spans only), ``traceparent``/``tracestate`` (a child
-span is created and injected upstream).
+span is created and injected upstream). Upstream, the agent adds ``x-fairbatch-ttft-ms`` and
+``x-fairbatch-tpot-ms``: the SLO of the request's class, for deadline-aware engine policies.
 
 Failure handling: client disconnect -> upstream response closed (the engine aborts) and the request
 dropped from the tracker; engine failure mid-stream -> ``data: {"error": {...}}`` then
@@ -294,6 +295,9 @@ class Proxy:
                 )
             except TrackerFull:
                 return error_json(503, "agent is tracking too many requests", "server_overloaded")
+            # The engine's deadline-aware policy (sim --policy fairbatching, plugin) reads the class's SLO.
+            up_headers["x-fairbatch-ttft-ms"] = f"{tracked.envelope.ttft_ms:g}"
+            up_headers["x-fairbatch-tpot-ms"] = f"{tracked.envelope.tpot_ms:g}"
             span.set_attribute("fairbatch.request_id", request_id)
             span.set_attribute("fairbatch.slo_class", tracked.slo_class)
             span.set_attribute("fairbatch.stream", stream)

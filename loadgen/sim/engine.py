@@ -40,19 +40,17 @@ class RequestStatus(Enum):
 
 @dataclass(slots=True)
 class EngineRequest(SchedRequest):
-    """Engine state of one request: the scheduling view plus status and token times.
+    """Engine state of one request: the scheduling view (``first_token_ms`` included) plus status and token times.
 
     Attributes:
         seq: admission order in this engine (tie-break for equal ``arrival_ms``).
         status: see :class:`RequestStatus`.
-        first_token_ms: time of the first output token (simulated ms), None before it.
         last_token_ms: time of the latest output token (simulated ms), None before the first.
         num_preemptions: times this request was preempted.
     """
 
     seq: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    first_token_ms: float | None = None
     last_token_ms: float | None = None
     num_preemptions: int = 0
 
@@ -157,11 +155,17 @@ class SimEngine:
     Args:
         config: engine settings.
         policy: batch-formation policy (default :class:`VllmDefaultPolicy`).
+
+    Attributes:
+        policy_time_model: the time model the *policy* is given (default ``config.time_model``);
+            a caller may swap in a mis-calibrated or inflated one (residuals.py) while step
+            durations keep following ``config.time_model``.
     """
 
     def __init__(self, config: EngineConfig, policy: BatchingPolicy | None = None) -> None:
         self.config = config
         self.policy: BatchingPolicy = policy if policy is not None else VllmDefaultPolicy()
+        self.policy_time_model: TimeModel = config.time_model
         self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size)
         self.counters = EngineCounters()
         self.requests: dict[str, EngineRequest] = {}
@@ -298,7 +302,7 @@ class SimEngine:
                 max_num_seqs=cfg.max_num_seqs,
                 kv_free_blocks=self.kv.free_blocks,
                 block_size=cfg.block_size,
-                time_model=cfg.time_model,
+                time_model=self.policy_time_model,
             )
         )
         if proposal.num_new_tokens > cfg.max_num_batched_tokens:

@@ -38,16 +38,17 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from loadgen.sim.engine import EngineConfig, SimEngine, StepResult
+from loadgen.sim.step_log import write_step
 from loadgen.sim.tokenizer import OUTPUT_TOKEN_TEXT, count_tokens, render_chat
 from replica_agent.clock import Clock
-from replica_agent.policy.batching import POLICIES, make_policy
+from replica_agent.policy.batching import POLICIES, PolicyConfig, make_policy
 from replica_agent.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile
 from replica_agent.runtime import run, setup_logging
 
@@ -87,6 +88,9 @@ class SimServerConfig:
         policy: batching policy name (see replica_agent.policy.batching.POLICIES).
         seed: seeds the generator of request ids (when no X-Request-Id is given).
         log_level: logging level name.
+        default_ttft_ms, default_tpot_ms: SLO (ms) of requests without ``x-fairbatch-ttft-ms`` /
+            ``x-fairbatch-tpot-ms`` headers (the replica agent sets them from the request's class).
+        step_log: path of a per-step JSONL log (loadgen/sim/step_log.py), None = off.
     """
 
     host: str = "127.0.0.1"
@@ -103,6 +107,9 @@ class SimServerConfig:
     policy: str = "vllm-default"
     seed: int = 0
     log_level: str = "INFO"
+    default_ttft_ms: float = 1000.0
+    default_tpot_ms: float = 100.0
+    step_log: str | None = None
 
 
 class RequestError(Exception):
@@ -225,8 +232,9 @@ class SimServer:
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=config.max_model_len,
             ),
-            make_policy(config.policy),
+            make_policy(config.policy, PolicyConfig(config.default_ttft_ms, config.default_tpot_ms)),
         )
+        self._step_log: TextIO | None = None
         self._rng = random.Random(config.seed)
         self._boxes: dict[str, _Mailbox] = {}
         self._wake = asyncio.Event()
@@ -294,6 +302,8 @@ class SimServer:
             else:
                 await asyncio.sleep(0)  # let handlers run
             sim_now = result.end_ms
+            if self._step_log is not None:
+                write_step(self._step_log, result)
             self._deliver(result)
 
     def _deliver(self, result: StepResult) -> None:
@@ -314,6 +324,8 @@ class SimServer:
             box.event.set()
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        if self.config.step_log:
+            self._step_log = open(self.config.step_log, "a", encoding="utf-8", buffering=1 << 16)  # noqa: SIM115
         task = asyncio.create_task(self.engine_loop(), name="sim-engine-loop")
         log.info(
             "sim engine up: model=%s blocks=%d block_size=%d max_num_batched_tokens=%d max_num_seqs=%d "
@@ -331,6 +343,9 @@ class SimServer:
             for box in self._boxes.values():
                 box.error = "engine shutting down"
                 box.event.set()
+            if self._step_log is not None:
+                self._step_log.close()
+                self._step_log = None
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -450,8 +465,12 @@ class SimServer:
         engine_id = self._engine_id(response_id)
         if self.failed is not None:
             return error_response(self.failed, 503, request_id=header_id)
+        ttft_ms = _header_ms(request, "x-fairbatch-ttft-ms")
+        tpot_ms = _header_ms(request, "x-fairbatch-tpot-ms")
         try:
-            self.engine.add_request(engine_id, parsed.prompt_tokens, parsed.max_tokens, self.clock.now_ms())
+            self.engine.add_request(
+                engine_id, parsed.prompt_tokens, parsed.max_tokens, self.clock.now_ms(), ttft_ms, tpot_ms
+            )
         except ValueError as e:
             return error_response(str(e), 400, request_id=header_id)
         box = _Mailbox()
@@ -591,6 +610,18 @@ class SimServer:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+def _header_ms(request: web.Request, name: str) -> float | None:
+    """A positive finite ms value from header ``name``; None when absent or malformed (policy default applies)."""
+    raw = request.headers.get(name)
+    if raw is None:
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        return None
+    return v if 0 < v < float("inf") else None
+
+
 SIM_SERVER = web.AppKey("sim_server", SimServer)
 """App key under which :func:`build_app` stores the :class:`SimServer` (tests read the engine through it)."""
 
@@ -661,6 +692,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default=d.policy, choices=sorted(POLICIES))
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--log-level", default=d.log_level)
+    parser.add_argument("--default-ttft-ms", type=float, default=d.default_ttft_ms,
+                        help="TTFT target of requests without an x-fairbatch-ttft-ms header")  # fmt: skip
+    parser.add_argument("--default-tpot-ms", type=float, default=d.default_tpot_ms,
+                        help="TPOT target of requests without an x-fairbatch-tpot-ms header")  # fmt: skip
+    parser.add_argument("--step-log", default=None, help="append one JSON line per step here (for calibrate)")
 
 
 def config_from_args(args: argparse.Namespace) -> SimServerConfig:
@@ -680,6 +716,9 @@ def config_from_args(args: argparse.Namespace) -> SimServerConfig:
         policy=args.policy,
         seed=args.seed,
         log_level=args.log_level,
+        default_ttft_ms=args.default_ttft_ms,
+        default_tpot_ms=args.default_tpot_ms,
+        step_log=args.step_log,
     )
 
 

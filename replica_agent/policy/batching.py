@@ -11,15 +11,23 @@ the KV cache. A prefill (or a recompute after preemption) has many tokens left, 
 one (the token sampled last step). The step that brings ``computed_tokens`` up to the known tokens
 samples the next output token.
 
-Policies live in :data:`POLICIES` (name -> class); :func:`make_policy` builds one by name.
-FairBatching (DESIGN section 3) is meant to be added as another class reading the deadline fields
-(``arrival_ms``, ``ttft_ms``, ``tpot_ms``), ``time_model``, ``kv_free_blocks`` and ``now_ms``.
+Policies live in :data:`POLICIES` (name -> class); :func:`make_policy` builds one by name from a
+:class:`PolicyConfig`:
+
+- ``vllm-default`` (:class:`VllmDefaultPolicy`): decode first (running order), then FCFS waiting
+  prefills chunked to a fixed token budget (vLLM v1 chunked prefill, Sarathi-style).
+- ``fairbatching`` (:class:`FairBatchingPolicy`): deadline/slack batch formation inside a
+  predicted time budget (seed 000, FairBatching, arXiv 2510.14392; DESIGN.md section 3).
+- ``fcfs`` (:class:`FcfsPolicy`): arrival order, prefill and decode alike.
+- ``prefill-first`` (:class:`PrefillFirstPolicy`): every prefill (arrival order) before any decode.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import ClassVar, Protocol
 
 from replica_agent.policy.time_model import TimeModel
@@ -38,6 +46,7 @@ class SchedRequest:
         arrival_ms: arrival time (simulated ms).
         ttft_ms: TTFT target (ms), None when unknown.
         tpot_ms: TPOT target (ms), None when unknown.
+        first_token_ms: time the first output token was sampled (simulated ms), None before it.
     """
 
     request_id: str
@@ -48,6 +57,7 @@ class SchedRequest:
     arrival_ms: float = 0.0
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    first_token_ms: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -116,11 +126,44 @@ class BatchingPolicy(Protocol):
 
     name: ClassVar[str]
 
+    @classmethod
+    def from_config(cls, config: PolicyConfig) -> BatchingPolicy:
+        """Build the policy from the shared parameters."""
+        ...
+
     def form_batch(self, state: SchedState) -> Batch:
         """Propose the next iteration's batch."""
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Parameters of the policies (each policy reads the ones it needs).
+
+    Attributes:
+        default_ttft_ms: TTFT target (ms) of requests without one (FairBatching).
+        default_tpot_ms: TPOT target (ms) of requests without one (FairBatching).
+        token_budget: vllm-default's per-step token budget (tokens; vLLM's max_num_batched_tokens
+            as a fixed chunked-prefill budget); None -> the engine's max_num_batched_tokens.
+        tpot_from_first_token: FairBatching's decode deadlines also respect the TPOT measured from
+            the first token (see :class:`FairBatchingPolicy`); False = the seed's envelope only.
+    """
+
+    default_ttft_ms: float = 1000.0
+    default_tpot_ms: float = 100.0
+    token_budget: int | None = None
+    tpot_from_first_token: bool = True
+
+    def __post_init__(self) -> None:
+        if not (self.default_ttft_ms > 0 and self.default_tpot_ms > 0):
+            raise ValueError(
+                f"default SLO must be > 0 ms; got ttft {self.default_ttft_ms}, tpot {self.default_tpot_ms}"
+            )
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
+
+
+@dataclass(slots=True)
 class VllmDefaultPolicy:
     """vLLM v1's default schedule with chunked prefill (Sarathi-style decode-first token budget).
 
@@ -128,17 +171,33 @@ class VllmDefaultPolicy:
 
     1. Running requests first, in running order: each gets min(remaining_tokens, budget) tokens
        (1 for a decode; the next chunk for an unfinished chunked prefill); stop when the token
-       budget (max_num_batched_tokens) is spent.
+       budget is spent.
     2. Then waiting requests FCFS while the budget lasts and running + admitted < max_num_seqs;
        each gets min(remaining_tokens, budget), so the last one is chunked to what is left.
+
+    The budget is ``token_budget`` when set, else the engine's max_num_batched_tokens (vLLM uses
+    max_num_batched_tokens itself: 8192 for ``vllm serve`` on GPUs with >= 70 GiB, 2048 below,
+    ``vllm/engine/arg_utils.py``), never above the engine's cap. KV allocation and preemption are
+    the engine's (as in vLLM).
+
+    Attributes:
+        token_budget: fixed per-step token budget (tokens), None -> max_num_batched_tokens.
     """
 
     name: ClassVar[str] = "vllm-default"
+    token_budget: int | None = None
+
+    @classmethod
+    def from_config(cls, config: PolicyConfig) -> VllmDefaultPolicy:
+        """Build from the shared policy parameters (reads ``token_budget``)."""
+        return cls(token_budget=config.token_budget)
 
     def form_batch(self, state: SchedState) -> Batch:
         """Propose running-first, then FCFS waiting, under the token and sequence caps."""
         batch = Batch()
         budget = state.max_num_batched_tokens
+        if self.token_budget is not None:
+            budget = min(budget, self.token_budget)
         for req in state.running:
             if budget <= 0:
                 break
@@ -160,13 +219,341 @@ class VllmDefaultPolicy:
         return batch
 
 
+@dataclass(slots=True)
+class FcfsPolicy:
+    """First come, first served over every request, prefill and decode alike.
+
+    Running and waiting requests in one arrival order (ties: running first, then queue order);
+    each gets min(remaining_tokens, budget) tokens (1 for a decode, a chunk for a prefill) while
+    the token budget (max_num_batched_tokens) lasts; waiting ones also need a free sequence slot
+    (max_num_seqs). An old prefill can thus take the whole budget and hold back younger decodes.
+    """
+
+    name: ClassVar[str] = "fcfs"
+
+    @classmethod
+    def from_config(cls, config: PolicyConfig) -> FcfsPolicy:
+        """Build (no parameters)."""
+        return cls()
+
+    def form_batch(self, state: SchedState) -> Batch:
+        """Propose requests in arrival order under the token and sequence caps."""
+        batch = Batch()
+        budget = state.max_num_batched_tokens
+        seqs_left = state.max_num_seqs - len(state.running)
+        tagged = [(r, True) for r in state.running]
+        tagged.extend((r, False) for r in state.waiting)
+        tagged.sort(key=lambda t: t[0].arrival_ms)  # stable: running before waiting on ties
+        _add_in_order(batch, tagged, budget, seqs_left, state)
+        return batch
+
+
+@dataclass(slots=True)
+class PrefillFirstPolicy:
+    """Prefill first: every prefill before any decode (vLLM v0's default priority, chunked).
+
+    Prefills (unfinished chunked prefills among the running, then waiting requests, all in arrival
+    order) get min(remaining_tokens, budget) tokens while the token budget lasts (waiting ones
+    also need a sequence slot); running decodes, in running order, get what is left, 1 token each.
+    """
+
+    name: ClassVar[str] = "prefill-first"
+
+    @classmethod
+    def from_config(cls, config: PolicyConfig) -> PrefillFirstPolicy:
+        """Build (no parameters)."""
+        return cls()
+
+    def form_batch(self, state: SchedState) -> Batch:
+        """Propose prefills (arrival order), then decodes, under the token and sequence caps."""
+        batch = Batch()
+        budget = state.max_num_batched_tokens
+        seqs_left = state.max_num_seqs - len(state.running)
+        prefills: list[tuple[SchedRequest, bool]] = []
+        decodes: list[SchedRequest] = []
+        for r in state.running:
+            rem = r.prompt_tokens + r.tokens_out - r.computed_tokens
+            if rem == 1 and r.tokens_out > 0:
+                decodes.append(r)
+            elif rem > 0:
+                prefills.append((r, True))
+        prefills.extend((r, False) for r in state.waiting)
+        prefills.sort(key=lambda t: t[0].arrival_ms)
+        budget = _add_in_order(batch, prefills, budget, seqs_left, state)
+        for req in decodes:
+            if budget <= 0:
+                break
+            batch.add(req.request_id, 1)
+            budget -= 1
+        return batch
+
+
+def _add_in_order(
+    batch: Batch, items: Sequence[tuple[SchedRequest, bool]], budget: int, seqs_left: int, state: SchedState
+) -> int:
+    """Add (request, is_running) in order, min(remaining, budget) tokens each; returns the budget left.
+
+    Running requests are always proposed (the engine preempts when KV runs out, as vLLM); admission of
+    waiting ones stops at the first whose chunk does not fit the KV blocks still free (vLLM: the KV
+    manager answers None and the scheduler stops admitting), so its tokens are not charged.
+    """
+    bs = state.block_size
+    kv_left = state.kv_free_blocks
+    admit = True
+    for req, running in items:
+        if budget <= 0:
+            break
+        comp = req.computed_tokens
+        n = min(req.prompt_tokens + req.tokens_out - comp, budget)
+        if n <= 0:
+            continue
+        need = -(-(comp + n) // bs) - (-(-comp // bs))
+        if not running:
+            if not admit or seqs_left <= 0:
+                continue
+            if need > kv_left:
+                admit = False
+                continue
+            seqs_left -= 1
+        kv_left -= need
+        batch.add(req.request_id, n)
+        budget -= n
+    return budget
+
+
+_SLACK = itemgetter(0)
+
+
+@dataclass(slots=True)
+class FairBatchingPolicy:
+    """FairBatching batch formation (seed 000; FairBatching, arXiv 2510.14392; DESIGN.md section 3).
+
+    Slack of a request (ms) = deadline of its next token - now, deadline(j) = arrival + ttft +
+    tpot * j with j = tokens_out (the first-token deadline for a prefill; envelope.py). With
+    ``tpot_from_first_token`` (default) a request that has its first token also keeps
+    deadline(j) <= first_token_ms + tpot * j: SLO attainment judges TPOT = (last - first) /
+    (n - 1) (DESIGN section 2), so TTFT slack left over at the first token is not spendable on
+    decodes (with the seed's envelope alone, a request whose first token came 400 ms early could
+    be paced to TPOT = tpot + 400 / (n - 1) and miss its TPOT target). Then:
+
+    1. time_budget = max(min slack over running decodes, min tpot_slo over running decodes) (ms);
+       with no running decode it is unbounded (only the token cap and KV limit the batch).
+    2. Urgent decodes: slack < time_budget + min tpot_slo; the rest are non-urgent.
+    3. Order: urgent decodes, then prefills (waiting requests and unfinished chunked prefills or
+       recomputes; slack against their next token's deadline), then non-urgent decodes, each
+       group by slack ascending (ties keep queue order).
+    4. Add in that order while the batch stays inside all limits: predicted time
+       ``time_model.batch_ms(new_tokens, context_tokens) <= time_budget`` (context = each item's
+       computed tokens), the KV blocks still free (``kv_free_blocks``; a new request is admitted
+       only when its whole remaining prompt fits, so admitted prefills cannot wedge the cache),
+       the token cap (max_num_batched_tokens) and max_num_seqs. A prefill that does not fit whole
+       is chunked to what is left of the time, token and KV budgets; items that do not fit are
+       skipped (a later, smaller one may still fit).
+    5. Never an empty batch while work exists: if nothing fits, the most urgent item alone (the
+       first in the order of 3 that fits KV; else the first running one, for which the engine
+       preempts as vLLM does; else the first waiting one), a prefill chunked to the token cap.
+
+    Requests without an SLO (``ttft_ms``/``tpot_ms`` None) use ``default_ttft_ms``/``default_tpot_ms``.
+    Cost: O(n log n) in the requests considered, one pass and three sorts (see
+    ``scripts/bench_policy_decision.py``).
+
+    Attributes:
+        default_ttft_ms: TTFT target of requests without one (ms).
+        default_tpot_ms: TPOT target of requests without one (ms).
+        tpot_from_first_token: also bound decode deadlines by first_token_ms + tpot * j.
+    """
+
+    name: ClassVar[str] = "fairbatching"
+    default_ttft_ms: float = 1000.0
+    default_tpot_ms: float = 100.0
+    tpot_from_first_token: bool = True
+
+    @classmethod
+    def from_config(cls, config: PolicyConfig) -> FairBatchingPolicy:
+        """Build from the shared policy parameters (reads the default SLO and the deadline variant)."""
+        return cls(config.default_ttft_ms, config.default_tpot_ms, config.tpot_from_first_token)
+
+    def form_batch(self, state: SchedState) -> Batch:
+        """Propose the batch of DESIGN.md section 3 (see the class docstring).
+
+        Raises:
+            ValueError: if ``state.time_model`` is None (the budget needs it).
+        """
+        tm = state.time_model
+        if tm is None:
+            raise ValueError("FairBatching needs state.time_model to predict batch times")
+        a = tm.a_ms
+        b = tm.b_ms_per_new_token
+        c = tm.c_ms_per_context_token
+        now = state.now_ms
+        d_ttft = self.default_ttft_ms
+        d_tpot = self.default_tpot_ms
+        anchored = self.tpot_from_first_token
+
+        # 1. slack of every request; split decodes from prefills.
+        decodes: list[tuple[float, SchedRequest]] = []
+        prefills: list[tuple[float, SchedRequest, int, bool]] = []
+        min_slack = math.inf
+        min_tpot = math.inf
+        for r in state.running:
+            out = r.tokens_out
+            rem = r.prompt_tokens + out - r.computed_tokens
+            if rem <= 0:
+                continue
+            tpot = r.tpot_ms
+            if tpot is None:
+                tpot = d_tpot
+            ttft = r.ttft_ms
+            if ttft is None:
+                ttft = d_ttft
+            slack = r.arrival_ms + ttft + tpot * out - now
+            first = r.first_token_ms
+            if anchored and first is not None:
+                s2 = first + tpot * out - now
+                if s2 < slack:
+                    slack = s2
+            if rem == 1 and out > 0:
+                decodes.append((slack, r))
+                if slack < min_slack:
+                    min_slack = slack
+                if tpot < min_tpot:
+                    min_tpot = tpot
+            else:
+                prefills.append((slack, r, rem, True))
+        for r in state.waiting:
+            out = r.tokens_out
+            rem = r.prompt_tokens + out - r.computed_tokens
+            if rem <= 0:
+                continue
+            tpot = r.tpot_ms
+            if tpot is None:
+                tpot = d_tpot
+            ttft = r.ttft_ms
+            if ttft is None:
+                ttft = d_ttft
+            slack = r.arrival_ms + ttft + tpot * out - now
+            first = r.first_token_ms
+            if anchored and first is not None:
+                s2 = first + tpot * out - now
+                if s2 < slack:
+                    slack = s2
+            prefills.append((slack, r, rem, False))
+
+        # 2.-3. budget, urgent split, order.
+        if decodes:
+            budget = min_slack if min_slack > min_tpot else min_tpot
+            threshold = budget + min_tpot
+            urgent = [d for d in decodes if d[0] < threshold]
+            non_urgent = [d for d in decodes if d[0] >= threshold]
+            urgent.sort(key=_SLACK)
+            non_urgent.sort(key=_SLACK)
+        else:
+            budget = math.inf
+            urgent = non_urgent = []
+        prefills.sort(key=_SLACK)
+
+        # 4. add while time, KV, token cap and sequence cap allow.
+        batch = Batch()
+        items = batch.items
+        t = a  # predicted batch time so far (ms)
+        tokens_left = state.max_num_batched_tokens
+        seqs_left = state.max_num_seqs - len(state.running)
+        kv_left = state.kv_free_blocks
+        bs = state.block_size
+        for group in (urgent, None, non_urgent):
+            if group is None:
+                for _, r, rem, running in prefills:
+                    if tokens_left <= 0:
+                        break
+                    if not running and seqs_left <= 0:
+                        continue
+                    comp = r.computed_tokens
+                    room = budget - t - c * comp  # ms left for this item's new tokens
+                    if room < b:
+                        continue
+                    held = -(-comp // bs)
+                    if not running and -(-(comp + rem) // bs) - held > kv_left:
+                        continue
+                    n = rem if rem < tokens_left else tokens_left
+                    if room != math.inf:
+                        n_time = int(room / b + 1e-9)  # as TimeModel.tokens_within_ms
+                        if n_time < n:
+                            n = n_time
+                    n_kv = (held + kv_left) * bs - comp
+                    if n_kv < n:
+                        n = n_kv
+                    if n < 1:
+                        continue
+                    items.append((r.request_id, n))
+                    t += b * n + c * comp
+                    tokens_left -= n
+                    kv_left -= -(-(comp + n) // bs) - held
+                    if not running:
+                        seqs_left -= 1
+                continue
+            for _, r in group:
+                if tokens_left <= 0:
+                    break
+                comp = r.computed_tokens
+                dt = b + c * comp
+                if t + dt > budget:
+                    continue
+                if comp % bs == 0:  # the new token opens a block
+                    if kv_left <= 0:
+                        continue
+                    kv_left -= 1
+                items.append((r.request_id, 1))
+                t += dt
+                tokens_left -= 1
+        if items:
+            batch.num_new_tokens = state.max_num_batched_tokens - tokens_left
+            return batch
+
+        # 5. never empty while work exists.
+        pick = _most_urgent(urgent, prefills, non_urgent, state)
+        if pick is not None:
+            batch.add(*pick)
+        return batch
+
+
+def _most_urgent(
+    urgent: list[tuple[float, SchedRequest]],
+    prefills: list[tuple[float, SchedRequest, int, bool]],
+    non_urgent: list[tuple[float, SchedRequest]],
+    state: SchedState,
+) -> tuple[str, int] | None:
+    """FairBatching's fallback item (request_id, tokens): see step 5 of :class:`FairBatchingPolicy`."""
+    cap = state.max_num_batched_tokens
+    bs = state.block_size
+    kv = state.kv_free_blocks
+    seq_free = state.max_num_seqs > len(state.running)
+    ordered: list[tuple[SchedRequest, int, bool]] = [(r, 1, True) for _, r in urgent]
+    ordered.extend((r, min(rem, cap), running) for _, r, rem, running in prefills if running or seq_free)
+    ordered.extend((r, 1, True) for _, r in non_urgent)
+    if not ordered:
+        return None
+    for r, n, _ in ordered:
+        comp = r.computed_tokens
+        if -(-(comp + n) // bs) - (-(-comp // bs)) <= kv:
+            return r.request_id, n
+    for r, n, running in ordered:
+        if running:
+            return r.request_id, n
+    r, n, _ = ordered[0]
+    return r.request_id, n
+
+
 POLICIES: dict[str, type[BatchingPolicy]] = {
     VllmDefaultPolicy.name: VllmDefaultPolicy,
+    FairBatchingPolicy.name: FairBatchingPolicy,
+    FcfsPolicy.name: FcfsPolicy,
+    PrefillFirstPolicy.name: PrefillFirstPolicy,
 }
+"""Registry: policy name -> class (each has ``from_config(PolicyConfig)``)."""
 
 
-def make_policy(name: str) -> BatchingPolicy:
-    """Build the policy registered under ``name``.
+def make_policy(name: str, config: PolicyConfig | None = None) -> BatchingPolicy:
+    """Build the policy registered under ``name`` with ``config`` (default :class:`PolicyConfig`).
 
     Raises:
         KeyError: with the known names when ``name`` is not registered.
@@ -175,4 +562,4 @@ def make_policy(name: str) -> BatchingPolicy:
         cls = POLICIES[name]
     except KeyError:
         raise KeyError(f"unknown batching policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
-    return cls()
+    return cls.from_config(config if config is not None else PolicyConfig())

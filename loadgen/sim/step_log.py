@@ -1,0 +1,32 @@
+"""Per-step log of an engine: one JSON line per executed iteration (input of ``fairbatch-agent calibrate``).
+
+Line format (JSONL): ``{"start_ms": float, "new_tokens": int, "context_tokens": int,
+"measured_ms": float, "batch_size": int}``: simulated start time, tokens computed, tokens in KV
+before the step summed over the batch (the time model's inputs, seed 000 / time_model.py), the
+step's duration in ms, and the number of requests in it. ``fairbatch-agent calibrate`` also reads
+CSV with a header naming at least ``new_tokens,context_tokens,measured_ms``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TextIO
+
+from loadgen.sim.engine import StepResult
+
+
+def step_record(result: StepResult) -> dict[str, float | int]:
+    """The log record of one non-empty step."""
+    return {
+        "start_ms": round(result.start_ms, 6),
+        "new_tokens": result.batch.num_new_tokens,
+        "context_tokens": result.context_tokens,
+        "measured_ms": round(result.duration_ms, 6),
+        "batch_size": len(result.batch),
+    }
+
+
+def write_step(out: TextIO, result: StepResult) -> None:
+    """Append one step to ``out`` (skips empty steps)."""
+    if result.duration_ms > 0:
+        out.write(json.dumps(step_record(result), separators=(",", ":")) + "\n")

@@ -1,0 +1,81 @@
+"""Virtual-clock replay (loadgen/sim/virtual.py): a hand-computed timeline and no starvation."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+
+import pytest
+
+from loadgen.sim.engine import EngineConfig, SimEngine
+from loadgen.sim.virtual import VirtualRequest, run_virtual
+from replica_agent.policy.batching import POLICIES, PolicyConfig, make_policy
+from replica_agent.policy.residuals import ResidualTracker
+from replica_agent.policy.time_model import TimeModel
+
+TM = TimeModel(10.0, 0.1, 0.001)
+
+
+def engine(policy: str = "vllm-default", blocks: int = 1000) -> SimEngine:
+    return SimEngine(EngineConfig(TM, num_gpu_blocks=blocks, block_size=16), make_policy(policy))
+
+
+def test_two_request_timeline() -> None:
+    reqs = [VirtualRequest("r1", 0.0, 100, 2), VirtualRequest("r2", 5.0, 50, 1)]
+    log = io.StringIO()
+    run = run_virtual(reqs, engine(), step_log=log)
+    # t=0: r1 prefill 100 tokens, context 0: 10 + 0.1*100 = 20 ms -> r1 token 1 at 20.
+    # t=20: r2 (arrived at 5) queued. Batch r1 decode (100 in KV) + r2 prefill 50:
+    #       10 + 0.1*51 + 0.001*100 = 15.2 ms -> r1 token 2 and r2 token 1 at 35.2.
+    r1, r2 = run.records
+    assert r1.token_times_ms == pytest.approx([20.0, 35.2])
+    assert r2.token_times_ms == pytest.approx([35.2])
+    assert r1.ttft_ms == pytest.approx(20.0) and r2.ttft_ms == pytest.approx(30.2)
+    assert r1.tpot_ms == pytest.approx(15.2) and r2.tpot_ms is None
+    assert (run.steps, run.end_ms) == (2, pytest.approx(35.2))
+    lines = [json.loads(x) for x in log.getvalue().splitlines()]
+    assert [(x["new_tokens"], x["context_tokens"]) for x in lines] == [(100, 0), (51, 100)]
+    assert [x["measured_ms"] for x in lines] == pytest.approx([20.0, 15.2])
+
+
+def test_idle_gap_jumps_to_next_arrival() -> None:
+    run = run_virtual([VirtualRequest("a", 0.0, 10, 1), VirtualRequest("b", 1000.0, 10, 1)], engine())
+    # each: 10 + 0.1*10 = 11 ms from its arrival.
+    assert [r.token_times_ms for r in run.records] == [[pytest.approx(11.0)], [pytest.approx(1011.0)]]
+
+
+def test_too_long_request_is_rejected_not_run() -> None:
+    run = run_virtual([VirtualRequest("x", 0.0, 20_000, 1)], engine(blocks=100))  # 1600 KV slots
+    assert run.records[0].rejected and run.records[0].token_times_ms == []
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_long_random_run_finishes_every_request(policy: str) -> None:
+    rng = random.Random(3)
+    reqs, t = [], 0.0
+    for i in range(400):
+        t += rng.expovariate(1 / 60.0)  # ~16 req/s: overloaded bursts on 300 KV blocks
+        reqs.append(VirtualRequest(str(i), t, rng.randint(1, 1500), rng.randint(1, 60), 500.0, 50.0))
+    eng = SimEngine(EngineConfig(TM, num_gpu_blocks=300, block_size=16, max_num_batched_tokens=1024,
+                                 max_num_seqs=32), make_policy(policy, PolicyConfig(500, 50)))  # fmt: skip
+    run = run_virtual(reqs, eng)
+    for rec in run.records:
+        assert rec.rejected is None
+        assert len(rec.token_times_ms) == rec.request.output_tokens
+        assert rec.token_times_ms == sorted(rec.token_times_ms)
+        assert rec.token_times_ms[0] > rec.request.arrival_ms
+    assert not eng.has_work()
+
+
+def test_residual_tracker_inflates_policy_model() -> None:
+    # The policy believes a model 2x too fast: every step's relative error is (2x - x) / x = 1.
+    reqs = [VirtualRequest(str(i), 50.0 * i, 200, 5) for i in range(20)]
+    tracker = ResidualTracker(alpha=0.5, threshold=0.15, max_inflation=1.5)
+    eng = engine("fairbatching")
+    run = run_virtual(reqs, eng, residuals=tracker, policy_time_model=TimeModel(5.0, 0.05, 0.0005))
+    assert tracker.count == run.steps
+    assert tracker.bias == pytest.approx(1.0) and tracker.inflation_factor() == 1.5
+    m = eng.policy_time_model  # the believed model x 1.5
+    assert (m.a_ms, m.b_ms_per_new_token, m.c_ms_per_context_token) == (
+        pytest.approx(7.5), pytest.approx(0.075), pytest.approx(0.00075))  # fmt: skip
