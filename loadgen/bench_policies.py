@@ -184,7 +184,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags of ``bench-policies``."""
-    p = argparse.ArgumentParser(prog="bench-policies", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="fairbatch-loadgen bench-policies", description=__doc__.splitlines()[0])
     p.add_argument("--trace", required=True, help="embedded trace name (azure-conv, azure-code, mooncake-conv) or path")
     p.add_argument("--profile", default="llama-3-8b-a100")
     p.add_argument("--variant", default="all_batches")

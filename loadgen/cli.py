@@ -4,6 +4,7 @@ Subcommands:
   replay      replay a real trace against a router or an engine, print and write the report
   demo        start engines + agents + router on loopback, replay through the router
   sim-engine  the vLLM-compatible simulated engine (flags: ``sim-engine --help``)
+  bench-policies  batching policies on one replica in virtual time (flags: ``bench-policies --help``)
 """
 
 from __future__ import annotations
@@ -17,6 +18,14 @@ from loadgen.traces import EMBEDDED_TRACES
 _TRACE_HELP = (
     f"embedded trace name ({', '.join(sorted(EMBEDDED_TRACES))}) or a path to an Azure 2023 CSV / Mooncake JSONL"
 )
+
+
+# Subcommands with their own argument parser: name -> (module with main(argv), one-line help).
+_DELEGATED = {
+    "sim-engine": ("loadgen.sim.server", "the vLLM-compatible simulated engine (see sim-engine --help)"),
+    "bench-policies": ("loadgen.bench_policies",
+                       "sweep arrival rate per batching policy on one replica in virtual time (see bench-policies --help)"),
+}
 
 
 def _positive(text: str) -> float:
@@ -52,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay real LLM traces against fairbatch (or any vLLM-compatible server) and report "
                     "TTFT/TPOT/ITL, SLO attainment and goodput; run a local demo fleet; run the simulated engine.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{replay,demo,sim-engine}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{replay,demo,sim-engine,bench-policies}")
 
     rp = sub.add_parser(
         "replay",
@@ -109,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--max-wall-s", type=_positive, default=900.0,
                     help="wall-clock limit of the replay (default: %(default)s)")
 
-    sub.add_parser("sim-engine", help="the vLLM-compatible simulated engine (see: sim-engine --help)",
-                   add_help=False)
+    for name, (_, help_text) in _DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
@@ -161,11 +170,11 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``fairbatch-loadgen``; returns (and, as a script, exits with) the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "sim-engine":
-        from loadgen.sim.server import main as sim_main
+    if argv and argv[0] in _DELEGATED:
+        import importlib
 
-        rc = sim_main(argv[1:])
-        return int(rc or 0)
+        module = importlib.import_module(_DELEGATED[argv[0]][0])
+        return int(module.main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     try:
         if args.command == "replay":
