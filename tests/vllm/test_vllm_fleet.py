@@ -1,0 +1,487 @@
+"""Router -> agent -> REAL vLLM (CPU build 0.32.0, tiny random-weight Llama), all real processes.
+
+One fleet for the whole module (start-up is slow): r0 with vLLM's own KV sizing, r1 with
+``--num-gpu-blocks-override 16`` (2,048 KV tokens). The tests run in file order; the last one kills
+a replica. Skipped, with the reason, when ``make vllm-env`` has not been run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+
+from loadgen.sim.tokenizer import make_prompt
+from loadgen.vllm_fleet import (
+    SERVED_MODEL_NAME,
+    VllmFleet,
+    VllmReplica,
+    http_get_text,
+    metric_value,
+    parse_prometheus,
+    vllm_missing_reason,
+)
+from proto import admission_pb2, admission_pb2_grpc
+
+_REASON = vllm_missing_reason()
+if _REASON:
+    pytest.skip(f"real vLLM tests skipped: {_REASON}", allow_module_level=True)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+MODEL = SERVED_MODEL_NAME
+ENGINE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+ENGINE_COUNTERS = (
+    "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+)
+ENGINE_HISTOGRAMS = ("vllm:inter_token_latency_seconds", "vllm:time_to_first_token_seconds",
+                     "vllm:e2e_request_latency_seconds")
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+def auth(fleet: VllmFleet, tenant: str = "acme", request_id: str | None = None) -> dict[str, str]:
+    h = {"Authorization": f"Bearer {fleet.api_keys[tenant]}", "Content-Type": "application/json"}
+    if request_id:
+        h["x-request-id"] = request_id
+    return h
+
+
+def engine_metrics(r: VllmReplica) -> dict[str, list[tuple[dict[str, str], float]]]:
+    return parse_prometheus(http_get_text(r.engine_url + "/metrics"))
+
+
+def agent_metrics(r: VllmReplica) -> dict[str, list[tuple[dict[str, str], float]]]:
+    return parse_prometheus(http_get_text(r.agent_url + "/metrics"))
+
+
+def engine_value(r: VllmReplica, name: str) -> float:
+    v = metric_value(engine_metrics(r), name)
+    assert v is not None, f"{name} missing from {r.replica_id}'s vLLM /metrics"
+    return v
+
+
+def pab_tokens(r: VllmReplica, slo_class: str = "interactive") -> float:
+    v = metric_value(agent_metrics(r), "fairbatch_agent_pab_tokens", slo_class=slo_class)
+    assert v is not None, f"fairbatch_agent_pab_tokens missing from agent {r.replica_id}"
+    return v
+
+
+def pab_ms(r: VllmReplica, slo_class: str = "interactive") -> float:
+    v = metric_value(agent_metrics(r), "fairbatch_agent_pab_ms", slo_class=slo_class)
+    assert v is not None
+    return v
+
+
+def first_snapshot(r: VllmReplica, timeout_s: float = 10.0) -> Any:
+    """First BudgetSnapshot of the agent's WatchBudget stream (sync gRPC)."""
+    with grpc.insecure_channel(r.grpc_target) as ch:
+        stub = admission_pb2_grpc.AdmissionServiceStub(ch)
+        stream = stub.WatchBudget(admission_pb2.WatchBudgetRequest(router_id="vllm-test"), timeout=timeout_s)
+        try:
+            return next(iter(stream))
+        finally:
+            stream.cancel()
+
+
+def sse_events(raw: bytes) -> list[Any]:
+    """Parsed ``data:`` payloads of an SSE body (``"[DONE]"`` kept as the string)."""
+    out: list[Any] = []
+    for block in raw.decode("utf-8", errors="replace").split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data:"):
+                payload = line[5:].strip()
+                out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def wait_until(pred: Any, timeout_s: float, interval_s: float = 0.25, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = pred()
+        except OSError as e:  # a busy engine may answer /metrics late (urllib timeout): try again
+            last = None
+            print(f"wait_until({what}): {type(e).__name__}: {e}")
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what or pred}: last={last!r}")
+
+
+async def tokenize_count(r: VllmReplica, prompt: str) -> int:
+    """Prompt tokens as vLLM counts them (its /tokenize endpoint)."""
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r.engine_url + "/tokenize", json={"model": MODEL, "prompt": prompt}) as resp:
+            assert resp.status == 200, await resp.text()
+            return int((await resp.json())["count"])
+
+
+def engine_log(r: VllmReplica) -> str:
+    assert r.engine is not None
+    return r.engine.log_path.read_text(errors="replace")
+
+
+# ---- tests -----------------------------------------------------------------------------------
+
+def test_agents_read_real_vllm_metrics(vllm_fleet: VllmFleet) -> None:
+    """vLLM 0.32.0 exports the names the agent reads; the agent takes KV capacity from cache_config_info."""
+    fleet = vllm_fleet
+    for r in fleet.replicas:
+        m = engine_metrics(r)
+        for name in ENGINE_GAUGES + ENGINE_COUNTERS:
+            assert name in m, f"{name} missing from {r.replica_id}'s vLLM /metrics"
+        for name in ENGINE_HISTOGRAMS:
+            assert name + "_sum" in m and name + "_count" in m, name
+        labels, value = m["vllm:cache_config_info"][0]
+        assert value == 1.0
+        block_size, num_blocks = int(labels["block_size"]), int(labels["num_gpu_blocks"])
+        assert block_size == 128, f"CPU vLLM block size is {block_size}"
+        if r.num_gpu_blocks_override:
+            assert num_blocks == r.num_gpu_blocks_override
+        else:
+            assert num_blocks > 16
+        snap = first_snapshot(r)
+        assert snap.replica_id == r.replica_id
+        assert snap.healthy, snap.status_detail
+        assert "missing" not in snap.status_detail, snap.status_detail
+        assert snap.kv_capacity_tokens == num_blocks * block_size, (snap.kv_capacity_tokens, num_blocks, block_size)
+        assert snap.max_prompt_tokens == 1024
+        am = agent_metrics(r)
+        assert metric_value(am, "fairbatch_agent_healthy") == 1.0
+        for missing in ("vllm:kv_cache_usage_perc", "vllm:cache_config_info", "vllm:inter_token_latency_seconds"):
+            assert not metric_value(am, "fairbatch_agent_engine_metrics_missing_total", metric=missing), missing
+        assert pab_tokens(r) > 0
+    # the 16-block replica reports 2,048 KV tokens
+    assert first_snapshot(fleet.replica("r1")).kv_capacity_tokens == 16 * 128
+
+
+async def test_requests_through_router(vllm_fleet: VllmFleet) -> None:
+    """Stream, non-stream, chat and token-id prompts, router -> agent -> vLLM; usage is vLLM's own."""
+    fleet = vllm_fleet
+    url = fleet.router_url
+    r0 = fleet.replica("r0")
+    prompt = make_prompt(40, 1)
+    expected_prompt_tokens = await tokenize_count(r0, prompt)
+    async with aiohttp.ClientSession() as s:
+        # non-stream completion, text prompt; X-Request-Id travels to vLLM
+        rid = "vllmtest-" + uuid.uuid4().hex[:12]
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "ignore_eos": True}
+        async with s.post(url + "/v1/completions", json=body, headers=auth(fleet, request_id=rid)) as resp:
+            assert resp.status == 200, await resp.text()
+            assert resp.headers["x-request-id"] == rid
+            replica = resp.headers["x-fairbatch-replica"]
+            data = await resp.json()
+        assert data["object"] == "text_completion"
+        assert data["usage"]["completion_tokens"] == 12
+        assert data["usage"]["prompt_tokens"] == expected_prompt_tokens
+        assert data["choices"][0]["finish_reason"] == "length"
+        # the engine used our id: its request log names it
+        log = engine_log(fleet.replica(replica))
+        assert rid in log, f"request id {rid} not in vLLM {replica}'s log"
+
+        # stream completion with usage; token count from usage (one chunk may hold several tokens)
+        rid2 = "vllmtest-" + uuid.uuid4().hex[:12]
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with s.post(url + "/v1/completions", json=body, headers=auth(fleet, "beta", rid2)) as resp:
+            assert resp.status == 200, await resp.text()
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            assert resp.headers["x-request-id"] == rid2
+            events = sse_events(await resp.read())
+        assert events[-1] == "[DONE]"
+        chunks = [e for e in events[:-1] if e.get("choices")]
+        usage = [e["usage"] for e in events[:-1] if e.get("usage")]
+        assert usage and usage[-1]["completion_tokens"] == 24
+        assert usage[-1]["prompt_tokens"] == expected_prompt_tokens
+        assert 1 <= len(chunks) <= 25
+        assert all(c["id"].endswith(rid2) for c in chunks), chunks[0]["id"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+        # token-id prompt (ids inside the 900-token vocabulary): prompt_tokens exact
+        ids = list(range(10, 58))
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 8, "ignore_eos": True}
+        async with s.post(url + "/v1/completions", json=body, headers=auth(fleet)) as resp:
+            assert resp.status == 200, await resp.text()
+            data = await resp.json()
+        assert data["usage"] == {**data["usage"], "prompt_tokens": 48, "completion_tokens": 8}
+        body = {"model": MODEL, "prompt": [ids], "max_tokens": 4, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with s.post(url + "/v1/completions", json=body, headers=auth(fleet)) as resp:
+            assert resp.status == 200, await resp.text()
+            events = sse_events(await resp.read())
+        assert [e["usage"] for e in events[:-1] if e.get("usage")][-1]["prompt_tokens"] == 48
+
+        # chat, non-stream and stream
+        messages = [{"role": "user", "content": "Write a short poem about the sea."}]
+        body = {"model": MODEL, "messages": messages, "max_tokens": 10, "ignore_eos": True}
+        async with s.post(url + "/v1/chat/completions", json=body, headers=auth(fleet)) as resp:
+            assert resp.status == 200, await resp.text()
+            data = await resp.json()
+        assert data["object"] == "chat.completion"
+        assert data["choices"][0]["message"]["role"] == "assistant"
+        assert data["usage"]["completion_tokens"] == 10 and data["usage"]["prompt_tokens"] > 8
+        chat_prompt_tokens = data["usage"]["prompt_tokens"]
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with s.post(url + "/v1/chat/completions", json=body, headers=auth(fleet, "beta")) as resp:
+            assert resp.status == 200, await resp.text()
+            events = sse_events(await resp.read())
+        assert events[-1] == "[DONE]"
+        assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+        u = [e["usage"] for e in events[:-1] if e.get("usage")][-1]
+        assert u["completion_tokens"] == 10 and u["prompt_tokens"] == chat_prompt_tokens
+
+        # /v1/models through the router, and vLLM's own X-Request-Id echo (--enable-request-id-headers)
+        async with s.get(url + "/v1/models", headers=auth(fleet)) as resp:
+            assert resp.status == 200
+            assert MODEL in [m["id"] for m in (await resp.json())["data"]]
+        async with s.post(r0.engine_url + "/v1/completions", json={"model": MODEL, "prompt": "the", "max_tokens": 1},
+                          headers={"X-Request-Id": rid + "-direct"}) as resp:
+            assert resp.status == 200
+            assert resp.headers.get("X-Request-Id") == rid + "-direct"
+    # the agents saw the finished requests (outcome ok)
+    ok = sum(metric_value(agent_metrics(r), "fairbatch_agent_requests_finished_total", outcome="ok") or 0
+             for r in fleet.replicas)
+    assert ok >= 6
+
+
+async def test_client_disconnect_aborts_vllm_request(vllm_fleet: VllmFleet) -> None:
+    """Closing the client's stream mid-generation stops vLLM generating (router -> agent -> engine abort).
+
+    vLLM does not wait for a slow reader: on a starved machine a whole answer can be generated before the
+    client reads its first chunk. Such an attempt proves nothing and is retried (at most 5 attempts).
+    """
+    fleet = vllm_fleet
+    max_tokens = 960
+    for attempt in range(5):
+        rid = f"vllmtest-disc{attempt}-" + uuid.uuid4().hex[:10]
+        body = {"model": MODEL, "prompt": make_prompt(50, 2), "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True}
+        before = {r.replica_id: engine_value(r, "vllm:generation_tokens_total") for r in fleet.replicas}
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(fleet.router_url + "/v1/completions", json=body, headers=auth(fleet, request_id=rid))
+            assert resp.status == 200, await resp.text()
+            victim = fleet.replica(resp.headers["x-fairbatch-replica"])
+            assert await resp.content.readany(), "stream ended early"
+            resp.close()  # client goes away mid-stream
+        # the abort must stop it well before max_tokens
+        await asyncio.to_thread(
+            wait_until, lambda: engine_value(victim, "vllm:num_requests_running") == 0, 10.0, 0.1, "running -> 0")
+        g1 = await asyncio.to_thread(engine_value, victim, "vllm:generation_tokens_total")
+        await asyncio.sleep(1.0)
+        g2 = await asyncio.to_thread(engine_value, victim, "vllm:generation_tokens_total")
+        assert g2 == g1, f"vLLM kept generating after the disconnect ({g1} -> {g2})"
+        generated = g2 - before[victim.replica_id]
+        named = [line for line in engine_log(victim).splitlines() if rid in line]
+        print(f"\nattempt {attempt}: {victim.replica_id} generated {generated:g} of {max_tokens} tokens; "
+              f"vLLM log lines naming {rid}:\n" + "\n".join(named)[-1500:])
+        if generated >= max_tokens:
+            continue  # finished before the client's close reached vLLM: try again
+        assert any("borted" in line for line in named), "vLLM did not log the abort"
+        break
+    else:
+        pytest.fail(f"every attempt generated all {max_tokens} tokens before the disconnect reached vLLM")
+    finished = await asyncio.to_thread(
+        wait_until,
+        lambda: metric_value(
+            agent_metrics(victim), "fairbatch_agent_requests_finished_total", outcome="client_disconnect"),
+        5.0, 0.2, "agent counts the client disconnect")
+    assert finished >= 1
+
+
+async def test_overloaded_replica_gets_no_new_work(vllm_fleet: VllmFleet) -> None:
+    """32 concurrent long requests overload r1 (16 KV blocks): its PAB drops to 0, r0's does not,
+    and the router sends new work to r0. Closing the 32 streams aborts them on vLLM."""
+    fleet = vllm_fleet
+    r0, r1 = fleet.replica("r0"), fleet.replica("r1")
+
+    async def hold(s: aiohttp.ClientSession, i: int) -> None:
+        body = {"model": MODEL, "prompt": make_prompt(100, i), "max_tokens": 900, "ignore_eos": True, "stream": True}
+        hdrs = {"x-request-id": f"vllmtest-load-{i}", "x-fairbatch-slo-class": "interactive"}
+        async with s.post(r1.agent_url + "/v1/completions", json=body, headers=hdrs) as resp:
+            async for _ in resp.content.iter_any():
+                pass
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as s:
+        load = [asyncio.create_task(hold(s, i)) for i in range(32)]
+        try:
+            def overloaded() -> tuple[float, float, float, float] | None:
+                waiting = engine_value(r1, "vllm:num_requests_waiting")
+                kv = engine_value(r1, "vllm:kv_cache_usage_perc")
+                p1 = pab_tokens(r1)
+                return (waiting, kv, p1, pab_ms(r1)) if waiting > 0 and kv >= 0.75 and p1 == 0 else None
+
+            waiting, kv, p1, p1_ms = await asyncio.to_thread(wait_until, overloaded, 30.0, 0.2, "r1 overloaded, PAB 0")
+            p0 = await asyncio.to_thread(pab_tokens, r0)
+            print(f"\nr1 overloaded: waiting={waiting:g} kv_usage={kv:.2f} pab_tokens={p1:g} pab_ms={p1_ms:.1f}; "
+                  f"r0 pab_tokens={p0:g}")
+            assert p0 > 0, "the idle replica's PAB must stay positive"
+            # new work goes to r0 (r1's snapshot says no budget)
+            placed = []
+            for i in range(6):
+                body = {"model": MODEL, "prompt": make_prompt(30, i), "max_tokens": 4, "ignore_eos": True}
+                async with s.post(fleet.router_url + "/v1/completions", json=body, headers=auth(fleet)) as resp:
+                    assert resp.status == 200, await resp.text()
+                    placed.append(resp.headers["x-fairbatch-replica"])
+                    assert (await resp.json())["usage"]["completion_tokens"] == 4
+            assert placed == ["r0"] * 6, placed
+            assert await asyncio.to_thread(pab_tokens, r1) == 0
+            assert await asyncio.to_thread(engine_value, r1, "vllm:num_preemptions_total") >= 0
+        finally:
+            for t in load:
+                t.cancel()
+            await asyncio.gather(*load, return_exceptions=True)
+    # client disconnects abort every request on r1's vLLM (32 x 900 tokens would take ~30 s)
+    await asyncio.to_thread(
+        wait_until,
+        lambda: engine_value(r1, "vllm:num_requests_running") + engine_value(r1, "vllm:num_requests_waiting") == 0,
+        10.0, 0.2, "r1 idle after the disconnects")
+    await asyncio.to_thread(wait_until, lambda: pab_tokens(r1) > 0, 10.0, 0.2, "r1 PAB back after the load")
+
+
+def _group_pids(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid`` (Linux /proc)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{d}/stat").read()  # noqa: SIM115
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(d))
+    return pids
+
+
+async def test_killed_replica_reroutes_and_ends_streams_cleanly(vllm_fleet: VllmFleet) -> None:
+    """Kill one vLLM replica mid-run: its streaming requests end with an SSE error event + [DONE];
+    requests not yet streaming are re-routed to the other replica. Runs last (the replica stays dead).
+
+    Three kinds of request meet the dead replica:
+    - streams that already produced tokens: must end with one SSE error event, then ``[DONE]``;
+    - requests vLLM accepted (it answers 200 headers at once) but had not produced a token for, because
+      its engine core was stalled: nothing reached the client yet, so they should be re-routed;
+    - requests sent while the whole replica hung (no answer at all): re-routed (agent answers 502).
+    """
+    fleet = vllm_fleet
+    url = fleet.router_url
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as s:
+        # long streams on both replicas (started together, 12 so that each replica's steps are slow and
+        # a starved client still sees them mid-generation); read until each produced tokens
+        async def open_stream(i: int) -> tuple[aiohttp.ClientResponse, str, bytearray]:
+            body = {"model": MODEL, "prompt": make_prompt(20, i), "max_tokens": 990, "ignore_eos": True,
+                    "stream": True}
+            resp = await s.post(url + "/v1/completions", json=body, headers=auth(fleet))
+            assert resp.status == 200, await resp.text()
+            buf = bytearray()
+            while buf.count(b"data:") < 2:
+                chunk = await resp.content.readany()
+                assert chunk
+                buf += chunk
+            return resp, resp.headers["x-fairbatch-replica"], buf
+
+        streams = list(await asyncio.gather(*(open_stream(i) for i in range(12))))
+        victim_id = streams[0][1]
+        survivor_id = "r1" if victim_id == "r0" else "r0"
+        victim = fleet.replica(victim_id)
+        assert victim.engine is not None
+        api_pid = victim.engine.popen.pid  # `vllm serve` is the API server; started with a new session: pgid
+        core_pids = [p for p in _group_pids(api_pid) if p != api_pid]
+        assert core_pids, "no EngineCore/worker process found in the replica's process group"
+
+        async def later(i: int, stream: bool) -> tuple[int, str, Any]:
+            body: dict[str, Any] = {"model": MODEL, "prompt": make_prompt(25, i), "max_tokens": 6, "ignore_eos": True}
+            if stream:
+                body |= {"stream": True, "stream_options": {"include_usage": True}}
+            async with s.post(url + "/v1/completions", json=body, headers=auth(fleet)) as resp:
+                raw = await resp.read()
+                return resp.status, resp.headers.get("x-fairbatch-replica", ""), (
+                    sse_events(raw) if stream and resp.status == 200 else json.loads(raw))
+
+        # phase 1: engine core + worker stalled, API server alive (answers /metrics and 200 headers)
+        for p in core_pids:
+            os.kill(p, signal.SIGSTOP)
+        accepted = [asyncio.create_task(later(i, i % 2 == 0)) for i in range(6)]
+        await asyncio.sleep(1.0)
+        # phase 2: the whole replica hangs; the router still holds a fresh, healthy snapshot
+        os.kill(api_pid, signal.SIGSTOP)
+        unanswered = [asyncio.create_task(later(100 + i, i % 2 == 0)) for i in range(8)]
+        await asyncio.sleep(0.5)
+        os.killpg(api_pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        # streaming requests on the victim: clean SSE error event, then [DONE], stream closed normally
+        # (one that happened to finish before the kill on a slow, shared machine ends with "length");
+        # the survivor's streams are closed at once (no error so far) to make room for the late requests
+        cut = 0
+        for resp, rid, buf in streams:
+            if rid != victim_id:
+                buf += await resp.content.readany()
+                resp.close()
+                assert b'"error"' not in buf, bytes(buf[-300:])
+                continue
+            events = sse_events(bytes(buf) + await asyncio.wait_for(resp.read(), 60))
+            assert events[-1] == "[DONE]", events[-3:]
+            errors = [e for e in events[:-1] if isinstance(e, dict) and "error" in e]
+            if errors:
+                cut += 1
+                assert len(errors) == 1, events[-3:]
+                assert errors[0]["error"]["message"], errors
+                assert events[-2] is errors[0], "the error event must be the last data event before [DONE]"
+            else:
+                assert events[-2]["choices"][0]["finish_reason"] == "length", events[-3:]
+            resp.close()
+        assert cut >= 1, "no stream was cut by the kill"
+        late_accepted = await asyncio.wait_for(asyncio.gather(*accepted), 120)
+        late_unanswered = await asyncio.wait_for(asyncio.gather(*unanswered), 120)
+        print(f"\nkilled {victim_id}; its streams ended {time.monotonic() - t_kill:.1f} s later; final replica of "
+              f"requests accepted by the stalled engine: {[r[1] for r in late_accepted]}, "
+              f"of requests sent to the hung replica: {[r[1] for r in late_unanswered]}")
+
+        def check_completed(results: list[tuple[int, str, Any]]) -> list[str]:
+            """Problems of requests that should have been re-routed and completed ([] when none)."""
+            problems = []
+            for status, placed, payload in results:
+                if status != 200:
+                    problems.append(f"status {status}: {payload}")
+                elif placed != survivor_id:
+                    problems.append(f"placed on {placed}: {str(payload)[:300]}")
+                elif isinstance(payload, list):
+                    errs = [e for e in payload[:-1] if isinstance(e, dict) and "error" in e]
+                    usage = [e["usage"] for e in payload[:-1] if isinstance(e, dict) and e.get("usage")]
+                    if errs or payload[-1] != "[DONE]" or not usage or usage[-1]["completion_tokens"] != 6:
+                        problems.append(f"stream on {placed} ended with {payload[-2:]}")
+                elif payload["usage"]["completion_tokens"] != 6:
+                    problems.append(f"usage {payload['usage']}")
+            return problems
+
+        # requests the hung replica never answered: re-routed to the survivor, complete
+        assert check_completed(late_unanswered) == []
+        # the victim's agent reports the engine down; the router stops placing there
+        await asyncio.to_thread(
+            wait_until, lambda: metric_value(agent_metrics(victim), "fairbatch_agent_healthy") == 0.0,
+            10.0, 0.2, "victim's agent unhealthy")
+        async with s.post(url + "/v1/completions", headers=auth(fleet),
+                          json={"model": MODEL, "prompt": "the and", "max_tokens": 3}) as resp:
+            assert resp.status == 200, await resp.text()
+            assert resp.headers["x-fairbatch-replica"] == survivor_id
+    assert fleet.router is not None
+    rlog = fleet.router.log_path.read_text(errors="replace")
+    rerouted = [line for line in rlog.splitlines() if f"replica {victim_id} failed before the first byte" in line]
+    print("router lines about the failure:\n" + "\n".join(rerouted)[-2000:])
+    assert rerouted, "no request was re-routed away from the killed replica (router log)"
+    # requests vLLM had accepted (it answers 200 headers before the first token) without producing a
+    # token: nothing reached the client, so they are re-routed too
+    problems = check_completed(late_accepted)
+    assert problems == []
