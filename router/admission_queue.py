@@ -1,8 +1,8 @@
 """Requests that no replica can take right now wait here (DESIGN.md section 5, steps 5-6).
 
-Now a bounded FIFO; the weighted fair queue of issue 5 replaces :class:`FifoQueue` behind the
-:class:`AdmissionQueue` protocol (``push``, ``remove``, ``expire``, ``ordered``), and the
-:class:`Dispatcher` stays as it is.
+:class:`FifoQueue` is the plain bounded FIFO; the router uses the weighted fair queue
+(:class:`router.fair_queue.FairQueue`) behind the same :class:`AdmissionQueue` protocol (``push``,
+``remove``, ``expire``, ``ordered``), and the :class:`Dispatcher` serves either.
 
 - ``push`` raises :class:`QueueFull` when ``max_requests`` requests or ``max_tokens`` prompt tokens
   already wait (a bounded queue overflows with 429, never with memory growth).
@@ -45,7 +45,16 @@ class QueueFull(Exception):
 
 
 class QueueTimeout(Exception):
-    """The request waited its class's ``max_queue_ms`` without a replica able to take it."""
+    """The request left the queue unserved at its ``deadline_ms``.
+
+    Attributes:
+        reason: ``"queue-timeout"`` (waited its class's ``max_queue_ms``) or ``"slo-infeasible"``
+            (a sheddable request whose first-token deadline could no longer be met).
+    """
+
+    def __init__(self, reason: str = "queue-timeout") -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 @dataclass(slots=True, eq=False)
@@ -63,6 +72,11 @@ class WaitingRequest:
         future: resolved by the dispatcher with a grant, or failed with :class:`QueueTimeout`.
         exclude: replica ids not to use (already failed for this request).
         passed_by: how many later entries were admitted while this one waited at the head.
+        priority: priority band (0 = most urgent) of its SLO class.
+        first_token_deadline_ms: arrival + ttft_ms (simulated ms): the EDF key within a tenant.
+        expire_reason: reason given when ``deadline_ms`` passes (``queue-timeout`` or
+            ``slo-infeasible`` when the deadline was set by the fast-fail prediction).
+        seq: arrival order in the queue (set by the queue).
     """
 
     request_id: str
@@ -75,12 +89,16 @@ class WaitingRequest:
     future: asyncio.Future[Any]
     exclude: frozenset[str] = frozenset()
     passed_by: int = 0
+    priority: int = 0
+    first_token_deadline_ms: float = float("inf")
+    expire_reason: str = "queue-timeout"
+    seq: int = 0
 
 
 class AdmissionQueue(Protocol):
     """What the dispatcher and the request path need from a queue (FIFO now, WFQ later)."""
 
-    def push(self, entry: WaitingRequest) -> None: ...
+    def push(self, entry: WaitingRequest) -> object: ...
     def remove(self, entry: WaitingRequest) -> bool: ...
     def expire(self, now_ms: float) -> list[WaitingRequest]: ...
     def ordered(self) -> Iterator[WaitingRequest]: ...
@@ -228,7 +246,7 @@ class Dispatcher(Generic[G]):
         for entry in self.queue.expire(self.clock.now_ms()):
             stats.expired += 1
             if not entry.future.done():
-                entry.future.set_exception(QueueTimeout())
+                entry.future.set_exception(QueueTimeout(entry.expire_reason))
         blocked_head: WaitingRequest | None = None
         scanned = 0
         for entry in self.queue.ordered():

@@ -7,6 +7,11 @@ Example::
 A broken config prints ``file:line: field.path: reason`` and exits with status 2. SIGTERM/SIGINT:
 stop accepting connections, let running requests (streams) finish within ``--drain-s`` wall
 seconds, then close.
+
+Hot reload: SIGHUP, or a change of the file's mtime/size (checked every ``--reload-poll-s`` wall
+seconds; 0 = SIGHUP only), reloads the YAML without dropping requests. An invalid new file is
+refused (logged, ``fairbatch_router_config_reloads_total{result="invalid"}``) and the running
+configuration kept.
 """
 
 from __future__ import annotations
@@ -53,14 +58,49 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
     p.add_argument(
+        "--reload-poll-s", type=float, default=2.0,
+        help="wall seconds between checks of the config file for changes (default 2; 0 = only on SIGHUP)",
+    )
+    p.add_argument(
         "--drain-s", type=float, default=30.0,
         help="on SIGTERM, wall seconds running requests get to finish (default 30)",
     )
     return p
 
 
-async def serve(config: RouterConfig, host: str, port: int, clock: Clock, router_id: str, drain_s: float) -> None:
-    """Run the router until SIGTERM/SIGINT, then drain (bounded by ``drain_s`` wall seconds)."""
+def _file_stamp(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+async def watch_config(router: Router, path: str, poll_s: float, hup: asyncio.Event) -> None:
+    """Reload ``path`` on SIGHUP (``hup``) or when its mtime/size changes (polled every ``poll_s``
+    wall seconds; 0 = never polled). One reload at a time; runs until cancelled."""
+    stamp = _file_stamp(path)
+    while True:
+        try:
+            await asyncio.wait_for(hup.wait(), poll_s if poll_s > 0 else None)
+        except TimeoutError:
+            pass
+        signalled = hup.is_set()
+        hup.clear()
+        new_stamp = _file_stamp(path)
+        if not signalled and (new_stamp is None or new_stamp == stamp):
+            continue
+        stamp = new_stamp
+        log.info("reloading config %s (%s)", path, "SIGHUP" if signalled else "file changed")
+        router.reload(path)
+
+
+async def serve(
+    config: RouterConfig, host: str, port: int, clock: Clock, router_id: str, drain_s: float,
+    config_path: str | None = None, reload_poll_s: float = 2.0,
+) -> None:
+    """Run the router until SIGTERM/SIGINT, then drain (bounded by ``drain_s`` wall seconds);
+    reload ``config_path`` on SIGHUP or when it changes."""
     router = Router(config, clock, router_id)
     app = router.build_app()
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=drain_s, access_log=None)
@@ -76,10 +116,20 @@ async def serve(config: RouterConfig, host: str, port: int, clock: Clock, router
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # pragma: no cover - non-Unix
             pass
+    hup = asyncio.Event()
+    watcher: asyncio.Task[None] | None = None
+    if config_path is not None:
+        try:
+            loop.add_signal_handler(signal.SIGHUP, hup.set)
+        except (NotImplementedError, RuntimeError, AttributeError):  # pragma: no cover - non-Unix
+            pass
+        watcher = asyncio.create_task(watch_config(router, config_path, reload_poll_s, hup), name="config-watch")
     try:
         await stop.wait()
         log.info("shutting down: draining requests for up to %.1f s", drain_s)
     finally:
+        if watcher is not None:
+            watcher.cancel()
         await runner.cleanup()
 
 
@@ -98,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fairbatch-router: {exc}", file=sys.stderr)
         return 2
     router_id = args.router_id or f"router-{socket.gethostname()}-{os.getpid()}"
-    run(serve(config, args.host, args.port, clock, router_id, args.drain_s))
+    run(serve(config, args.host, args.port, clock, router_id, args.drain_s, args.config, args.reload_poll_s))
     return 0
 
 

@@ -15,7 +15,11 @@ Schema (docs/architecture.md, section "Router"; DESIGN.md section 6)::
     queue: {max_requests: 1024, max_tokens: 4000000, max_bypass: 8}
     admission: {bytes_per_token: 4.0, reserve_timeout_ms: 200}
     telemetry: {otlp_endpoint: null, service_name: fairbatch-router}
-    redis_url: null                    # kept for the quota issue; unused for now
+    auth: {trusted_header: x-tenant, trusted_networks: ["10.0.0.0/8"]}   # optional gateway identity
+    fairness: {w_prefill: 1.0, w_decode: 2.0, default_max_tokens: 256, counter_sync_ms: 100}
+    ledger: {key_prefix: fairbatch, timeout_ms: 200, retry_initial_ms: 100, retry_max_ms: 5000,
+             concurrency_ttl_ms: 600000}
+    redis_url: null                    # redis://host:port/0 -> quotas and VTC counters shared by routers
 
 Every error is reported as ``<file>:<line>: <field.path>: <message>``; the line comes from the
 YAML node of the failing field (``yaml.compose`` marks), or from the parser's mark for a YAML
@@ -25,6 +29,7 @@ syntax error.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import re
 from pathlib import Path
 from typing import Any
@@ -76,10 +81,12 @@ class TenantConfig(_Strict):
     Attributes:
         weight: fair-share weight (> 0).
         slo_class: name of an SLO class in ``slo_classes``.
-        max_concurrency: requests in flight cap (later issue), None = unlimited.
-        tokens_per_minute: token-bucket rate (later issue), None = unlimited.
-        requests_per_minute: request-bucket rate (later issue), None = unlimited.
-        min_share: guaranteed share of service in [0, 1] (later issue).
+        max_concurrency: requests in flight cap (router ledger), None = unlimited.
+        tokens_per_minute: token bucket (prompt + max_tokens per request; simulated minute, burst of
+            one minute), None = unlimited.
+        requests_per_minute: request bucket (simulated minute, burst of one minute), None = unlimited.
+        min_share: service share reserved for this tenant's band against higher bands under
+            contention, in [0, 1] (sum over tenants <= 1).
     """
 
     weight: float = Field(default=1.0, gt=0)
@@ -148,6 +155,64 @@ class TelemetryConfig(_Strict):
     service_name: str = "fairbatch-router"
 
 
+class AuthConfig(_Strict):
+    """Tenant identity from a header set by a trusted gateway (DESIGN.md section 5 step 1).
+
+    Attributes:
+        trusted_header: header naming the tenant (e.g. ``x-tenant``); None = API keys only.
+        trusted_networks: CIDRs whose connections may set it; from anywhere else the header is
+            ignored (a spoofed header never selects a tenant).
+    """
+
+    trusted_header: str | None = Field(default=None, min_length=1)
+    trusted_networks: list[str] = Field(default_factory=list)
+
+    @field_validator("trusted_networks")
+    @classmethod
+    def _cidrs(cls, v: list[str]) -> list[str]:
+        for i, net in enumerate(v):
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError as exc:
+                raise _FieldError(("auth", "trusted_networks", i), f"not a CIDR network: {exc}") from None
+        return v
+
+
+class FairnessConfig(_Strict):
+    """Virtual token counter weights (VTC, arXiv 2401.00588 section 4: cost = w_p * prefill + w_q * decode).
+
+    Attributes:
+        w_prefill: cost per prompt token (VTC default 1).
+        w_decode: cost per output token (VTC default 2).
+        default_max_tokens: decode tokens assumed at dispatch when the request gives no max_tokens.
+        counter_sync_ms: how often (simulated ms) the router merges the ledger's shared counters.
+    """
+
+    w_prefill: float = Field(default=1.0, ge=0)
+    w_decode: float = Field(default=2.0, ge=0)
+    default_max_tokens: int = Field(default=256, ge=0)
+    counter_sync_ms: float = Field(default=100.0, gt=0)
+
+
+class LedgerConfig(_Strict):
+    """Quota/fairness ledger knobs (used with ``redis_url``).
+
+    Attributes:
+        key_prefix: prefix of every Redis key (routers sharing limits use the same prefix).
+        timeout_ms: wall ms allowed per Redis call before the router falls back to its local ledger.
+        retry_initial_ms: first reconnect delay after Redis fails (wall ms; doubles each try).
+        retry_max_ms: longest reconnect delay (wall ms).
+        concurrency_ttl_ms: a concurrency slot held longer than this (simulated ms) is dropped, so a
+            crashed router cannot hold a tenant's slots for ever.
+    """
+
+    key_prefix: str = Field(default="fairbatch", min_length=1)
+    timeout_ms: float = Field(default=200.0, gt=0)
+    retry_initial_ms: float = Field(default=100.0, gt=0)
+    retry_max_ms: float = Field(default=5000.0, gt=0)
+    concurrency_ttl_ms: float = Field(default=600_000.0, gt=0)
+
+
 class RouterConfig(_Strict):
     """The whole router YAML (see the module docstring). Cross-references are checked:
     a tenant's slo_class exists, api_keys are 64-hex sha256 digests of existing tenants,
@@ -161,7 +226,10 @@ class RouterConfig(_Strict):
     queue: QueueConfig = Field(default_factory=QueueConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
-    redis_url: str | None = None
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    fairness: FairnessConfig = Field(default_factory=FairnessConfig)
+    ledger: LedgerConfig = Field(default_factory=LedgerConfig)
+    redis_url: str | None = Field(default=None, pattern=r"^(redis|rediss|unix)://")
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -192,7 +260,16 @@ class RouterConfig(_Strict):
             if rep.id in seen:
                 raise _FieldError(("replicas", i, "id"), f"duplicate replica id {rep.id!r}")
             seen.add(rep.id)
+        total_share = sum(t.min_share or 0.0 for t in self.tenants.values())
+        if total_share > 1.0 + 1e-9:
+            raise _FieldError(("tenants",), f"min_share values sum to {total_share:g} > 1")
+        if self.auth.trusted_header and not self.auth.trusted_networks:
+            raise _FieldError(("auth", "trusted_networks"), "trusted_header needs at least one trusted network")
         return self
+
+    def band_of(self, tenant: str) -> int:
+        """Priority band of a tenant (its SLO class's ``priority``; 0 = most urgent)."""
+        return self.slo_classes[self.tenants[tenant].slo_class].priority
 
 
 def hash_api_key(key: str) -> str:

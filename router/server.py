@@ -1,9 +1,21 @@
 """The router's HTTP front door (aiohttp): OpenAI-compatible endpoints, request path, metrics.
 
-One request's path (DESIGN.md section 5): authenticate (API key -> tenant) -> classify (tenant ->
-SLO class) -> estimate prompt tokens -> place (filters -> scorers -> picker) and Reserve on the
-best replica, falling back to the next on refusal -> else wait in the bounded admission queue,
-woken on every budget update and release -> relay to the replica's agent, bytes unchanged.
+One request's path (DESIGN.md section 5): authenticate (API key -> tenant, or a trusted gateway
+header) -> classify (tenant -> SLO class) -> estimate prompt tokens -> quotas (ledger: request and
+token buckets, concurrency; 429 tenant-rate / tenant-concurrency) -> place (filters -> scorers ->
+picker) and Reserve on the best replica, falling back to the next on refusal -> else, unless a
+sheddable request's first-token deadline is already out of reach (429 slo-infeasible), wait in the
+bounded weighted fair queue (:mod:`router.fair_queue`), woken on every budget update and release
+-> relay to the replica's agent, bytes unchanged.
+
+Fairness accounting (VTC): a request is charged ``w_prefill * prompt + w_decode * max_tokens`` when
+it gets its lease (``fairness.default_max_tokens`` when it gives no max_tokens). The relay does not
+parse stream chunks, so a streamed request keeps that estimate; a non-stream answer is buffered
+anyway, so its ``usage.completion_tokens`` corrects the decode part at completion. A request whose
+replica failed before its first byte is refunded.
+
+The configuration can be swapped while serving (:meth:`Router.reload`): new tenants, keys,
+classes, limits and queue bounds apply to new requests; queued and running requests continue.
 
 Every reservation is freed on every error path (Release RPC in the background); a successful
 request's lease is consumed by the agent. Times are simulated ms from the router's
@@ -15,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Coroutine
@@ -29,11 +42,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from replica_agent.clock import Clock
 from replica_agent.telemetry import extract_context, inject_context, make_tracer
-from router.admission_queue import Dispatcher, FifoQueue, QueueFull, QueueTimeout, WaitingRequest
+from router.admission_queue import Dispatcher, QueueFull, QueueTimeout, WaitingRequest
 from router.auth import ApiKeyAuthenticator, Principal
 from router.budget_client import BudgetClient
 from router.budgets import BudgetBook
-from router.config import RouterConfig
+from router.config import ConfigError, RouterConfig, load_config
+from router.fair_queue import FairQueue, TenantShare
+from router.ledger import Ledger, Refusal, TenantLimits, build_ledger
 from router.placement import PlacementPolicy, PlacementRequest, default_registry, prompt_exceeds_every_replica
 from router.relay import Relay, RelayOutcome
 from router.tokens import PromptError, estimate_prompt_tokens
@@ -59,6 +74,34 @@ class NoReplica(Exception):
     """Every replica has been tried (and failed) for this request."""
 
 
+class SloInfeasible(Exception):
+    """A sheddable request cannot meet its first-token deadline (predicted).
+
+    Attributes:
+        wait_ms: predicted queue wait (simulated ms).
+    """
+
+    def __init__(self, wait_ms: float) -> None:
+        super().__init__(f"predicted wait {wait_ms:.0f} ms")
+        self.wait_ms = wait_ms
+
+
+def tenant_shares(config: RouterConfig) -> dict[str, TenantShare]:
+    """Fair-queue contract per tenant from the config (weight, band of its class, min_share)."""
+    return {
+        name: TenantShare(t.weight, config.slo_classes[t.slo_class].priority, t.min_share or 0.0)
+        for name, t in config.tenants.items()
+    }
+
+
+def tenant_limits(config: RouterConfig) -> dict[str, TenantLimits]:
+    """Ledger quotas per tenant from the config."""
+    return {
+        name: TenantLimits(t.max_concurrency, t.tokens_per_minute, t.requests_per_minute)
+        for name, t in config.tenants.items()
+    }
+
+
 class RouterMetrics:
     """The router's Prometheus metrics in their own registry (no global registry)."""
 
@@ -78,6 +121,21 @@ class RouterMetrics:
         self.placement_seconds = Histogram(
             "fairbatch_router_placement_seconds", "Placement decision time (wall s)",
             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2), registry=r,
+        )
+        self.ledger_degraded = Gauge(
+            "fairbatch_router_ledger_degraded",
+            "1 while the shared (Redis) ledger is unreachable and the router serves on its local ledger",
+            registry=r,
+        )
+        self.config_reloads = Counter(
+            "fairbatch_router_config_reloads", "Configuration reloads by result (ok, invalid)", ["result"], registry=r,
+        )
+        self.config_generation = Gauge(
+            "fairbatch_router_config_generation", "Configurations applied since start (1 = the initial one)", registry=r,
+        )
+        self.tenant_vtc = Gauge(
+            "fairbatch_router_tenant_vtc", "Virtual token counter per tenant (weighted tokens / weight)",
+            ["tenant"], registry=r,
         )
         self.reserve_seconds = Histogram(
             "fairbatch_router_reserve_seconds", "Reserve RPC latency (wall s)",
@@ -143,7 +201,12 @@ class Router:
         self.auth = ApiKeyAuthenticator(config)
         self.book = BudgetBook(self.clock, self.replicas)
         self.policy: PlacementPolicy = default_registry().build(policy, seed=seed)
-        self.queue = FifoQueue(config.queue.max_requests, config.queue.max_tokens)
+        fc = config.fairness
+        self.queue = FairQueue(
+            config.queue.max_requests, config.queue.max_tokens, tenant_shares(config),
+            fc.w_prefill, fc.w_decode, fc.default_max_tokens,
+        )
+        self.limits = tenant_limits(config)
         self.dispatcher: Dispatcher[Grant] = Dispatcher(
             queue=self.queue,
             clock=self.clock,
@@ -157,6 +220,10 @@ class Router:
         )
         self.relay = Relay()
         self.metrics = RouterMetrics()
+        self.metrics.config_generation.set(1)
+        self.ledger: Ledger = build_ledger(config, self.clock, self._on_ledger_degraded)
+        self._shared_counters = config.redis_url is not None
+        self._sync_task: asyncio.Task[None] | None = None
         self.tracer = make_tracer(config.telemetry.service_name, config.telemetry.otlp_endpoint)
         self._background: set[asyncio.Task[Any]] = set()
         self._dispatch_task: asyncio.Task[None] | None = None
@@ -180,8 +247,11 @@ class Router:
     async def start(self) -> None:
         """Open the relay session, the budget subscriptions and the dispatcher."""
         await self.relay.start()
+        await self.ledger.start()
         await self.budgets.start()
         self._dispatch_task = asyncio.create_task(self.dispatcher.run(), name="dispatcher")
+        if self._shared_counters:
+            self._sync_task = asyncio.create_task(self._sync_counters(), name="vtc-sync")
 
     async def close(self) -> None:
         """Stop the dispatcher, finish background releases (bounded), close clients."""
@@ -192,10 +262,102 @@ class Router:
             except asyncio.CancelledError:
                 pass
             self._dispatch_task = None
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+            try:
+                await self._sync_task
+            except asyncio.CancelledError:
+                pass
+            self._sync_task = None
         if self._background:
             await asyncio.wait(list(self._background), timeout=2.0)
         await self.budgets.close()
         await self.relay.close()
+        await self.ledger.close()
+
+    # ------------------------------------------------------------------ configuration and ledger
+
+    def apply_config(self, config: RouterConfig) -> list[str]:
+        """Swap in a validated configuration while serving; returns warnings for parts that need a
+        restart (replicas, redis_url, telemetry), which keep their old values."""
+        warnings = []
+        if [r.model_dump() for r in config.replicas] != [r.model_dump() for r in self.config.replicas]:
+            warnings.append("replicas changed: restart the router to apply")
+            config = config.model_copy(update={"replicas": self.config.replicas})
+        if config.redis_url != self.config.redis_url:
+            warnings.append("redis_url changed: restart the router to apply")
+        if config.telemetry != self.config.telemetry:
+            warnings.append("telemetry changed: restart the router to apply")
+        self.config = config
+        self.auth = ApiKeyAuthenticator(config)
+        self.limits = tenant_limits(config)
+        fc = config.fairness
+        self.queue.set_bounds(config.queue.max_requests, config.queue.max_tokens)
+        self.queue.set_tenants(tenant_shares(config))
+        self.queue.w_prefill, self.queue.w_decode = fc.w_prefill, fc.w_decode
+        self.queue.default_max_tokens = fc.default_max_tokens
+        self.dispatcher.max_bypass = config.queue.max_bypass
+        self.metrics.config_generation.inc()
+        self.dispatcher.wake()
+        return warnings
+
+    def reload(self, path: str) -> bool:
+        """Load ``path`` and apply it; an invalid file is refused (logged, counted) and the old
+        configuration kept. Returns True when applied."""
+        try:
+            config = load_config(path)
+        except ConfigError as exc:
+            self.metrics.config_reloads.labels("invalid").inc()
+            log.error("config reload refused, keeping the running configuration: %s", exc)
+            return False
+        for w in self.apply_config(config):
+            log.warning("config reload: %s", w)
+        self.metrics.config_reloads.labels("ok").inc()
+        log.info("config reloaded from %s (%d tenants, %d keys)", path, len(config.tenants), len(config.api_keys))
+        return True
+
+    def _on_ledger_degraded(self, degraded: bool) -> None:
+        self.metrics.ledger_degraded.set(1 if degraded else 0)
+
+    async def _sync_counters(self) -> None:
+        """Merge the shared VTC counters into the queue every ``counter_sync_ms`` (bounded calls)."""
+        while True:
+            await asyncio.sleep(self.clock.to_wall_s(self.config.fairness.counter_sync_ms))
+            try:
+                self.queue.merge_counters(await self.ledger.counters())
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the ledger degrades itself; never stop syncing
+                log.exception("VTC counter sync failed")
+
+    def _charge(self, tenant: str, prefill_tokens: int, decode_tokens: int) -> None:
+        """Count service for the fair queue and, when shared, in the ledger (background)."""
+        delta = self.queue.charge(tenant, prefill_tokens, decode_tokens)
+        if self._shared_counters and delta:
+            self._spawn(self.ledger.add_service(tenant, delta))
+
+    def _decode_estimate(self, max_tokens: int) -> int:
+        return max_tokens if max_tokens > 0 else self.config.fairness.default_max_tokens
+
+    def predict(self, slo_class: str, band: int, prompt_tokens: int) -> tuple[float, float] | None:
+        """(predicted queue wait, predicted prefill) in simulated ms, or None without a usable replica.
+
+        prefill = min over usable replicas of ``a + b*P``; wait = time until some replica's PAB
+        covers it (``prefill - pab_ms``: reservations drain at about one ms per ms) plus the
+        prefill of the prompt tokens already waiting in bands as urgent or more, spread over the
+        usable replicas (``b * tokens / replicas``).
+        """
+        views = [v for v in self.book.views() if v.healthy and v.fresh and v.time_model is not None]
+        if not views:
+            return None
+        prefill = min(v.time_model.prefill_ms(prompt_tokens) for v in views)  # type: ignore[union-attr]
+        budget_wait = min(
+            max(0.0, v.time_model.prefill_ms(prompt_tokens) - (v.classes[slo_class].pab_ms if slo_class in v.classes else 0.0))  # type: ignore[union-attr]
+            for v in views
+        )
+        b = min(v.time_model.b_ms_per_new_token for v in views)  # type: ignore[union-attr]
+        ahead = b * self.queue.tokens_ahead(band) / len(views)
+        return budget_wait + ahead, prefill
 
     async def _on_startup(self, app: web.Application) -> None:
         await self.start()
@@ -268,11 +430,24 @@ class Router:
                 )
                 span.set_attribute("fairbatch.replica", grant.replica_id if grant else "")
             if grant is not None:
+                self._charge(principal.tenant, prompt_tokens, self._decode_estimate(max_tokens))
                 return grant
         now = self.clock.now_ms()
         deadline_ms = arrival_ms + principal.slo.max_queue_ms
         if deadline_ms <= now:
             raise QueueTimeout()
+        band = principal.slo.priority
+        first_token_deadline = arrival_ms + principal.slo.ttft_ms
+        expire_reason = "queue-timeout"
+        if principal.slo.sheddable:
+            prediction = self.predict(principal.slo_class, band, prompt_tokens)
+            if prediction is not None:
+                wait_ms, prefill_ms = prediction
+                if now + wait_ms + prefill_ms > first_token_deadline:
+                    raise SloInfeasible(wait_ms)
+                shed_at = first_token_deadline - prefill_ms  # last dispatch that can still make it
+                if shed_at < deadline_ms:
+                    deadline_ms, expire_reason = shed_at, "slo-infeasible"
         entry = WaitingRequest(
             request_id=request_id,
             tenant=principal.tenant,
@@ -283,14 +458,22 @@ class Router:
             deadline_ms=deadline_ms,
             future=asyncio.get_running_loop().create_future(),
             exclude=exclude,
+            priority=band,
+            first_token_deadline_ms=first_token_deadline,
+            expire_reason=expire_reason,
         )
-        self.queue.push(entry)  # QueueFull propagates
+        before = self.queue.counter(principal.tenant)
+        after = self.queue.push(entry)  # QueueFull propagates
+        if self._shared_counters and after > before:
+            self._spawn(self.ledger.lift(principal.tenant, after))
         self.metrics.queue_depth.set(len(self.queue))
         self.dispatcher.wake()
         try:
-            return await asyncio.wait_for(entry.future, self.clock.to_wall_s(deadline_ms - now))
+            grant = await asyncio.wait_for(entry.future, self.clock.to_wall_s(deadline_ms - now))
+            self._charge(principal.tenant, prompt_tokens, self._decode_estimate(max_tokens))
+            return grant
         except TimeoutError:
-            raise QueueTimeout() from None
+            raise QueueTimeout(expire_reason) from None
         except asyncio.CancelledError:
             # the client left; a grant handed over in the same instant must not leak
             fut = entry.future
@@ -321,7 +504,7 @@ class Router:
             "router.request", context=parent, kind=trace.SpanKind.SERVER
         ) as span:
             span.set_attribute("fairbatch.request_id", request_id)
-            principal = self.auth.authenticate(request.headers.get("Authorization"))
+            principal = self.auth.identify(request.headers, request.remote)
             if principal is None:
                 self.metrics.requests.labels("unknown", "unknown", "unauthorized").inc()
                 return openai_error(401, "Invalid or missing API key.", code="invalid_api_key")
@@ -362,15 +545,51 @@ class Router:
                 code="context_length_exceeded",
             )
 
+        limits = self.limits.get(principal.tenant, TenantLimits())
+        quota = await self.ledger.acquire(
+            principal.tenant, request_id, limits, prompt_tokens + self._decode_estimate(max_tokens)
+        )
+        if isinstance(quota, Refusal):
+            return quota.reason.replace("-", "_"), throttled(
+                quota.reason,
+                f"Tenant {principal.tenant!r} is over its "
+                + ("rate limit" if quota.reason == "tenant-rate" else "concurrency limit")
+                + "; retry later.",
+                math.ceil(self.clock.to_wall_s(quota.retry_after_ms)),
+            )
+        try:
+            return await self._serve_placed(request, principal, raw, request_id, arrival_ms, prompt_tokens, max_tokens,
+                                            bool(body.get("stream")))
+        finally:
+            self._spawn(self.ledger.release(quota))
+
+    async def _serve_placed(
+        self, request: web.Request, principal: Principal, raw: bytes, request_id: str, arrival_ms: float,
+        prompt_tokens: int, max_tokens: int, stream: bool,
+    ) -> tuple[str, web.StreamResponse]:
         exclude: frozenset[str] = frozenset()
         last: RelayOutcome | None = None
         last_replica = ""
+        decode_estimate = self._decode_estimate(max_tokens)
         for _attempt in range(self.max_relay_tries):
             try:
                 grant = await self._acquire(principal, prompt_tokens, max_tokens, request_id, exclude, arrival_ms)
             except QueueFull:
                 return "queue_full", throttled("queue-full", "The router's admission queue is full; retry later.")
-            except QueueTimeout:
+            except SloInfeasible as exc:
+                return "slo_infeasible", throttled(
+                    "slo-infeasible",
+                    f"The first-token deadline ({principal.slo.ttft_ms:g} ms) of class {principal.slo_class!r} "
+                    f"cannot be met (predicted wait {exc.wait_ms:.0f} ms).",
+                    math.ceil(self.clock.to_wall_s(exc.wait_ms)),
+                )
+            except QueueTimeout as exc:
+                if exc.reason == "slo-infeasible":
+                    return "slo_infeasible", throttled(
+                        "slo-infeasible",
+                        f"The first-token deadline ({principal.slo.ttft_ms:g} ms) of class "
+                        f"{principal.slo_class!r} could no longer be met while queued.",
+                    )
                 return "queue_timeout", throttled(
                     "queue-timeout",
                     f"No replica could take the request within max_queue_ms "
@@ -381,7 +600,11 @@ class Router:
             outcome = await self._forward(request, principal, grant, raw, request_id, arrival_ms)
             if outcome.kind == "ok":
                 self.budgets.forget(grant.lease_id)
+                if not stream and isinstance(outcome.response, web.Response):
+                    self._correct_decode(principal.tenant, outcome.response, decode_estimate)
                 return "ok", outcome.response  # type: ignore[return-value]
+            if outcome.kind == "retryable":  # no token produced: refund the dispatch charge
+                self._charge(principal.tenant, -prompt_tokens, -decode_estimate)
             self._release(grant, "upstream-error" if outcome.kind != "client_gone" else "client-disconnect")
             if outcome.kind == "client_gone":
                 return "client_disconnect", outcome.response or web.Response(status=499)
@@ -399,6 +622,19 @@ class Router:
         return "upstream_error", openai_error(
             503, "No replica could serve the request (upstream failures).", "service_unavailable", 503
         )
+
+    def _correct_decode(self, tenant: str, response: web.Response, estimate: int) -> None:
+        """Correct the decode charge with a non-stream answer's ``usage.completion_tokens``."""
+        body = response.body
+        if not isinstance(body, bytes) or b'"usage"' not in body:
+            return
+        try:
+            usage = json.loads(body).get("usage") or {}
+            actual = int(usage["completion_tokens"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return
+        if actual != estimate:
+            self._charge(tenant, 0, actual - estimate)
 
     async def _forward(
         self, request: web.Request, principal: Principal, grant: Grant, raw: bytes, request_id: str, arrival_ms: float
@@ -465,6 +701,8 @@ class Router:
         now = self.clock.now_ms()
         m = self.metrics
         m.queue_depth.set(len(self.queue))
+        for tenant, value in self.queue.counters().items():
+            m.tenant_vtc.labels(tenant).set(value)
         for view in self.book.views(now):
             age = self.book.age_ms(view.replica_id, now)
             m.budget_age_ms.labels(view.replica_id).set(-1.0 if age is None else age)

@@ -69,6 +69,12 @@ async def metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
     return total
 
 
+# The conftest's class is sheddable; tests that queue requests which cannot meet their TTFT use this one.
+NON_SHEDDABLE = {
+    "interactive": {"ttft_ms": 1000, "tpot_ms": 100, "priority": 0, "sheddable": False, "max_queue_ms": 8000},
+}
+
+
 async def test_requests_spread_over_both_replicas_and_complete(fleet_factory) -> None:
     fleet = fleet_factory(2, time_scale=0.2)
     async with aiohttp.ClientSession() as s:
@@ -87,8 +93,10 @@ async def test_no_budget_queues_then_flows_when_budget_returns(fleet_factory) ->
     # Two 11,000-token prompts take each replica's budget (11,000 <= 12,248 fits an idle replica; their
     # in-flight reservation 0.0727 * 11,000 = 799 ms leaves 101 ms, which fits no third 11,000-token prompt).
     # The third waits in the router until a prefill completes (predicted 9.86 + 0.0727 * 11,000 = 809 ms),
-    # then flows. time_scale 1: simulated ms = wall ms.
-    fleet = fleet_factory(2, time_scale=1.0)
+    # then flows. time_scale 1: simulated ms = wall ms. The third cannot meet a 1000 ms TTFT (it starts
+    # >= 650 ms after arrival and needs 809 ms of prefill), so its class must not be sheddable, else the
+    # router refuses it at once with slo-infeasible (issue 5 fast fail).
+    fleet = fleet_factory(2, time_scale=1.0, slo_classes=NON_SHEDDABLE)
     async with aiohttp.ClientSession() as s:
         first = [asyncio.create_task(complete(s, fleet, 11_000, 30)) for _ in range(2)]
         await asyncio.sleep(0.15)
@@ -104,7 +112,8 @@ async def test_no_budget_queues_then_flows_when_budget_returns(fleet_factory) ->
 
 
 async def test_full_queue_is_refused_with_429_and_retry_after(fleet_factory) -> None:
-    fleet = fleet_factory(2, time_scale=1.0, queue={"max_requests": 1, "max_tokens": 4_000_000})
+    fleet = fleet_factory(2, time_scale=1.0, queue={"max_requests": 1, "max_tokens": 4_000_000},
+                          slo_classes=NON_SHEDDABLE)  # queued, not shed (see the test above)
     async with aiohttp.ClientSession() as s:
         running = [asyncio.create_task(complete(s, fleet, 11_000, 30)) for _ in range(2)]
         await asyncio.sleep(0.15)

@@ -1,0 +1,94 @@
+"""router/ledger.py, in-process backend: token buckets, request buckets, concurrency, VTC counters.
+
+Hand-worked: tokens_per_minute 600 refills 600 / 60000 = 0.01 token per simulated ms;
+requests_per_minute 2 refills one request every 30,000 ms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.ledger import Bucket, InProcessLedger, LocalLedger, Refusal, TenantLimits, Ticket, bucket_level
+
+
+def test_bucket_level_refills_to_capacity() -> None:
+    assert bucket_level(None, 600, 0.0) == 600
+    assert bucket_level(Bucket(0.0, 0.0), 600, 10_000.0) == 100.0
+    assert bucket_level(Bucket(500.0, 0.0), 600, 60_000.0) == 600.0
+
+
+def test_token_bucket_hand_worked() -> None:
+    led = LocalLedger()
+    lim = TenantLimits(tokens_per_minute=600)
+    assert led.acquire("a", "r1", lim, 400, now_ms=0.0) is None  # 600 -> 200
+    refusal = led.acquire("a", "r2", lim, 400, now_ms=0.0)
+    assert refusal == Refusal("tenant-rate", 20_000.0)  # needs 200 more at 0.01/ms
+    assert led.acquire("a", "r2", lim, 400, now_ms=20_000.0) is None  # 200 + 200 = 400 -> 0
+    # one request larger than the bucket is clamped to the bucket size: passes a full bucket
+    assert led.acquire("b", "r3", lim, 5000, now_ms=0.0) is None
+    assert led.acquire("b", "r4", lim, 1, now_ms=0.0) == Refusal("tenant-rate", 100.0)
+
+
+def test_request_bucket_and_all_or_nothing() -> None:
+    led = LocalLedger()
+    lim = TenantLimits(max_concurrency=5, tokens_per_minute=1000, requests_per_minute=2)
+    assert led.acquire("a", "r1", lim, 100, 0.0) is None
+    assert led.acquire("a", "r2", lim, 100, 0.0) is None
+    assert led.acquire("a", "r3", lim, 100, 0.0) == Refusal("tenant-rate", 30_000.0)
+    assert led.in_flight("a") == 2  # the refused one took no slot ...
+    assert led.acquire("a", "r3", lim, 100, 30_000.0) is None  # ... and no tokens: 800 + 300 - 100
+
+
+def test_concurrency_slots_release_and_expiry() -> None:
+    led = LocalLedger(concurrency_ttl_ms=1000.0)
+    lim = TenantLimits(max_concurrency=2, tokens_per_minute=600)
+    assert led.acquire("a", "r1", lim, 10, 0.0) is None
+    assert led.acquire("a", "r2", lim, 10, 0.0) is None
+    assert led.acquire("a", "r3", lim, 10, 0.0) == Refusal("tenant-concurrency", 1000.0)
+    assert led.acquire("b", "r1", lim, 10, 0.0) is None  # per tenant
+    led.release("a", "r1")
+    assert led.acquire("a", "r3", lim, 10, 0.0) is None
+    assert led.acquire("a", "r4", lim, 10, 500.0) is not None
+    assert led.acquire("a", "r4", lim, 10, 1000.0) is None  # r2, r3 expired at 1000 ms
+    # the tokens of the concurrency refusals were not taken: 600 - 4*10 + refill
+    led.release("a", "unknown")  # no-op
+
+
+def test_unlimited_tenant_always_passes() -> None:
+    led = LocalLedger()
+    for i in range(1000):
+        assert led.acquire("a", f"r{i}", TenantLimits(), 10**6, 0.0) is None
+
+
+def test_vtc_counters() -> None:
+    led = LocalLedger()
+    assert led.add_service("a", 100.0) == 100.0
+    assert led.lift("a", 50.0) == 100.0
+    assert led.lift("b", 70.0) == 70.0
+    assert led.counters() == {"a": 100.0, "b": 70.0}
+
+
+@dataclass
+class Clk:
+    t: float = 0.0
+    scale: float = 1.0
+
+    def now_ms(self) -> float:
+        return self.t
+
+
+async def test_in_process_backend_uses_the_clock() -> None:
+    clk = Clk()
+    led = InProcessLedger(clk)
+    lim = TenantLimits(max_concurrency=1, requests_per_minute=1)
+    ticket = await led.acquire("a", "r1", lim, 1)
+    assert ticket == Ticket("a", "r1", "local")
+    assert await led.acquire("a", "r2", lim, 1) == Refusal("tenant-rate", 60_000.0)
+    clk.t = 60_000.0
+    assert await led.acquire("a", "r2", lim, 1) == Refusal("tenant-concurrency", 1000.0)
+    await led.release(ticket)  # type: ignore[arg-type]
+    assert isinstance(await led.acquire("a", "r2", lim, 1), Ticket)
+    await led.add_service("a", 3.0)
+    await led.lift("b", 2.0)
+    assert await led.counters() == {"a": 3.0, "b": 2.0}
+    assert not led.degraded
