@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="TTFT target of class interactive, simulated ms (default: %(default)s)")
     dp.add_argument("--tpot-ms", type=_positive, default=50.0,
                     help="TPOT target of class interactive, simulated ms (default: %(default)s)")
+    dp.add_argument("--scenario", metavar="FILE",
+                    help="run a multi-tenant fairness scenario instead (loadgen/scenarios/*.yaml; its own flags: "
+                         "--out, --keep-logs, --max-wall-s)")
     dp.add_argument("--keep-logs", metavar="DIR", help="keep the children's logs and the router YAML in DIR")
     dp.add_argument("--startup-timeout-s", type=_positive, default=60.0,
                     help="wall seconds to wait for each /health (default: %(default)s)")
@@ -170,6 +173,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``fairbatch-loadgen``; returns (and, as a script, exits with) the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"] and any(a == "--scenario" or a.startswith("--scenario=") for a in argv):
+        from loadgen.scenario import main as scenario_main
+
+        return int(scenario_main(argv[1:]) or 0)
     if argv and argv[0] in _DELEGATED:
         import importlib
 
