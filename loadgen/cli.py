@@ -5,6 +5,7 @@ Subcommands:
   demo        start engines + agents + router on loopback, replay through the router
   sim-engine  the vLLM-compatible simulated engine (flags: ``sim-engine --help``)
   bench-policies  batching policies on one replica in virtual time (flags: ``bench-policies --help``)
+  bench-fleet     routing policies on a simulated fleet in virtual time (flags: ``bench-fleet --help``)
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ _DELEGATED = {
     "sim-engine": ("loadgen.sim.server", "the vLLM-compatible simulated engine (see sim-engine --help)"),
     "bench-policies": ("loadgen.bench_policies",
                        "sweep arrival rate per batching policy on one replica in virtual time (see bench-policies --help)"),
+    "bench-fleet": ("loadgen.fleet.bench",
+                    "fleet-scale routing comparison (16-256 simulated replicas, virtual time; see bench-fleet --help)"),
 }
 
 
@@ -61,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay real LLM traces against fairbatch (or any vLLM-compatible server) and report "
                     "TTFT/TPOT/ITL, SLO attainment and goodput; run a local demo fleet; run the simulated engine.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{replay,demo,sim-engine,bench-policies}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{replay,demo,sim-engine,bench-policies,bench-fleet}")
 
     rp = sub.add_parser(
         "replay",

@@ -1,0 +1,364 @@
+"""Fleet benchmark (issue 7): PAB routing against today's routers on N simulated replicas.
+
+``python -m loadgen.fleet.bench --replicas 16 --trace azure-conv --profile llama-3-8b-a100
+--ttft-ms 1000 --tpot-ms 100 --out fleet.json --plot fleet.png`` (the lead wires it as
+``fairbatch-loadgen bench-fleet``).
+
+For every policy of loadgen/fleet/sim.py (:data:`~loadgen.fleet.sim.POLICIES`) and every arrival
+rate of the sweep, one fleet simulation (loadgen/fleet/sim.py) of a ``--duration-s`` window;
+every request then drains (at most ``--drain-s``; still unfinished = failed). Reported per rate:
+SLO attainment (TTFT <= ttft_ms and TPOT <= tpot_ms, loadgen/stats.py; rejected and failed
+requests are misses), goodput, TTFT/TPOT p50/p99, rejections by reason, per-tenant attainment,
+double-spends, placement decision time. ``capacity_rps`` (DESIGN section 2) = highest rate with
+attainment >= 0.9, linearly interpolated (``loadgen.bench_policies.capacity``). A policy's sweep
+stops after two rates below the target (higher rates cannot change its capacity).
+
+Arrivals: one replica's worth of trace cannot load a fleet, so the stream interleaves K = N
+windows of the trace: window w starts at trace time ``w * span / K`` (wrapping past the end) and
+is compressed by ``s = rate / (K * native_rps)``; the merged stream has ``rate`` requests/s on
+average and keeps the trace's burstiness and length mix. Each request goes to one of 4 tenants
+(shares 0.4 / 0.3 / 0.2 / 0.1, seeded), all in one SLO class of weight 1.
+
+Analytic upper bound (:func:`analytic_bound`): the most requests/s N replicas could serve if
+batches were perfectly packed. Request i (prompt P_i, output O_i tokens) needs, beyond per-iteration
+fixed costs, ``W_i = b * (P_i + O_i - 1) + c * ((O_i - 1) * P_i + (O_i - 1) * O_i / 2)`` ms: its
+prompt once (context 0) and O_i - 1 decode tokens, the j-th reading P_i + j context tokens
+(time model of seed 000: a + b * new + c * context). Let the replica run back-to-back iterations of
+length T ms. Every decode must emit a token per TPOT on average, so T <= tpot_ms, and the fixed
+cost ``a`` is paid 1000 / T times per second. At λ requests/s per replica:
+
+- time:  λ * mean(W) + a * 1000 / T <= 1000          ->  λ <= 1000 * (1 - a / T) / mean(W)
+- KV:    a request holds ~P_i + j tokens during its j-th decode iteration, so by Little's law
+         λ * mean(K) * T / 1000 <= kv_capacity, K_i = sum_{j=0}^{O_i-1} (P_i + j)
+- seqs:  λ * mean(O) * T / 1000 <= max_num_seqs
+- tokens per iteration: λ * mean(P + O) * T / 1000 <= max_num_batched_tokens
+
+The time limit grows with T, the other three shrink with T; bound = N * max over T in
+(a, tpot_ms] of the smallest of the four (grid of 2000 points). It ignores arrival burstiness,
+TTFT (every prompt is taken to fit one iteration) and the finite window, so it is an upper bound
+for work-conserving service of the whole trace; a policy may exceed it slightly when a window's
+tail is served during the drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from loadgen.bench_policies import capacity
+from loadgen.fleet.sim import POLICIES, FleetConfig, FleetRequest, run_fleet
+from loadgen.stats import Slo, figures, per_tenant
+from loadgen.traces import TraceRequest, load_trace, resolve_trace
+from replica_agent.policy.time_model import TimeModel
+from replica_agent.profiles import load_profile
+
+DEFAULT_FRACTIONS = (0.4, 0.55, 0.7, 0.8, 0.9, 1.0, 1.1)
+"""Default sweep: these fractions of the analytic bound (req/s)."""
+
+TENANTS = (("t0", 0.4), ("t1", 0.3), ("t2", 0.2), ("t3", 0.1))
+"""Tenant names and their shares of the requests."""
+
+BASELINES = ("round-robin", "least-outstanding", "power-of-two", "llm-d-scorer", "static-queue-cap")
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """Result of :func:`analytic_bound`.
+
+    Attributes:
+        rps: fleet bound (requests/s).
+        per_replica_rps: the same per replica.
+        iteration_ms: the best iteration length T (ms).
+        limit: which constraint binds at T: ``time``, ``kv``, ``seqs`` or ``tokens``.
+        mean_work_ms: mean W_i (ms).
+    """
+
+    rps: float
+    per_replica_rps: float
+    iteration_ms: float
+    limit: str
+    mean_work_ms: float
+
+
+def analytic_bound(
+    trace: Sequence[TraceRequest],
+    tm: TimeModel,
+    kv_capacity_tokens: int,
+    tpot_ms: float,
+    replicas: int,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
+) -> Bound:
+    """Upper bound of fleet capacity from the time model and KV capacity (module docstring)."""
+    p = np.array([max(1, r.prompt_tokens) for r in trace], dtype=float)
+    o = np.array([max(1, r.output_tokens) for r in trace], dtype=float)
+    work = tm.b_ms_per_new_token * (p + o - 1) + tm.c_ms_per_context_token * ((o - 1) * p + (o - 1) * o / 2)
+    kv = o * p + o * (o - 1) / 2
+    w_mean, kv_mean, o_mean, po_mean = float(work.mean()), float(kv.mean()), float(o.mean()), float((p + o).mean())
+    best = (0.0, tpot_ms, "time")
+    for t in np.linspace(tm.a_ms, tpot_ms, 2001)[1:]:
+        limits = {
+            "time": 1000.0 * (1.0 - tm.a_ms / t) / w_mean,
+            "kv": 1000.0 * kv_capacity_tokens / (kv_mean * t),
+            "seqs": 1000.0 * max_num_seqs / (o_mean * t),
+            "tokens": 1000.0 * max_num_batched_tokens / (po_mean * t),
+        }
+        name = min(limits, key=limits.__getitem__)
+        if limits[name] > best[0]:
+            best = (limits[name], float(t), name)
+    return Bound(best[0] * replicas, best[0], best[1], best[2], w_mean)
+
+
+def build_arrivals(
+    trace: Sequence[TraceRequest], native_rps: float, rate_rps: float, duration_s: float, windows: int, seed: int
+) -> list[FleetRequest]:
+    """The interleaved, rate-scaled stream of the module docstring (sorted by arrival)."""
+    span = max(1e-9, trace[-1].arrival_ms - trace[0].arrival_ms)
+    scale = rate_rps / (windows * native_rps)
+    horizon_ms = duration_s * 1000.0
+    rng = random.Random(seed)
+    names = [t for t, _ in TENANTS]
+    shares = [s for _, s in TENANTS]
+    out: list[tuple[float, int, int]] = []
+    for w in range(windows):
+        start = trace[0].arrival_ms + w * span / windows
+        for r in trace:
+            t = ((r.arrival_ms - start) % span) / scale
+            if t < horizon_ms:
+                out.append((t, max(1, r.prompt_tokens), max(1, r.output_tokens)))
+    out.sort()
+    return [FleetRequest(t, p, o, rng.choices(names, shares)[0]) for t, p, o in out]
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """What every point needs (picklable for worker processes)."""
+
+    trace: tuple[TraceRequest, ...]
+    native_rps: float
+    replicas: int
+    profile: str
+    ttft_ms: float
+    tpot_ms: float
+    duration_s: float
+    drain_s: float
+    routers: int
+    push_period_ms: float
+    net_delay_ms: float
+    queue_kind: str
+    queue_cap_tokens: int
+    leases: bool
+    max_model_len: int
+    seed: int
+
+
+def fleet_config(setup: Setup, policy: str) -> FleetConfig:
+    """The FleetConfig of ``policy`` under ``setup``."""
+    prof = load_profile(setup.profile)
+    return FleetConfig(
+        policy=policy, replicas=setup.replicas, time_model=prof.time_model,
+        kv_capacity_tokens=prof.kv_capacity_tokens, ttft_ms=setup.ttft_ms, tpot_ms=setup.tpot_ms,
+        routers=setup.routers, push_period_ms=setup.push_period_ms, net_delay_ms=setup.net_delay_ms,
+        leases=setup.leases, queue_kind=setup.queue_kind, queue_cap_tokens=setup.queue_cap_tokens,
+        max_queue_ms=2.0 * setup.ttft_ms, tenant_weights=tuple((t, 1.0) for t, _ in TENANTS),
+        max_model_len=setup.max_model_len, drain_ms=setup.drain_s * 1000.0, seed=setup.seed,
+    )  # fmt: skip
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def run_point(setup: Setup, policy: str, rate_rps: float) -> dict[str, Any]:
+    """One policy at one rate: a row of fleet.json."""
+    reqs = build_arrivals(setup.trace, setup.native_rps, rate_rps, setup.duration_s, setup.replicas, setup.seed)
+    res = run_fleet(fleet_config(setup, policy), reqs)
+    slo = Slo(setup.ttft_ms, setup.tpot_ms)
+    slos = {t: slo for t, _ in TENANTS}
+    fig = figures(res.records, slos, setup.duration_s)
+    tenants = {t: f.slo_attainment for t, f in per_tenant(res.records, slos, setup.duration_s).items()}
+    st = res.stats
+    n = max(1, len(res.records))
+    ok = [r for r in res.records if r.outcome == "ok"]
+    return {
+        "rate_rps": round(rate_rps, 3),
+        "requests": len(res.records),
+        "slo_attainment": fig.slo_attainment,
+        "ttft_miss_frac": sum(1 for r in ok if (r.ttft_ms or 0) > setup.ttft_ms) / n,
+        "tpot_miss_frac": sum(1 for r in ok if (t := r.tpot_ms) is not None and t > setup.tpot_ms) / n,
+        "goodput_rps": fig.goodput_rps,
+        "goodput_tokens_per_s": fig.goodput_tokens_per_s,
+        "throughput_rps": fig.throughput_rps,
+        "ttft_p50_ms": fig.ttft_ms.p50, "ttft_p99_ms": fig.ttft_ms.p99,
+        "tpot_p50_ms": fig.tpot_ms.p50, "tpot_p99_ms": fig.tpot_ms.p99,
+        "rejected": fig.rejected, "failed": fig.failed_reasons,
+        "tenant_attainment": tenants,
+        "double_spends": st.double_spends, "grants": st.grants, "refusals": st.refusals,
+        "placement_p50_us": _pct(st.placement_us, 50), "placement_p99_us": _pct(st.placement_us, 99),
+        "snapshots_per_s_per_router": st.snapshots_delivered / max(1e-9, st.end_ms / 1000.0) / setup.routers,
+        "preemptions": st.preemptions, "steps": st.steps, "dispatch_passes": st.dispatch_passes,
+        "sim_end_s": st.end_ms / 1000.0, "wall_s": round(res.wall_s, 2),
+    }  # fmt: skip
+
+
+def sweep(setup: Setup, policy: str, rates: Sequence[float], target: float = 0.9) -> list[dict[str, Any]]:
+    """Rows of ``policy`` at ascending ``rates``, stopping after two rates below ``target``."""
+    rows = []
+    below = 0
+    for rate in sorted(rates):
+        row = run_point(setup, policy, rate)
+        rows.append(row)
+        print(f"  {policy:<18} {rate:8.2f} req/s  attainment {row['slo_attainment']:.3f}  "
+              f"wall {row['wall_s']:.1f}s", file=sys.stderr, flush=True)  # fmt: skip
+        if (row["slo_attainment"] or 0.0) < target:
+            below += 1
+            if below >= 2:
+                break
+    return rows
+
+
+def _sweep_job(args: tuple[Setup, str, tuple[float, ...]]) -> tuple[str, list[dict[str, Any]]]:
+    setup, policy, rates = args
+    return policy, sweep(setup, policy, rates)
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Attainment, goodput and TTFT p99 against rate, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
+    for name, pol in result["policies"].items():
+        rates = [r["rate_rps"] for r in pol["rows"]]
+        style = "-" if name.startswith("pab") else "--"
+        axes[0].plot(rates, [r["slo_attainment"] for r in pol["rows"]], style, marker="o", label=name)
+        axes[1].plot(rates, [r["goodput_rps"] for r in pol["rows"]], style, marker="o", label=name)
+        axes[2].plot(rates, [r["ttft_p99_ms"] for r in pol["rows"]], style, marker="o", label=name)
+    bound = result["analytic_bound"]["rps"]
+    for ax in axes:
+        ax.axvline(bound, color="grey", ls=":", lw=1)
+        ax.set_xlabel("arrival rate (req/s)")
+        ax.grid(alpha=0.3)
+    axes[0].axhline(0.9, color="grey", ls="--", lw=1)
+    axes[0].set_ylabel("SLO attainment")
+    axes[1].set_ylabel("goodput (req/s)")
+    axes[2].set_ylabel("TTFT p99 (ms)")
+    axes[2].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{result['trace']}, {result['replicas']} x {result['profile']}: TTFT {result['ttft_ms']:g} ms, "
+                 f"TPOT {result['tpot_ms']:g} ms (dotted: analytic bound)")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags of ``bench-fleet``."""
+    p = argparse.ArgumentParser(prog="fairbatch-loadgen bench-fleet", description=__doc__.splitlines()[0])
+    p.add_argument("--replicas", type=int, default=16)
+    p.add_argument("--trace", required=True, help="embedded trace name (azure-conv, azure-code, mooncake-conv) or path")
+    p.add_argument("--profile", default="llama-3-8b-a100")
+    p.add_argument("--out", required=True, help="fleet.json")
+    p.add_argument("--plot", default=None, help="fleet.png")
+    p.add_argument("--routers", type=int, default=1, help="router copies")
+    p.add_argument("--push-period-ms", type=float, default=100.0)
+    p.add_argument("--net-delay-ms", type=float, default=0.5)
+    p.add_argument("--ttft-ms", type=float, default=1000.0)
+    p.add_argument("--tpot-ms", type=float, default=100.0)
+    p.add_argument("--rates", type=float, nargs="+", default=None,
+                   help="arrival rates (req/s); default: 0.4..1.1 x the analytic bound")  # fmt: skip
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    p.add_argument("--duration-s", type=float, default=60.0, help="arrival window (simulated s)")
+    p.add_argument("--drain-s", type=float, default=60.0, help="time after the window before unfinished = failed")
+    p.add_argument("--queue", choices=("fair", "fifo"), default="fair", help="admission queue of the pab routers")
+    p.add_argument("--queue-cap-tokens", type=int, default=None,
+                   help="static-queue-cap bound (tokens); default: the prompt tokens one replica prefills "
+                        "within the TTFT target, floor((ttft - a) / b)")  # fmt: skip
+    p.add_argument("--no-leases", action="store_true", help="pab routers forward without Reserve (double-spend demo)")
+    p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=1, help="worker processes (one policy sweep each)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the sweep, write fleet.json (and the plot), print the table. Returns the exit code."""
+    args = build_parser().parse_args(argv)
+    full = load_trace(resolve_trace(args.trace))
+    kept = tuple(r for r in full if max(1, r.prompt_tokens) + max(1, r.output_tokens) <= args.max_model_len)
+    span_s = max(1e-9, (full[-1].arrival_ms - full[0].arrival_ms) / 1000.0)
+    native = len(kept) / span_s
+    prof = load_profile(args.profile)
+    bound = analytic_bound(kept, prof.time_model, prof.kv_capacity_tokens, args.tpot_ms, args.replicas)
+    rates = sorted(args.rates) if args.rates else [round(bound.rps * f, 2) for f in DEFAULT_FRACTIONS]
+    cap_tokens = args.queue_cap_tokens or prof.time_model.tokens_within_ms(args.ttft_ms)
+    setup = Setup(kept, native, args.replicas, args.profile, args.ttft_ms, args.tpot_ms, args.duration_s,
+                  args.drain_s, args.routers, args.push_period_ms, args.net_delay_ms, args.queue, cap_tokens,
+                  not args.no_leases, args.max_model_len, args.seed)  # fmt: skip
+    t0 = time.perf_counter()
+    jobs = [(setup, p, tuple(rates)) for p in args.policies]
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs) as ex:
+            done = list(ex.map(_sweep_job, jobs))
+    else:
+        done = [_sweep_job(j) for j in jobs]
+    policies: dict[str, Any] = {}
+    for name, rows in done:
+        cap, how = capacity(rows, 0.9)
+        policies[name] = {
+            "capacity_rps": round(cap, 3),
+            "capacity_bound": how,
+            "fraction_of_bound": round(cap / bound.rps, 3) if bound.rps > 0 else None,
+            "rows": rows,
+        }
+    rr = policies.get("round-robin", {}).get("capacity_rps")
+    base_caps = {n: policies[n]["capacity_rps"] for n in BASELINES if n in policies}
+    best_name = max(base_caps, key=base_caps.__getitem__) if base_caps else None
+    for pol in policies.values():
+        pol["x_round_robin"] = round(pol["capacity_rps"] / rr, 3) if rr else None
+        pol["x_best_baseline"] = round(pol["capacity_rps"] / base_caps[best_name], 3) if best_name and base_caps[best_name] else None
+    result = {
+        "trace": args.trace, "profile": args.profile, "replicas": args.replicas, "routers": args.routers,
+        "ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "duration_s": args.duration_s, "drain_s": args.drain_s,
+        "push_period_ms": args.push_period_ms, "net_delay_ms": args.net_delay_ms, "queue": args.queue,
+        "leases": not args.no_leases, "static_queue_cap_tokens": cap_tokens, "seed": args.seed,
+        "native_rps": round(native, 4), "windows_interleaved": args.replicas,
+        "requests_in_trace": len(full), "requests_dropped_over_max_model_len": len(full) - len(kept),
+        "time_model": {"a_ms": prof.time_model.a_ms, "b_ms_per_new_token": prof.time_model.b_ms_per_new_token,
+                       "c_ms_per_context_token": prof.time_model.c_ms_per_context_token},
+        "kv_capacity_tokens": prof.kv_capacity_tokens,
+        "analytic_bound": {"rps": round(bound.rps, 3), "per_replica_rps": round(bound.per_replica_rps, 4),
+                           "iteration_ms": round(bound.iteration_ms, 2), "limit": bound.limit,
+                           "mean_work_ms": round(bound.mean_work_ms, 3)},
+        "best_baseline": best_name, "rates": rates, "policies": policies,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    if args.plot:
+        plot(result, args.plot)
+    print(f"{args.trace}, {args.replicas} x {args.profile}, TTFT {args.ttft_ms:g} / TPOT {args.tpot_ms:g} ms; "
+          f"analytic bound {bound.rps:.1f} req/s ({bound.limit}-limited)")  # fmt: skip
+    print(f"{'policy':<18} {'capacity':>9} {'of bound':>9} {'x RR':>6} {'x best':>7}")
+    for name, pol in policies.items():
+        xr = pol["x_round_robin"]
+        xb = pol["x_best_baseline"]
+        print(f"{name:<18} {pol['capacity_rps']:>9.2f} {pol['fraction_of_bound'] or 0:>9.3f} "
+              f"{'-' if xr is None else f'{xr:.2f}':>6} {'-' if xb is None else f'{xb:.2f}':>7}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,690 @@
+"""Discrete-event fleet simulation: N simulated vLLM replicas, R router copies, one virtual clock.
+
+Builds on loadgen/sim/virtual.py (one replica, events = arrivals and step ends) and runs the REAL
+pure code of every part; only I/O (sockets, gRPC, HTTP streams, Prometheus scrapes) is replaced
+by events on one heap:
+
+- replicas: :class:`~loadgen.sim.engine.SimEngine` with a batching policy from
+  ``replica_agent.policy.batching.make_policy`` (``vllm-default`` or ``fairbatching``); step time
+  from the profile's time model. Each replica's agent runs in *plugin mode*: PAB inputs
+  (:class:`~replica_agent.policy.pab.ReplicaState`) are built from the engine's exact request
+  state (decodes: ``tokens_out >= 1`` with next-token deadline ``arrival + ttft + tokens_out *
+  tpot``, DESIGN section 4; in-flight prefills: ``tokens_out == 0`` with their computed prompt
+  tokens; free KV: free blocks * block size) plus the agent's
+  :class:`~replica_agent.policy.leases.LeaseTable`; budgets by ``pab.class_budget``; Reserve
+  grants a lease only when ``pab.fits`` (as ``replica_agent.agent.Agent.reserve``).
+- routers (``pab`` kind): each copy has its own :class:`router.budgets.BudgetBook` (fed by
+  delayed snapshots), the ``pab`` placement policy of :func:`router.placement.default_registry`,
+  a :class:`router.fair_queue.FairQueue` (or FIFO) and the real
+  :class:`router.admission_queue.Dispatcher`, whose async methods are driven synchronously (the
+  simulated ``admit`` never suspends). Request path as ``router/server.py`` ``_acquire``: placement
+  + Reserve at once when nobody waits, else queue; ``take_local`` before each Reserve and
+  ``apply_reserve`` with the answer; up to 3 Reserve candidates per placement.
+- routers (baselines, loadgen/fleet/baselines.py): placement on router-local outstanding counts
+  or scraped engine metrics, no router queue.
+
+Events (simulated ms): ``ARRIVE`` (client request at a router; routers are chosen uniformly at
+random with the seeded RNG, as behind an L4 load balancer), ``FORWARD`` (request reaches a
+replica), ``STEP_END``, ``PUSH`` (an agent computes its budget every ``push_period_ms``, phases
+drawn at random; each router gets it ``net_delay_ms`` later: ``DELIVER``), ``SCRAPE`` (every
+``scrape_period_ms``, for the metric-based baselines), ``DISPATCH`` (a router's queue pass).
+
+Network: one hop costs ``net_delay_ms``. A granted Reserve answered at t puts the request on the
+replica at ``t + 3 * d`` (Reserve there, answer back, request there) plus ``2 * d`` per refused
+Reserve before it; the agent evaluates the Reserve with its state at the decision instant t (its
+grants are serialised, as the agent's event loop does). Baselines forward at ``t + d``. Token
+times reach the client ``d`` after the engine step that sampled them. Agents push periodically
+only (the real agent also pushes on change; the period here is the staleness under study).
+
+Dispatcher wake-ups: on every snapshot delivery and every new queue entry at that router
+(the view changes only then), coalesced to one pass per ``dispatch_gap_ms`` (a pass takes router CPU time too).
+
+Double-spend: a prefill admitted to a replica beyond that replica's PAB at the moment it was
+granted. With leases the moment is the Reserve (the lease then counts in PAB's in-flight
+reservation); without leases (``leases=False``, routers forward on their own view alone) it is
+the request's arrival at the replica, checked with ``pab.fits`` against the exact state then.
+
+Requests not finished by ``duration end + drain_ms`` count as failed (``unfinished``).
+Deterministic: one seeded ``random.Random``; virtual time only (wall time is measured only for
+the placement-decision figures).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from loadgen.fleet.baselines import BASELINE_POLICIES, MetricsSample, RouterLoad, fleet_registry
+from loadgen.sim.engine import EngineConfig, SimEngine, StepResult
+from loadgen.stats import FAILED, OK, REJECTED, RequestRecord
+from replica_agent.policy.batching import PolicyConfig, make_policy
+from replica_agent.policy.leases import LeaseTable
+from replica_agent.policy.pab import ClassBudget, DecodeState, PendingPrefill, ReplicaState, SloClass, class_budget, fits
+from replica_agent.policy.time_model import TimeModel
+from router.admission_queue import Dispatcher, FifoQueue, QueueFull, QueueTimeout, WaitingRequest
+from router.budgets import BudgetBook
+from router.fair_queue import FairQueue, TenantShare
+from router.placement import PlacementRequest, ReplicaView
+
+POLICIES: dict[str, tuple[str, str]] = {
+    "round-robin": ("direct", "vllm-default"),
+    "least-outstanding": ("direct", "vllm-default"),
+    "power-of-two": ("direct", "vllm-default"),
+    "llm-d-scorer": ("direct", "vllm-default"),
+    "static-queue-cap": ("queue-cap", "vllm-default"),
+    "pab": ("pab", "vllm-default"),
+    "pab+fairbatching": ("pab", "fairbatching"),
+}
+"""Fleet policy name -> (router kind, replica batching policy)."""
+
+MAX_RESERVE_CANDIDATES = 3
+"""Reserve calls (or forwards for static-queue-cap) per placement, as router/server.py."""
+
+SLO_CLASS = "interactive"
+
+_ARRIVE, _FORWARD, _STEP_END, _PUSH, _DELIVER, _SCRAPE, _DISPATCH = range(7)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetRequest:
+    """One client request.
+
+    Attributes:
+        arrival_ms: arrival at the router (simulated ms).
+        prompt_tokens, output_tokens: lengths (tokens, >= 1).
+        tenant: tenant name.
+    """
+
+    arrival_ms: float
+    prompt_tokens: int
+    output_tokens: int
+    tenant: str = "t0"
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """One fleet run.
+
+    Attributes:
+        policy: a key of :data:`POLICIES`.
+        replicas: number of replicas N.
+        time_model: a, b, c (ms) of every replica.
+        kv_capacity_tokens: KV cache per replica (tokens).
+        ttft_ms, tpot_ms: the SLO class of every request (ms).
+        routers: router copies R.
+        push_period_ms: agent budget push period (ms).
+        net_delay_ms: one network hop (ms).
+        scrape_period_ms: metric scrape period of the metric-based baselines (ms).
+        leases: PAB routers Reserve a lease before forwarding (False: forward on the view alone).
+        margin_frac: PAB horizon margin, H = ttft * (1 - margin_frac).
+        budget_ttl_ms: a snapshot older than this counts as zero budget (router clock, ms).
+        lease_ttl_ms: a lease whose request never arrives lapses after this (ms).
+        max_queue_ms: longest wait in a router queue (ms); sheddable: also shed at
+            ``arrival + ttft - predicted prefill`` (reason ``slo-infeasible``).
+        queue_kind: ``fair`` (router/fair_queue.py) or ``fifo`` (router/admission_queue.py).
+        queue_max_requests, queue_max_tokens: router queue bounds.
+        dispatch_gap_ms: at most one dispatcher pass per this many ms per router.
+        queue_cap_tokens: ``static-queue-cap`` bound on a replica's waiting prompt tokens.
+        tenant_weights: tenant -> VTC weight (fair queue).
+        block_size, max_num_batched_tokens, max_num_seqs, max_model_len: engine settings.
+        drain_ms: simulated time after the last arrival before unfinished requests are cut.
+        seed: RNG seed.
+    """
+
+    policy: str
+    replicas: int
+    time_model: TimeModel
+    kv_capacity_tokens: int
+    ttft_ms: float
+    tpot_ms: float
+    routers: int = 1
+    push_period_ms: float = 100.0
+    net_delay_ms: float = 0.5
+    scrape_period_ms: float = 50.0
+    leases: bool = True
+    margin_frac: float = 0.1
+    budget_ttl_ms: float = 1000.0
+    lease_ttl_ms: float = 5000.0
+    max_queue_ms: float = 2000.0
+    queue_kind: str = "fair"
+    queue_max_requests: int = 4096
+    queue_max_tokens: int = 16_000_000
+    dispatch_gap_ms: float = 5.0
+    queue_cap_tokens: int = 0
+    tenant_weights: tuple[tuple[str, float], ...] = ()
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int = 32768
+    drain_ms: float = 60_000.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown fleet policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        if self.replicas < 1 or self.routers < 1:
+            raise ValueError("replicas and routers must be >= 1")
+        if self.push_period_ms <= 0 or self.net_delay_ms < 0 or self.scrape_period_ms <= 0:
+            raise ValueError("push_period_ms and scrape_period_ms must be > 0, net_delay_ms >= 0")
+        if self.queue_kind not in ("fair", "fifo"):
+            raise ValueError(f"queue_kind must be 'fair' or 'fifo', got {self.queue_kind!r}")
+
+
+@dataclass(slots=True)
+class FleetStats:
+    """Counters of one run.
+
+    Attributes:
+        grants: leases granted (or, without leases, PAB-routed arrivals).
+        refusals: Reserve calls refused.
+        double_spends: admitted prefills beyond the replica's PAB at grant time (module docstring).
+        double_spent_ms: sum of the excess, predicted prefill ms beyond pab_ms.
+        snapshots_delivered: budget snapshots received, all routers together.
+        reserve_answers: Reserve answers received, all routers together.
+        dispatch_passes: dispatcher passes, all routers together.
+        placement_us: wall microseconds of each placement decision (views + place), sampled.
+        preemptions: preemptions by recompute, all replicas.
+        steps: engine steps, all replicas.
+        end_ms: simulated time of the last event processed.
+    """
+
+    grants: int = 0
+    refusals: int = 0
+    double_spends: int = 0
+    double_spent_ms: float = 0.0
+    snapshots_delivered: int = 0
+    reserve_answers: int = 0
+    dispatch_passes: int = 0
+    placement_us: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    steps: int = 0
+    end_ms: float = 0.0
+
+
+@dataclass(slots=True)
+class FleetResult:
+    """Result of :func:`run_fleet`: one record per request (input order) and the counters."""
+
+    records: list[RequestRecord]
+    stats: FleetStats
+    wall_s: float
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    """Duck-typed ``BudgetSnapshot`` (proto) for :meth:`BudgetBook.update`."""
+
+    seq: int
+    coefficients: TimeModel
+    classes: list[ClassBudget]
+    ttl_ms: float
+    healthy: bool = True
+    max_prompt_tokens: int = 0
+    status_detail: str = ""
+
+
+@dataclass(slots=True)
+class _SimFuture:
+    """The part of ``asyncio.Future`` the Dispatcher uses; results go to callbacks."""
+
+    on_result: Callable[[Any], None]
+    on_error: Callable[[BaseException], None]
+    _done: bool = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, value: Any) -> None:
+        self._done = True
+        self.on_result(value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._done = True
+        self.on_error(exc)
+
+
+@dataclass(slots=True)
+class _Clock:
+    """Router clock for BudgetBook / Dispatcher: simulated ms, no wall time."""
+
+    t: float = 0.0
+
+    def now_ms(self) -> float:
+        return self.t
+
+    def to_wall_s(self, sim_ms: float) -> float:
+        return sim_ms / 1000.0
+
+
+@dataclass(slots=True)
+class _Grant:
+    replica: int
+    lease_id: str
+    refusals: int
+
+
+@dataclass(slots=True)
+class _Replica:
+    rid: str
+    engine: SimEngine
+    leases: LeaseTable
+    stepping: bool = False
+    result: StepResult | None = None
+    seq: int = 0
+
+
+@dataclass(slots=True)
+class _ReqState:
+    token_times: list[float] = field(default_factory=list)
+    outcome: str = ""
+    reason: str | None = None
+    replica: int = -1
+    router: int = 0
+    lease_id: str = ""
+
+
+def _drive(coro: Any) -> Any:
+    """Run a coroutine that never suspends to completion and return its value."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise RuntimeError("simulated coroutine suspended")
+
+
+def replica_state(engine: SimEngine, leases: LeaseTable, now_ms: float, margin_frac: float,
+                  extra_prefill_tokens: int = 0) -> ReplicaState:  # fmt: skip
+    """PAB inputs in plugin mode: the engine's exact requests plus active leases (module docstring).
+
+    ``extra_prefill_tokens`` adds one more pending prompt (a lease being granted) when > 0.
+    """
+    decodes: list[DecodeState] = []
+    prefills: list[PendingPrefill] = []
+    for r in engine.requests.values():
+        if r.tokens_out >= 1:
+            decodes.append(DecodeState(r.arrival_ms + r.ttft_ms + r.tokens_out * r.tpot_ms,  # type: ignore[operator]
+                                       r.tpot_ms, r.prompt_tokens + r.tokens_out, r.tokens_out, r.max_tokens))  # type: ignore[arg-type]  # fmt: skip
+        else:
+            prefills.append(PendingPrefill(r.prompt_tokens, r.computed_tokens))
+    for lease in leases.active():
+        prefills.append(PendingPrefill(lease.prompt_tokens))
+    if extra_prefill_tokens > 0:
+        prefills.append(PendingPrefill(extra_prefill_tokens))
+    return ReplicaState(now_ms, decodes, prefills, engine.kv.free_blocks * engine.config.block_size,
+                        engine.policy_time_model, margin_frac)  # fmt: skip
+
+
+class _Router:
+    """One router copy: its view, placement policy, queue and dispatcher (pab) or load (baselines)."""
+
+    def __init__(self, sim: FleetSim, index: int) -> None:
+        self.sim = sim
+        self.index = index
+        cfg = sim.cfg
+        self.clock = _Clock()
+        self.kind = POLICIES[cfg.policy][0]
+        self.ids = [r.rid for r in sim.replicas]
+        reg = fleet_registry()
+        seed = cfg.seed * 1000 + index
+        self.load = RouterLoad({rid: 0 for rid in self.ids}, {rid: MetricsSample() for rid in self.ids})
+        self.dispatch_pending = False
+        self.last_pass_ms = float("-inf")
+        if self.kind == "pab":
+            self.book = BudgetBook(self.clock, self.ids)  # type: ignore[arg-type]
+            self.policy = reg.build("pab", seed=seed)
+            if cfg.queue_kind == "fair":
+                shares = {t: TenantShare(weight=w) for t, w in cfg.tenant_weights}
+                self.queue: Any = FairQueue(cfg.queue_max_requests, cfg.queue_max_tokens, shares)
+            else:
+                self.queue = FifoQueue(cfg.queue_max_requests, cfg.queue_max_tokens)
+            self.dispatcher: Dispatcher[_Grant] = Dispatcher(self.queue, self.clock, self._admit, self._orphan)  # type: ignore[arg-type]
+        else:
+            self.policy = reg.build(cfg.policy, load=self.load, seed=seed)
+            tm = cfg.time_model
+            self.static_views = [ReplicaView(rid, True, True, tm, {}, cfg.max_model_len) for rid in self.ids]
+
+    # ------------------------------------------------------------ pab path
+
+    def _place(self, slo_class: str, prompt_tokens: int, exclude: frozenset[str]) -> _Grant | None:
+        """router/server.py ``_place_and_reserve``: placement, then Reserve on up to 3 candidates."""
+        sim = self.sim
+        now = self.clock.t
+        t0 = time.perf_counter()
+        result = self.policy.place(PlacementRequest(slo_class, prompt_tokens, exclude), self.book.views(now))
+        sim.sample_decision(time.perf_counter() - t0)
+        refusals = 0
+        for rid in result.candidates[:MAX_RESERVE_CANDIDATES]:
+            self.book.take_local(rid, slo_class, prompt_tokens)
+            ri = sim.index_of[rid]
+            granted, lease_id, after = sim.reserve(ri, prompt_tokens, now)
+            sim.stats.reserve_answers += 1
+            if after is not None:
+                self.book.apply_reserve(rid, slo_class, after.pab_ms, after.pab_tokens)
+            if granted:
+                return _Grant(ri, lease_id, refusals)
+            refusals += 1
+        return None
+
+    async def _admit(self, entry: WaitingRequest) -> _Grant | None:
+        return self._place(entry.slo_class, entry.prompt_tokens, entry.exclude)
+
+    async def _orphan(self, grant: _Grant) -> None:  # never happens: simulated waiters do not leave
+        self.sim.replicas[grant.replica].leases.release(grant.lease_id)
+
+    def wake(self) -> None:
+        """Ask for a dispatcher pass (coalesced to one per ``dispatch_gap_ms``)."""
+        if self.kind != "pab" or self.dispatch_pending or len(self.queue) == 0:
+            return
+        self.dispatch_pending = True
+        at = max(self.clock.t, self.last_pass_ms + self.sim.cfg.dispatch_gap_ms)
+        self.sim.push_event(at, _DISPATCH, self.index, 0)
+
+    def dispatch(self) -> None:
+        self.dispatch_pending = False
+        self.last_pass_ms = self.clock.t
+        self.sim.stats.dispatch_passes += 1
+        _drive(self.dispatcher.dispatch_once())
+        if len(self.queue):
+            nd = self.queue.next_deadline_ms()
+            if nd is not None:  # wake at the next expiry at the latest
+                self.dispatch_pending = True
+                self.sim.push_event(max(nd, self.clock.t + self.sim.cfg.dispatch_gap_ms), _DISPATCH, self.index, 0)
+
+    def arrive(self, idx: int) -> None:
+        """A client request reaches this router."""
+        sim = self.sim
+        req = sim.requests[idx]
+        st = sim.states[idx]
+        st.router = self.index
+        now = self.clock.t
+        if self.kind != "pab":
+            self._forward_direct(idx, frozenset())
+            return
+        cfg = sim.cfg
+        if len(self.queue) == 0:
+            grant = self._place(SLO_CLASS, req.prompt_tokens, frozenset())
+            if grant is not None:
+                self._charge(req)
+                sim.forward_granted(idx, grant, now)
+                return
+        prefill_ms = cfg.time_model.prefill_ms(req.prompt_tokens)
+        deadline, reason = req.arrival_ms + cfg.max_queue_ms, "queue-timeout"
+        shed_at = req.arrival_ms + cfg.ttft_ms - prefill_ms
+        if shed_at < deadline:
+            deadline, reason = shed_at, "slo-infeasible"
+        if deadline <= now:
+            sim.reject(idx, reason)
+            return
+        entry = WaitingRequest(
+            request_id=str(idx), tenant=req.tenant, slo_class=SLO_CLASS, prompt_tokens=req.prompt_tokens,
+            max_tokens=req.output_tokens, enqueued_ms=now, deadline_ms=deadline,
+            future=_SimFuture(lambda g, i=idx: self._granted_from_queue(i, g),  # type: ignore[arg-type,misc]
+                              lambda e, i=idx: sim.reject(i, getattr(e, "reason", "queue-timeout"))),
+            first_token_deadline_ms=req.arrival_ms + cfg.ttft_ms, expire_reason=reason,
+        )  # fmt: skip
+        try:
+            self.queue.push(entry)
+        except QueueFull:
+            sim.reject(idx, "queue-full")
+            return
+        self.wake()
+
+    def _granted_from_queue(self, idx: int, grant: _Grant) -> None:
+        self._charge(self.sim.requests[idx])
+        self.sim.forward_granted(idx, grant, self.clock.t)
+
+    def _charge(self, req: FleetRequest) -> None:
+        if isinstance(self.queue, FairQueue):
+            self.queue.charge(req.tenant, req.prompt_tokens, req.output_tokens)
+
+    # ------------------------------------------------------------ baselines
+
+    def _forward_direct(self, idx: int, exclude: frozenset[str]) -> None:
+        sim = self.sim
+        req = sim.requests[idx]
+        t0 = time.perf_counter()
+        result = self.policy.place(PlacementRequest(SLO_CLASS, req.prompt_tokens, exclude), self.static_views)
+        sim.sample_decision(time.perf_counter() - t0)
+        if not result.candidates:
+            sim.reject(idx, result.reason or "no-replica")
+            return
+        cands = [sim.index_of[c] for c in result.candidates[:MAX_RESERVE_CANDIDATES]]
+        self.load.outstanding[sim.replicas[cands[0]].rid] += 1
+        sim.push_event(self.clock.t + sim.cfg.net_delay_ms, _FORWARD, idx, tuple(cands))
+
+
+class FleetSim:
+    """The event loop (see the module docstring). Use :func:`run_fleet`."""
+
+    def __init__(self, cfg: FleetConfig, requests: Sequence[FleetRequest]) -> None:
+        self.cfg = cfg
+        self.requests = requests
+        self.states = [_ReqState() for _ in requests]
+        self.rng = random.Random(cfg.seed)
+        self.stats = FleetStats()
+        self.slo = SloClass(SLO_CLASS, cfg.ttft_ms, cfg.tpot_ms)
+        batching = POLICIES[cfg.policy][1]
+        ecfg = EngineConfig(cfg.time_model, cfg.kv_capacity_tokens // cfg.block_size, cfg.block_size,
+                            cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len)  # fmt: skip
+        pcfg = PolicyConfig(cfg.ttft_ms, cfg.tpot_ms)
+        self.replicas = [
+            _Replica(f"r{i}", SimEngine(ecfg, make_policy(batching, pcfg)), LeaseTable(1 << 20, f"r{i}"))
+            for i in range(cfg.replicas)
+        ]
+        self.index_of = {r.rid: i for i, r in enumerate(self.replicas)}
+        self.routers = [_Router(self, i) for i in range(cfg.routers)]
+        self._heap: list[tuple[float, int, int, int, Any]] = []
+        self._seq = 0
+        self._decision_every = 1
+
+    # ------------------------------------------------------------ events
+
+    def push_event(self, t: float, kind: int, a: int, b: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, a, b))
+
+    def sample_decision(self, seconds: float) -> None:
+        """Keep placement decision times (us), at most ~20k samples."""
+        s = self.stats.placement_us
+        if len(s) < 20_000:
+            s.append(seconds * 1e6)
+
+    # ------------------------------------------------------------ agent side
+
+    def reserve(self, ri: int, prompt_tokens: int, now_ms: float) -> tuple[bool, str, ClassBudget | None]:
+        """The agent's Reserve (plugin mode): grant a lease when the prompt fits PAB now."""
+        rep = self.replicas[ri]
+        cfg = self.cfg
+        if not self.cfg.leases:  # forward on the router's view alone; checked at arrival
+            self.stats.grants += 1
+            return True, "", None
+        state = replica_state(rep.engine, rep.leases, now_ms, cfg.margin_frac)
+        before = class_budget(state, self.slo)
+        tm = rep.engine.policy_time_model
+        if not fits(prompt_tokens, before, tm):
+            self.stats.refusals += 1
+            return False, "", before
+        self.stats.grants += 1
+        lease_id = rep.leases.grant(prompt_tokens, SLO_CLASS, None, now_ms, cfg.lease_ttl_ms)
+        after = class_budget(replace(state, prefills=[*state.prefills, PendingPrefill(prompt_tokens)]), self.slo)
+        return True, lease_id, after
+
+    def forward_granted(self, idx: int, grant: _Grant, now_ms: float) -> None:
+        d = self.cfg.net_delay_ms
+        st = self.states[idx]
+        st.lease_id = grant.lease_id
+        self.push_event(now_ms + 3 * d + 2 * d * grant.refusals, _FORWARD, idx, (grant.replica,))
+
+    def _admission_check(self, rep: _Replica, prompt_tokens: int, now_ms: float) -> None:
+        """Without leases: count a prefill that arrives beyond the replica's exact PAB."""
+        b = class_budget(replica_state(rep.engine, rep.leases, now_ms, self.cfg.margin_frac), self.slo)
+        tm = rep.engine.policy_time_model
+        if not fits(prompt_tokens, b, tm):
+            self.stats.double_spends += 1
+            self.stats.double_spent_ms += max(0.0, tm.prefill_ms(prompt_tokens) - b.pab_ms)
+
+    def _queued_tokens(self, engine: SimEngine) -> int:
+        return sum(r.remaining_tokens for r in engine.waiting) + sum(
+            r.remaining_tokens for r in engine.running if r.tokens_out == 0
+        )
+
+    def _on_forward(self, t: float, idx: int, cands: tuple[int, ...]) -> None:
+        req = self.requests[idx]
+        st = self.states[idx]
+        ri = cands[0]
+        rep = self.replicas[ri]
+        kind = POLICIES[self.cfg.policy][0]
+        router = self.routers[st.router]
+        if kind == "queue-cap" and self._queued_tokens(rep.engine) + req.prompt_tokens > self.cfg.queue_cap_tokens \
+                and rep.engine.has_work():  # fmt: skip
+            router.load.outstanding[rep.rid] -= 1
+            if len(cands) > 1:  # 429 back to the router (d), next candidate (d)
+                router.load.outstanding[self.replicas[cands[1]].rid] += 1
+                self.push_event(t + 2 * self.cfg.net_delay_ms, _FORWARD, idx, cands[1:])
+            else:
+                self.reject(idx, "queue-cap")
+            return
+        if kind == "pab":
+            if self.cfg.leases:
+                rep.leases.consume(st.lease_id)
+            else:
+                self._admission_check(rep, req.prompt_tokens, t)
+        rep.seq += 1
+        rep.engine.add_request(str(idx), req.prompt_tokens, req.output_tokens, req.arrival_ms,
+                               self.cfg.ttft_ms, self.cfg.tpot_ms)  # fmt: skip
+        st.replica = ri
+        self._start_step(ri, t)
+
+    def _start_step(self, ri: int, t: float) -> None:
+        rep = self.replicas[ri]
+        if rep.stepping:
+            return
+        eng = rep.engine
+        while eng.has_work():
+            result = eng.step(t)
+            if result.duration_ms > 0:
+                rep.stepping = True
+                rep.result = result
+                self.stats.steps += 1
+                self.push_event(result.end_ms, _STEP_END, ri, 0)
+                return
+            if not result.preempted:
+                return
+
+    def _on_step_end(self, t: float, ri: int) -> None:
+        rep = self.replicas[ri]
+        result = rep.result
+        assert result is not None
+        rep.stepping = False
+        rep.result = None
+        d = self.cfg.net_delay_ms
+        for out in result.outputs:
+            idx = int(out.request_id)
+            st = self.states[idx]
+            st.token_times.append(t + d)
+            if out.finished:
+                st.outcome = OK
+                router = self.routers[st.router]
+                if router.kind != "pab":
+                    router.load.outstanding[rep.rid] -= 1
+        self._start_step(ri, t)
+
+    def _on_push(self, t: float, ri: int) -> None:
+        rep = self.replicas[ri]
+        cfg = self.cfg
+        rep.leases.expire(t)
+        b = class_budget(replica_state(rep.engine, rep.leases, t, cfg.margin_frac), self.slo)
+        rep.seq += 1
+        snap = _Snapshot(rep.seq, rep.engine.policy_time_model, [b], cfg.budget_ttl_ms, True, cfg.max_model_len)
+        for r in self.routers:
+            self.push_event(t + cfg.net_delay_ms, _DELIVER, r.index, (ri, snap))
+        self.push_event(t + cfg.push_period_ms, _PUSH, ri, 0)
+
+    def _on_scrape(self, t: float, ri: int) -> None:
+        eng = self.replicas[ri].engine
+        sample = MetricsSample(eng.num_running, eng.num_waiting, eng.kv_usage, t)
+        rid = self.replicas[ri].rid
+        for r in self.routers:
+            r.load.scraped[rid] = sample
+            r.load.version += 1
+        self.push_event(t + self.cfg.scrape_period_ms, _SCRAPE, ri, 0)
+
+    def reject(self, idx: int, reason: str) -> None:
+        st = self.states[idx]
+        st.outcome = REJECTED
+        st.reason = reason
+
+    # ------------------------------------------------------------ loop
+
+    def run(self) -> FleetResult:
+        cfg = self.cfg
+        t_wall = time.perf_counter()
+        kind = POLICIES[cfg.policy][0]
+        for idx, req in enumerate(self.requests):
+            self.push_event(req.arrival_ms, _ARRIVE, idx, self.rng.randrange(cfg.routers))
+        last_arrival = max((r.arrival_ms for r in self.requests), default=0.0)
+        stop_ms = last_arrival + cfg.drain_ms
+        for ri in range(cfg.replicas):
+            if kind == "pab":
+                self.push_event(self.rng.uniform(0.0, cfg.push_period_ms), _PUSH, ri, 0)
+            elif cfg.policy in ("power-of-two", "llm-d-scorer"):
+                self.push_event(self.rng.uniform(0.0, cfg.scrape_period_ms), _SCRAPE, ri, 0)
+        pending = len(self.requests)
+        heap = self._heap
+        t = 0.0
+        while heap:
+            t, _, ev, a, b = heapq.heappop(heap)
+            if t > stop_ms:
+                break
+            if ev == _STEP_END:
+                self._on_step_end(t, a)
+            elif ev == _ARRIVE:
+                pending -= 1
+                router = self.routers[b]
+                router.clock.t = t
+                router.arrive(a)
+            elif ev == _FORWARD:
+                self._on_forward(t, a, b)
+            elif ev == _DELIVER:
+                router = self.routers[a]
+                router.clock.t = t
+                ri, snap = b
+                router.book.update(self.replicas[ri].rid, snap)
+                self.stats.snapshots_delivered += 1
+                router.wake()
+            elif ev == _DISPATCH:
+                router = self.routers[a]
+                router.clock.t = t
+                router.dispatch()
+            elif ev in (_PUSH, _SCRAPE):
+                if pending == 0 and not any(r.engine.has_work() for r in self.replicas) and not any(
+                    kind == "pab" and len(r.queue) for r in self.routers
+                ):
+                    continue  # everything drained: let the periodic events die out
+                (self._on_push if ev == _PUSH else self._on_scrape)(t, a)
+        self.stats.end_ms = t
+        self.stats.preemptions = sum(r.engine.counters.num_preemptions for r in self.replicas)
+        records = []
+        for req, st in zip(self.requests, self.states):
+            outcome, reason = st.outcome, st.reason
+            if outcome == "":
+                outcome, reason = FAILED, "unfinished"
+            records.append(RequestRecord(req.tenant, req.arrival_ms, req.prompt_tokens, len(st.token_times),
+                                         st.token_times, outcome, reason,
+                                         self.replicas[st.replica].rid if st.replica >= 0 else None,
+                                         req.output_tokens))  # fmt: skip
+        return FleetResult(records, self.stats, time.perf_counter() - t_wall)
+
+
+def run_fleet(cfg: FleetConfig, requests: Sequence[FleetRequest]) -> FleetResult:
+    """Simulate ``requests`` (any order) on the fleet ``cfg``; see the module docstring."""
+    return FleetSim(cfg, requests).run()
+
+
+__all__ = ["BASELINE_POLICIES", "FleetConfig", "FleetRequest", "FleetResult", "FleetStats", "POLICIES",
+           "replica_state", "run_fleet"]  # fmt: skip
