@@ -467,6 +467,8 @@ class SimServer:
             return error_response(self.failed, 503, request_id=header_id)
         ttft_ms = _header_ms(request, "x-fairbatch-ttft-ms")
         tpot_ms = _header_ms(request, "x-fairbatch-tpot-ms")
+        if log.isEnabledFor(logging.DEBUG):  # lets tests see the W3C trace context that reached the engine
+            log.debug("request %s traceparent %s", engine_id, request.headers.get("traceparent", "-"))
         try:
             self.engine.add_request(
                 engine_id, parsed.prompt_tokens, parsed.max_tokens, self.clock.now_ms(), ttft_ms, tpot_ms

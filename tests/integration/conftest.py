@@ -44,8 +44,12 @@ def write_config(path: Path, replicas: list[dict[str, str]], api_keys: dict[str,
 
 
 def start_fleet(tmp: Path, n: int, *, time_scale: float = 1.0, ttl_ms: int = 1000, engine_args: list[str] | None = None,
-                **config_overrides: object) -> Fleet:
-    """Start ``n`` simulated engines + ``n`` agents + one router; wait for every /health."""
+                agent_args: list[str] | None = None, **config_overrides: object) -> Fleet:
+    """Start ``n`` simulated engines + ``n`` agents + one router; wait for every /health.
+
+    ``engine_args`` / ``agent_args`` are appended to every engine's / agent's command line;
+    ``config_overrides`` replace top-level keys of the router YAML (e.g. ``telemetry={...}``).
+    """
     group = ProcessGroup(tmp / "logs")
     api_keys = {"acme": "sk-test-acme", "beta": "sk-test-beta"}
     ts = str(time_scale)
@@ -66,7 +70,7 @@ def start_fleet(tmp: Path, n: int, *, time_scale: float = 1.0, ttl_ms: int = 100
             a = group.start(f"agent{i}", script("fairbatch-agent") + [
                 "serve", "--engine-url", f"http://127.0.0.1:{eport}", "--http-port", str(hport), "--grpc-port", str(gport),
                 "--replica-id", f"r{i}", "--profile", "llama-3-8b-a100", "--config", str(fleet.config_path),
-                "--time-scale", ts, "--ttl-ms", str(ttl_ms)])
+                "--time-scale", ts, "--ttl-ms", str(ttl_ms), *(agent_args or [])])
             fleet.agent_urls.append(f"http://127.0.0.1:{hport}")
             fleet.grpc_targets.append(f"127.0.0.1:{gport}")
             fleet.children[f"agent{i}"] = a
