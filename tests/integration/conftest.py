@@ -32,7 +32,7 @@ def write_config(path: Path, replicas: list[dict[str, str]], api_keys: dict[str,
     cfg: dict[str, object] = {
         "model": "llama-3-8b-a100",
         "slo_classes": {
-            "interactive": {"ttft_ms": 1000, "tpot_ms": 100, "priority": 0, "sheddable": True, "max_queue_ms": 8000},
+            "interactive": {"ttft_ms": 1000, "tpot_ms": 100, "priority": 0, "sheddable": False, "max_queue_ms": 8000},
         },
         "tenants": {"acme": {"weight": 3, "slo_class": "interactive"}, "beta": {"weight": 1, "slo_class": "interactive"}},
         "api_keys": {hashlib.sha256(k.encode()).hexdigest(): t for t, k in api_keys.items()},

@@ -75,6 +75,16 @@ NON_SHEDDABLE = {
 }
 
 
+async def wait_metric(session: aiohttp.ClientSession, url: str, name: str, want: float, timeout_s: float = 0.7) -> float:
+    """Poll a metric until it equals ``want`` (bounded: the prefills under test last ~0.8 s)."""
+    deadline = time.monotonic() + timeout_s
+    value = await metric(session, url, name)
+    while value != want and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+        value = await metric(session, url, name)
+    return value
+
+
 async def test_requests_spread_over_both_replicas_and_complete(fleet_factory) -> None:
     fleet = fleet_factory(2, time_scale=0.2)
     async with aiohttp.ClientSession() as s:
@@ -116,9 +126,10 @@ async def test_full_queue_is_refused_with_429_and_retry_after(fleet_factory) -> 
                           slo_classes=NON_SHEDDABLE)  # queued, not shed (see the test above)
     async with aiohttp.ClientSession() as s:
         running = [asyncio.create_task(complete(s, fleet, 11_000, 30)) for _ in range(2)]
-        await asyncio.sleep(0.15)
+        for agent in fleet.agent_urls:  # each replica holds one of the two prefills
+            await wait_metric(s, agent, 'fairbatch_agent_requests{state="prefill"}', 1)
         queued = asyncio.create_task(complete(s, fleet, 11_000, 5))
-        await asyncio.sleep(0.15)
+        assert await wait_metric(s, fleet.router_url, "fairbatch_router_queue_depth", 1) == 1
         refused = await complete(s, fleet, 11_000, 5)
         rest = await asyncio.gather(*running, queued)
     assert refused["status"] == 429
