@@ -6,7 +6,9 @@
   ``silence_s`` is cancelled and reopened (half-open connections);
 - ``reserve`` with a deadline (``reserve_timeout_ms`` simulated ms); the answer's pab_ms/pab_tokens
   are applied to the book at once, granted or not;
-- ``release`` with a deadline; failures are logged, never raised (the lease expires on its own).
+- ``release`` with a deadline; failures are logged, never raised (the lease expires on its own);
+- replicas found by discovery are subscribed (:meth:`BudgetClient.add`) and dropped
+  (:meth:`BudgetClient.remove`: stream cancelled, channel closed in the background) while running.
 """
 
 from __future__ import annotations
@@ -87,39 +89,87 @@ class BudgetClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, admission_pb2_grpc.AdmissionServiceStub] = {}
         self._lease_replica: dict[str, str] = {}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
         self._calls: dict[str, grpc.aio.UnaryStreamCall] = {}
+        self._closers: set[asyncio.Task[None]] = set()
+        self._started = False
         self._closing = False
 
     async def start(self) -> None:
         """Open one channel and one watch task per replica."""
+        self._started = True
         for rid, target in self._targets.items():
-            channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
-            self._channels[rid] = channel
-            self._stubs[rid] = admission_pb2_grpc.AdmissionServiceStub(channel)
-            self._tasks.append(asyncio.create_task(self._watch(rid), name=f"watch-{rid}"))
+            self._open(rid, target)
+
+    def _open(self, rid: str, target: str) -> None:
+        channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._channels[rid] = channel
+        self._stubs[rid] = admission_pb2_grpc.AdmissionServiceStub(channel)
+        self._tasks[rid] = asyncio.create_task(self._watch(rid), name=f"watch-{rid}")
+
+    def add(self, replica: ReplicaConfig) -> bool:
+        """Subscribe to a replica found while running (its WatchBudget stream starts now; before
+        :meth:`start` it is only remembered). False when the id is already subscribed."""
+        if replica.id in self._targets or self._closing:
+            return False
+        self._targets[replica.id] = replica.grpc_target
+        if self._started:
+            self._open(replica.id, replica.grpc_target)
+        return True
+
+    def remove(self, replica_id: str) -> bool:
+        """Drop a replica: its stub goes at once (Reserve answers ``unknown-replica``), the watch
+        stream is cancelled and the channel closed in the background (awaited by :meth:`close`).
+        False when unknown."""
+        if self._targets.pop(replica_id, None) is None:
+            return False
+        self._stubs.pop(replica_id, None)
+        call = self._calls.pop(replica_id, None)
+        if call is not None:
+            call.cancel()
+        task = self._tasks.pop(replica_id, None)
+        channel = self._channels.pop(replica_id, None)
+        if task is not None or channel is not None:
+            closer = asyncio.create_task(self._close_one(task, channel), name=f"unwatch-{replica_id}")
+            self._closers.add(closer)
+            closer.add_done_callback(self._closers.discard)
+        return True
+
+    @staticmethod
+    async def _close_one(task: asyncio.Task[None] | None, channel: grpc.aio.Channel | None) -> None:
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task], timeout=1.0)
+        if channel is not None:
+            await channel.close(grace=None)
 
     async def close(self) -> None:
         """Stop the watch tasks and close the channels (bounded: about 1 s at most)."""
         self._closing = True
         for call in list(self._calls.values()):
             call.cancel()  # gRPC-level cancel first: a task cancelled inside call.read() can linger
-        for t in self._tasks:
+        tasks = list(self._tasks.values())
+        for t in tasks:
             t.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=1.0)
+        if tasks:
+            await asyncio.wait(tasks, timeout=1.0)
         self._tasks.clear()
+        if self._closers:
+            await asyncio.wait(list(self._closers), timeout=2.0)
         for ch in self._channels.values():
             await ch.close(grace=None)
         self._channels.clear()
         self._stubs.clear()
 
     async def _watch(self, replica_id: str) -> None:
-        stub = self._stubs[replica_id]
+        stub = self._stubs.get(replica_id)
+        if stub is None:  # removed before the task first ran
+            return
         backoff = BACKOFF_START_S
         request = admission_pb2.WatchBudgetRequest(router_id=self._router_id)
         loop = asyncio.get_running_loop()
-        while True:
+        me = asyncio.current_task()
+        while self._tasks.get(replica_id) is me:  # ends once the replica is removed (or replaced)
             call = stub.WatchBudget(request)
             self._calls[replica_id] = call
             silent = [False]
@@ -148,9 +198,12 @@ class BudgetClient:
             except Exception as exc:  # pragma: no cover - defensive
                 detail = f"watch stream error: {exc!r}"
             finally:
-                self._calls.pop(replica_id, None)
+                if self._calls.get(replica_id) is call:
+                    del self._calls[replica_id]
             watchdog.cancel()
             call.cancel()
+            if self._tasks.get(replica_id) is not me:
+                return
             self._book.mark_disconnected(replica_id, detail)
             # INFO once per outage (first failure after a good stream), DEBUG while retrying
             level = logging.INFO if backoff == BACKOFF_START_S else logging.DEBUG

@@ -156,6 +156,21 @@ class BudgetBook:
             inflight_reservation_ms=cur.inflight_reservation_ms + prefill_ms,
         )
 
+    def add_replica(self, replica_id: str) -> bool:
+        """Start tracking a discovered replica (no budget until its first snapshot); False when known."""
+        if replica_id in self._budgets:
+            return False
+        self._budgets[replica_id] = ReplicaBudget(replica_id)
+        self.notify()
+        return True
+
+    def remove_replica(self, replica_id: str) -> bool:
+        """Forget a replica that vanished (placement no longer sees it); False when unknown."""
+        if self._budgets.pop(replica_id, None) is None:
+            return False
+        self.notify()
+        return True
+
     def mark_disconnected(self, replica_id: str, detail: str = "watch stream down") -> None:
         """The WatchBudget stream broke: the budget is stale (zero) until the next snapshot."""
         budget = self._budgets.get(replica_id)

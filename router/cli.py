@@ -107,8 +107,10 @@ async def serve(
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()
-    log.info("fairbatch-router %s listening on http://%s:%d (%d replicas, time scale %g)",
-             router_id, host, port, len(config.replicas), clock.scale)
+    log.info("fairbatch-router %s listening on http://%s:%d (%s, time scale %g)",
+             router_id, host, port,
+             f"{len(config.replicas)} replicas" if config.discovery.mode == "static"
+             else f"{config.discovery.mode} discovery", clock.scale)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

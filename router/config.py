@@ -10,8 +10,9 @@ Schema (docs/architecture.md, section "Router"; DESIGN.md section 6)::
              requests_per_minute: 600, min_share: 0.2}
     api_keys:                          # sha256 hex of the API key -> tenant
       "<64 hex>": acme
-    replicas:
+    replicas:                          # static list (discovery.mode: static, the default)
       - {id: r0, http_url: "http://127.0.0.1:8101", grpc_target: "127.0.0.1:9101"}
+    discovery: {mode: static}          # or kubernetes / dns: replicas found at run time (router/discovery.py)
     queue: {max_requests: 1024, max_tokens: 4000000, max_bypass: 8}
     admission: {bytes_per_token: 4.0, reserve_timeout_ms: 200}
     telemetry: {otlp_endpoint: null, service_name: fairbatch-router}
@@ -32,7 +33,7 @@ import hashlib
 import ipaddress
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -114,6 +115,41 @@ class ReplicaConfig(_Strict):
     @classmethod
     def _strip_slash(cls, v: str) -> str:
         return v.rstrip("/")
+
+
+class DiscoveryConfig(_Strict):
+    """How the router finds its replicas (router/discovery.py).
+
+    Attributes:
+        mode: ``static`` (the ``replicas`` list, the default), ``kubernetes`` (watch the
+            EndpointSlices of the agents' headless Service; DNS fallback when the API cannot be used
+            at start) or ``dns`` (poll the A/AAAA records of ``dns_name``; one replica per address).
+        namespace: namespace of the Service; None = the pod's own namespace (service-account
+            namespace file), else ``default``.
+        service: name of the agents' headless Service (required for ``kubernetes``).
+        http_port: the agents' HTTP proxy port on every discovered address.
+        grpc_port: the agents' gRPC AdmissionService port on every discovered address.
+        dns_name: name resolved in ``dns`` mode and by the kubernetes mode's DNS fallback; None =
+            ``<service>.<namespace>.svc``.
+        resync_s: wall seconds between full re-lists of the EndpointSlices (the watch is reopened)
+            and between two DNS look-ups (> 0).
+    """
+
+    mode: Literal["static", "kubernetes", "dns"] = "static"
+    namespace: str | None = Field(default=None, min_length=1)
+    service: str | None = Field(default=None, min_length=1)
+    http_port: int = Field(default=8001, ge=1, le=65535)
+    grpc_port: int = Field(default=9001, ge=1, le=65535)
+    dns_name: str | None = Field(default=None, min_length=1)
+    resync_s: float = Field(default=30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _needs(self) -> DiscoveryConfig:
+        if self.mode == "kubernetes" and not self.service:
+            raise _FieldError(("discovery", "service"), "kubernetes discovery needs the headless Service name")
+        if self.mode == "dns" and not (self.dns_name or self.service):
+            raise _FieldError(("discovery", "dns_name"), "dns discovery needs dns_name (or service)")
+        return self
 
 
 class QueueConfig(_Strict):
@@ -216,13 +252,14 @@ class LedgerConfig(_Strict):
 class RouterConfig(_Strict):
     """The whole router YAML (see the module docstring). Cross-references are checked:
     a tenant's slo_class exists, api_keys are 64-hex sha256 digests of existing tenants,
-    replica ids are unique."""
+    replica ids are unique; ``replicas`` is non-empty in static discovery mode and empty otherwise."""
 
     model: str | None = None
     slo_classes: dict[str, SloClassConfig] = Field(min_length=1)
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     api_keys: dict[str, str] = Field(default_factory=dict)
-    replicas: list[ReplicaConfig] = Field(min_length=1)
+    replicas: list[ReplicaConfig] = Field(default_factory=list)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     queue: QueueConfig = Field(default_factory=QueueConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
@@ -260,6 +297,12 @@ class RouterConfig(_Strict):
             if rep.id in seen:
                 raise _FieldError(("replicas", i, "id"), f"duplicate replica id {rep.id!r}")
             seen.add(rep.id)
+        if self.discovery.mode == "static" and not self.replicas:
+            raise _FieldError(("replicas",), "at least one replica is needed (or set discovery.mode)")
+        if self.discovery.mode != "static" and self.replicas:
+            raise _FieldError(
+                ("replicas",), f"must be empty when discovery.mode is {self.discovery.mode} (replicas are discovered)"
+            )
         total_share = sum(t.min_share or 0.0 for t in self.tenants.values())
         if total_share > 1.0 + 1e-9:
             raise _FieldError(("tenants",), f"min_share values sum to {total_share:g} > 1")

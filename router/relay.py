@@ -13,6 +13,10 @@ body is forwarded as the client sent it (never re-encoded); the answer is relaye
 
 Statuses 502/503/504 from the agent, connection errors before the first byte, and a stream whose
 first event is an SSE error event (no token was produced) are retryable.
+
+An :class:`UpstreamAbort` handle lets the router fail one attempt from outside when its replica
+vanishes (discovery): before the first byte the attempt is retryable, after it the client stream
+ends with the SSE error event, exactly as for a replica that dies.
 """
 
 from __future__ import annotations
@@ -54,6 +58,38 @@ class RelayOutcome:
     detail: str = ""
     error_body: bytes = b""
     error_content_type: str = "application/json"
+
+
+class ReplicaGone(aiohttp.ClientConnectionError):
+    """Raised into an upstream read when :meth:`UpstreamAbort.abort` fails the attempt."""
+
+
+class UpstreamAbort:
+    """Handle to fail one forwarding attempt from outside (its replica vanished).
+
+    :meth:`abort` is idempotent and safe at any point: before the upstream answered, the attempt
+    stops waiting and is retryable; after, the pending upstream read raises :class:`ReplicaGone`
+    and the relay's ordinary failure paths apply.
+    """
+
+    __slots__ = ("reason", "_fired", "_upstream")
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self._fired: asyncio.Future[None] | None = None
+        self._upstream: aiohttp.ClientResponse | None = None
+
+    def abort(self, reason: str) -> None:
+        """Fail the attempt with ``reason`` (for logs and the client's SSE error event)."""
+        if self.reason is not None:
+            return
+        self.reason = reason
+        if self._fired is not None and not self._fired.done():
+            self._fired.set_result(None)
+        up = self._upstream
+        if up is not None and not up.closed:
+            up.content.set_exception(ReplicaGone(reason))
+            up.close()
 
 
 def _is_error_event(first_chunk: bytes) -> bool:
@@ -132,6 +168,7 @@ class Relay:
         body: bytes,
         upstream_headers: Mapping[str, str],
         response_headers: Mapping[str, str],
+        abort: UpstreamAbort | None = None,
     ) -> RelayOutcome:
         """POST ``body`` to ``url`` and relay the answer to ``request``'s client.
 
@@ -141,12 +178,19 @@ class Relay:
             body: the client's body bytes, unchanged.
             upstream_headers: headers for the agent (content-type, x-request-id, lease, ...).
             response_headers: extra headers for the client (x-request-id, x-fairbatch-replica).
+            abort: optional handle that fails this attempt from outside (replica removed).
 
         Raises:
             asyncio.CancelledError: the handler was cancelled (client gone); upstream is closed first.
         """
         try:
-            upstream = await self.session.post(url, data=body, headers=upstream_headers)
+            if abort is None:
+                upstream = await self.session.post(url, data=body, headers=upstream_headers)
+            else:
+                got = await self._post_abortable(url, body, upstream_headers, abort)
+                if got is None:
+                    return RelayOutcome("retryable", detail=f"aborted: {abort.reason}")
+                upstream = got
         except asyncio.CancelledError:
             raise
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
@@ -156,6 +200,43 @@ class Relay:
         finally:
             if not upstream.closed:
                 upstream.release()
+
+    async def _post_abortable(
+        self, url: str, body: bytes, headers: Mapping[str, str], abort: UpstreamAbort
+    ) -> aiohttp.ClientResponse | None:
+        """The upstream response, or None when ``abort`` fired first (the request is then cancelled).
+
+        Raises:
+            aiohttp.ClientError, TimeoutError, OSError: the POST failed.
+        """
+        if abort.reason is not None:
+            return None
+        fired: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        abort._fired = fired
+
+        async def post() -> aiohttp.ClientResponse:
+            return await self.session.post(url, data=body, headers=headers)
+
+        task = asyncio.create_task(post())
+        try:
+            await asyncio.wait((task, fired), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            abort._fired = None
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,), timeout=1.0)
+            if task.done() and not task.cancelled() and task.exception() is None:
+                task.result().close()
+            return None
+        upstream = task.result()  # raises the POST's error
+        if abort.reason is not None:
+            upstream.close()
+            return None
+        abort._upstream = upstream
+        return upstream
 
     async def _relay(
         self, request: web.Request, upstream: aiohttp.ClientResponse, response_headers: Mapping[str, str]
@@ -234,6 +315,8 @@ class Relay:
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 upstream.close()
                 detail = f"upstream failed mid-stream: {exc.__class__.__name__}"
+                if isinstance(exc, ReplicaGone):
+                    detail += f": {exc}"
                 try:
                     await resp.write(sse_error_event(detail))
                     await resp.write_eof()

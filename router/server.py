@@ -17,6 +17,12 @@ replica failed before its first byte is refunded.
 The configuration can be swapped while serving (:meth:`Router.reload`): new tenants, keys,
 classes, limits and queue bounds apply to new requests; queued and running requests continue.
 
+Replicas are the static ``replicas`` list, or come and go at run time from a discovery source
+(:mod:`router.discovery`, :meth:`Router.apply_replicas`): an added replica gets its WatchBudget
+subscription and becomes placeable with its first snapshot; a removed one is unsubscribed and
+dropped, and its in-flight requests fail as on a replica failure (not yet started: retried
+elsewhere; streams that already sent bytes: ended with the SSE error event).
+
 Every reservation is freed on every error path (Release RPC in the background); a successful
 request's lease is consumed by the agent. Times are simulated ms from the router's
 :class:`~replica_agent.clock.Clock`; metric durations in seconds are wall seconds.
@@ -30,7 +36,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,11 +52,12 @@ from router.admission_queue import Dispatcher, QueueFull, QueueTimeout, WaitingR
 from router.auth import ApiKeyAuthenticator, Principal
 from router.budget_client import BudgetClient
 from router.budgets import BudgetBook
-from router.config import ConfigError, RouterConfig, load_config
+from router.config import ConfigError, ReplicaConfig, RouterConfig, load_config
+from router.discovery import DiscoverySource, build_discovery, diff_replicas
 from router.fair_queue import FairQueue, TenantShare
 from router.ledger import Ledger, Refusal, TenantLimits, build_ledger
 from router.placement import PlacementPolicy, PlacementRequest, default_registry, prompt_exceeds_every_replica
-from router.relay import Relay, RelayOutcome
+from router.relay import Relay, RelayOutcome, UpstreamAbort
 from router.tokens import PromptError, estimate_prompt_tokens
 
 log = logging.getLogger(__name__)
@@ -149,6 +156,14 @@ class RouterMetrics:
             "fairbatch_router_budget_age_ms", "Age of the latest budget snapshot (simulated ms; -1 = none)",
             ["replica"], registry=r,
         )
+        self.replicas = Gauge("fairbatch_router_replicas", "Replicas known (static or discovered)", registry=r)
+        self.replica_changes = Counter(
+            "fairbatch_router_replica_changes", "Replicas added or removed by discovery", ["change"], registry=r,
+        )
+        self.replica_aborts = Counter(
+            "fairbatch_router_replica_aborts",
+            "In-flight requests failed because their replica was removed by discovery", registry=r,
+        )
 
 
 def openai_error(
@@ -182,6 +197,8 @@ class Router:
         policy: placement policy name from the registry (default ``pab``).
         seed: RNG seed for tie-breaks (None: lowest replica id wins ties).
         max_relay_tries: replicas tried when one fails before its first byte.
+        discovery: source of the replica set (default: built from ``config.discovery``; None
+            there for ``static``, the ``replicas`` list).
     """
 
     def __init__(
@@ -192,6 +209,7 @@ class Router:
         policy: str = "pab",
         seed: int | None = None,
         max_relay_tries: int = MAX_RELAY_TRIES,
+        discovery: DiscoverySource | None = None,
     ) -> None:
         self.config = config
         self.clock = clock or Clock(1.0)
@@ -221,6 +239,10 @@ class Router:
         self.relay = Relay()
         self.metrics = RouterMetrics()
         self.metrics.config_generation.set(1)
+        self.metrics.replicas.set(len(self.replicas))
+        self.discovery = discovery if discovery is not None else build_discovery(config.discovery)
+        self._discovery_task: asyncio.Task[None] | None = None
+        self._inflight: dict[str, set[UpstreamAbort]] = {}
         self.ledger: Ledger = build_ledger(config, self.clock, self._on_ledger_degraded)
         self._shared_counters = config.redis_url is not None
         self._sync_task: asyncio.Task[None] | None = None
@@ -250,11 +272,17 @@ class Router:
         await self.ledger.start()
         await self.budgets.start()
         self._dispatch_task = asyncio.create_task(self.dispatcher.run(), name="dispatcher")
+        if self.discovery is not None:
+            self._discovery_task = asyncio.create_task(self._run_discovery(self.discovery), name="discovery")
         if self._shared_counters:
             self._sync_task = asyncio.create_task(self._sync_counters(), name="vtc-sync")
 
     async def close(self) -> None:
-        """Stop the dispatcher, finish background releases (bounded), close clients."""
+        """Stop discovery and the dispatcher, finish background releases (bounded), close clients."""
+        if self._discovery_task is not None:
+            self._discovery_task.cancel()
+            await asyncio.wait([self._discovery_task], timeout=2.0)
+            self._discovery_task = None
         if self._dispatch_task is not None:
             self._dispatch_task.cancel()
             try:
@@ -275,6 +303,61 @@ class Router:
         await self.relay.close()
         await self.ledger.close()
 
+    # ------------------------------------------------------------------ replicas (discovery)
+
+    async def _run_discovery(self, source: DiscoverySource) -> None:
+        """Run the discovery source; a crash is logged and the source restarted after 5 s (bounded
+        rate), the known replicas kept meanwhile."""
+        while True:
+            try:
+                await source.run(self.apply_replicas)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - keep serving the replicas we know
+                log.exception("discovery failed; restarting it in 5 s")
+                await asyncio.sleep(5.0)
+
+    def apply_replicas(self, desired: Mapping[str, ReplicaConfig]) -> None:
+        """Make the replica set ``desired`` (by id): subscribe the new ones, drop the vanished ones
+        (their in-flight requests fail as on a replica failure). Synchronous; call in the loop."""
+        diff = diff_replicas(self.replicas, desired)
+        for rid in diff.removed:
+            self._remove_replica(rid)
+        for rep in diff.added:
+            self.replicas[rep.id] = rep
+            self.book.add_replica(rep.id)
+            self.budgets.add(rep)
+            self.metrics.replica_changes.labels("added").inc()
+            log.info("replica %s added (%s, %s)", rep.id, rep.http_url, rep.grpc_target)
+        if diff:
+            self.metrics.replicas.set(len(self.replicas))
+            self.dispatcher.wake()
+
+    def _remove_replica(self, rid: str) -> None:
+        self.replicas.pop(rid, None)
+        aborts = self._inflight.pop(rid, set())
+        for handle in aborts:
+            handle.abort(f"replica {rid} was removed")
+        self.metrics.replica_aborts.inc(len(aborts))
+        self.book.remove_replica(rid)
+        self.budgets.remove(rid)
+        self.metrics.replica_changes.labels("removed").inc()
+        self._forget_replica_metrics(rid)
+        log.info("replica %s removed (%d in-flight requests failed over)", rid, len(aborts))
+
+    def _forget_replica_metrics(self, rid: str) -> None:
+        m = self.metrics
+        try:
+            m.budget_age_ms.remove(rid)
+        except KeyError:
+            pass
+        for labels in [key for key in list(m.replica_pab_ms._metrics) if key[0] == rid]:  # noqa: SLF001
+            try:
+                m.replica_pab_ms.remove(*labels)
+            except KeyError:
+                pass
+
     # ------------------------------------------------------------------ configuration and ledger
 
     def apply_config(self, config: RouterConfig) -> list[str]:
@@ -284,6 +367,9 @@ class Router:
         if [r.model_dump() for r in config.replicas] != [r.model_dump() for r in self.config.replicas]:
             warnings.append("replicas changed: restart the router to apply")
             config = config.model_copy(update={"replicas": self.config.replicas})
+        if config.discovery != self.config.discovery:
+            warnings.append("discovery changed: restart the router to apply")
+            config = config.model_copy(update={"discovery": self.config.discovery})
         if config.redis_url != self.config.redis_url:
             warnings.append("redis_url changed: restart the router to apply")
         if config.telemetry != self.config.telemetry:
@@ -421,7 +507,7 @@ class Router:
             QueueTimeout: ``max_queue_ms`` of the class passed while waiting.
             NoReplica: every replica already failed for this request.
         """
-        if exclude and len(exclude) >= len(self.replicas):
+        if exclude and not self.replicas.keys() - exclude:
             raise NoReplica()
         if len(self.queue) == 0:
             with self.tracer.start_as_current_span("router.placement") as span:
@@ -639,7 +725,12 @@ class Router:
     async def _forward(
         self, request: web.Request, principal: Principal, grant: Grant, raw: bytes, request_id: str, arrival_ms: float
     ) -> RelayOutcome:
-        replica = self.replicas[grant.replica_id]
+        replica = self.replicas.get(grant.replica_id)
+        if replica is None:  # removed by discovery between Reserve and here
+            return RelayOutcome("retryable", detail=f"replica {grant.replica_id} was removed")
+        abort = UpstreamAbort()
+        inflight = self._inflight.setdefault(grant.replica_id, set())
+        inflight.add(abort)
         queued_ms = max(0.0, self.clock.now_ms() - arrival_ms)
         headers = {
             "Content-Type": "application/json",
@@ -656,7 +747,7 @@ class Router:
             inject_context(headers)
             try:
                 outcome = await self.relay.forward(
-                    request, replica.http_url + request.path, raw, headers, response_headers
+                    request, replica.http_url + request.path, raw, headers, response_headers, abort
                 )
             except asyncio.CancelledError:
                 self._release(grant, "client-disconnect")
@@ -664,6 +755,8 @@ class Router:
             except BaseException:
                 self._release(grant, "router-error")
                 raise
+            finally:
+                inflight.discard(abort)
             span.set_attribute("fairbatch.relay_outcome", outcome.kind)
         if outcome.response is not None:
             outcome.response.headers.setdefault("x-fairbatch-replica", grant.replica_id)
@@ -677,7 +770,7 @@ class Router:
                 "data": [{"id": self.config.model, "object": "model", "created": 0, "owned_by": "fairbatch"}],
             }
             return web.json_response(data)
-        for replica in self.replicas.values():
+        for replica in list(self.replicas.values()):
             try:
                 async with self.relay.session.get(replica.http_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)) as up:
                     if up.status == 200:

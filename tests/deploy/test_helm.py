@@ -144,7 +144,8 @@ def test_router_config_loads_with_the_routers_own_loader(
     path = tmp_path / "fairbatch.yaml"
     path.write_text(router_config_text(objs))
     cfg = load_config(path)
-    assert cfg.slo_classes and cfg.tenants and cfg.replicas
+    assert cfg.slo_classes and cfg.tenants
+    assert cfg.replicas if cfg.discovery.mode == "static" else cfg.discovery.service
     # The agents read the ConfigMap: it must load as well, and carry no API keys.
     cm_path = tmp_path / "configmap.yaml"
     cm_path.write_text(one(objs, "ConfigMap")["data"]["fairbatch.yaml"])
@@ -159,6 +160,8 @@ def test_default_values_render_the_whole_stack(helm: Path) -> None:
             ("ConfigMap", "fb-fairbatch-config"),
             ("Deployment", "fb-fairbatch-router"),
             ("PodDisruptionBudget", "fb-fairbatch-router"),
+            ("Role", "fb-fairbatch-router-discovery"),
+            ("RoleBinding", "fb-fairbatch-router-discovery"),
             ("Service", "fb-fairbatch-agents"),
             ("Service", "fb-fairbatch-router"),
             ("ServiceAccount", "fb-fairbatch-router"),
@@ -245,7 +248,7 @@ def test_fairbatching_off_means_no_scheduler_cls(helm: Path) -> None:
 
 
 def test_router_config_lists_statefulset_dns_names(helm: Path) -> None:
-    objs = render(helm, _ci("multi-tenant-redis-values.yaml"))
+    objs = render(helm, _ci("multi-tenant-redis-values.yaml"), set_=("router.discovery.mode=static",))
     cfg = yaml.safe_load(router_config_text(objs))
     host = "fb-fairbatch-vllm-{i}.fb-fairbatch-agents.llm.svc.cluster.local"
     assert cfg["replicas"] == [
@@ -461,7 +464,7 @@ def test_docs_values_example_renders_and_loads(helm: Path, tmp_path: Path) -> No
     cfg_path.write_text(router_config_text(objs))
     cfg = load_config(cfg_path)
     assert set(cfg.tenants) == {"acme", "jobs"} and set(cfg.slo_classes) == {"interactive", "batch"}
-    assert len(cfg.replicas) == 4 and cfg.redis_url
+    assert cfg.discovery.mode == "kubernetes" and cfg.redis_url
 
 
 def test_minimal_values_render_one_of_each(helm: Path) -> None:
@@ -474,3 +477,91 @@ def test_minimal_values_render_one_of_each(helm: Path) -> None:
     assert cfg["tenants"] == {"default": {"slo_class": "interactive"}}
     assert "redis_url" not in cfg and "api_keys" not in cfg
     assert cfg["model"] == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+# ---------------------------------------------------------------------- replica discovery (issue 6 part 2)
+
+
+def _loaded_config(objs: list[dict[str, Any]], tmp_path: Path) -> Any:
+    from router.config import load_config
+
+    path = tmp_path / "fairbatch.yaml"
+    path.write_text(router_config_text(objs))
+    return load_config(path)
+
+
+def test_kubernetes_discovery_is_the_default_with_read_only_rbac(helm: Path, tmp_path: Path) -> None:
+    import kubernetes_validate
+
+    objs = render(helm, _ci("multi-tenant-redis-values.yaml"))
+    role = one(objs, "Role", "fb-fairbatch-router-discovery")
+    binding = one(objs, "RoleBinding", "fb-fairbatch-router-discovery")
+    for obj in (role, binding):
+        assert obj["metadata"]["namespace"] == NAMESPACE
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    assert role["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+    ]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"],
+    }
+    sa = one(objs, "ServiceAccount", "fb-fairbatch-router")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "fb-fairbatch-router", "namespace": NAMESPACE}]
+    assert sa["automountServiceAccountToken"] is False  # only the router pods get the token
+    pod = one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "fb-fairbatch-router" and pod["automountServiceAccountToken"] is True
+
+    cfg = _loaded_config(objs, tmp_path)
+    headless = one(objs, "Service", "fb-fairbatch-agents")
+    ports = {p["name"]: p["port"] for p in headless["spec"]["ports"]}
+    d = cfg.discovery
+    assert cfg.replicas == []
+    assert (d.mode, d.namespace, d.service) == ("kubernetes", NAMESPACE, headless["metadata"]["name"])
+    assert (d.http_port, d.grpc_port, d.resync_s) == (ports["http"], ports["grpc"], 30)
+    assert d.dns_name == "fb-fairbatch-agents.llm.svc.cluster.local"
+    # the agents' replica id is their pod name, which is what the EndpointSlices name
+    agent = container(one(objs, "StatefulSet")["spec"]["template"]["spec"], "agent")
+    assert agent["args"][agent["args"].index("--replica-id") + 1] == "$(POD_NAME)"
+
+
+@pytest.mark.parametrize("mode", ["dns", "static"])
+def test_dns_and_static_discovery_need_no_rbac_or_token(helm: Path, tmp_path: Path, mode: str) -> None:
+    objs = render(helm, set_=(f"router.discovery.mode={mode}", "router.discovery.resyncSeconds=5"))
+    assert not by_kind(objs, "Role") and not by_kind(objs, "RoleBinding")
+    pod = one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    cfg = _loaded_config(objs, tmp_path)
+    assert cfg.discovery.mode == mode
+    if mode == "dns":
+        assert cfg.replicas == [] and cfg.discovery.resync_s == 5
+        assert cfg.discovery.dns_name == "fb-fairbatch-agents.llm.svc.cluster.local"
+    else:
+        assert [r.id for r in cfg.replicas] == ["fb-fairbatch-vllm-0", "fb-fairbatch-vllm-1"]
+
+
+def test_existing_fleet_can_use_discovery_of_its_headless_service(helm: Path, tmp_path: Path) -> None:
+    values = tmp_path / "fleet-discovery.yaml"
+    values.write_text("existingFleet: {enabled: true, replicas: []}\nconfig: {model: llama-3-8b}\n"
+                      "router: {discovery: {mode: kubernetes, service: vllm, namespace: inference}}\n")
+    objs = render(helm, values)
+    role = one(objs, "Role")
+    assert role["metadata"]["namespace"] == "inference"
+    binding = one(objs, "RoleBinding")
+    assert binding["metadata"]["namespace"] == "inference"
+    assert binding["subjects"][0]["namespace"] == NAMESPACE  # the router's ServiceAccount stays home
+    cm = yaml.safe_load(one(objs, "ConfigMap")["data"]["fairbatch.yaml"])
+    assert "replicas" not in cm
+    assert cm["discovery"]["service"] == "vllm" and cm["discovery"]["namespace"] == "inference"
+    assert cm["discovery"]["dns_name"] == "vllm.inference.svc.cluster.local"
+    # without a named Service an existing fleet keeps its static list (and needs no RBAC)
+    objs = render(helm, _ci("existing-fleet-values.yaml"))
+    assert not by_kind(objs, "Role")
+    assert _loaded_config(objs, tmp_path).discovery.mode == "static"
+
+
+def test_discovery_mistakes_fail_with_a_readable_message(helm: Path) -> None:
+    proc = _run(helm, "template", RELEASE, str(CHART), "-f", str(_ci("existing-fleet-values.yaml")),
+                "--set", "router.discovery.service=vllm", "--set", "router.discovery.mode=static")
+    assert proc.returncode != 0 and "router.discovery.service is set but router.discovery.mode is static" in proc.stderr
+    proc = _run(helm, "template", RELEASE, str(CHART), "--set", "config.discovery.mode=dns")
+    assert proc.returncode != 0 and "Additional property discovery is not allowed" in proc.stderr  # the schema

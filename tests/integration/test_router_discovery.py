@@ -312,6 +312,11 @@ class FakeApiServer:
         await resp.write_eof()
         return resp
 
+    def close(self) -> None:
+        """End every open watch (the server side of a watch timeout)."""
+        for w in list(self.watchers):
+            w.put_nowait(None)
+
     def change(self, event_type: str, obj: dict[str, Any]) -> None:
         self.rv += 1
         obj["metadata"]["resourceVersion"] = str(self.rv)
@@ -344,7 +349,7 @@ def _free_port() -> int:
 
 async def test_router_with_kubernetes_discovery_against_an_api_server_double(fleet: Fleet) -> None:
     api_server = FakeApiServer("llm", "fb-agents")
-    runner = web.AppRunner(api_server.app())
+    runner = web.AppRunner(api_server.app(), handler_cancellation=True, shutdown_timeout=1.0)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     fleet._runners.append(runner)  # noqa: SLF001 - cleaned up with the fleet
@@ -363,6 +368,13 @@ async def test_router_with_kubernetes_discovery_against_an_api_server_double(fle
     )
     source = KubernetesDiscovery(config.discovery, api=api, use_dns_fallback=False)
     await fleet.start_router(config, source)
+    try:
+        await _follow_slices(fleet, api_server, grpc_port)
+    finally:
+        api_server.close()
+
+
+async def _follow_slices(fleet: Fleet, api_server: FakeApiServer, grpc_port: int) -> None:
     await fleet.wait(lambda: fleet.fresh() == {"vllm-0"}, "vllm-0 discovered")
     assert (await fleet.post()).headers["x-fairbatch-replica"] == "vllm-0"
     await fleet.wait(lambda: api_server.watchers, "watch opened")
@@ -379,5 +391,3 @@ async def test_router_with_kubernetes_discovery_against_an_api_server_double(fle
     await fleet.wait(lambda: fleet.admission["vllm-0"].open_streams == 0, "vllm-0 dropped")
     assert fleet.router is not None and set(fleet.router.replicas) == {"vllm-1"}
     assert fleet.router.replicas["vllm-1"].grpc_target == f"127.0.0.3:{grpc_port}"
-    for w in list(api_server.watchers):  # let the router's watch end before the server stops
-        w.put_nowait(None)

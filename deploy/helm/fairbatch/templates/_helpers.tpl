@@ -119,6 +119,40 @@ The router's replica list as YAML: the StatefulSet's stable DNS names, or existi
 {{- end }}
 
 {{/*
+Discovery mode in effect: router.discovery.mode, except "static" for an existing fleet whose
+headless Service is not named (router.discovery.service empty: existingFleet.replicas is used).
+*/}}
+{{- define "fairbatch.discoveryMode" -}}
+{{- if and .Values.existingFleet.enabled (not .Values.router.discovery.service) }}static
+{{- else }}{{ .Values.router.discovery.mode }}
+{{- end }}
+{{- end }}
+
+{{/* Namespace and name of the agents' headless Service that discovery watches. */}}
+{{- define "fairbatch.discoveryNamespace" -}}
+{{- default .Release.Namespace .Values.router.discovery.namespace }}
+{{- end }}
+{{- define "fairbatch.discoveryService" -}}
+{{- default (include "fairbatch.agents.fullname" .) .Values.router.discovery.service }}
+{{- end }}
+
+{{/*
+The router config's `discovery` section (YAML) for the kubernetes and dns modes.
+*/}}
+{{- define "fairbatch.discoveryConfig" -}}
+{{- $ns := include "fairbatch.discoveryNamespace" . }}
+{{- $svc := include "fairbatch.discoveryService" . }}
+{{- toYaml (dict
+      "mode" (include "fairbatch.discoveryMode" .)
+      "namespace" $ns
+      "service" $svc
+      "http_port" (int .Values.agent.httpPort)
+      "grpc_port" (int .Values.agent.grpcPort)
+      "dns_name" (printf "%s.%s.svc.%s" $svc $ns .Values.clusterDomain)
+      "resync_s" (int .Values.router.discovery.resyncSeconds)) }}
+{{- end }}
+
+{{/*
 Cross-field checks the JSON schema cannot express; each fails the render with a readable message.
 */}}
 {{- define "fairbatch.validate" -}}
@@ -137,13 +171,16 @@ Cross-field checks the JSON schema cannot express; each fails the render with a 
 {{- if and .Values.agent.defaultSloClass (not (hasKey $classes .Values.agent.defaultSloClass)) }}
 {{- fail (printf "agent.defaultSloClass: %q is not one of config.slo_classes (%s)" .Values.agent.defaultSloClass (keys $classes | sortAlpha | join ", ")) }}
 {{- end }}
-{{- range $k := list "replicas" "api_keys" "redis_url" }}
+{{- range $k := list "replicas" "discovery" "api_keys" "redis_url" }}
 {{- if hasKey $.Values.config $k }}
-{{- fail (printf "config.%s is filled in by the chart; set %s instead" $k (get (dict "replicas" "vllm.replicaCount or existingFleet.replicas" "api_keys" "auth.apiKeys or auth.existingSecret" "redis_url" "redis.enabled or redis.existingUrl") $k)) }}
+{{- fail (printf "config.%s is filled in by the chart; set %s instead" $k (get (dict "replicas" "vllm.replicaCount or existingFleet.replicas" "discovery" "router.discovery" "api_keys" "auth.apiKeys or auth.existingSecret" "redis_url" "redis.enabled or redis.existingUrl") $k)) }}
 {{- end }}
 {{- end }}
-{{- if and .Values.existingFleet.enabled (not .Values.existingFleet.replicas) }}
-{{- fail "existingFleet.enabled: list the replicas in existingFleet.replicas ({id, http_url, grpc_target} each)" }}
+{{- if and .Values.existingFleet.enabled (not .Values.existingFleet.replicas) (not .Values.router.discovery.service) }}
+{{- fail "existingFleet.enabled: list the replicas in existingFleet.replicas ({id, http_url, grpc_target} each), or name the fleet's headless Service in router.discovery.service" }}
+{{- end }}
+{{- if and .Values.existingFleet.enabled .Values.router.discovery.service (eq .Values.router.discovery.mode "static") }}
+{{- fail "router.discovery.service is set but router.discovery.mode is static: use kubernetes or dns, or unset the service" }}
 {{- end }}
 {{- if and .Values.redis.enabled .Values.redis.existingUrl }}
 {{- fail "redis: set either redis.enabled (deploy one) or redis.existingUrl (use yours), not both" }}
@@ -176,7 +213,11 @@ The router's fairbatch.yaml. Call with (dict "root" $ "withKeys" true|false).
 {{- if and (not (hasKey $cfg "model")) (not $v.existingFleet.enabled) }}
 {{- $_ := set $cfg "model" (include "fairbatch.servedModelName" $root) }}
 {{- end }}
+{{- if eq (include "fairbatch.discoveryMode" $root) "static" }}
 {{- $_ := set $cfg "replicas" (get (include "fairbatch.replicaList" $root | fromYaml) "replicas") }}
+{{- else }}
+{{- $_ := set $cfg "discovery" (include "fairbatch.discoveryConfig" $root | fromYaml) }}
+{{- end }}
 {{- $redis := include "fairbatch.redisUrl" $root }}
 {{- if $redis }}
 {{- $_ := set $cfg "redis_url" $redis }}
