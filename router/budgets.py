@@ -38,6 +38,8 @@ class ReplicaBudget:
         classes: PAB per SLO class (updated by snapshots and Reserve answers).
         max_prompt_tokens: engine max model length (0 = unknown).
         status_detail: agent's reason when unhealthy.
+        view: the placement view last built from this state (:meth:`BudgetBook.views`), dropped on
+            every change so that a decision never sees old figures.
     """
 
     replica_id: str
@@ -50,6 +52,7 @@ class ReplicaBudget:
     classes: dict[str, ClassBudget] | None = None
     max_prompt_tokens: int = 0
     status_detail: str = ""
+    view: ReplicaView | None = None  # cached placement view; None after any change
 
 
 class BudgetBook:
@@ -114,6 +117,7 @@ class BudgetBook:
         budget.status_detail = snapshot.status_detail  # type: ignore[attr-defined]
         budget.received_ms = self._clock.now_ms()
         budget.connected = True
+        budget.view = None
         self.notify()
         return True
 
@@ -135,6 +139,7 @@ class BudgetBook:
             pab_tokens=max(0, int(pab_tokens)),
             inflight_reservation_ms=cur.inflight_reservation_ms + taken_ms,
         )
+        budget.view = None
         self.notify()
 
     def take_local(self, replica_id: str, slo_class: str, prompt_tokens: int) -> None:
@@ -155,6 +160,7 @@ class BudgetBook:
             pab_tokens=max(0, cur.pab_tokens - int(prompt_tokens)),
             inflight_reservation_ms=cur.inflight_reservation_ms + prefill_ms,
         )
+        budget.view = None
 
     def add_replica(self, replica_id: str) -> bool:
         """Start tracking a discovered replica (no budget until its first snapshot); False when known."""
@@ -179,6 +185,7 @@ class BudgetBook:
         budget.connected = False
         budget.received_ms = None
         budget.status_detail = detail
+        budget.view = None
         self.notify()
 
     def notify(self) -> None:
@@ -219,20 +226,27 @@ class BudgetBook:
         return (self._clock.now_ms() if now_ms is None else now_ms) - budget.received_ms
 
     def views(self, now_ms: float | None = None) -> list[ReplicaView]:
-        """Placement input: one :class:`ReplicaView` per replica, stale or unhealthy ones marked so."""
+        """Placement input: one :class:`ReplicaView` per replica, stale or unhealthy ones marked so.
+
+        Views are cached per replica and rebuilt only after a change or when freshness flips, so a
+        decision costs one freshness test per replica rather than one new object.
+        """
         now = self._clock.now_ms() if now_ms is None else now_ms
         out = []
         for b in self._budgets.values():
-            out.append(
-                ReplicaView(
+            received = b.received_ms
+            fresh = received is not None and b.connected and now - received <= b.ttl_ms
+            view = b.view
+            if view is None or view.fresh is not fresh:
+                view = b.view = ReplicaView(
                     replica_id=b.replica_id,
                     healthy=b.healthy,
-                    fresh=self.is_fresh(b, now),
+                    fresh=fresh,
                     time_model=b.time_model,
                     classes=b.classes or {},
                     max_prompt_tokens=b.max_prompt_tokens,
                 )
-            )
+            out.append(view)
         return out
 
     def usable(self, replica_id: str, slo_class: str, now_ms: float | None = None) -> ClassBudget | None:

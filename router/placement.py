@@ -181,7 +181,8 @@ class HeadroomScorer:
         budget = replica.classes.get(request.slo_class)
         if budget is None or replica.time_model is None or budget.horizon_ms <= 0:
             return float("-inf")
-        return (budget.pab_ms - replica.time_model.prefill_ms(request.prompt_tokens)) / budget.horizon_ms
+        tm = replica.time_model
+        return (budget.pab_ms - tm.a_ms - tm.b_ms_per_new_token * request.prompt_tokens) / budget.horizon_ms
 
 
 # ---------------------------------------------------------------- pickers
@@ -233,7 +234,11 @@ class PlacementPolicy:
             remaining = f.filter(request, remaining)
             if not remaining:
                 return PlacementResult((), f.name)
-        scored = [(r, sum(w * s.score(request, r) for s, w in self.scorers)) for r in remaining]
+        if len(self.scorers) == 1:  # the common case, without a generator per replica
+            scorer, weight = self.scorers[0]
+            scored = [(r, weight * scorer.score(request, r)) for r in remaining]
+        else:
+            scored = [(r, sum(w * s.score(request, r) for s, w in self.scorers)) for r in remaining]
         return PlacementResult(tuple(self.picker.order(scored)))
 
 

@@ -269,7 +269,7 @@ def fits(prompt_tokens: int, class_budget: ClassBudget, time_model: TimeModel) -
     """
     if prompt_tokens < 0:
         raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
-    prefill_ms = time_model.prefill_ms(prompt_tokens)
+    prefill_ms = time_model.a_ms + time_model.b_ms_per_new_token * prompt_tokens  # fresh prompt: ctx 0
     if prefill_ms > class_budget.horizon_ms + _EPS:
         idle = class_budget.pab_ms >= class_budget.horizon_ms - _EPS  # PAB_ms = H: nothing reserved
         return idle and prompt_tokens <= class_budget.kv_limited_tokens
