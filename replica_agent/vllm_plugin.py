@@ -1,0 +1,407 @@
+"""FairBatching inside real vLLM: a ``--scheduler-cls`` plugin for vLLM 0.32.0 (V1 engine).
+
+Run::
+
+    PYTHONPATH=/path/to/fairbatch vllm serve MODEL \\
+        --scheduler-cls replica_agent.vllm_plugin.FairBatchingScheduler ...
+
+:class:`FairBatchingScheduler` subclasses vLLM's own ``vllm.v1.core.sched.scheduler.Scheduler`` and
+keeps all of its machinery (KV allocation, prefix caching, preemption, output building). Each
+``schedule()`` call it:
+
+1. builds one :class:`~replica_agent.policy.batching.SchedRequest` per request in ``self.running``
+   and ``self.waiting`` (prompt tokens, ``num_computed_tokens``, output tokens so far, arrival time,
+   per-request SLO, first-token time) and a :class:`~replica_agent.policy.batching.SchedState`
+   (free KV blocks of the block pool, token cap, sequence cap, the time model);
+2. asks :class:`~replica_agent.policy.batching.FairBatchingPolicy` for the batch;
+3. makes the stock ``Scheduler.schedule()`` form that batch by, for the duration of the call only,
+   (a) lowering ``self.max_num_scheduled_tokens`` to the batch's token count, (b) putting the
+   batch's running requests first in ``self.running`` (policy order, the partial chunk last),
+   followed by the other running requests when the batch has no waiting request (the budget runs
+   out before vLLM reaches them; they stay its preemption victims), else hiding those for the call,
+   and (c) leaving only the batch's waiting requests in ``self.waiting`` (policy order, the partial
+   chunk last). Everything is put back afterwards (running order = vLLM's, admitted requests
+   appended; waiting queue = vLLM's order, requests vLLM preempted in this call in front, as vLLM
+   does).
+
+Exact vs approximate (see docs/vllm.md, "FairBatching scheduler plugin"):
+
+- exact: the set of requests and the tokens each one gets, whenever at most one batch item is a
+  partial chunk and that item can be processed last by vLLM (it is waiting, or it is running and no
+  waiting request is in the batch, or every other item is no larger than its chunk: then the chunk
+  is enforced with ``long_prefill_token_threshold`` for that call), and vLLM's KV allocation
+  succeeds for every item (the policy counts the blocks each item opens against the free blocks
+  and only admits waiting prompts that fit whole). The batch never gets more tokens than proposed
+  (the budget is the policy's total, and only the policy's waiting requests are in the queue).
+- approximate: (i) prefix caching: the policy's view of a waiting request counts the prefix-cache
+  hit vLLM will find at admission (the same lookup, ``get_computed_blocks``, made before forming
+  the batch) only when every hit block is held by a live request; a hit on free (evictable) cached
+  blocks is not counted (those blocks leave the free pool when reused, which the policy's KV count
+  cannot see), so vLLM then computes fewer tokens for that prompt than proposed (seen: a preempted
+  request resuming from its own cached blocks); (ii) when vLLM cannot allocate KV for a running
+  item (the policy proposes one running item even with no free block, relying on preemption as
+  vLLM does), it preempts the last request of ``self.running``: the latest-scheduled running
+  request outside the batch, as stock vLLM would; but in a batch with waiting requests, whose
+  non-batch running requests are hidden, the victim is the batch's last running item; either way no
+  waiting request is admitted that step; (iii) a batch item that vLLM gives 0 tokens (max_model_len
+  reached, encoder budget) leaves its tokens unused or to the partial chunk processed after it;
+  (iv) two partial chunks, or a running partial chunk with larger waiting items after it: the chunk
+  may get more tokens and the last waiting item fewer. Every step's export says whether the
+  executed batch equalled the proposal (``"exact"``).
+- not applied (stock ``schedule()`` for that step, ``"mode": "stock"``): scheduling policy
+  ``priority``, KV connectors, speculative decoding, a paused scheduler, requests waiting while
+  holding KV (``kv_holding_waiting``), idle steps, and any exception in the policy path (logged
+  once).
+
+Configuration (environment of ``vllm serve``, inherited by the EngineCore process):
+
+- ``FAIRBATCH_COEFFICIENTS="a,b,c"`` (ms, ms/new token, ms/context token) or ``FAIRBATCH_PROFILE``
+  (a name from replica_agent/data/fitted_coefficients.csv); default: profile ``llama-3-8b-a100``;
+- ``FAIRBATCH_TTFT_MS`` / ``FAIRBATCH_TPOT_MS``: SLO of requests that carry none (default 1000 / 100);
+  a request carries its own in ``vllm_xargs`` (``{"fairbatch_ttft_ms": X, "fairbatch_tpot_ms": Y}``
+  in the OpenAI request body; vLLM 0.32.0 copies ``vllm_xargs`` into
+  ``SamplingParams.extra_args``, which reaches ``Request.sampling_params``; HTTP headers do not reach
+  the scheduler);
+- ``FAIRBATCH_PLUGIN_EXPORT``: per-step state export ("plugin mode"): ``unix:PATH`` sends one JSON
+  datagram per step to the UNIX datagram socket PATH (non-blocking; dropped when the reader is slow
+  or absent), any other value appends one JSON line per step to that file;
+- ``FAIRBATCH_STEP_LOG``: per-step log for ``fairbatch-agent calibrate`` (JSON lines
+  ``start_ms, new_tokens, context_tokens, measured_ms, batch_size``, as loadgen/sim/step_log.py);
+  ``measured_ms`` = from the end of ``schedule()`` to the start of ``update_from_output()``
+  (model execution and sampling of that step, synchronous scheduling);
+- ``FAIRBATCH_PLUGIN_DISABLE=1``: run the stock scheduler (export and step log still written);
+- ``FAIRBATCH_PLUGIN_FORCE=1``: apply the policy on a vLLM version other than 0.32.0.
+
+Version pin: written against vLLM 0.32.0 (``vllm.__version__`` "0.32.0", "0.32.0+cpu"). On any other
+version the class still loads but **refuses to apply the policy**: it logs a warning and runs the
+stock scheduler (serving keeps working) unless ``FAIRBATCH_PLUGIN_FORCE=1``.
+
+Imports are kept to what the vLLM venv has: vLLM itself, the standard library and
+``replica_agent.policy`` / ``replica_agent.profiles`` (numpy only; no pydantic, aiohttp or yaml).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from typing import Any
+
+import vllm
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from replica_agent.plugin_export import (
+    PluginExporter,
+    positive_float,
+    request_slo,
+    step_deadline,
+    time_model_from_env,
+)
+from replica_agent.policy.batching import Batch, FairBatchingPolicy, SchedRequest, SchedState
+
+logger = logging.getLogger("vllm.fairbatch")
+
+PINNED_VLLM_VERSION = "0.32.0"
+_SLO_ATTR = "_fairbatch_slo"  # (ttft_ms, tpot_ms) cached on the vLLM Request
+_FIRST_ATTR = "_fairbatch_first_token_ms"  # wall-clock ms of the first output token
+
+
+def vllm_version_supported(version: str | None = None) -> bool:
+    """True when ``version`` (default ``vllm.__version__``) is the pinned 0.32.0 (any local suffix)."""
+    v = vllm.__version__ if version is None else version
+    return v.split("+", 1)[0] == PINNED_VLLM_VERSION
+
+
+class FairBatchingScheduler(Scheduler):
+    """vLLM 0.32.0 ``Scheduler`` whose batches are formed by :class:`FairBatchingPolicy` (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        env = os.environ
+        self.fb_version_ok = vllm_version_supported()
+        force = env.get("FAIRBATCH_PLUGIN_FORCE") == "1"
+        disabled = env.get("FAIRBATCH_PLUGIN_DISABLE") == "1"
+        if not self.fb_version_ok:
+            logger.warning(
+                "FairBatching plugin targets vLLM %s, this is %s: %s", PINNED_VLLM_VERSION, vllm.__version__,
+                "applying the policy anyway (FAIRBATCH_PLUGIN_FORCE=1)" if force
+                else "refusing to apply the policy, running the stock scheduler (set FAIRBATCH_PLUGIN_FORCE=1)",
+            )
+        self.fb_enabled = (self.fb_version_ok or force) and not disabled
+        self.fb_time_model, tm_source = time_model_from_env()
+        self.fb_default_ttft_ms = positive_float(env.get("FAIRBATCH_TTFT_MS")) or 1000.0
+        self.fb_default_tpot_ms = positive_float(env.get("FAIRBATCH_TPOT_MS")) or 100.0
+        self.fb_policy = FairBatchingPolicy(self.fb_default_ttft_ms, self.fb_default_tpot_ms)
+        self.fb_block_size = int(self.cache_config.block_size)
+        self.fb_prefix_lookup = bool(self.cache_config.enable_prefix_caching)
+        export = env.get("FAIRBATCH_PLUGIN_EXPORT")
+        self.fb_export = PluginExporter(export) if export else None
+        step_log = env.get("FAIRBATCH_STEP_LOG")
+        self.fb_step_log = open(step_log, "a", buffering=1, encoding="utf-8") if step_log else None  # noqa: SIM115
+        self.fb_step = 0
+        self.fb_steps_policy = 0
+        self.fb_steps_exact = 0
+        self.fb_steps_stock = 0
+        self.fb_error_logged = False
+        self.fb_pending: tuple[float, int, int, int] | None = None  # (end of schedule s, new, ctx, n)
+        logger.info(
+            "FairBatching scheduler plugin (vLLM %s): policy %s, time model %s, default SLO ttft %.0f ms / "
+            "tpot %.0f ms, export %s, step log %s, block size %d",
+            vllm.__version__, "on" if self.fb_enabled else "OFF (stock)", tm_source, self.fb_default_ttft_ms,
+            self.fb_default_tpot_ms, export or "-", step_log or "-", self.fb_block_size,
+        )
+
+    # ---- the policy view ------------------------------------------------------------------------
+
+    def _fb_sched_request(self, req: Any, waiting: bool = False) -> SchedRequest:
+        slo = getattr(req, _SLO_ATTR, None)
+        if slo is None:
+            slo = request_slo(req)
+            setattr(req, _SLO_ATTR, slo)
+        computed = req.num_computed_tokens
+        if waiting and computed == 0 and self.fb_prefix_lookup:
+            # the prefix-cache hit vLLM will find at admission (a lookup, no allocation): the
+            # policy then sizes the prompt's chunk and predicts its time as vLLM will run it. Only
+            # when every hit block is held by a live request: a free (evictable) cached block
+            # leaves the free pool when reused, which the policy's KV count would miss.
+            blocks, hit = self.kv_cache_manager.get_computed_blocks(req)[:2]
+            if hit and all(b.ref_cnt > 0 for group in blocks.blocks for b in group):
+                computed = hit
+        return SchedRequest(
+            request_id=req.request_id,
+            prompt_tokens=req.num_prompt_tokens,
+            computed_tokens=computed,
+            tokens_out=req.num_output_tokens,
+            max_tokens=max(1, req.max_tokens),
+            arrival_ms=req.arrival_time * 1000.0,
+            ttft_ms=slo[0],
+            tpot_ms=slo[1],
+            first_token_ms=getattr(req, _FIRST_ATTR, None),
+        )
+
+    def _fb_stock_reason(self) -> str | None:
+        """Why this step must use the stock schedule (None: the policy applies)."""
+        if not self.fb_enabled:
+            return "disabled"
+        if self.policy != SchedulingPolicy.FCFS:
+            return "priority-policy"
+        if self.connector is not None or self.num_spec_tokens > 0 or self.num_lookahead_tokens > 0:
+            return "connector-or-spec"
+        if self._pause_state.name != "UNPAUSED":
+            return "paused"
+        if len(self.kv_holding_waiting) > 0:
+            return "kv-holding-waiting"
+        return None
+
+    def _fb_state(self, now_ms: float, running: list[Any], waiting: list[Any]) -> tuple[SchedState, dict[str, Any]]:
+        by_id: dict[str, Any] = {}
+        s_run = []
+        for r in running:
+            by_id[r.request_id] = r
+            s_run.append(self._fb_sched_request(r))
+        s_wait = []
+        for r in waiting:
+            if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                continue  # blocked (grammar, remote KV, streaming input): vLLM would skip it
+            by_id[r.request_id] = r
+            s_wait.append(self._fb_sched_request(r, waiting=True))
+        state = SchedState(
+            now_ms=now_ms,
+            running=s_run,
+            waiting=s_wait,
+            max_num_batched_tokens=self.max_num_scheduled_tokens,
+            max_num_seqs=min(self.max_num_running_reqs, self.max_num_active_reqs),
+            kv_free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            block_size=self.fb_block_size,
+            time_model=self.fb_time_model,
+        )
+        return state, by_id
+
+    # ---- schedule ---------------------------------------------------------------------------------
+
+    def schedule(self, throttle_prefills: bool = False):  # type: ignore[override]
+        now = time.time()
+        self.fb_step += 1
+        reason = self._fb_stock_reason()
+        if reason is None and not self.running and not self.waiting:
+            reason = "idle"  # only finished requests left to report: nothing to form
+        state: SchedState | None = None
+        batch: Batch | None = None
+        running0 = list(self.running)
+        waiting0 = list(self.waiting)
+        if reason is None or self.fb_export is not None:
+            try:
+                state, by_id = self._fb_state(now * 1000.0, running0, waiting0)
+                if reason is None:
+                    batch = self.fb_policy.form_batch(state)
+                    if not batch.items:
+                        reason = "empty-proposal"
+            except Exception:  # never take the engine down: stock schedule for this step
+                reason = "policy-error"
+                if not self.fb_error_logged:
+                    logger.exception("FairBatching policy failed; stock schedule for this step")
+                    self.fb_error_logged = True
+        if reason is not None:
+            out = super().schedule(throttle_prefills)
+            self.fb_steps_stock += 1
+            exact = None
+        else:
+            remaining = {q.request_id: q.remaining_tokens for group in (state.running, state.waiting) for q in group}
+            out = self._fb_schedule_batch(throttle_prefills, batch, by_id, remaining, running0, waiting0)
+            self.fb_steps_policy += 1
+            exact = dict(batch.items) == dict(out.num_scheduled_tokens)
+            self.fb_steps_exact += exact
+        sched = out.num_scheduled_tokens
+        new_tokens = out.total_num_scheduled_tokens
+        ctx = 0
+        for rid, n in sched.items():
+            r = self.requests.get(rid)
+            if r is not None:
+                ctx += r.num_computed_tokens - n  # computed before this step (vLLM already advanced it)
+        self.fb_pending = (time.time(), new_tokens, ctx, len(sched)) if new_tokens > 0 else None
+        if self.fb_export is not None:
+            self._fb_export_step(now, reason, state, batch, sched, new_tokens, ctx, exact)
+        return out
+
+    def _fb_schedule_batch(self, throttle_prefills: bool, batch: Batch, by_id: dict[str, Any],
+                           remaining: dict[str, int], running0: list[Any], waiting0: list[Any]):
+        """Run the stock schedule() constrained to ``batch`` (see the module docstring), then restore."""
+        sel = dict(batch.items)
+        full: dict[str, bool] = {}  # request id -> gets all its remaining tokens
+        for rid, n in batch.items:
+            full[rid] = n >= remaining[rid]
+        sel_running = [by_id[rid] for rid, _ in batch.items if by_id[rid].status == RequestStatus.RUNNING]
+        sel_waiting = [by_id[rid] for rid, _ in batch.items if by_id[rid].status != RequestStatus.RUNNING]
+        # the partial chunk goes last in its queue (stock gives the last item what is left of the budget)
+        sel_running.sort(key=lambda r: not full[r.request_id])
+        sel_waiting.sort(key=lambda r: not full[r.request_id])
+        partial_running = [r for r in sel_running if not full[r.request_id]]
+        threshold = None
+        if partial_running and sel_waiting:
+            chunk = sel[partial_running[-1].request_id]
+            others = [n for rid, n in batch.items if rid != partial_running[-1].request_id]
+            if len(partial_running) == 1 and all(n <= chunk for n in others):
+                threshold = chunk
+        sel_ids = set(sel)
+        saved_budget = self.max_num_scheduled_tokens
+        saved_threshold = self.scheduler_config.long_prefill_token_threshold
+        self.max_num_scheduled_tokens = batch.num_new_tokens
+        if threshold is not None:
+            self.scheduler_config.long_prefill_token_threshold = threshold
+        # The running requests outside the batch stay after the batch's ones when no waiting request
+        # is in the batch: the budget is spent before the loop reaches them, and they remain vLLM's
+        # preemption victims (running[-1]) should an allocation fail. Otherwise they are hidden for
+        # the call: stock would give them tokens before it reaches the waiting queue.
+        hide = bool(sel_waiting)
+        if hide:
+            self.running[:] = sel_running
+        else:
+            self.running[:] = sel_running + [r for r in running0 if r.request_id not in sel_ids]
+        self.waiting.clear()
+        self.waiting.extend(sel_waiting)
+        try:
+            return super().schedule(throttle_prefills)
+        finally:
+            self.max_num_scheduled_tokens = saved_budget
+            if threshold is not None:
+                self.scheduler_config.long_prefill_token_threshold = saved_threshold
+            # running: vLLM's order, minus the preempted, plus the admitted (in admission order)
+            still = {id(r) for r in self.running}
+            orig = {id(r) for r in running0}
+            restored = [r for r in running0 if id(r) in still or (hide and r.request_id not in sel_ids)]
+            restored.extend(r for r in self.running if id(r) not in orig)
+            self.running[:] = restored
+            # waiting: preempted in this call first (vLLM prepends them), then the original queue
+            # minus the admitted
+            in_queue = list(self.waiting)
+            wait_orig = {id(r) for r in waiting0}
+            admitted = {id(r) for r in self.running}
+            new_queue = [r for r in in_queue if id(r) not in wait_orig]
+            new_queue.extend(r for r in waiting0 if id(r) not in admitted)
+            self.waiting.clear()
+            self.waiting.extend(new_queue)
+
+    # ---- export and step log ------------------------------------------------------------------------
+
+    def _fb_export_step(self, now: float, reason: str | None, state: SchedState | None, batch: Batch | None,
+                        sched: dict[str, int], new_tokens: int, ctx: int, exact: bool | None) -> None:
+        if state is None:  # the state could not be built (policy error): nothing to export
+            return
+        now_ms = now * 1000.0
+        d_ttft, d_tpot = self.fb_default_ttft_ms, self.fb_default_tpot_ms
+        reqs = []
+        min_slack = math.inf
+        min_tpot = math.inf
+        for running, group in ((True, state.running), (False, state.waiting)):
+            for r in group:
+                ttft = r.ttft_ms or d_ttft
+                tpot = r.tpot_ms or d_tpot
+                deadline, slack = step_deadline(now_ms, r.arrival_ms, r.tokens_out, ttft, tpot, r.first_token_ms)
+                decode = running and r.tokens_out > 0 and r.remaining_tokens == 1
+                if decode:
+                    min_slack = min(min_slack, slack)
+                    min_tpot = min(min_tpot, tpot)
+                reqs.append({
+                    "id": r.request_id, "q": "r" if running else "w", "ph": "d" if decode else "p",
+                    "p": r.prompt_tokens, "c": r.computed_tokens, "o": r.tokens_out, "ctx": r.num_tokens,
+                    "mt": r.max_tokens, "arr": round(r.arrival_ms, 3),
+                    "ft": None if r.first_token_ms is None else round(r.first_token_ms, 3),
+                    "dl": round(deadline, 3), "sl": round(slack, 3), "ttft": ttft, "tpot": tpot,
+                    "n": sched.get(r.request_id, 0),
+                })
+        tm = self.fb_time_model
+        rec: dict[str, Any] = {
+            "v": 1, "step": self.fb_step, "t_ms": round(now_ms, 3),
+            "mode": "fairbatching" if reason is None else "stock", "reason": reason,
+            "kv_free_blocks": state.kv_free_blocks,
+            "kv_total_blocks": self.kv_cache_manager.block_pool.num_gpu_blocks,
+            "block_size": self.fb_block_size,
+            "token_cap": state.max_num_batched_tokens, "max_seqs": state.max_num_seqs,
+            "budget_ms": (None if min_slack == math.inf else round(max(min_slack, min_tpot), 3)),
+            "proposed": batch.items if batch is not None else None,
+            "scheduled": sched, "exact": exact,
+            "new_tokens": new_tokens, "context_tokens": ctx,
+            "predicted_ms": round(tm.batch_ms(new_tokens, ctx), 3) if new_tokens else 0.0,
+            "reqs": reqs, "dropped": self.fb_export.dropped,
+        }
+        self.fb_export.send(rec)
+
+    def update_from_output(self, scheduler_output, model_runner_output):  # type: ignore[override]
+        t_start = time.time()
+        pending, self.fb_pending = self.fb_pending, None
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for rid in scheduler_output.num_scheduled_tokens:
+            r = self.requests.get(rid)
+            if r is not None and r.num_output_tokens > 0 and getattr(r, _FIRST_ATTR, None) is None:
+                setattr(r, _FIRST_ATTR, t_start * 1000.0)
+        if pending is not None and self.fb_step_log is not None:
+            t_end_sched, new_tokens, ctx, n = pending
+            ms = (t_start - t_end_sched) * 1000.0
+            if ms > 0:
+                try:
+                    self.fb_step_log.write(json.dumps({
+                        "start_ms": round(t_end_sched * 1000.0, 3), "new_tokens": new_tokens,
+                        "context_tokens": ctx, "measured_ms": round(ms, 4), "batch_size": n,
+                    }, separators=(",", ":")) + "\n")
+                except OSError:
+                    pass
+        return outputs
+
+    def shutdown(self) -> None:
+        logger.info(
+            "FairBatching plugin: %d steps, %d by the policy (%d executed exactly as proposed), %d stock; "
+            "export sent %d dropped %d",
+            self.fb_step, self.fb_steps_policy, self.fb_steps_exact, self.fb_steps_stock,
+            self.fb_export.sent if self.fb_export else 0, self.fb_export.dropped if self.fb_export else 0,
+        )
+        try:
+            super().shutdown()
+        finally:
+            if self.fb_export is not None:
+                self.fb_export.close()
+            if self.fb_step_log is not None:
+                self.fb_step_log.close()
