@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--time-scale", type=float, default=1.0, help="wall ms per simulated ms")
     s.add_argument("--otlp-endpoint", default=None, help="OTLP/gRPC collector for spans (off by default)")
     s.add_argument("--max-connections", type=int, default=1024, help="bound of pooled upstream connections")
+    s.add_argument("--slo-in-body", action="store_true",
+                   help="also pass each request's SLO to vLLM as vllm_xargs {fairbatch_ttft_ms, fairbatch_tpot_ms} "
+                        "(for the FairBatching scheduler plugin; re-encodes the request body)")
     s.add_argument("--log-level", default="INFO")
     c = sub.add_parser(
         "calibrate",
@@ -188,7 +191,8 @@ async def serve(args: argparse.Namespace) -> None:
     """Run the agent until SIGTERM/SIGINT."""
     clock = Clock(args.time_scale)
     agent = Agent(config_from_args(args), clock, lease_id_prefix=uuid.uuid4().hex[:12])
-    proxy_cfg = ProxyConfig(engine_url=args.engine_url, max_connections=args.max_connections)
+    proxy_cfg = ProxyConfig(engine_url=args.engine_url, max_connections=args.max_connections,
+                            slo_in_body=args.slo_in_body)
     session = make_session(proxy_cfg)
     tracer = make_tracer("fairbatch-agent", args.otlp_endpoint)
     proxy = Proxy(agent, proxy_cfg, session, tracer)

@@ -52,6 +52,18 @@ def _ceil_bytes_tokens(text: str) -> int:
     return math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN)
 
 
+def with_slo_xargs(body: Mapping[str, Any], ttft_ms: float, tpot_ms: float) -> dict[str, Any]:
+    """A copy of an OpenAI request body whose ``vllm_xargs`` also carries the request's SLO (ms).
+
+    vLLM (0.32.0) copies ``vllm_xargs`` into ``SamplingParams.extra_args``, where the FairBatching
+    scheduler plugin reads ``fairbatch_ttft_ms`` and ``fairbatch_tpot_ms``; other keys the client
+    put in ``vllm_xargs`` are kept.
+    """
+    xargs = body.get("vllm_xargs")
+    merged = {**(xargs if isinstance(xargs, dict) else {}), "fairbatch_ttft_ms": ttft_ms, "fairbatch_tpot_ms": tpot_ms}
+    return {**body, "vllm_xargs": merged}
+
+
 def estimate_prompt_tokens(body: Mapping[str, Any], chat: bool) -> int:
     """Prompt tokens of an OpenAI request body, for requests that arrive without a lease.
 
@@ -155,6 +167,11 @@ class ProxyConfig:
         read_timeout_s: wall seconds of silence tolerated between upstream chunks.
         health_timeout_s: wall seconds for the engine's /health.
         max_body_bytes: bound on request bodies.
+        slo_in_body: also pass the request's SLO in the body as vLLM's ``vllm_xargs``
+            (``{"fairbatch_ttft_ms", "fairbatch_tpot_ms"}``), which vLLM hands to the scheduler as
+            ``SamplingParams.extra_args``: needed by the FairBatching scheduler plugin
+            (replica_agent/vllm_plugin.py), since HTTP headers do not reach vLLM's scheduler. The
+            body is then re-encoded; off by default, so the bytes go upstream unchanged.
     """
 
     engine_url: str
@@ -163,6 +180,7 @@ class ProxyConfig:
     read_timeout_s: float = 600.0
     health_timeout_s: float = 2.0
     max_body_bytes: int = 64 * 1024 * 1024
+    slo_in_body: bool = False
 
 
 def make_session(config: ProxyConfig) -> aiohttp.ClientSession:
@@ -303,6 +321,9 @@ class Proxy:
             span.set_attribute("fairbatch.stream", stream)
             if "x-fairbatch-tenant" in hdrs:
                 span.set_attribute("fairbatch.tenant", hdrs["x-fairbatch-tenant"])
+            if self._cfg.slo_in_body:
+                body = with_slo_xargs(body, tracked.envelope.ttft_ms, tracked.envelope.tpot_ms)
+                raw = json.dumps(body).encode()
             outcome = "aborted"
             try:
                 if stream:

@@ -159,6 +159,8 @@ class _Parsed:
     max_tokens: int
     stream: bool
     include_usage: bool
+    ttft_ms: float | None = None  # from vllm_xargs.fairbatch_ttft_ms (as the vLLM plugin reads it)
+    tpot_ms: float | None = None
 
 
 class _EngineCollector:
@@ -409,7 +411,10 @@ class SimServer:
                 f"({max_tokens} > {limit} - {prompt_tokens}).",
                 param=key,
             )
-        return _Parsed(prompt_tokens, max_tokens, stream, include_usage)
+        xargs = body.get("vllm_xargs")
+        xargs = xargs if isinstance(xargs, dict) else {}
+        return _Parsed(prompt_tokens, max_tokens, stream, include_usage,
+                       _positive_ms(xargs.get("fairbatch_ttft_ms")), _positive_ms(xargs.get("fairbatch_tpot_ms")))
 
     @staticmethod
     def _prompt_tokens(prompt: Any) -> int:
@@ -465,10 +470,11 @@ class SimServer:
         engine_id = self._engine_id(response_id)
         if self.failed is not None:
             return error_response(self.failed, 503, request_id=header_id)
-        ttft_ms = _header_ms(request, "x-fairbatch-ttft-ms")
-        tpot_ms = _header_ms(request, "x-fairbatch-tpot-ms")
-        if log.isEnabledFor(logging.DEBUG):  # lets tests see the W3C trace context that reached the engine
-            log.debug("request %s traceparent %s", engine_id, request.headers.get("traceparent", "-"))
+        ttft_ms = _header_ms(request, "x-fairbatch-ttft-ms") or parsed.ttft_ms
+        tpot_ms = _header_ms(request, "x-fairbatch-tpot-ms") or parsed.tpot_ms
+        if log.isEnabledFor(logging.DEBUG):  # lets tests see the trace context and SLO that reached the engine
+            log.debug("request %s traceparent %s slo %s/%s", engine_id, request.headers.get("traceparent", "-"),
+                      ttft_ms, tpot_ms)
         try:
             self.engine.add_request(
                 engine_id, parsed.prompt_tokens, parsed.max_tokens, self.clock.now_ms(), ttft_ms, tpot_ms
@@ -612,16 +618,20 @@ class SimServer:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def _header_ms(request: web.Request, name: str) -> float | None:
-    """A positive finite ms value from header ``name``; None when absent or malformed (policy default applies)."""
-    raw = request.headers.get(name)
-    if raw is None:
+def _positive_ms(raw: object) -> float | None:
+    """A positive finite ms value, or None when absent or malformed (the policy default applies)."""
+    if raw is None or isinstance(raw, bool):
         return None
     try:
-        v = float(raw)
-    except ValueError:
+        v = float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
         return None
     return v if 0 < v < float("inf") else None
+
+
+def _header_ms(request: web.Request, name: str) -> float | None:
+    """A positive finite ms value from header ``name``; None when absent or malformed (policy default applies)."""
+    return _positive_ms(request.headers.get(name))
 
 
 SIM_SERVER = web.AppKey("sim_server", SimServer)

@@ -230,6 +230,7 @@ def test_replica_statefulset_has_vllm_gpu_and_agent_sidecar(helm: Path) -> None:
     assert flag("--otlp-endpoint") == "http://otel-collector.observability.svc:4317"
     assert flag("--margin-frac") == "0.15"
     assert flag("--default-slo-class") == "interactive"
+    assert "--slo-in-body" in args  # FairBatching on: the SLO reaches vLLM's scheduler in vllm_xargs
     pod_name = next(e for e in agent["env"] if e["name"] == "POD_NAME")
     assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert {p["name"]: p["containerPort"] for p in agent["ports"]} == {"http": 8001, "grpc": 9001}
@@ -245,6 +246,7 @@ def test_replica_statefulset_has_vllm_gpu_and_agent_sidecar(helm: Path) -> None:
 def test_fairbatching_off_means_no_scheduler_cls(helm: Path) -> None:
     sts = one(render(helm), "StatefulSet")
     assert "--scheduler-cls" not in container(sts["spec"]["template"]["spec"], "vllm")["args"]
+    assert "--slo-in-body" not in container(sts["spec"]["template"]["spec"], "agent")["args"]
 
 
 def test_router_config_lists_statefulset_dns_names(helm: Path) -> None:

@@ -83,3 +83,19 @@ def test_datagram_export_is_non_blocking_and_drops(tmp_path) -> None:
     finally:
         reader.close()
         ex.close()
+
+
+def test_agent_puts_the_slo_into_vllm_xargs_for_the_plugin() -> None:
+    from types import SimpleNamespace
+
+    from replica_agent.plugin_export import request_slo
+    from replica_agent.proxy import with_slo_xargs
+
+    body = {"prompt": "hi", "max_tokens": 3, "vllm_xargs": {"other": 1}}
+    out = with_slo_xargs(body, 500.0, 50.0)
+    assert out["vllm_xargs"] == {"other": 1, "fairbatch_ttft_ms": 500.0, "fairbatch_tpot_ms": 50.0}
+    assert body["vllm_xargs"] == {"other": 1}  # the client's body is not changed in place
+    assert with_slo_xargs({"prompt": "x"}, 1000, 100)["vllm_xargs"] == {"fairbatch_ttft_ms": 1000, "fairbatch_tpot_ms": 100}
+    # vLLM copies vllm_xargs into SamplingParams.extra_args; the plugin reads the SLO back from there
+    request = SimpleNamespace(sampling_params=SimpleNamespace(extra_args=out["vllm_xargs"]))
+    assert request_slo(request) == (500.0, 50.0)
