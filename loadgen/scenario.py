@@ -8,6 +8,8 @@ their contract (weight, class, min_share, quotas: copied into the router YAML) a
     routers: 1             # router copies; > 1 (or redis: true) starts a private redis-server
     time_scale: 2.0        # wall s per simulated s
     duration_s: 40         # simulated seconds of arrivals
+    share_window_s: [8, 40]  # contention window for shares and Jain (first-token times, simulated s)
+    slowdown_alone_s: 6    # > 0: replay each tenant's first 6 s alone afterwards (slowdown baseline)
     slo_classes: {interactive: {ttft_ms: 2000, tpot_ms: 100, priority: 0, sheddable: false, max_queue_ms: 20000}}
     tenants:
       acme: {weight: 3, slo_class: interactive,
@@ -16,14 +18,30 @@ their contract (weight, class, min_share, quotas: copied into the router YAML) a
              long_prompt_tokens: 20000, long_every: 50}}
 
 Arrivals are Poisson (seeded) per tenant; with several routers each tenant's requests alternate
-between them. The report is the replay report (loadgen/report.py) plus fairness figures:
-``jain_index`` (Jain over served tokens / weight among backlogged tenants, DESIGN.md section 2) and
-``per_tenant.<name>.{slo_attainment, share, weighted_service, max_wait_ms, starved}``. ``share`` is
-the tenant's part of all served tokens (prompt + output of completed requests). ``max_wait_ms`` is
-the longest TTFT of a completed request (an upper bound of its wait in the router queue: the client
-cannot see the queue). ``starved`` counts requests that waited longer than their class's
-``max_queue_ms`` (TTFT above it, or a 429 queue-timeout). A tenant is backlogged when it was
-refused or offered more tokens than it was served.
+between them. The report is the replay report (loadgen/report.py) plus fairness figures
+(:func:`fairness`):
+
+- ``share``: the tenant's part of the tokens (prompt + output of completed requests) whose first
+  token came inside the contention window ``share_window_s: [start, end]`` (simulated s; default
+  ``[min(5, duration/6), duration]``). A saturation scenario picks the window in which every
+  tenant waits in the router queue: PAB lets each replica hold up to one TTFT horizon of admitted
+  work, served FIFO by the engine, so the router's order only shows once that is full; and once
+  the arrivals stop every backlog is eventually served, so the whole-run share
+  (``share_whole_run``) tends to the offered ratio whatever the weights.
+- ``backlogged``: refused anything that arrived in the window, had a request still waiting past
+  its TTFT target when the window closed, or offered in it more than 1.05x the tokens it was
+  served in it. ``jain_index``: Jain over served tokens / weight among the
+  backlogged tenants (``jain_tenants``; DESIGN.md section 2). ``jain_maxmin``: Jain over every
+  tenant's service / its weighted max-min fair service (:func:`maxmin_fair` of the window's
+  service over the window's offered tokens; ``fair_share``): 1 when each tenant that asked less
+  than its part got all it asked and the rest was split by weight.
+- ``max_wait_ms``: the longest TTFT of a completed request (an upper bound of its wait in the
+  router queue: the client cannot see the queue). ``starved``: requests that waited longer than
+  their class's ``max_queue_ms`` (TTFT above it, or a 429 queue-timeout).
+- ``slowdown`` (seed 001 section 13): mean completion time (arrival to last token) in the shared
+  run / in a run of the tenant alone with the same load, when ``slowdown_alone_s`` > 0: after the
+  shared run each tenant replays the first ``slowdown_alone_s`` seconds of its own trace on the
+  idle fleet (``alone_mean_completion_ms``).
 """
 
 from __future__ import annotations
@@ -99,20 +117,59 @@ def jain(values: Sequence[float]) -> float | None:
     return (sum(values) ** 2) / (len(values) * sq) if sq > 0 else 1.0
 
 
+def maxmin_fair(capacity: float, demands: Mapping[str, float], weights: Mapping[str, float]) -> dict[str, float]:
+    """Weighted max-min fair split of ``capacity`` among ``demands`` (water-filling; PURE).
+
+    A tenant that asks for less than its weighted part gets its demand; what it leaves is shared
+    by the others in proportion to their weights.
+    """
+    alloc = {t: 0.0 for t in demands}
+    left = capacity
+    active = {t for t, d in demands.items() if d > 0}
+    while active and left > 1e-9:
+        wsum = sum(weights[t] for t in active)
+        capped = {t for t in active if demands[t] - alloc[t] <= left * weights[t] / wsum + 1e-9}
+        if not capped:
+            for t in active:
+                alloc[t] += left * weights[t] / wsum
+            break
+        for t in capped:
+            left -= demands[t] - alloc[t]
+            alloc[t] = demands[t]
+        active -= capped
+    return alloc
+
+
+def mean_completion_ms(records: Sequence[RequestRecord]) -> float | None:
+    """Mean arrival -> last token of the completed requests (simulated ms), None without any."""
+    e2e = [r.token_times_ms[-1] - r.arrival_ms for r in records if r.outcome == OK and r.token_times_ms]
+    return sum(e2e) / len(e2e) if e2e else None
+
+
+def _in_window(x: float | None, window: tuple[float, float]) -> bool:
+    return x is not None and window[0] <= x < window[1]
+
+
 def fairness(
     records: Sequence[RequestRecord],
     weights: Mapping[str, float],
     slos: Mapping[str, Slo],
     max_queue_ms: Mapping[str, float],
-    offered_tokens: Mapping[str, int],
+    window_ms: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
-    """Fairness figures of one run (PURE). See the module docstring for the definitions."""
-    served: dict[str, int] = {t: 0 for t in weights}
+    """Fairness figures of one run (PURE). See the module docstring for the definitions.
+
+    Args:
+        window_ms: the contention window (simulated ms from the start) in which shares, backlog and
+            the Jain indices are measured; None: the whole run.
+    """
+    window = window_ms or (float("-inf"), float("inf"))
     per: dict[str, dict[str, Any]] = {}
+    served: dict[str, int] = {}
+    offered: dict[str, int] = {}
     for t in weights:
         mine = [r for r in records if r.tenant == t]
         ok = [r for r in mine if r.outcome == OK]
-        served[t] = sum(r.prompt_tokens + r.output_tokens for r in ok)
         ttfts = [r.ttft_ms for r in ok if r.ttft_ms is not None]
         met = 0
         for r in ok:
@@ -121,24 +178,41 @@ def fairness(
                 met += 1
         starved = sum(1 for x in ttfts if x > max_queue_ms[t])
         starved += sum(1 for r in mine if r.outcome == REJECTED and r.reason == "queue-timeout")
-        refused = sum(1 for r in mine if r.outcome == REJECTED)
+        # service in the window: tokens of completed requests whose first token came in it
+        served[t] = sum(r.prompt_tokens + r.output_tokens for r in ok
+                        if r.token_times_ms and _in_window(r.token_times_ms[0], window))
+        arrived = [r for r in mine if _in_window(r.arrival_ms, window)]
+        offered[t] = sum(r.prompt_tokens + (r.expected_output_tokens or r.output_tokens) for r in arrived)
+        refused = sum(1 for r in arrived if r.outcome == REJECTED)
+        # still queued past its TTFT target when the window closed
+        late = any(r.arrival_ms < window[1] and r.token_times_ms
+                   and r.token_times_ms[0] >= max(window[1], r.arrival_ms + slos[t].ttft_ms) for r in ok)
         per[t] = {
             "requests": len(mine),
             "slo_attainment": met / len(mine) if mine else None,
-            "served_tokens": served[t],
+            "served_tokens": sum(r.prompt_tokens + r.output_tokens for r in ok),
+            "window_served_tokens": served[t],
+            "window_offered_tokens": offered[t],
+            "mean_completion_ms": mean_completion_ms(ok),
             "max_wait_ms": max(ttfts) if ttfts else None,
             "starved": starved,
-            "backlogged": refused > 0 or offered_tokens.get(t, 0) > 1.02 * served[t],
+            "backlogged": refused > 0 or late or offered[t] > 1.05 * served[t],
         }
     total = sum(served.values())
+    total_all = sum(per[t]["served_tokens"] for t in weights)
+    fair = maxmin_fair(float(total), {t: float(offered[t]) for t in weights}, weights)
     for t in weights:
         per[t]["share"] = served[t] / total if total else 0.0
+        per[t]["share_whole_run"] = per[t]["served_tokens"] / total_all if total_all else 0.0
         per[t]["weighted_service"] = served[t] / weights[t]
+        per[t]["fair_share"] = fair[t] / total if total else 0.0
     backlogged = [t for t in weights if per[t]["backlogged"]]
-    pool = backlogged if len(backlogged) >= 2 else list(weights)
+    normalised = [served[t] / fair[t] for t in weights if fair[t] > 0]
     return {
-        "jain_index": jain([per[t]["weighted_service"] for t in pool]),
-        "jain_tenants": pool,
+        "jain_index": jain([per[t]["weighted_service"] for t in backlogged]),
+        "jain_tenants": backlogged,
+        "jain_maxmin": jain(normalised),
+        "share_window_ms": list(window_ms) if window_ms else None,
         "per_tenant": per,
     }
 
@@ -212,6 +286,7 @@ def run_scenario(path: str | Path, out: str | None = None, keep_logs: str | None
     work.mkdir(parents=True, exist_ok=True)
     group = ProcessGroup(work / "logs")
     redis_proc: subprocess.Popen[bytes] | None = None
+    alone: dict[str, list[RequestRecord]] = {}
     try:
         redis_url = None
         if n_routers > 1 or doc.get("redis"):
@@ -256,6 +331,17 @@ def run_scenario(path: str | Path, out: str | None = None, keep_logs: str | None
         from replica_agent.runtime import run
 
         result = _merge(run(_replay_all(plans)), scale)
+        alone_s = float(doc.get("slowdown_alone_s", 0) or 0)
+        for n, trace in traces.items():  # the slowdown baseline: each tenant alone on the idle fleet
+            part = [r for r in trace if r.arrival_ms < alone_s * 1000.0]
+            if not part:
+                continue
+            console.print(f"slowdown baseline: {n} alone, {len(part)} requests over {alone_s:g} s")
+            alone_plans = [(part[i::len(urls)], ReplayConfig(target=url, tenants=[TenantSpec(n, 1.0, keys[n])],
+                                                             model=profile, time_scale=scale, max_wall_s=max_wall_s,
+                                                             progress=False))
+                           for i, url in enumerate(urls) if part[i::len(urls)]]
+            alone[n] = _merge(run(_replay_all(alone_plans)), scale).records
     finally:
         group.stop()
         if redis_proc is not None:
@@ -266,15 +352,22 @@ def run_scenario(path: str | Path, out: str | None = None, keep_logs: str | None
             for n, t in tenants.items()}
     report = build_report(result, slos, {"scenario": name, "duration_s": duration_s, "routers": n_routers,
                                          "target": "router", "tenants": {n: t.get("weight", 1) for n, t in tenants.items()}})
+    window = doc.get("share_window_s", [min(5.0, duration_s / 6.0), duration_s])
     fair = fairness(
         result.records, {n: float(t.get("weight", 1.0)) for n, t in tenants.items()}, slos,
         {n: float(doc["slo_classes"][t["slo_class"]].get("max_queue_ms", 30000)) for n, t in tenants.items()},
-        {n: sum(r.prompt_tokens + r.output_tokens for r in traces[n]) for n in tenants},
+        (float(window[0]) * 1000.0, float(window[1]) * 1000.0),
     )
-    report["jain_index"] = fair["jain_index"]
-    report["jain_tenants"] = fair["jain_tenants"]
+    for key in ("jain_index", "jain_tenants", "jain_maxmin", "share_window_ms"):
+        report[key] = fair[key]
     for n, figs in fair["per_tenant"].items():
         report["per_tenant"].setdefault(n, {}).update(figs)
+        figs = report["per_tenant"][n]
+        base = mean_completion_ms(alone.get(n, []))
+        figs["alone_mean_completion_ms"] = base
+        figs["slowdown"] = (figs["mean_completion_ms"] / base
+                            if base and figs.get("mean_completion_ms") is not None else None)
+    report["slowdown_alone_s"] = float(doc.get("slowdown_alone_s", 0) or 0) or None
     print_report(report, console)
     print_fairness(report, console)
     if out:
@@ -284,21 +377,29 @@ def run_scenario(path: str | Path, out: str | None = None, keep_logs: str | None
 
 def fairness_table(report: Mapping[str, Any]) -> str:
     """The fairness table as plain text (one row per tenant)."""
-    rows = [f"{'tenant':<10} {'weight':>6} {'share':>7} {'slo_att':>8} {'ttft_p99':>9} {'max_wait':>9} "
-            f"{'starved':>7} {'rejected':<30}"]
+    def num(x: Any, fmt: str) -> str:
+        return format(x, fmt) if isinstance(x, (int, float)) else "-"
+
+    rows = [f"{'tenant':<10} {'weight':>6} {'share':>6} {'fair':>6} {'whole':>6} {'slo_att':>7} {'ttft_p99':>9} "
+            f"{'max_wait':>9} {'starved':>7} {'slowdown':>8}  rejected"]
     weights = report.get("tenants", {})
     for n, f in sorted(report["per_tenant"].items()):
-        p99 = (f.get("ttft_ms") or {}).get("p99")
-        att = f.get("slo_attainment")
-        mw = f.get("max_wait_ms")
         rows.append(
-            f"{n:<10} {weights.get(n, 1):>6} {f.get('share', 0):>7.3f} "
-            f"{(att if att is not None else float('nan')):>8.3f} "
-            f"{(p99 if p99 is not None else float('nan')):>9.0f} {(mw if mw is not None else float('nan')):>9.0f} "
-            f"{f.get('starved', 0):>7} {str(f.get('rejected', {})):<30}"
+            f"{n:<10} {weights.get(n, 1):>6} {num(f.get('share'), '.3f'):>6} {num(f.get('fair_share'), '.3f'):>6} "
+            f"{num(f.get('share_whole_run'), '.3f'):>6} {num(f.get('slo_attainment'), '.3f'):>7} "
+            f"{num((f.get('ttft_ms') or {}).get('p99'), '.0f'):>9} {num(f.get('max_wait_ms'), '.0f'):>9} "
+            f"{f.get('starved', 0):>7} {num(f.get('slowdown'), '.2f'):>8}  {dict(f.get('rejected') or {})}"
         )
+    w = report.get("share_window_ms")
+    if w:
+        rows.append(f"share/fair: served tokens with first token in [{w[0] / 1000:g}, {w[1] / 1000:g}) s; "
+                    "fair = weighted max-min split of that service; whole = whole run")
     j = report.get("jain_index")
-    rows.append(f"jain_index = {j:.3f} over {report.get('jain_tenants')}" if j is not None else "jain_index = n/a")
+    rows.append(f"jain_index = {j:.3f} over backlogged {report.get('jain_tenants')}" if j is not None
+                else "jain_index = n/a (no backlogged tenant)")
+    jm = report.get("jain_maxmin")
+    if jm is not None:
+        rows.append(f"jain_maxmin = {jm:.3f} (service / weighted max-min fair service, all tenants)")
     return "\n".join(rows)
 
 
