@@ -256,6 +256,12 @@ class Dispatcher(Generic[G]):
             if blocked_head is not None and blocked_head.passed_by >= self.max_bypass:
                 stats.held = True
                 break
+            if blocked_head is not None and entry.priority > blocked_head.priority:
+                # A less urgent band never takes the budget a blocked, more urgent head waits for:
+                # its longer TTFT horizon makes it fit where the urgent one does not, and admitting
+                # it would push the urgent band further out. Lower bands still get their min_share,
+                # because the fair queue then orders them first (they are the head themselves).
+                continue
             scanned += 1
             if scanned > self.max_scan:
                 break

@@ -121,6 +121,21 @@ async def test_bounded_bypass_of_a_head_that_fits_nowhere() -> None:
     assert [e.request_id for e in q.ordered()] == ["head", "s2", "s3"]
 
 
+async def test_a_less_urgent_band_does_not_pass_a_blocked_urgent_head() -> None:
+    # Order U (band 0, fits nowhere), B (band 1, fits: its class has a long horizon), U2 (band 0, fits).
+    # B must not take the budget U waits for; U2 (same band as U) may pass U within the bypass bound.
+    clock = FakeClock()
+    q = FifoQueue(10, 10_000)
+    u, b, u2 = entry("u", 900), entry("b"), entry("u2")
+    b.priority = 1
+    for e in (u, b, u2):
+        q.push(e)
+    d, admitted, _ = make_dispatcher(q, clock, fits={"b", "u2"}, max_bypass=8)
+    await d.dispatch_once()
+    assert admitted == ["u2"] and u.passed_by == 1
+    assert [e.request_id for e in q.ordered()] == ["u", "b"]
+
+
 async def test_strict_fifo_with_zero_bypass() -> None:
     q = FifoQueue(10, 1000)
     head, small = entry("head"), entry("small")
