@@ -182,7 +182,7 @@ def openai_error(
 def throttled(reason: str, message: str, retry_after_s: int = RETRY_AFTER_S) -> web.Response:
     """429 with ``Retry-After`` (whole seconds >= 1) and ``x-fairbatch-reason``."""
     return openai_error(
-        429, message, "rate_limit_error", reason.replace("-", "_"),
+        429, message, "rate_limit_error", reason,
         headers={"Retry-After": str(max(1, int(retry_after_s))), "x-fairbatch-reason": reason},
     )
 

@@ -688,22 +688,26 @@ async def serve(config: SimServerConfig) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the sim-engine flags (docs/architecture.md) to ``parser`` (also used by ``fairbatch-loadgen sim-engine``)."""
     d = SimServerConfig()
-    parser.add_argument("--host", default=d.host)
-    parser.add_argument("--port", type=int, default=d.port)
-    parser.add_argument("--profile", default=d.profile, help="GPU profile (time model, KV capacity)")
+    parser.add_argument("--host", default=d.host, help="listen address (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=d.port, help="listen port (default: %(default)s)")
+    parser.add_argument("--profile", default=d.profile, help="GPU profile: time model a, b, c and KV capacity (default: %(default)s)")
     parser.add_argument("--variant", default=d.variant, help="fit variant of the profile")
     parser.add_argument("--time-scale", type=float, default=d.time_scale,
-                        help="wall seconds per simulated second")  # fmt: skip
-    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+                        help="wall seconds per simulated second; 4 = four times slower than a GPU (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                        help="token cap of one step, as vLLM's (default: %(default)s)")
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                        help="requests in one step at most (default: %(default)s)")
     parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     parser.add_argument("--num-gpu-blocks", type=int, default=None,
                         help="KV blocks (default: profile kv_capacity_tokens // block_size)")  # fmt: skip
-    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                        help="prompt + output tokens at most (default: %(default)s)")
     parser.add_argument("--served-model-name", default=None, help="default: the profile name")
-    parser.add_argument("--policy", default=d.policy, choices=sorted(POLICIES))
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--log-level", default=d.log_level)
+    parser.add_argument("--policy", default=d.policy, choices=sorted(POLICIES),
+                        help="batch-formation policy (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=d.seed, help="seed of generated request ids (default: %(default)s)")
+    parser.add_argument("--log-level", default=d.log_level, help="DEBUG logs each request's trace context and SLO (default: %(default)s)")
     parser.add_argument("--default-ttft-ms", type=float, default=d.default_ttft_ms,
                         help="TTFT target of requests without an x-fairbatch-ttft-ms header")  # fmt: skip
     parser.add_argument("--default-tpot-ms", type=float, default=d.default_tpot_ms,
@@ -736,7 +740,7 @@ def config_from_args(args: argparse.Namespace) -> SimServerConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: parse flags, check the configuration, serve until a signal. Returns the exit code."""
-    parser = argparse.ArgumentParser(prog="sim-engine", description="vLLM-compatible simulated engine")
+    parser = argparse.ArgumentParser(prog="fairbatch-loadgen sim-engine", description="vLLM-compatible simulated engine")
     add_arguments(parser)
     args = parser.parse_args(argv)
     config = config_from_args(args)

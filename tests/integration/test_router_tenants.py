@@ -161,7 +161,7 @@ async def test_tenant_rate_429(fleet: InProcess) -> None:
     resp = await fleet.post("acme")
     assert resp.status == 429 and resp.headers["x-fairbatch-reason"] == "tenant-rate"
     assert 25 <= int(resp.headers["Retry-After"]) <= 31  # one request per 30 s
-    assert (await resp.json())["error"]["code"] == "tenant_rate"
+    assert (await resp.json())["error"]["code"] == "tenant-rate"  # same spelling as x-fairbatch-reason
     fleet.replicas.admission["r0"].set_budget(400.0)
     assert (await fleet.post("beta")).status == 200  # 104 tokens of 150
     resp = await fleet.post("beta")
