@@ -676,6 +676,14 @@ class Router:
                         f"The first-token deadline ({principal.slo.ttft_ms:g} ms) of class "
                         f"{principal.slo_class!r} could no longer be met while queued.",
                     )
+                if not any(v.healthy and v.fresh for v in self.book.views()):
+                    return "no_replica", openai_error(
+                        503,
+                        f"No replica is available (none healthy with a fresh budget) within max_queue_ms "
+                        f"({principal.slo.max_queue_ms:g} ms) of class {principal.slo_class!r}.",
+                        "service_unavailable", "no-replica",
+                        headers={"Retry-After": str(RETRY_AFTER_S), "x-fairbatch-reason": "no-replica"},
+                    )
                 return "queue_timeout", throttled(
                     "queue-timeout",
                     f"No replica could take the request within max_queue_ms "
@@ -782,11 +790,14 @@ class Router:
         return web.json_response({"object": "list", "data": []})
 
     async def handle_health(self, request: web.Request) -> web.Response:
-        """GET /health: 200 with the number of replicas whose budget is usable."""
+        """GET /health: 200 while the process serves (liveness and readiness: a router with no usable
+        replica still answers, with 503 ``no-replica`` per request, rather than vanishing from its
+        Service); ``status`` is ``degraded`` when no replica is healthy with a fresh budget."""
         views = self.book.views()
         usable = [v.replica_id for v in views if v.healthy and v.fresh]
         return web.json_response(
-            {"status": "ok", "replicas": len(views), "replicas_usable": usable, "queue_depth": len(self.queue)}
+            {"status": "ok" if usable else "degraded", "replicas": len(views), "replicas_usable": usable,
+             "queue_depth": len(self.queue)}
         )
 
     async def handle_metrics(self, request: web.Request) -> web.Response:

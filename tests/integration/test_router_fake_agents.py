@@ -388,6 +388,18 @@ async def test_stale_replica_gets_no_work(fleet: Fleet) -> None:
     assert not fleet.admission["r0"].reserves
 
 
+async def test_no_usable_replica_is_503_no_replica_and_health_degraded(fleet: Fleet) -> None:
+    await fleet.start({"r0": 450.0}, max_queue_ms=300)
+    fleet.admission["r0"].pushing = False  # silent stream: stale after the 300 ms TTL
+    await asyncio.sleep(0.45)
+    health = await (await fleet.session.get(fleet.url + "/health")).json()  # type: ignore[union-attr]
+    assert health["status"] == "degraded" and health["replicas_usable"] == []
+    resp = await fleet.post(completion())
+    assert resp.status == 503  # not a 429: nothing could take it, whatever the client's rate
+    assert resp.headers["x-fairbatch-reason"] == "no-replica" and int(resp.headers["Retry-After"]) >= 1
+    assert (await resp.json())["error"]["code"] == "no-replica"
+
+
 async def test_agent_restart_stale_then_reconnects(fleet: Fleet) -> None:
     await fleet.start({"r0": 400.0})
     assert fleet.router is not None
