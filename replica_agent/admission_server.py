@@ -41,7 +41,7 @@ def class_budget_pb(b: ClassBudget) -> admission_pb2.ClassBudget:
 
 def snapshot_pb(agent: Agent, view: BudgetView) -> admission_pb2.BudgetSnapshot:
     """BudgetSnapshot of ``view`` with the next sequence number and the unix timestamp."""
-    tm = agent.config.time_model
+    tm = agent.time_model()
     return admission_pb2.BudgetSnapshot(
         replica_id=agent.config.replica_id,
         seq=agent.next_seq(),

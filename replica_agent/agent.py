@@ -4,6 +4,13 @@ The proxy feeds request events, the scraper feeds engine metrics, the gRPC serve
 grants leases; every structural change (arrival, first token, finish, lease grant/consume/release/
 expiry, a material metrics change) wakes the WatchBudget streams through :meth:`Agent.change_event`.
 Everything runs on one event loop, so no locks are needed; nothing here blocks.
+
+Plugin mode (``plugin_mode=True``; replica_agent/plugin_mode.py): the vLLM scheduler plugin's
+per-step records replace the tracker and the KV estimate as PAB's inputs while they are fresh
+(:meth:`Agent.on_plugin_record`), and its step times feed the live time-model residuals; PAB and
+the snapshot's coefficients then use the inflated (conservative) model once the mean relative
+error exceeds ``residual_threshold`` (:meth:`Agent.time_model`). In proxy mode no step time is
+seen, the residual gauge stays NaN and the model is the configured one.
 """
 
 from __future__ import annotations
@@ -19,7 +26,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from replica_agent.clock import Clock
 from replica_agent.engine_metrics import EngineMetrics
 from replica_agent.policy.leases import Lease, LeaseTable, LeaseTableFull
+from replica_agent.plugin_mode import PLUGIN, STALE, export_mode, lease_matches, parse_record, record_kind
+from replica_agent.plugin_mode import replica_state_from_record
 from replica_agent.policy.pab import ClassBudget, PendingPrefill, ReplicaState, SloClass, compute_budgets, fits
+from replica_agent.policy.residuals import ResidualTracker
 from replica_agent.policy.time_model import TimeModel
 from replica_agent.tracker import FinishedRequest, Tracker, TrackedRequest
 
@@ -44,6 +54,10 @@ class AgentConfig:
         metrics_interval_ms: engine /metrics scrape period.
         metrics_stale_ms: metrics older than this make the agent unhealthy (None: max(5 * interval, ttl)).
         max_leases, max_requests: bounds of the lease table and the tracker.
+        plugin_mode: PAB from the scheduler plugin's export (``--plugin-export``).
+        plugin_stale_ms: N of the staleness rule (replica_agent/plugin_mode.py).
+        proxy_tracking: the agent relays HTTP and tracks requests (False: ``--no-proxy``).
+        residual_alpha, residual_threshold, residual_max_inflation: the ResidualTracker's settings.
     """
 
     replica_id: str
@@ -60,6 +74,12 @@ class AgentConfig:
     metrics_stale_ms: float | None = None
     max_leases: int = 4096
     max_requests: int = 65536
+    plugin_mode: bool = False
+    plugin_stale_ms: float = 500.0
+    proxy_tracking: bool = True
+    residual_alpha: float = 0.05
+    residual_threshold: float = 0.15
+    residual_max_inflation: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.slo_classes:
@@ -69,7 +89,9 @@ class AgentConfig:
             raise ValueError(f"duplicate SLO class names: {names}")
         if self.default_slo_class not in names:
             raise ValueError(f"default SLO class {self.default_slo_class!r} is not one of {names}")
-        for name in ("push_interval_ms", "ttl_ms", "lease_ttl_ms", "metrics_interval_ms"):
+        if not self.proxy_tracking and not self.plugin_mode:
+            raise ValueError("--no-proxy needs plugin mode (--plugin-export): nothing else tracks requests")
+        for name in ("push_interval_ms", "ttl_ms", "lease_ttl_ms", "metrics_interval_ms", "plugin_stale_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 
@@ -161,6 +183,48 @@ class AgentMetrics:
         )
         self.reserve_total = Counter("fairbatch_agent_reserve", "Reserve calls by result", ["result"], registry=r)
         self.leases_expired = Counter("fairbatch_agent_leases_expired", "leases that lapsed", registry=r)
+        self.plugin_records = Counter(
+            "fairbatch_agent_plugin_records", "plugin export records read, by kind (state, step, bad)",
+            ["kind"], registry=r,
+        )
+        self.plugin_export_stale = Gauge(
+            "fairbatch_agent_plugin_export_stale",
+            "1 while plugin mode falls back to proxy-mode state (no plugin record within --plugin-stale-ms "
+            "while the engine is busy); 0 otherwise and in proxy mode", registry=r,
+        )
+        self.plugin_fallbacks = Counter(
+            "fairbatch_agent_plugin_fallbacks", "times plugin mode fell back to proxy-mode state (stale export)",
+            registry=r,
+        )
+        self.plugin_dropped = Gauge(
+            "fairbatch_agent_plugin_export_dropped", "records the plugin reports it dropped (last record)", registry=r
+        )
+        self.time_model_residual = Gauge(
+            "fairbatch_agent_time_model_residual",
+            "EWMA of |measured - predicted| / predicted step time with the configured a, b, c (fraction), "
+            "from the plugin's step records; NaN in proxy mode, where no step times are seen (unavailable)",
+            registry=r,
+        )
+        self.time_model_bias = Gauge(
+            "fairbatch_agent_time_model_bias",
+            "EWMA of the signed relative error (measured - predicted) / predicted (> 0: model optimistic); "
+            "NaN in proxy mode (unavailable)", registry=r,
+        )
+        self.time_model_inflation = Gauge(
+            "fairbatch_agent_time_model_inflation",
+            "factor on a, b, c that PAB uses: 1 while the residual is within the threshold, else "
+            "min(max, 1 + residual) (conservative model); always 1 in proxy mode", registry=r,
+        )
+        self.time_model_residual.set(math.nan)
+        self.time_model_bias.set(math.nan)
+        self.time_model_inflation.set(1.0)
+
+
+@dataclass(slots=True)
+class _PluginView:
+    record: dict | None = None  # last state record
+    recv_ms: float | None = None  # agent ms it arrived
+    mode: str = STALE  # last mode computed (plugin / idle / stale)
 
 
 @dataclass(slots=True)
@@ -190,6 +254,10 @@ class Agent:
         self.classes = {c.name: c for c in config.slo_classes}
         self.max_prompt_tokens = 0
         self._engine = _EngineView()
+        self._plugin = _PluginView()
+        self.residuals = ResidualTracker(
+            config.residual_alpha, config.residual_threshold, config.residual_max_inflation
+        )
         self._seq = itertools.count(1)
         self._changed = asyncio.Event()
         for c in config.slo_classes:  # export every class from the start
@@ -247,7 +315,20 @@ class Agent:
         return ev.ok_ms is not None and not ev.error and now_ms - ev.ok_ms <= self.config.stale_after_ms
 
     def health(self, now_ms: float) -> tuple[bool, str]:
-        """(healthy, status_detail) at ``now_ms``."""
+        """(healthy, status_detail) at ``now_ms``; in plugin mode the detail says where PAB's inputs come from."""
+        healthy, detail = self._scrape_health(now_ms)
+        if not self.config.plugin_mode or not healthy:
+            return healthy, detail
+        mode = self.plugin_mode_now(now_ms)
+        if mode == STALE:
+            age = self._plugin_age_ms(now_ms)
+            what = "no plugin record yet" if age is None else f"plugin export stale ({age:.0f} ms old)"
+            if not self.config.proxy_tracking:
+                return False, f"{what}; --no-proxy: no request tracking to fall back to"
+            return True, "; ".join(x for x in (f"{what}; proxy-mode state", detail) if x)
+        return True, detail
+
+    def _scrape_health(self, now_ms: float) -> tuple[bool, str]:
         ev = self._engine
         if ev.ok_ms is None:
             return False, ev.error or "engine metrics not scraped yet"
@@ -260,6 +341,100 @@ class Agent:
             return True, "missing engine metrics: " + ", ".join(ev.missing)
         return True, ""
 
+    # ---- plugin mode ---------------------------------------------------------------------
+    def _plugin_age_ms(self, now_ms: float) -> float | None:
+        pv = self._plugin
+        return None if pv.recv_ms is None else now_ms - pv.recv_ms
+
+    def plugin_mode_now(self, now_ms: float) -> str:
+        """``plugin``, ``idle`` or ``stale`` (replica_agent/plugin_mode.py :func:`export_mode`); updates
+        the stale gauge and counts a fallback on the transition into ``stale``."""
+        m = self._engine.metrics
+        busy = None if m is None or not self._scrape_health(now_ms)[0] else (m.num_running + m.num_waiting > 0)
+        mode = export_mode(self._plugin_age_ms(now_ms), self.config.plugin_stale_ms, busy)
+        pv = self._plugin
+        if mode != pv.mode:
+            if mode == STALE and pv.recv_ms is not None:
+                self.metrics.plugin_fallbacks.inc()
+                log.warning("plugin export stale: falling back to proxy-mode state")
+            elif pv.mode == STALE and pv.recv_ms is not None:
+                log.info("plugin export back (%s)", mode)
+            pv.mode = mode
+        self.metrics.plugin_export_stale.set(1.0 if mode == STALE else 0.0)
+        return mode
+
+    def on_plugin_datagram(self, data: bytes, now_ms: float | None = None) -> None:
+        """One datagram from the plugin's export socket (PluginExportReader callback)."""
+        rec = parse_record(data)
+        if rec is None:
+            self.metrics.plugin_records.labels("bad").inc()
+            return
+        self.on_plugin_record(rec, self.clock.now_ms() if now_ms is None else now_ms)
+
+    def on_plugin_record(self, rec: dict, now_ms: float) -> None:
+        """A parsed record: a state record replaces PAB's inputs, a step record feeds the residuals."""
+        if record_kind(rec) == "step":
+            self.metrics.plugin_records.labels("step").inc()
+            self._on_step_record(rec)
+            return
+        try:
+            n_blocks = int(rec["kv_free_blocks"]) * int(rec["block_size"])
+            ids = [str(q["id"]) for q in rec.get("reqs") or ()]
+        except (KeyError, TypeError, ValueError):
+            self.metrics.plugin_records.labels("bad").inc()
+            return
+        self.metrics.plugin_records.labels("state").inc()
+        self.metrics.plugin_dropped.set(float(rec.get("dropped") or 0))
+        pv = self._plugin
+        old = pv.record
+        was = pv.mode
+        pv.record, pv.recv_ms = rec, now_ms
+        consumed = False
+        if ids:  # --no-proxy: a lease is used up once its request shows up in the engine
+            for lease in self.leases.active():
+                if lease.request_id and any(lease_matches(i, lease.request_id) for i in ids):
+                    self.leases.consume(lease.lease_id)
+                    consumed = True
+        material = consumed or old is None or was != self.plugin_mode_now(now_ms)
+        if not material:
+            total = max(1, int(rec.get("kv_total_blocks") or 0))
+            old_phases = sorted(q.get("ph", "") for q in old.get("reqs") or ())
+            new_phases = sorted(q.get("ph", "") for q in rec.get("reqs") or ())
+            old_free = int(old.get("kv_free_blocks") or 0) * int(old.get("block_size") or 0)
+            material = old_phases != new_phases or abs(old_free - n_blocks) * 100 >= total * int(
+                rec.get("block_size") or 1
+            )
+        if material:
+            self.notify()
+
+    def _on_step_record(self, rec: dict) -> None:
+        try:
+            new = int(rec["new_tokens"])
+            ctx = int(rec["context_tokens"])
+            measured = float(rec["measured_ms"])
+        except (KeyError, TypeError, ValueError):
+            return
+        predicted = self.config.time_model.batch_ms(new, ctx)
+        if new <= 0 or not predicted > 0 or not measured > 0 or not math.isfinite(measured):
+            return
+        before = self.residuals.inflation_factor()
+        self.residuals.observe(predicted, measured)
+        r = self.residuals
+        self.metrics.time_model_residual.set(r.magnitude)
+        self.metrics.time_model_bias.set(r.bias)
+        after = r.inflation_factor()
+        self.metrics.time_model_inflation.set(after)
+        if after != before:
+            if (before == 1.0) != (after == 1.0):
+                log.warning("time model residual %.3f: PAB %s", r.magnitude,
+                            f"uses a, b, c x {after:.2f}" if after > 1.0 else "back to the configured a, b, c")
+            self.notify()
+
+    def time_model(self) -> TimeModel:
+        """a, b, c that PAB, Reserve and snapshots use: the configured model, inflated while the live
+        residuals exceed the threshold (plugin mode only; proxy mode sees no step times)."""
+        return self.residuals.inflate(self.config.time_model)
+
     def kv_capacity_tokens(self) -> int:
         """KV capacity (tokens): the flag, else the engine's cache_config_info, else the profile."""
         if self.config.kv_capacity_tokens is not None:
@@ -271,7 +446,17 @@ class Agent:
 
     # ---- PAB -----------------------------------------------------------------------------
     def replica_state(self, now_ms: float) -> ReplicaState:
-        """PAB inputs now: tracked decodes, in-flight prefills + leases, free KV (proxy mode)."""
+        """PAB inputs now: the plugin's last record while fresh (plugin mode), else tracked decodes,
+        in-flight prefills + leases and the free KV estimated from the scrape (proxy mode)."""
+        pv = self._plugin
+        if self.config.plugin_mode and pv.record is not None and self.plugin_mode_now(now_ms) == PLUGIN:
+            rec = pv.record
+            # the record's clock (unix ms at the start of its step) advanced by the agent ms since it arrived
+            plugin_now = float(rec.get("t_ms") or 0.0) + (now_ms - pv.recv_ms)
+            return replica_state_from_record(
+                rec, plugin_now, self.time_model(), self.config.margin_frac,
+                [lease.prompt_tokens for lease in self.leases.active()],
+            )
         m = self._engine.metrics
         kv_usage = 1.0 if m is None else m.kv_usage
         kv_free = math.floor((1.0 - kv_usage) * self.kv_capacity_tokens())
@@ -281,7 +466,7 @@ class Agent:
             decodes=self.tracker.decodes(),
             prefills=prefills,
             kv_free_tokens=max(0, kv_free),
-            time_model=self.config.time_model,
+            time_model=self.time_model(),
             margin_frac=self.config.margin_frac,
         )
 
@@ -290,15 +475,28 @@ class Agent:
         classes = compute_budgets(self.replica_state(now_ms), self.config.slo_classes)
         healthy, detail = self.health(now_ms)
         m = self._engine.metrics
+        running = 0 if m is None else m.num_running
+        waiting = 0 if m is None else m.num_waiting
+        kv_usage = 1.0 if m is None else m.kv_usage
+        capacity = self.kv_capacity_tokens()
+        rec = self._plugin.record
+        if self.config.plugin_mode and rec is not None and self._plugin.mode == PLUGIN:
+            reqs = rec.get("reqs") or ()  # the engine's own figures, as of the record's step
+            running = sum(1 for q in reqs if q.get("q") == "r")
+            waiting = len(reqs) - running
+            total = int(rec.get("kv_total_blocks") or 0)
+            if total > 0:
+                kv_usage = 1.0 - int(rec.get("kv_free_blocks") or 0) / total
+                capacity = total * int(rec.get("block_size") or 0)
         return BudgetView(
             now_ms=now_ms,
             classes=classes,
             healthy=healthy,
             status_detail=detail,
-            num_running=0 if m is None else m.num_running,
-            num_waiting=0 if m is None else m.num_waiting,
-            kv_usage=1.0 if m is None else m.kv_usage,
-            kv_capacity_tokens=self.kv_capacity_tokens(),
+            num_running=running,
+            num_waiting=waiting,
+            kv_usage=kv_usage,
+            kv_capacity_tokens=capacity,
             active_leases=len(self.leases),
             max_prompt_tokens=self.max_prompt_tokens,
         )
@@ -340,7 +538,7 @@ class Agent:
                 reason = "unhealthy"
             elif self.max_prompt_tokens and prompt_tokens > self.max_prompt_tokens:
                 reason = "prompt-too-long"
-            elif not fits(prompt_tokens, budget, self.config.time_model):
+            elif not fits(prompt_tokens, budget, self.time_model()):
                 reason = "kv-full" if prompt_tokens > budget.kv_limited_tokens else "no-budget"
             else:
                 try:

@@ -6,6 +6,13 @@
 ``fairbatch-agent serve ...`` runs, in one asyncio process, the HTTP reverse proxy in front of the
 engine (aiohttp), the AdmissionService gRPC server (grpc.aio), the engine /metrics scraper and the
 lease-expiry task. SIGTERM/SIGINT stop it gracefully.
+
+Plugin mode (``--plugin-export unix:PATH``, replica_agent/plugin_mode.py): the agent also binds the
+UNIX datagram socket PATH, which the vLLM scheduler plugin (``FAIRBATCH_PLUGIN_EXPORT=unix:PATH``)
+feeds every step, and computes PAB from the engine state those records carry; their step times
+give the live time-model residuals. With ``--no-proxy`` it does not relay requests (the HTTP port
+serves only /metrics and /health): the router's replica entry then has ``http_url`` = vLLM itself
+and ``grpc_target`` = this agent.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from replica_agent.calibrate import calibrate, format_fit
 from replica_agent.agent import Agent, AgentConfig
 from replica_agent.clock import Clock
 from replica_agent.engine_metrics import MetricsScraper
+from replica_agent.plugin_mode import PluginExportReader, parse_export_target
 from replica_agent.policy.pab import SloClass
 from replica_agent.policy.time_model import TimeModel
 from replica_agent.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile
@@ -127,6 +135,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slo-in-body", action="store_true",
                    help="also pass each request's SLO to vLLM as vllm_xargs {fairbatch_ttft_ms, fairbatch_tpot_ms} "
                         "(for the FairBatching scheduler plugin; re-encodes the request body)")
+    s.add_argument("--plugin-export", default=None, metavar="unix:PATH",
+                   help="plugin mode: bind this UNIX datagram socket and compute PAB from the per-step engine "
+                        "state the vLLM scheduler plugin exports there (FAIRBATCH_PLUGIN_EXPORT=unix:PATH)")
+    s.add_argument("--plugin-stale-ms", type=float, default=500.0,
+                   help="plugin mode: without a record for this long while the engine is busy, fall back to "
+                        "proxy-mode state (status_detail and fairbatch_agent_plugin_export_stale say so)")
+    s.add_argument("--no-proxy", action="store_true",
+                   help="plugin mode only: do not relay HTTP (the router sends requests to vLLM directly; the HTTP "
+                        "port serves /metrics and /health only)")
+    s.add_argument("--residual-threshold", type=float, default=0.15,
+                   help="plugin mode: mean relative step-time error above which PAB inflates a, b, c")
+    s.add_argument("--residual-alpha", type=float, default=0.05, help="EWMA weight of the newest step residual")
+    s.add_argument("--residual-max-inflation", type=float, default=2.0, help="cap of the a, b, c inflation factor")
     s.add_argument("--log-level", default="INFO")
     c = sub.add_parser(
         "calibrate",
@@ -155,6 +176,13 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         by_name[c.name] = c
     classes = list(by_name.values()) or [SloClass("default", 1000.0, 100.0)]
     default = args.default_slo_class or classes[0].name
+    plugin = args.plugin_export is not None
+    if plugin:
+        parse_export_target(args.plugin_export)
+        if args.time_scale != 1.0:
+            raise ValueError("--plugin-export needs --time-scale 1 (the plugin's records are in wall-clock ms)")
+    if args.no_proxy and not plugin:
+        raise ValueError("--no-proxy needs --plugin-export (nothing else would track the engine's requests)")
     return AgentConfig(
         replica_id=args.replica_id,
         time_model=args.coefficients or profile.time_model,
@@ -167,6 +195,12 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         ttl_ms=args.ttl_ms,
         lease_ttl_ms=args.lease_ttl_ms,
         metrics_interval_ms=args.metrics_interval_ms,
+        plugin_mode=plugin,
+        plugin_stale_ms=args.plugin_stale_ms,
+        proxy_tracking=not args.no_proxy,
+        residual_alpha=args.residual_alpha,
+        residual_threshold=args.residual_threshold,
+        residual_max_inflation=args.residual_max_inflation,
     )
 
 
@@ -196,10 +230,20 @@ async def serve(args: argparse.Namespace) -> None:
     session = make_session(proxy_cfg)
     tracer = make_tracer("fairbatch-agent", args.otlp_endpoint)
     proxy = Proxy(agent, proxy_cfg, session, tracer)
-    runner = web.AppRunner(proxy.app(), access_log=None)
+    if args.no_proxy:  # the router talks to vLLM directly; keep the agent's own endpoints
+        app = web.Application()
+        app.router.add_get("/health", proxy.health)
+        app.router.add_get("/metrics", proxy.metrics)
+    else:
+        app = proxy.app()
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.http_port)
     await site.start()
+    reader = None
+    if args.plugin_export:
+        reader = PluginExportReader(parse_export_target(args.plugin_export), agent.on_plugin_datagram)
+        await reader.start()
     grpc_server, grpc_port = await start_grpc_server(agent, args.host, args.grpc_port)
     scrape_timeout_s = max(0.5, clock.to_wall_s(agent.config.stale_after_ms))
     scraper = MetricsScraper(
@@ -216,8 +260,9 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info(
-        "agent %s: http %s:%d grpc %s:%d engine %s classes %s",
-        agent.config.replica_id, args.host, args.http_port, args.host, grpc_port, args.engine_url,
+        "agent %s: http %s:%d%s grpc %s:%d engine %s plugin export %s classes %s",
+        agent.config.replica_id, args.host, args.http_port, " (no proxy)" if args.no_proxy else "",
+        args.host, grpc_port, args.engine_url, args.plugin_export or "-",
         ", ".join(f"{c.name}({c.ttft_ms:g}/{c.tpot_ms:g} ms)" for c in agent.config.slo_classes),
     )
     try:
@@ -227,6 +272,8 @@ async def serve(args: argparse.Namespace) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if reader is not None:
+            reader.close()
         await grpc_server.stop(grace=2.0)
         await runner.cleanup()
         await session.close()

@@ -8,7 +8,22 @@ not the agent's dependencies; the unit tests run in the main venv, which has no 
 - :class:`PluginExporter`: the non-blocking per-step sink of plugin mode (``unix:PATH`` datagram
   socket, or a file of JSON lines);
 - :func:`step_deadline`: deadline and slack of a request's next token (same formula as
-  :class:`~replica_agent.policy.batching.FairBatchingPolicy`).
+  :class:`~replica_agent.policy.batching.FairBatchingPolicy`);
+- :func:`state_record` / :func:`step_record`: the two record kinds of the export (built here so
+  that the plugin, the agent's reader (replica_agent/plugin_mode.py) and the tests share one format).
+
+Export format (one JSON object per datagram or line, ``"v": 1``):
+
+- state record (no ``kind``, or ``"kind": "state"``), sent at the end of every ``schedule()``: the
+  state the policy saw at the start of the step (``t_ms``, unix wall-clock ms) and the batch it
+  scheduled; per request ``reqs[]``: ``id``, ``q`` (``r`` running / ``w`` waiting), ``ph`` (``d``
+  decode / ``p`` prefill), ``p`` prompt, ``c`` computed tokens, ``o`` tokens out, ``ctx`` prompt +
+  out, ``mt`` max tokens, ``arr`` arrival, ``ft`` first-token time, ``dl`` next-token deadline,
+  ``sl`` slack (unix ms / ms), ``ttft``, ``tpot`` (ms), ``n`` tokens scheduled this step; KV
+  ``kv_free_blocks``, ``kv_total_blocks``, ``block_size``; ``new_tokens``, ``context_tokens``,
+  ``predicted_ms`` (the plugin's model), ``dropped`` (records the exporter dropped so far);
+- step record (``"kind": "step"``), sent from ``update_from_output()`` once a step has run: the
+  step-log fields ``start_ms``, ``new_tokens``, ``context_tokens``, ``measured_ms``, ``batch_size``.
 """
 
 from __future__ import annotations
@@ -22,6 +37,9 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 from replica_agent.policy.time_model import TimeModel
+
+RECORD_VERSION = 1
+"""``"v"`` of every export record."""
 
 XARG_TTFT = "fairbatch_ttft_ms"
 """Key of a request's TTFT target (ms) in ``vllm_xargs`` / ``SamplingParams.extra_args``."""
@@ -78,6 +96,69 @@ def step_deadline(
     if first_token_ms is not None:
         deadline = min(deadline, first_token_ms + tpot_ms * tokens_out)
     return deadline, deadline - now_ms
+
+
+def state_record(
+    step: int, now_ms: float, reason: str | None, state: Any, batch: Any, sched: Mapping[str, int],
+    new_tokens: int, ctx: int, exact: bool | None, kv_total_blocks: int, block_size: int,
+    default_ttft_ms: float, default_tpot_ms: float, time_model: TimeModel, dropped: int,
+) -> dict[str, Any]:
+    """The per-step state record (format: module docstring).
+
+    Args:
+        step: step number; now_ms: start of ``schedule()`` (unix ms); reason: why the stock
+            schedule ran (None: the policy's batch).
+        state: the policy input (:class:`~replica_agent.policy.batching.SchedState`).
+        batch: the policy's proposal (:class:`~replica_agent.policy.batching.Batch`) or None.
+        sched: tokens scheduled per request id; new_tokens, ctx: the batch's totals.
+        exact: whether the executed batch equalled the proposal (None: stock step).
+    """
+    reqs = []
+    min_slack = math.inf
+    min_tpot = math.inf
+    for running, group in ((True, state.running), (False, state.waiting)):
+        for r in group:
+            ttft = r.ttft_ms or default_ttft_ms
+            tpot = r.tpot_ms or default_tpot_ms
+            deadline, slack = step_deadline(now_ms, r.arrival_ms, r.tokens_out, ttft, tpot, r.first_token_ms)
+            decode = running and r.tokens_out > 0 and r.remaining_tokens == 1
+            if decode:
+                min_slack = min(min_slack, slack)
+                min_tpot = min(min_tpot, tpot)
+            reqs.append({
+                "id": r.request_id, "q": "r" if running else "w", "ph": "d" if decode else "p",
+                "p": r.prompt_tokens, "c": r.computed_tokens, "o": r.tokens_out, "ctx": r.num_tokens,
+                "mt": r.max_tokens, "arr": round(r.arrival_ms, 3),
+                "ft": None if r.first_token_ms is None else round(r.first_token_ms, 3),
+                "dl": round(deadline, 3), "sl": round(slack, 3), "ttft": ttft, "tpot": tpot,
+                "n": sched.get(r.request_id, 0),
+            })
+    return {
+        "v": RECORD_VERSION, "step": step, "t_ms": round(now_ms, 3),
+        "mode": "fairbatching" if reason is None else "stock", "reason": reason,
+        "kv_free_blocks": state.kv_free_blocks,
+        "kv_total_blocks": kv_total_blocks,
+        "block_size": block_size,
+        "token_cap": state.max_num_batched_tokens, "max_seqs": state.max_num_seqs,
+        "budget_ms": (None if min_slack == math.inf else round(max(min_slack, min_tpot), 3)),
+        "proposed": batch.items if batch is not None else None,
+        "scheduled": dict(sched), "exact": exact,
+        "new_tokens": new_tokens, "context_tokens": ctx,
+        "predicted_ms": round(time_model.batch_ms(new_tokens, ctx), 3) if new_tokens else 0.0,
+        "reqs": reqs, "dropped": dropped,
+    }
+
+
+def step_record(start_ms: float, new_tokens: int, context_tokens: int, measured_ms: float,
+                batch_size: int) -> dict[str, Any]:
+    """The step-log line of one executed step (``fairbatch-agent calibrate`` reads these fields).
+
+    As an export record it also carries ``"v"`` and ``"kind": "step"`` (calibrate ignores them).
+    """
+    return {
+        "v": RECORD_VERSION, "kind": "step", "start_ms": round(start_ms, 3), "new_tokens": new_tokens,
+        "context_tokens": context_tokens, "measured_ms": round(measured_ms, 4), "batch_size": batch_size,
+    }
 
 
 class PluginExporter:

@@ -64,7 +64,9 @@ Configuration (environment of ``vllm serve``, inherited by the EngineCore proces
   the scheduler);
 - ``FAIRBATCH_PLUGIN_EXPORT``: per-step state export ("plugin mode"): ``unix:PATH`` sends one JSON
   datagram per step to the UNIX datagram socket PATH (non-blocking; dropped when the reader is slow
-  or absent), any other value appends one JSON line per step to that file;
+  or absent), any other value appends one JSON line per step to that file; two record kinds, the
+  state at each ``schedule()`` and the measured time of each executed step (format:
+  replica_agent/plugin_export.py; reader: ``fairbatch-agent serve --plugin-export unix:PATH``);
 - ``FAIRBATCH_STEP_LOG``: per-step log for ``fairbatch-agent calibrate`` (JSON lines
   ``start_ms, new_tokens, context_tokens, measured_ms, batch_size``, as loadgen/sim/step_log.py);
   ``measured_ms`` = from the end of ``schedule()`` to the start of ``update_from_output()``
@@ -84,7 +86,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from typing import Any
@@ -98,7 +99,8 @@ from replica_agent.plugin_export import (
     PluginExporter,
     positive_float,
     request_slo,
-    step_deadline,
+    state_record,
+    step_record,
     time_model_from_env,
 )
 from replica_agent.policy.batching import Batch, FairBatchingPolicy, SchedRequest, SchedState
@@ -331,44 +333,11 @@ class FairBatchingScheduler(Scheduler):
                         sched: dict[str, int], new_tokens: int, ctx: int, exact: bool | None) -> None:
         if state is None:  # the state could not be built (policy error): nothing to export
             return
-        now_ms = now * 1000.0
-        d_ttft, d_tpot = self.fb_default_ttft_ms, self.fb_default_tpot_ms
-        reqs = []
-        min_slack = math.inf
-        min_tpot = math.inf
-        for running, group in ((True, state.running), (False, state.waiting)):
-            for r in group:
-                ttft = r.ttft_ms or d_ttft
-                tpot = r.tpot_ms or d_tpot
-                deadline, slack = step_deadline(now_ms, r.arrival_ms, r.tokens_out, ttft, tpot, r.first_token_ms)
-                decode = running and r.tokens_out > 0 and r.remaining_tokens == 1
-                if decode:
-                    min_slack = min(min_slack, slack)
-                    min_tpot = min(min_tpot, tpot)
-                reqs.append({
-                    "id": r.request_id, "q": "r" if running else "w", "ph": "d" if decode else "p",
-                    "p": r.prompt_tokens, "c": r.computed_tokens, "o": r.tokens_out, "ctx": r.num_tokens,
-                    "mt": r.max_tokens, "arr": round(r.arrival_ms, 3),
-                    "ft": None if r.first_token_ms is None else round(r.first_token_ms, 3),
-                    "dl": round(deadline, 3), "sl": round(slack, 3), "ttft": ttft, "tpot": tpot,
-                    "n": sched.get(r.request_id, 0),
-                })
-        tm = self.fb_time_model
-        rec: dict[str, Any] = {
-            "v": 1, "step": self.fb_step, "t_ms": round(now_ms, 3),
-            "mode": "fairbatching" if reason is None else "stock", "reason": reason,
-            "kv_free_blocks": state.kv_free_blocks,
-            "kv_total_blocks": self.kv_cache_manager.block_pool.num_gpu_blocks,
-            "block_size": self.fb_block_size,
-            "token_cap": state.max_num_batched_tokens, "max_seqs": state.max_num_seqs,
-            "budget_ms": (None if min_slack == math.inf else round(max(min_slack, min_tpot), 3)),
-            "proposed": batch.items if batch is not None else None,
-            "scheduled": sched, "exact": exact,
-            "new_tokens": new_tokens, "context_tokens": ctx,
-            "predicted_ms": round(tm.batch_ms(new_tokens, ctx), 3) if new_tokens else 0.0,
-            "reqs": reqs, "dropped": self.fb_export.dropped,
-        }
-        self.fb_export.send(rec)
+        self.fb_export.send(state_record(
+            self.fb_step, now * 1000.0, reason, state, batch, sched, new_tokens, ctx, exact,
+            self.kv_cache_manager.block_pool.num_gpu_blocks, self.fb_block_size,
+            self.fb_default_ttft_ms, self.fb_default_tpot_ms, self.fb_time_model, self.fb_export.dropped,
+        ))
 
     def update_from_output(self, scheduler_output, model_runner_output):  # type: ignore[override]
         t_start = time.time()
@@ -378,17 +347,19 @@ class FairBatchingScheduler(Scheduler):
             r = self.requests.get(rid)
             if r is not None and r.num_output_tokens > 0 and getattr(r, _FIRST_ATTR, None) is None:
                 setattr(r, _FIRST_ATTR, t_start * 1000.0)
-        if pending is not None and self.fb_step_log is not None:
+        if pending is not None and (self.fb_step_log is not None or self.fb_export is not None):
             t_end_sched, new_tokens, ctx, n = pending
             ms = (t_start - t_end_sched) * 1000.0
             if ms > 0:
-                try:
-                    self.fb_step_log.write(json.dumps({
-                        "start_ms": round(t_end_sched * 1000.0, 3), "new_tokens": new_tokens,
-                        "context_tokens": ctx, "measured_ms": round(ms, 4), "batch_size": n,
-                    }, separators=(",", ":")) + "\n")
-                except OSError:
-                    pass
+                rec = step_record(t_end_sched * 1000.0, new_tokens, ctx, ms, n)
+                if self.fb_export is not None:  # plugin mode: the agent's live residuals
+                    self.fb_export.send(rec)
+                if self.fb_step_log is not None:
+                    line = {k: v for k, v in rec.items() if k not in ("v", "kind")}
+                    try:
+                        self.fb_step_log.write(json.dumps(line, separators=(",", ":")) + "\n")
+                    except OSError:
+                        pass
         return outputs
 
     def shutdown(self) -> None:

@@ -122,14 +122,16 @@ async def test_no_budget_queues_then_flows_when_budget_returns(fleet_factory) ->
 
 
 async def test_full_queue_is_refused_with_429_and_retry_after(fleet_factory) -> None:
-    fleet = fleet_factory(2, time_scale=1.0, queue={"max_requests": 1, "max_tokens": 4_000_000},
+    # time scale 3: each 809 ms (simulated) prefill lasts 2.4 wall s, so the states below hold long
+    # enough to be observed on a loaded machine
+    fleet = fleet_factory(2, time_scale=3.0, queue={"max_requests": 1, "max_tokens": 4_000_000},
                           slo_classes=NON_SHEDDABLE)  # queued, not shed (see the test above)
     async with aiohttp.ClientSession() as s:
         running = [asyncio.create_task(complete(s, fleet, 11_000, 30)) for _ in range(2)]
         for agent in fleet.agent_urls:  # each replica holds one of the two prefills
-            await wait_metric(s, agent, 'fairbatch_agent_requests{state="prefill"}', 1)
+            assert await wait_metric(s, agent, 'fairbatch_agent_requests{state="prefill"}', 1, timeout_s=2.0) == 1
         queued = asyncio.create_task(complete(s, fleet, 11_000, 5))
-        assert await wait_metric(s, fleet.router_url, "fairbatch_router_queue_depth", 1) == 1
+        assert await wait_metric(s, fleet.router_url, "fairbatch_router_queue_depth", 1, timeout_s=2.0) == 1
         refused = await complete(s, fleet, 11_000, 5)
         rest = await asyncio.gather(*running, queued)
     assert refused["status"] == 429

@@ -58,8 +58,9 @@ class PluginReplica:
         self.step_log = step_log
 
     def records(self) -> list[dict[str, Any]]:
-        """Every exported step so far."""
-        return [json.loads(line) for line in self.export.read_text().splitlines() if line.strip()]
+        """Every exported state record so far (step-time records, ``"kind": "step"``, left out)."""
+        recs = (json.loads(line) for line in self.export.read_text().splitlines() if line.strip())
+        return [r for r in recs if r.get("kind", "state") == "state"]
 
 
 @pytest.fixture(scope="module")

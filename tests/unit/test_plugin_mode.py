@@ -1,0 +1,188 @@
+"""Plugin mode, pure parts: export record -> PAB inputs, staleness rule, residuals in the agent.
+
+The record is built by replica_agent/plugin_export.py's ``state_record`` (the plugin's own code).
+
+Hand-worked state (T = record time, unix ms): time model a = 10, b = 0.1, c = 0.001 ms; class
+interactive TTFT 1000 / TPOT 100, margin 0.1 -> H = 900 ms.
+
+- D (running decode): prompt 100, 4 tokens out, 103 computed (remaining 1), max_tokens 50, own TPOT
+  200; arrival T - 1000, first token T - 900 -> next deadline min(T - 1000 + 1000 + 4*200,
+  T - 900 + 4*200) = T - 100; context 104.
+- P (running chunked prefill): prompt 2000, 512 computed -> PendingPrefill(2000, 512).
+- W (waiting): prompt 1000, 0 computed -> PendingPrefill(1000, 0).
+- KV: 300 free blocks x 16 = 4800 tokens.
+
+At now = T: N = floor((T + 900 - (T - 100)) / 200) + 1 = 6;
+decode reservation = 6 * (10 + 0.1 * 1 + 0.001 * 104) = 61.224 ms;
+in-flight = 0.1 * 1488 + 0.001 * 512 + 0.1 * 1000 = 249.312 ms;
+PAB_ms = 900 - 61.224 - 249.312 = 589.464 ms; time tokens = floor((589.464 - 10) / 0.1) = 5794;
+growth(D) = min(50 - 4, ceil(900 / 200) + 1) = 6; kv_limited = 4800 - 6 - 1488 - 1000 = 2306;
+PAB_tokens = min(5794, 2306) = 2306.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from replica_agent.agent import Agent, AgentConfig
+from replica_agent.clock import Clock
+from replica_agent.engine_metrics import EngineMetrics
+from replica_agent.plugin_export import state_record, step_record
+from replica_agent.plugin_mode import (
+    IDLE,
+    PLUGIN,
+    STALE,
+    export_mode,
+    lease_matches,
+    parse_export_target,
+    parse_record,
+    record_decodes_prefills,
+    replica_state_from_record,
+)
+from replica_agent.policy.batching import Batch, SchedRequest, SchedState
+from replica_agent.policy.pab import DecodeState, PendingPrefill, SloClass, class_budget
+from replica_agent.policy.time_model import TimeModel
+
+TM = TimeModel(10.0, 0.1, 0.001)
+CLS = SloClass("interactive", 1000.0, 100.0)
+T = 1_700_000_000_000.0
+
+
+def hand_record(t_ms: float = T, kv_free_blocks: int = 300) -> dict:
+    """The hand-worked state (module docstring) as the plugin exports it."""
+    d = SchedRequest("cmpl-D-0-ab", prompt_tokens=100, computed_tokens=103, tokens_out=4, max_tokens=50,
+                     arrival_ms=t_ms - 1000.0, ttft_ms=1000.0, tpot_ms=200.0, first_token_ms=t_ms - 900.0)
+    p = SchedRequest("cmpl-P-0-cd", prompt_tokens=2000, computed_tokens=512, max_tokens=16,
+                     arrival_ms=t_ms - 100.0, ttft_ms=1000.0, tpot_ms=100.0)
+    w = SchedRequest("cmpl-W-0-ef", prompt_tokens=1000, max_tokens=16, arrival_ms=t_ms - 10.0)
+    state = SchedState(now_ms=t_ms, running=[d, p], waiting=[w], max_num_batched_tokens=2048, max_num_seqs=256,
+                       kv_free_blocks=kv_free_blocks, block_size=16, time_model=TM)
+    batch = Batch(items=[("cmpl-D-0-ab", 1), ("cmpl-P-0-cd", 1488)], num_new_tokens=1489)
+    sched = dict(batch.items)
+    rec = state_record(7, t_ms, None, state, batch, sched, 1489, 103 + 512, True, 1000, 16, 1000.0, 100.0, TM, 0)
+    return json.loads(json.dumps(rec))  # exactly what travels in the datagram
+
+
+def test_record_to_pab_inputs_hand_worked() -> None:
+    rec = hand_record()
+    decodes, prefills = record_decodes_prefills(rec)
+    assert decodes == (DecodeState(next_deadline_ms=T - 100.0, tpot_ms=200.0, context_tokens=104, tokens_out=4,
+                                   max_tokens=50),)
+    assert prefills == (PendingPrefill(2000, 512), PendingPrefill(1000, 0))
+    state = replica_state_from_record(rec, T, TM, 0.1, lease_prompts=[300])
+    assert state.kv_free_tokens == 4800 and state.prefills[-1] == PendingPrefill(300, 0)
+    b = class_budget(replica_state_from_record(rec, T, TM, 0.1), CLS)
+    assert b.horizon_ms == pytest.approx(900.0)
+    assert b.decode_iterations == 6
+    assert b.decode_reservation_ms == pytest.approx(61.224)
+    assert b.inflight_reservation_ms == pytest.approx(249.312)
+    assert b.pab_ms == pytest.approx(589.464)
+    assert b.kv_free_tokens == 4800 and b.kv_limited_tokens == 2306 and b.pab_tokens == 2306
+
+
+def test_record_ageing_and_inflated_model() -> None:
+    rec = hand_record()
+    # 150 ms later the decode needs floor((900 + 250) / 200) + 1 = 6 iterations still; at 200 ms, 7
+    assert class_budget(replica_state_from_record(rec, T + 150.0, TM, 0.1), CLS).decode_iterations == 6
+    assert class_budget(replica_state_from_record(rec, T + 200.0, TM, 0.1), CLS).decode_iterations == 7
+    # a, b, c doubled: 6 * 20.408 = 122.448; 2 * 249.312 = 498.624; PAB 278.928 ms; floor(258.928 / 0.2) = 1294
+    b = class_budget(replica_state_from_record(rec, T, TimeModel(20.0, 0.2, 0.002), 0.1), CLS)
+    assert b.pab_ms == pytest.approx(278.928) and b.pab_tokens == 1294
+
+
+def test_parse_record_and_helpers() -> None:
+    assert parse_record(b'{"v":1,"kind":"step"}') == {"v": 1, "kind": "step"}
+    assert parse_record(b"not json") is None and parse_record(b"[1]") is None and parse_record(b'{"v":2}') is None
+    assert parse_record(b"\xff\xfe") is None
+    assert lease_matches("cmpl-req-1-0-1a2b", "req-1") and lease_matches("chatcmpl-req-1-0", "req-1")
+    assert lease_matches("req-1", "req-1")
+    assert not lease_matches("cmpl-req-10-0", "req-1") and not lease_matches("cmpl-x-0", "")
+    assert parse_export_target("unix:/tmp/a.sock") == "/tmp/a.sock"
+    with pytest.raises(ValueError):
+        parse_export_target("/tmp/a.jsonl")
+    rec = step_record(1000.0, 100, 1000, 42.0, 3)
+    assert rec["kind"] == "step" and rec["measured_ms"] == 42.0
+
+
+def test_staleness_rule() -> None:
+    assert export_mode(10.0, 500.0, True) == PLUGIN
+    assert export_mode(500.0, 500.0, None) == PLUGIN
+    assert export_mode(501.0, 500.0, True) == STALE  # busy engine, no record: the plugin stopped exporting
+    assert export_mode(501.0, 500.0, None) == STALE  # no scrape to say otherwise
+    assert export_mode(501.0, 500.0, False) == IDLE  # vLLM does not step while idle
+    assert export_mode(None, 500.0, False) == IDLE
+    assert export_mode(None, 500.0, True) == STALE
+
+
+def make_agent(proxy_tracking: bool = True) -> Agent:
+    cfg = AgentConfig(
+        replica_id="r", time_model=TM, slo_classes=(CLS,), default_slo_class="interactive", margin_frac=0.1,
+        kv_capacity_tokens=100_000, metrics_stale_ms=10**9, plugin_mode=True, plugin_stale_ms=300.0,
+        proxy_tracking=proxy_tracking, residual_alpha=0.5, residual_threshold=0.15,
+    )
+    return Agent(cfg, Clock(1.0), lease_id_prefix="t")
+
+
+@pytest.mark.parametrize("proxy_tracking", [True, False])
+def test_agent_fallback_to_proxy_state(proxy_tracking: bool) -> None:
+    agent = make_agent(proxy_tracking)
+    agent.on_engine_metrics(EngineMetrics(num_running=2, num_waiting=1, kv_usage=0.5), [], "", now_ms=0.0)
+    healthy, detail = agent.health(0.0)
+    assert "no plugin record yet" in detail and healthy == proxy_tracking
+    agent.on_plugin_datagram(json.dumps(hand_record()).encode(), now_ms=1000.0)
+    view = agent.compute_budget(1000.0)
+    assert view.healthy and view.status_detail == ""
+    b = view.classes["interactive"]
+    assert b.pab_ms == pytest.approx(589.464) and b.pab_tokens == 2306
+    assert (view.num_running, view.num_waiting, view.kv_usage, view.kv_capacity_tokens) == (2, 1, 0.7, 16_000)
+    assert agent.metrics.plugin_export_stale._value.get() == 0.0
+    # the record ages with the agent's clock: 200 ms later N = 7
+    assert agent.compute_budget(1200.0).classes["interactive"].decode_iterations == 7
+    # no record for > 300 ms while the engine reports requests: proxy-mode state, flagged
+    agent.on_engine_metrics(EngineMetrics(num_running=2, num_waiting=1, kv_usage=0.5), [], "", now_ms=1301.0)
+    view = agent.compute_budget(1301.0)
+    assert "plugin export stale (301 ms old)" in view.status_detail
+    assert view.healthy == proxy_tracking
+    assert view.classes["interactive"].kv_free_tokens == 50_000  # (1 - 0.5) * 100 000: proxy-mode estimate
+    assert agent.metrics.plugin_export_stale._value.get() == 1.0
+    assert agent.metrics.plugin_fallbacks._value.get() == 1.0
+    # an idle engine exports nothing: not stale
+    agent.on_engine_metrics(EngineMetrics(num_running=0, num_waiting=0, kv_usage=0.0), [], "", now_ms=1400.0)
+    view = agent.compute_budget(1400.0)
+    assert view.healthy and view.status_detail == ""
+    assert agent.metrics.plugin_export_stale._value.get() == 0.0
+    # a fresh record: exact state again
+    agent.on_plugin_datagram(json.dumps(hand_record()).encode(), now_ms=1500.0)
+    assert agent.compute_budget(1500.0).classes["interactive"].pab_tokens == 2306
+
+
+def test_agent_residuals_inflate_model_and_consume_leases() -> None:
+    agent = make_agent(proxy_tracking=False)
+    agent.on_engine_metrics(EngineMetrics(num_running=0, num_waiting=0, kv_usage=0.0), [], "", now_ms=0.0)
+    assert math.isnan(agent.metrics.time_model_residual._value.get())
+    assert agent.metrics.time_model_inflation._value.get() == 1.0
+    # predicted with the agent's model: 10 + 0.1 * 100 + 0.001 * 1000 = 21 ms; measured 42 -> error 1.0
+    agent.on_plugin_datagram(json.dumps(step_record(0.0, 100, 1000, 42.0, 2)).encode(), now_ms=0.0)
+    assert agent.metrics.time_model_residual._value.get() == pytest.approx(1.0)
+    assert agent.metrics.time_model_inflation._value.get() == pytest.approx(2.0)
+    assert agent.time_model() == TimeModel(20.0, 0.2, 0.002)
+    agent.on_plugin_datagram(json.dumps(hand_record()).encode(), now_ms=10.0)
+    b = agent.compute_budget(10.0).classes["interactive"]
+    assert b.pab_ms == pytest.approx(278.928) and b.pab_tokens == 1294
+    # exact again: the EWMA halves (alpha 0.5) -> 0.5 -> inflation 1.5; then 0.25 -> 1.25; 0.125 -> 1
+    for expected in (1.5, 1.25, 1.0):
+        agent.on_plugin_datagram(json.dumps(step_record(0.0, 100, 1000, 21.0, 2)).encode(), now_ms=10.0)
+        assert agent.metrics.time_model_inflation._value.get() == pytest.approx(expected)
+    # a lease counts until its request shows up in the engine's record (--no-proxy)
+    res = agent.reserve("interactive", 100, None, "W", 20.0)
+    assert res.granted and len(agent.leases) == 1
+    assert agent.compute_budget(20.0).classes["interactive"].pab_tokens == 2306 - 100
+    agent.on_plugin_datagram(json.dumps(hand_record()).encode(), now_ms=30.0)  # lists cmpl-W-0-ef
+    assert len(agent.leases) == 0
+    # bad datagrams are counted, never raise
+    agent.on_plugin_datagram(b"garbage", now_ms=40.0)
+    agent.on_plugin_datagram(b'{"v":1,"reqs":[]}', now_ms=40.0)  # state record without KV fields
+    assert agent.metrics.plugin_records.labels("bad")._value.get() == 2.0
