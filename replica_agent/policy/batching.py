@@ -391,6 +391,17 @@ class FairBatchingPolicy:
         anchored = self.tpot_from_first_token
 
         # 1. slack of every request; split decodes from prefills.
+        def slack_of(r: SchedRequest, out: int) -> tuple[float, float]:
+            """(slack of the next token in ms, tpot in ms): seed 000's envelope, optionally also
+            bounded by first_token + tpot * out (see the class docstring)."""
+            tpot = d_tpot if r.tpot_ms is None else r.tpot_ms
+            ttft = d_ttft if r.ttft_ms is None else r.ttft_ms
+            slack = r.arrival_ms + ttft + tpot * out - now
+            first = r.first_token_ms
+            if anchored and first is not None:
+                slack = min(slack, first + tpot * out - now)
+            return slack, tpot
+
         decodes: list[tuple[float, SchedRequest]] = []
         prefills: list[tuple[float, SchedRequest, int, bool]] = []
         min_slack = math.inf
@@ -400,18 +411,7 @@ class FairBatchingPolicy:
             rem = r.prompt_tokens + out - r.computed_tokens
             if rem <= 0:
                 continue
-            tpot = r.tpot_ms
-            if tpot is None:
-                tpot = d_tpot
-            ttft = r.ttft_ms
-            if ttft is None:
-                ttft = d_ttft
-            slack = r.arrival_ms + ttft + tpot * out - now
-            first = r.first_token_ms
-            if anchored and first is not None:
-                s2 = first + tpot * out - now
-                if s2 < slack:
-                    slack = s2
+            slack, tpot = slack_of(r, out)
             if rem == 1 and out > 0:
                 decodes.append((slack, r))
                 if slack < min_slack:
@@ -423,21 +423,8 @@ class FairBatchingPolicy:
         for r in state.waiting:
             out = r.tokens_out
             rem = r.prompt_tokens + out - r.computed_tokens
-            if rem <= 0:
-                continue
-            tpot = r.tpot_ms
-            if tpot is None:
-                tpot = d_tpot
-            ttft = r.ttft_ms
-            if ttft is None:
-                ttft = d_ttft
-            slack = r.arrival_ms + ttft + tpot * out - now
-            first = r.first_token_ms
-            if anchored and first is not None:
-                s2 = first + tpot * out - now
-                if s2 < slack:
-                    slack = s2
-            prefills.append((slack, r, rem, False))
+            if rem > 0:
+                prefills.append((slack_of(r, out)[0], r, rem, False))
 
         # 2.-3. budget, urgent split, order.
         if decodes:
