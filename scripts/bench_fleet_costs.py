@@ -12,13 +12,17 @@
    per router = N * 1000 / push_period (snapshots) + Reserve answers (about one per request, more
    when refused; measured in part 1).
 
-Run: ``python scripts/bench_fleet_costs.py --out docs/evaluation/costs.json``.
+Run: ``python scripts/bench_fleet_costs.py --out docs/evaluation/costs.json``; one part only, keeping
+the others already in the file: ``--skip double-spend push --merge`` (decision cost alone takes ~2 s).
+Part 3 records the machine's load average (``os.getloadavg``) next to the times: they are wall times
+of one Python thread and move with whatever else the machine runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -84,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--net-delay-ms", type=float, default=1.0)
     p.add_argument("--duration-s", type=float, default=30.0)
     p.add_argument("--skip", nargs="*", default=[], choices=["double-spend", "push", "cost"])
+    p.add_argument("--merge", action="store_true", help="keep the parts already in --out that this run skips")
     args = p.parse_args(argv)
     prof = load_profile(args.profile)
     full = load_trace(resolve_trace(args.trace))
@@ -91,8 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     native = len(kept) / ((full[-1].arrival_ms - full[0].arrival_ms) / 1000.0)
     bound = analytic_bound(kept, prof.time_model, prof.kv_capacity_tokens, 100.0, args.replicas)
     rate = args.rate or round(0.95 * bound.rps, 1)
-    out: dict[str, Any] = {"trace": args.trace, "profile": args.profile, "replicas": args.replicas,
-                           "analytic_bound_rps": round(bound.rps, 2), "duration_s": args.duration_s}  # fmt: skip
+    out: dict[str, Any] = {}
+    if args.merge and os.path.exists(args.out):
+        with open(args.out) as f:
+            out = json.load(f)
+    out |= {"trace": args.trace, "profile": args.profile, "replicas": args.replicas,
+            "analytic_bound_rps": round(bound.rps, 2), "duration_s": args.duration_s}  # fmt: skip
 
     def setup(routers: int, push: float, leases: bool) -> Setup:
         return Setup(kept, native, args.replicas, args.profile, 1000.0, 100.0, args.duration_s, 60.0, routers,
@@ -131,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         out["push_period"] = {"rates_rps": rates, "rows": prow}
 
     if "cost" not in args.skip:
-        print("decision cost (pab placement over BudgetBook views):")
+        load_before = os.getloadavg()
+        print(f"decision cost (pab placement over BudgetBook views), load average {load_before[0]:.2f}:")
         crow = []
         for n in (16, 64, 256):
             c = decision_cost(n, prof.time_model)
@@ -140,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {n:>4} replicas: p50 {c['p50_us']:.1f} us, p99 {c['p99_us']:.1f} us, "
                   f"router state {c['router_state_bytes'] / 1024:.0f} KiB, {n * 10} snapshots/s at 100 ms", flush=True)
         out["decision_cost"] = crow
+        out["decision_cost_load_average"] = {"before": [round(x, 2) for x in load_before],
+                                             "after": [round(x, 2) for x in os.getloadavg()],
+                                             "cpus": os.cpu_count()}  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     return 0

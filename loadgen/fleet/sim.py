@@ -37,7 +37,8 @@ times reach the client ``d`` after the engine step that sampled them. Agents pus
 only (the real agent also pushes on change; the period here is the staleness under study).
 
 Dispatcher wake-ups: on every snapshot delivery and every new queue entry at that router
-(the view changes only then), coalesced to one pass per ``dispatch_gap_ms`` (a pass takes router CPU time too).
+(the view changes only then), coalesced to one pass per ``dispatch_gap_ms`` (a pass takes router CPU time too),
+and at the queue's next deadline at the latest; a wake-up before a pending deadline pass moves it earlier.
 
 Double-spend: a prefill admitted to a replica beyond that replica's PAB at the moment it was
 granted. With leases the moment is the Reserve (the lease then counts in PAB's in-flight
@@ -332,7 +333,8 @@ class _Router:
         reg = fleet_registry()
         seed = cfg.seed * 1000 + index
         self.load = RouterLoad({rid: 0 for rid in self.ids}, {rid: MetricsSample() for rid in self.ids})
-        self.dispatch_pending = False
+        self.pass_at: float | None = None  # time of the pending dispatcher pass, None when none
+        self.pass_token = 0  # a _DISPATCH event with an older token was superseded by an earlier pass
         self.last_pass_ms = float("-inf")
         if self.kind == "pab":
             self.book = BudgetBook(self.clock, self.ids)  # type: ignore[arg-type]
@@ -376,24 +378,36 @@ class _Router:
     async def _orphan(self, grant: _Grant) -> None:  # never happens: simulated waiters do not leave
         self.sim.replicas[grant.replica].leases.release(grant.lease_id)
 
-    def wake(self) -> None:
-        """Ask for a dispatcher pass (coalesced to one per ``dispatch_gap_ms``)."""
-        if self.kind != "pab" or self.dispatch_pending or len(self.queue) == 0:
+    def _schedule_pass(self, at: float) -> None:
+        """Make sure a dispatcher pass happens at ``at`` or earlier (an earlier one supersedes a later)."""
+        if self.pass_at is not None and self.pass_at <= at:
             return
-        self.dispatch_pending = True
-        at = max(self.clock.t, self.last_pass_ms + self.sim.cfg.dispatch_gap_ms)
-        self.sim.push_event(at, _DISPATCH, self.index, 0)
+        self.pass_at = at
+        self.pass_token += 1
+        self.sim.push_event(at, _DISPATCH, self.index, self.pass_token)
 
-    def dispatch(self) -> None:
-        self.dispatch_pending = False
+    def wake(self) -> None:
+        """Ask for a dispatcher pass (coalesced to one per ``dispatch_gap_ms``).
+
+        Also when a pass is already scheduled for a later queue deadline: the view changed, so the
+        queue is retried now (as the router's dispatcher loop wakes on every budget change), not
+        only when its earliest entry expires.
+        """
+        if self.kind != "pab" or len(self.queue) == 0:
+            return
+        self._schedule_pass(max(self.clock.t, self.last_pass_ms + self.sim.cfg.dispatch_gap_ms))
+
+    def dispatch(self, token: int) -> None:
+        if token != self.pass_token:  # superseded by an earlier pass
+            return
+        self.pass_at = None
         self.last_pass_ms = self.clock.t
         self.sim.stats.dispatch_passes += 1
         _drive(self.dispatcher.dispatch_once())
         if len(self.queue):
             nd = self.queue.next_deadline_ms()
             if nd is not None:  # wake at the next expiry at the latest
-                self.dispatch_pending = True
-                self.sim.push_event(max(nd, self.clock.t + self.sim.cfg.dispatch_gap_ms), _DISPATCH, self.index, 0)
+                self._schedule_pass(max(nd, self.clock.t + self.sim.cfg.dispatch_gap_ms))
 
     def arrive(self, idx: int) -> None:
         """A client request reaches this router."""
@@ -660,7 +674,7 @@ class FleetSim:
             elif ev == _DISPATCH:
                 router = self.routers[a]
                 router.clock.t = t
-                router.dispatch()
+                router.dispatch(b)
             elif ev in (_PUSH, _SCRAPE):
                 if pending == 0 and not any(r.engine.has_work() for r in self.replicas) and not any(
                     kind == "pab" and len(r.queue) for r in self.routers

@@ -105,3 +105,26 @@ def test_deterministic() -> None:
     b = run_fleet(cfg("pab+fairbatching", replicas=3, routers=2), reqs)
     assert [r.token_times_ms for r in a.records] == [r.token_times_ms for r in b.records]
     assert all(r.outcome in ("ok", "rejected") for r in a.records)
+
+
+def test_queued_request_retried_on_the_next_snapshot_not_only_at_its_deadline() -> None:
+    # H = 900 ms. A (6000 tokens, prefill a + b*6000 = 445.9 ms) is granted at 100 ms; its lease
+    # leaves PAB 900 - b*6000 = 463.97 ms < B's prefill a + b*6500 = 482.2 ms, so B (110 ms) waits
+    # in the router queue with shed deadline 110 + 1000 - 482.2 = 627.8 ms. A's prefill ends at
+    # ~546 ms; the next snapshot (push every 20 ms) shows the budget back and must trigger a
+    # dispatcher pass that admits B. (Bug: a pass scheduled for the queue's earliest deadline
+    # swallowed every wake-up before it, so B was only looked at when it expired: rejected.)
+    reqs = [FleetRequest(100.0, 6000, 2), FleetRequest(110.0, 6500, 2)]
+    res = run_fleet(cfg("pab", replicas=1, push_period_ms=20.0), reqs)
+    a, b = res.records
+    assert a.outcome == "ok" and b.outcome == "ok", (a.reason, b.reason)
+    assert res.stats.grants == 2
+    assert b.token_times_ms[0] - b.arrival_ms <= 1000.0
+
+
+def test_request_arriving_before_any_snapshot_waits_for_the_first_one() -> None:
+    # No budget is known at 0 ms (first pushes land within 100 ms); the queued request must be
+    # placed once they arrive, not shed at its deadline 1000 - 445.9 ms.
+    res = run_fleet(cfg("pab", replicas=2), [FleetRequest(0.0, 6000, 2)])
+    assert res.records[0].outcome == "ok"
+    assert res.records[0].token_times_ms[0] < 1000.0
