@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +44,27 @@ def write_config(path: Path, replicas: list[dict[str, str]], api_keys: dict[str,
     }
     cfg.update(overrides)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+def wait_all_replicas_usable(router_url: str, n: int, timeout_s: float = 15.0) -> None:
+    """Block until the router's /health lists ``n`` usable replicas (first budget snapshot of each
+    received, healthy and fresh), so a test's first requests never race the subscriptions.
+
+    Raises:
+        RuntimeError: after ``timeout_s`` wall seconds, with the last /health answer.
+    """
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{router_url}/health", timeout=1.0) as resp:
+                last = json.loads(resp.read())
+            if isinstance(last, dict) and len(last.get("replicas_usable", [])) >= n:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"router at {router_url} never saw {n} usable replicas: {last}")
 
 
 def start_fleet(tmp: Path, n: int, *, time_scale: float = 1.0, ttl_ms: int = 1000, engine_args: list[str] | None = None,
@@ -82,6 +106,7 @@ def start_fleet(tmp: Path, n: int, *, time_scale: float = 1.0, ttl_ms: int = 100
         fleet.children["router"] = r
         fleet.router_url = f"http://127.0.0.1:{rport}"
         group.wait_http_ok(r, f"{fleet.router_url}/health")
+        wait_all_replicas_usable(fleet.router_url, n)
     except BaseException:
         group.stop()
         raise
