@@ -21,7 +21,7 @@ import asyncio
 import heapq
 import itertools
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -108,6 +108,39 @@ class AdmissionQueue(Protocol):
     def tokens(self) -> int: ...
 
 
+class DeadlineIndex:
+    """Queue deadlines in a min-heap with lazy deletion, shared by the queue implementations.
+
+    Entries removed from their queue stay in the heap until they reach its top; callers pass the
+    set of live entries (``live``) so that removed ones are skipped. Times are simulated ms.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, WaitingRequest]] = []
+        self._seq = itertools.count()
+
+    def add(self, entry: WaitingRequest) -> None:
+        """Index ``entry`` by its ``deadline_ms`` (ties in insertion order)."""
+        heapq.heappush(self._heap, (entry.deadline_ms, next(self._seq), entry))
+
+    def clear(self) -> None:
+        """Forget everything (the queue became empty)."""
+        self._heap.clear()
+
+    def pop_due(self, now_ms: float) -> list[WaitingRequest]:
+        """Pop every indexed entry whose deadline <= ``now_ms`` (live or already removed)."""
+        due = []
+        while self._heap and self._heap[0][0] <= now_ms:
+            due.append(heapq.heappop(self._heap)[2])
+        return due
+
+    def earliest_ms(self, live: Container[WaitingRequest]) -> float | None:
+        """Earliest deadline among entries still in ``live``, None when there is none."""
+        while self._heap and self._heap[0][2] not in live:
+            heapq.heappop(self._heap)
+        return self._heap[0][0] if self._heap else None
+
+
 class FifoQueue:
     """Bounded FIFO: O(1) push and remove, expiry by a deadline heap (lazy deletion).
 
@@ -123,8 +156,7 @@ class FifoQueue:
         self.max_tokens = max_tokens
         self._entries: dict[WaitingRequest, None] = {}
         self._tokens = 0
-        self._deadlines: list[tuple[float, int, WaitingRequest]] = []
-        self._seq = itertools.count()
+        self._deadlines = DeadlineIndex()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -148,7 +180,7 @@ class FifoQueue:
             raise QueueFull("max_tokens")
         self._entries[entry] = None
         self._tokens += entry.prompt_tokens
-        heapq.heappush(self._deadlines, (entry.deadline_ms, next(self._seq), entry))
+        self._deadlines.add(entry)
 
     def remove(self, entry: WaitingRequest) -> bool:
         """Take ``entry`` out (False when it was not queued)."""
@@ -162,18 +194,11 @@ class FifoQueue:
 
     def expire(self, now_ms: float) -> list[WaitingRequest]:
         """Remove and return the entries whose ``deadline_ms`` <= ``now_ms`` (simulated ms)."""
-        out = []
-        while self._deadlines and self._deadlines[0][0] <= now_ms:
-            _, _, entry = heapq.heappop(self._deadlines)
-            if self.remove(entry):
-                out.append(entry)
-        return out
+        return [e for e in self._deadlines.pop_due(now_ms) if self.remove(e)]
 
     def next_deadline_ms(self) -> float | None:
         """Earliest deadline among queued entries (simulated ms), None when empty."""
-        while self._deadlines and self._deadlines[0][2] not in self._entries:
-            heapq.heappop(self._deadlines)
-        return self._deadlines[0][0] if self._deadlines else None
+        return self._deadlines.earliest_ms(self._entries)
 
     def ordered(self) -> Iterator[WaitingRequest]:
         """Entries in dispatch order (oldest first); safe to remove entries while iterating."""

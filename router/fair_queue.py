@@ -39,7 +39,7 @@ import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from router.admission_queue import QueueFull, WaitingRequest
+from router.admission_queue import DeadlineIndex, QueueFull, WaitingRequest
 
 _EPS = 1e-9
 
@@ -102,7 +102,7 @@ class FairQueue:
         self._band_waiting: dict[int, int] = {}
         self._band_served: dict[int, float] = {}
         self._last_left: dict[int, str] = {}  # band -> tenant that last left its backlog
-        self._deadlines: list[tuple[float, int, WaitingRequest]] = []
+        self._deadlines = DeadlineIndex()
         self._seq = itertools.count()
         self.set_tenants(tenants or {})
 
@@ -196,7 +196,7 @@ class FairQueue:
         self._tokens += entry.prompt_tokens
         self._band_tokens[band] = self._band_tokens.get(band, 0) + entry.prompt_tokens
         self._band_waiting[band] = self._band_waiting.get(band, 0) + 1
-        heapq.heappush(self._deadlines, (entry.deadline_ms, entry.seq, entry))
+        self._deadlines.add(entry)
         return t.counter
 
     def remove(self, entry: WaitingRequest) -> bool:
@@ -250,18 +250,11 @@ class FairQueue:
 
     def expire(self, now_ms: float) -> list[WaitingRequest]:
         """Remove and return the entries whose ``deadline_ms`` <= ``now_ms`` (simulated ms)."""
-        out = []
-        while self._deadlines and self._deadlines[0][0] <= now_ms:
-            _, _, entry = heapq.heappop(self._deadlines)
-            if self.remove(entry):
-                out.append(entry)
-        return out
+        return [e for e in self._deadlines.pop_due(now_ms) if self.remove(e)]
 
     def next_deadline_ms(self) -> float | None:
         """Earliest deadline among queued entries (simulated ms), None when empty."""
-        while self._deadlines and self._deadlines[0][2] not in self._entries:
-            heapq.heappop(self._deadlines)
-        return self._deadlines[0][0] if self._deadlines else None
+        return self._deadlines.earliest_ms(self._entries)
 
     # ------------------------------------------------------------------ order of service
 
