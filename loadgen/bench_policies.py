@@ -40,10 +40,10 @@ from typing import Any
 from loadgen.sim.engine import EngineConfig, SimEngine
 from loadgen.sim.virtual import VirtualRequest, run_virtual
 from loadgen.stats import OK, REJECTED, RequestRecord, Slo, figures
-from loadgen.traces import TraceRequest, load_trace, resolve_trace
+from loadgen.traces import TraceRequest, arrival_granularity_ms, load_trace, resolve_trace, spread_arrivals
 from replica_agent.policy.batching import POLICIES, PolicyConfig, make_policy
 from replica_agent.policy.envelope import Envelope
-from replica_agent.profiles import load_profile
+from replica_agent.profiles import load_profile, vllm_serve_batch_defaults
 
 DEFAULT_POLICIES = ("vllm-default", "fairbatching", "fcfs", "prefill-first")
 
@@ -212,8 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attainment", choices=("tpot", "envelope"), default="tpot",
                    help="what a met SLO means for capacity: TTFT and TPOT targets (DESIGN section 2, default) or "
                         "every token inside the seed's deadline envelope")  # fmt: skip
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="engine token cap per iteration, every policy (default: what `vllm serve` uses on the "
+                        "profile's GPU: 2048 on A100, 8192 on H100)")  # fmt: skip
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="engine cap on running requests (default: `vllm serve`'s: 256 on A100, 1024 on H100)")
+    p.add_argument("--arrival-spread-ms", type=float, default=None,
+                   help="spread each arrival uniformly over this many ms (undo timestamp quantisation; default: "
+                        "the trace's known granularity, 3000 for mooncake-conv, else 0)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrival spread")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--token-budget", type=int, default=None,
@@ -227,7 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep, write bench.json (and the plot), print a table. Returns the exit code."""
     args = build_parser().parse_args(argv)
-    full = load_trace(resolve_trace(args.trace))
+    spread_ms = arrival_granularity_ms(args.trace) if args.arrival_spread_ms is None else args.arrival_spread_ms
+    full = spread_arrivals(load_trace(resolve_trace(args.trace)), spread_ms, args.seed)
+    serve = vllm_serve_batch_defaults(load_profile(args.profile, args.variant).gpu)
+    args.max_num_batched_tokens = args.max_num_batched_tokens or serve.max_num_batched_tokens
+    args.max_num_seqs = args.max_num_seqs or serve.max_num_seqs
     kept = tuple(r for r in full if r.prompt_tokens + max(1, r.output_tokens) <= args.max_model_len)
     span_s = max(1e-9, (full[-1].arrival_ms - full[0].arrival_ms) / 1000.0)
     native = len(full) / span_s
@@ -267,7 +278,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "engine": {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
                    "block_size": args.block_size, "max_model_len": args.max_model_len,
                    "vllm_default_token_budget": args.token_budget or args.max_num_batched_tokens,
-                   "fairbatching_tpot_from_first_token": anchored},  # fmt: skip
+                   "fairbatching_tpot_from_first_token": anchored,
+                   "vllm_serve_defaults": {"max_num_batched_tokens": serve.max_num_batched_tokens,
+                                           "max_num_seqs": serve.max_num_seqs}},
+        "arrival_spread_ms": spread_ms,
+        "seed": args.seed,  # fmt: skip
         "baseline": base,
         "policies": policies,
         "wall_s": round(time.perf_counter() - t0, 1),

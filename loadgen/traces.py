@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import random
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -26,6 +27,11 @@ EMBEDDED_TRACES: dict[str, str] = {
     "mooncake-conv": "mooncake_fast25_conversation.jsonl",
 }
 """Name -> file name inside the ``loadgen/traces`` package-data folder."""
+
+ARRIVAL_GRANULARITY_MS: dict[str, float] = {"mooncake-conv": 3000.0}
+"""Timestamp granularity (ms) of embedded traces whose arrivals are quantised (Mooncake FAST'25
+logs arrivals in 3 s steps: ~10 requests share each timestamp). Traces not listed have sub-ms
+resolution (Azure 2023: 100 ns)."""
 
 _AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
@@ -224,3 +230,38 @@ def select(
         for r in reqs
         if lo_ms <= r.arrival_ms < hi_ms
     ]
+
+
+def arrival_granularity_ms(name_or_path: str) -> float:
+    """Known timestamp granularity (ms) of an embedded trace by name; 0.0 for others and for paths."""
+    return ARRIVAL_GRANULARITY_MS.get(name_or_path, 0.0)
+
+
+def spread_arrivals(reqs: list[TraceRequest], granularity_ms: float, seed: int = 0) -> list[TraceRequest]:
+    """Undo timestamp quantisation: each arrival moves to ``arrival + U[0, granularity_ms)``.
+
+    A trace that logs arrivals in steps of g ms (Mooncake: g = 3000) turns every step's requests
+    into one simultaneous burst, and rate scaling (which divides arrival times) keeps the burst
+    simultaneous however far it stretches the trace; on a single replica that alone decides
+    TTFT. The true arrival inside the step is unknown; the uniform draw is the assumption that
+    adds the least (maximum entropy on [t, t + g)). Seeded, so runs repeat.
+
+    Args:
+        reqs: the trace (arrival_ms relative to its start, any order).
+        granularity_ms: g (ms) >= 0; 0 returns a sorted copy unchanged.
+        seed: RNG seed.
+
+    Returns:
+        New list sorted by arrival; prompt and output lengths unchanged.
+
+    Raises:
+        ValueError: if ``granularity_ms`` is negative or not finite.
+    """
+    if not 0.0 <= granularity_ms < float("inf"):
+        raise ValueError(f"granularity_ms must be finite and >= 0, got {granularity_ms}")
+    if granularity_ms == 0.0:
+        return sorted(reqs, key=lambda r: r.arrival_ms)
+    rng = random.Random(seed)
+    out = [TraceRequest(r.arrival_ms + rng.random() * granularity_ms, r.prompt_tokens, r.output_tokens) for r in reqs]
+    out.sort(key=lambda r: r.arrival_ms)
+    return out

@@ -31,6 +31,7 @@ class Profile:
         kv_capacity_tokens: KV cache size at 90 % GPU memory use (tokens).
         kv_bytes_per_token: bytes of KV cache per token.
         r2, max_rel_err, mean_rel_err: fit quality (fractions).
+        gpu: GPU model as the CSV names it (``A100``, ``H100``).
     """
 
     name: str
@@ -41,6 +42,57 @@ class Profile:
     r2: float
     max_rel_err: float
     mean_rel_err: float
+    gpu: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ServeBatchDefaults:
+    """What ``vllm serve`` uses when the user sets neither flag.
+
+    Attributes:
+        max_num_batched_tokens: token cap of one iteration (tokens); with chunked prefill (always on
+            in vLLM v1) also the fixed chunked-prefill budget.
+        max_num_seqs: cap on running requests (sequences).
+    """
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+
+_GIB = 1 << 30
+_MIB = 1 << 20
+GPU_MEMORY_BYTES: dict[str, int] = {
+    "A100": 81_920 * _MIB,  # A100-80GB, the GPU of the profiles' A100 rows (shared profiles/fits.md)
+    "H100": 81_559 * _MIB,  # H100-80GB SXM, nvidia-smi total (same source)
+    "H200": 143_771 * _MIB,
+    "B200": 183_359 * _MIB,
+}
+"""Total memory of the GPU models the profiles name (bytes)."""
+
+
+def vllm_serve_batch_defaults(gpu: str) -> ServeBatchDefaults:
+    """``vllm serve`` defaults for ``max_num_batched_tokens`` / ``max_num_seqs`` on a GPU model.
+
+    Mirrors vLLM 0.32.0 ``EngineArgs.get_batch_defaults`` for the OpenAI API server context
+    (vllm/engine/arg_utils.py): >= 160 GiB -> 16384 / 1024; >= 70 GiB and not an A100 -> 8192 /
+    1024 (H100, H200); otherwise, A100-80GB included ("large max_num_batched_tokens for A100
+    reduces throughput", vLLM PR #17885) -> 2048 / 256.
+
+    Args:
+        gpu: GPU model, case-insensitive (``A100``, ``H100``, ``H200``, ``B200``).
+
+    Raises:
+        KeyError: for a GPU model not in :data:`GPU_MEMORY_BYTES`.
+    """
+    key = gpu.upper()
+    if key not in GPU_MEMORY_BYTES:
+        raise KeyError(f"unknown GPU {gpu!r}; known: {', '.join(sorted(GPU_MEMORY_BYTES))}")
+    mem = GPU_MEMORY_BYTES[key]
+    if mem >= 160 * _GIB:
+        return ServeBatchDefaults(16384, 1024)
+    if mem >= 70 * _GIB and "A100" not in key:
+        return ServeBatchDefaults(8192, 1024)
+    return ServeBatchDefaults(2048, 256)
 
 
 def _profile_name(model: str, gpu: str, tp: int) -> str:
@@ -78,6 +130,7 @@ def load_profile(name: str = DEFAULT_PROFILE, variant: str = DEFAULT_VARIANT) ->
                 r2=float(r["r2"]),
                 max_rel_err=float(r["max_rel_err"]),
                 mean_rel_err=float(r["mean_rel_err"]),
+                gpu=r["gpu"],
             )
     raise KeyError(
         f"unknown profile {name!r} (variant {variant!r}); known: {', '.join(available_profiles(variant))}"

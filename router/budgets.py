@@ -229,7 +229,9 @@ class BudgetBook:
         """Placement input: one :class:`ReplicaView` per replica, stale or unhealthy ones marked so.
 
         Views are cached per replica and rebuilt only after a change or when freshness flips, so a
-        decision costs one freshness test per replica rather than one new object.
+        decision costs one freshness test per replica rather than one new object. Each view holds
+        its own copy of the class budgets (Reserve answers and local takes change the book's dict
+        in place), so a view never changes after it is built.
         """
         now = self._clock.now_ms() if now_ms is None else now_ms
         out = []
@@ -243,7 +245,7 @@ class BudgetBook:
                     healthy=b.healthy,
                     fresh=fresh,
                     time_model=b.time_model,
-                    classes=b.classes or {},
+                    classes=dict(b.classes) if b.classes else {},  # a snapshot: the view precomputes from it
                     max_prompt_tokens=b.max_prompt_tokens,
                 )
             out.append(view)

@@ -13,18 +13,26 @@ Filters -> scorers -> picker (STYLE.md, llm-d endpoint picker):
   reserves on the first and falls back to the next one when the Reserve is refused.
 
 Plugins are looked up by name in a :class:`PlacementRegistry` (no module-level mutable state).
+The built-in ``pab`` policy is :class:`FusedPabPolicy`: the same chain (exclude, healthy, fresh,
+max-prompt, fits; headroom; highest) computed in one pass over the views, keeping only the best
+``max_candidates`` (default 3, the Reserve calls a router makes per placement) instead of sorting
+every replica; ``pab-chain`` builds the plugin chain itself (reference, same answers, slower).
 """
 
 from __future__ import annotations
 
+import math
 import random
+from bisect import insort
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from replica_agent.policy.time_model import TimeModel
 
-from replica_agent.policy.pab import ClassBudget, fits
+from replica_agent.policy.pab import _EPS, ClassBudget, fits  # _EPS: fits()'s 1e-9 ms tolerance, reused as is
+
+DEFAULT_MAX_CANDIDATES = 3  # candidates the ``pab`` policy returns: the Reserve calls a router tries
 
 # The router's view of one replica's PAB for one SLO class is the agent's own ClassBudget
 # (mirrors proto ClassBudget: horizon_ms, pab_ms, pab_tokens, decode/inflight reservations,
@@ -34,9 +42,23 @@ from replica_agent.policy.pab import ClassBudget, fits
 ClassBudgetView = ClassBudget
 
 
+# One SLO class of one usable view, as FusedPabPolicy reads it (a plain tuple: one unpack, no
+# attribute loads in the hot loop). The fields are the very floats fits() and HeadroomScorer
+# compute from the view, so comparisons give the same answers:
+#   (replica_id, a_ms, b_ms_per_token, horizon_ms + 1e-9, pab_ms + 1e-9, pab_ms - a_ms, horizon_ms,
+#    normal_max_tokens, oversize_max_tokens)
+# normal_max_tokens: P <= pab_tokens and the max-prompt limit (one cap, see _tokens_cap);
+# oversize_max_tokens: P <= kv_limited_tokens and the max-prompt limit when nothing is reserved
+# (pab_ms >= horizon_ms - 1e-9), else -1 (no oversize prompt fits).
+PabFitEntry = tuple[str, float, float, float, float, float, float, float, float]
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaView:
     """One replica as placement sees it at one instant.
+
+    A view is a snapshot: ``classes`` must not change after it is built (:meth:`BudgetBook.views`
+    gives each view its own copy), because the view precomputes ``pab_fit`` from it.
 
     Attributes:
         replica_id: replica id.
@@ -45,6 +67,9 @@ class ReplicaView:
         time_model: a, b, c (ms) from the snapshot; None before the first snapshot.
         classes: PAB per SLO class name.
         max_prompt_tokens: engine max model length in tokens (0 = unknown).
+        pab_fit: derived, not an argument: per SLO class, the :data:`PabFitEntry` constants of the
+            fit rule and headroom; empty when the view is unhealthy, stale or has no time model
+            (then the ``pab`` chain drops it before the fit test).
     """
 
     replica_id: str
@@ -53,6 +78,43 @@ class ReplicaView:
     time_model: TimeModel | None
     classes: Mapping[str, ClassBudget]
     max_prompt_tokens: int = 0
+    pab_fit: Mapping[str, PabFitEntry] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pab_fit", _pab_fit_table(self))
+
+
+def _tokens_cap(limit: float, max_prompt_tokens: float) -> float:
+    """One cap C with ``P <= C`` exactly when ``P <= limit`` and the max-prompt filter passes
+    (``max_prompt_tokens <= 0 or P <= max_prompt_tokens``); -1 when a NaN makes both impossible."""
+    if max_prompt_tokens <= 0 or limit <= max_prompt_tokens:
+        return limit
+    if max_prompt_tokens <= limit:
+        return max_prompt_tokens
+    return -1
+
+
+def _pab_fit_table(view: ReplicaView) -> dict[str, PabFitEntry]:
+    """The view's :data:`PabFitEntry` per class; empty unless healthy, fresh and with a time model."""
+    tm = view.time_model
+    if not view.healthy or not (view.fresh and tm is not None):
+        return {}
+    a = tm.a_ms
+    b = tm.b_ms_per_new_token
+    mp = view.max_prompt_tokens
+    table = {}
+    for name, cb in view.classes.items():
+        if cb is None:
+            continue
+        h = cb.horizon_ms
+        pab = cb.pab_ms
+        idle = pab >= h - _EPS  # fits(): nothing reserved, an oversize prompt may take the replica
+        table[name] = (
+            view.replica_id, a, b, h + _EPS, pab + _EPS, pab - a, h,
+            _tokens_cap(cb.pab_tokens, mp),
+            _tokens_cap(cb.kv_limited_tokens, mp) if idle else -1,
+        )  # fmt: skip
+    return table
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +137,7 @@ class PlacementResult:
     """Ordered candidates (best first) or, when empty, the name of the filter that left none.
 
     Attributes:
-        candidates: replica ids to try in order.
+        candidates: replica ids to try in order (the ``pab`` policy keeps the best ``max_candidates``).
         reason: "" when candidates exist, else e.g. ``"fresh"`` or ``"fits"``.
     """
 
@@ -190,21 +252,29 @@ class HeadroomScorer:
 
 @dataclass(slots=True)
 class HighestScorePicker:
-    """Highest score first; ties by lowest replica id, or shuffled by a seeded RNG when ``seed`` is set."""
+    """Highest score first; ties by lowest replica id, or shuffled by a seeded RNG when ``seed`` is set.
+
+    With ``seed`` the order is ascending ``(-score, u, replica_id)`` where ``u`` is one
+    ``rng.random()`` drawn per scored replica, in input order (:class:`FusedPabPolicy` draws the same).
+
+    Attributes:
+        seed: RNG seed for tie-breaks; None = ties by lowest replica id.
+        rng: the tie-break RNG (None without ``seed``); its state advances with every call.
+    """
 
     seed: int | None = None
     name: str = "highest"
-    _rng: random.Random | None = field(default=None, init=False, repr=False)
+    rng: random.Random | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.seed is not None:
-            self._rng = random.Random(self.seed)
+            self.rng = random.Random(self.seed)
 
     def order(self, scored: Sequence[tuple[ReplicaView, float]]) -> list[str]:
-        if self._rng is None:
+        if self.rng is None:
             ranked = sorted(scored, key=lambda rs: (-rs[1], rs[0].replica_id))
         else:
-            keyed = [(-s, self._rng.random(), r.replica_id) for r, s in scored]
+            keyed = [(-s, self.rng.random(), r.replica_id) for r, s in scored]
             keyed.sort()
             return [rid for _, _, rid in keyed]
         return [r.replica_id for r, _ in ranked]
@@ -240,6 +310,127 @@ class PlacementPolicy:
         else:
             scored = [(r, sum(w * s.score(request, r) for s, w in self.scorers)) for r in remaining]
         return PlacementResult(tuple(self.picker.order(scored)))
+
+
+_PAB_FILTERS = ("exclude", "healthy", "fresh", "max-prompt", "fits")
+
+
+@dataclass(slots=True)
+class FusedPabPolicy(PlacementPolicy):
+    """The ``pab`` chain in one pass: same candidates, same order, same refusal reason, same RNG draws.
+
+    ``filters``, ``scorers`` and ``picker`` hold the chain it computes (filters exclude, healthy,
+    fresh, max-prompt, fits; scorer headroom with weight 1; a :class:`HighestScorePicker`, whose
+    ``rng`` it shares); :meth:`place` reads the views directly instead of calling them, and
+    :meth:`place_chain` runs the chain itself. Per view, from its precomputed ``pab_fit`` entry
+    (:data:`PabFitEntry`; None = dropped by healthy, fresh or the class lookup): exclude, then the
+    fit test with :func:`fits`'s arithmetic, operation for operation, so the floats compare the
+    same (the max-prompt limit is folded into the token caps), then
+    ``headroom = (pab_ms - a - b*P) / horizon_ms`` (-inf when ``horizon_ms <= 0``), then a top-k
+    by the picker's key, ascending ``(-headroom, replica_id)`` or, with a seed,
+    ``(-headroom, u, replica_id)`` with one ``rng.random()`` per fitting view in input order, as
+    :meth:`HighestScorePicker.order` draws them. The result is the chain's order cut to
+    ``max_candidates``. A negative prompt goes to the chain (which raises like :func:`fits`).
+
+    Attributes:
+        max_candidates: keep the best this many (>= 1); None = every fitting replica, fully ordered.
+    """
+
+    max_candidates: int | None = DEFAULT_MAX_CANDIDATES
+
+    def __post_init__(self) -> None:
+        if self.max_candidates is not None and self.max_candidates < 1:
+            raise ValueError(f"max_candidates must be >= 1 or None, got {self.max_candidates}")
+        if not isinstance(self.picker, HighestScorePicker):
+            raise TypeError("FusedPabPolicy needs a HighestScorePicker (it shares its tie-break RNG)")
+
+    def place_chain(self, request: PlacementRequest, replicas: Sequence[ReplicaView]) -> PlacementResult:
+        """The filters -> scorer -> picker chain itself (every fitting replica; reference for :meth:`place`)."""
+        return PlacementPolicy.place(self, request, replicas)
+
+    def place(self, request: PlacementRequest, replicas: Sequence[ReplicaView]) -> PlacementResult:
+        """Ordered candidate replica ids (at most ``max_candidates``), or none with the chain's reason."""
+        p = request.prompt_tokens
+        if p < 0:
+            res = self.place_chain(request, replicas)
+            k = self.max_candidates
+            return res if k is None else PlacementResult(res.candidates[:k], res.reason)
+        slo_class = request.slo_class
+        exclude = request.exclude
+        rng = self.picker.rng  # type: ignore[attr-defined]
+        draw = None if rng is None else rng.random
+        k = self.max_candidates
+        inf = math.inf
+        top: list[tuple] = []  # picker keys, ascending (best first); at most k when k is set
+        n_top = 0
+        worst_ns = inf  # -headroom of the k-th best once the top-k is full; worse ones are skipped
+        worst: tuple = ()
+        for v in replicas:
+            f = v.pab_fit.get(slo_class)
+            if f is None:  # unhealthy, stale, no time model, or no budget for the class
+                continue
+            rid, a, b, horizon_eps, pab_eps, pab_minus_a, h, normal_max, oversize_max = f
+            if exclude and rid in exclude:
+                continue
+            bp = b * p
+            prefill_ms = a + bp  # fits(): a + b*P, fresh prompt
+            if prefill_ms > horizon_eps:  # oversize: only where nothing is reserved and the KV holds it
+                if not p <= oversize_max:
+                    continue
+            elif not (prefill_ms <= pab_eps and p <= normal_max):
+                continue
+            ns = inf if h <= 0 else -((pab_minus_a - bp) / h)  # -headroom (HeadroomScorer, negated as the picker does)
+            if draw is None:
+                if ns > worst_ns:
+                    continue
+                key: tuple = (ns, rid)
+            else:
+                u = draw()  # drawn for every fitting view, like HighestScorePicker.order
+                if ns > worst_ns:
+                    continue
+                key = (ns, u, rid)
+            if k is None:
+                top.append(key)
+            elif n_top < k:
+                insort(top, key)
+                n_top += 1
+                if n_top == k:
+                    worst = top[-1]
+                    worst_ns = worst[0]
+            elif key < worst:
+                top.pop()
+                insort(top, key)
+                worst = top[-1]
+                worst_ns = worst[0]
+        if not top:
+            return PlacementResult((), _refusal_reason(request, replicas))
+        if k is None:
+            top.sort()
+        return PlacementResult(tuple([key[-1] for key in top]))
+
+
+def _refusal_reason(request: PlacementRequest, replicas: Sequence[ReplicaView]) -> str:
+    """Name of the first ``pab`` filter that leaves no replica (``exclude`` when there are none).
+
+    A view passes the filters in order; the survivors of filter i are the views that passed more
+    than i of them, so the first empty filter is the furthest any view got.
+    """
+    p = request.prompt_tokens
+    furthest = 0
+    for v in replicas:
+        if v.replica_id in request.exclude:
+            stage = 0
+        elif not v.healthy:
+            stage = 1
+        elif not (v.fresh and v.time_model is not None):
+            stage = 2
+        elif not (v.max_prompt_tokens <= 0 or p <= v.max_prompt_tokens):
+            stage = 3
+        else:
+            stage = 4  # all four passed; fits did not (or the caller saw no candidate otherwise)
+        if stage > furthest:
+            furthest = stage
+    return _PAB_FILTERS[furthest]
 
 
 def prompt_exceeds_every_replica(prompt_tokens: int, replicas: Sequence[ReplicaView]) -> bool:
@@ -278,8 +469,11 @@ class PlacementRegistry:
 
 
 def default_registry() -> PlacementRegistry:
-    """Registry with the built-in plugins and the ``pab`` policy (filters exclude, healthy, fresh,
-    max-prompt, fits; scorer headroom; picker highest, optional ``seed`` for RNG tie-breaks)."""
+    """Registry with the built-in plugins and two policies of the same chain (filters exclude,
+    healthy, fresh, max-prompt, fits; scorer headroom; picker highest, optional ``seed`` for RNG
+    tie-breaks): ``pab`` (:class:`FusedPabPolicy`, one pass, the best ``max_candidates``, default
+    :data:`DEFAULT_MAX_CANDIDATES`; None = all) and ``pab-chain`` (the plugin chain, every fitting
+    replica ordered)."""
     reg = PlacementRegistry()
     reg.filters.update(
         {
@@ -293,12 +487,21 @@ def default_registry() -> PlacementRegistry:
     reg.scorers["headroom"] = HeadroomScorer
     reg.pickers["highest"] = HighestScorePicker
 
-    def pab_policy(seed: int | None = None) -> PlacementPolicy:
+    def pab_chain(seed: int | None = None) -> PlacementPolicy:
         return PlacementPolicy(
-            filters=[reg.filters[n]() for n in ("exclude", "healthy", "fresh", "max-prompt", "fits")],
+            filters=[reg.filters[n]() for n in _PAB_FILTERS],
             scorers=[(reg.scorers["headroom"](), 1.0)],
             picker=reg.pickers["highest"](seed=seed),
         )
 
+    def pab_policy(seed: int | None = None, max_candidates: int | None = DEFAULT_MAX_CANDIDATES) -> PlacementPolicy:
+        return FusedPabPolicy(
+            filters=[ExcludeFilter(), HealthyFilter(), FreshFilter(), MaxPromptFilter(), FitsFilter()],
+            scorers=[(HeadroomScorer(), 1.0)],
+            picker=HighestScorePicker(seed=seed),
+            max_candidates=max_candidates,
+        )
+
     reg.policies["pab"] = pab_policy
+    reg.policies["pab-chain"] = pab_chain
     return reg

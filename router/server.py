@@ -56,14 +56,20 @@ from router.config import ConfigError, ReplicaConfig, RouterConfig, load_config
 from router.discovery import DiscoverySource, build_discovery, diff_replicas
 from router.fair_queue import FairQueue, TenantShare
 from router.ledger import Ledger, Refusal, TenantLimits, build_ledger
-from router.placement import PlacementPolicy, PlacementRequest, default_registry, prompt_exceeds_every_replica
+from router.placement import (
+    DEFAULT_MAX_CANDIDATES,
+    PlacementPolicy,
+    PlacementRequest,
+    default_registry,
+    prompt_exceeds_every_replica,
+)
 from router.relay import Relay, RelayOutcome, UpstreamAbort
 from router.tokens import PromptError, estimate_prompt_tokens
 
 log = logging.getLogger(__name__)
 
 MAX_RELAY_TRIES = 2          # replicas tried per request when one fails before its first byte
-MAX_RESERVE_CANDIDATES = 3   # Reserve calls per placement before giving up for this pass
+MAX_RESERVE_CANDIDATES = DEFAULT_MAX_CANDIDATES  # Reserve calls per placement before giving up for this pass
 RETRY_AFTER_S = 1
 _REQUEST_ID_KEY = web.RequestKey("fairbatch_request_id", str)
 _ROUTER_KEY = web.AppKey("fairbatch_router", object)

@@ -57,9 +57,9 @@ import numpy as np
 from loadgen.bench_policies import capacity
 from loadgen.fleet.sim import POLICIES, FleetConfig, FleetRequest, run_fleet
 from loadgen.stats import Slo, figures, per_tenant
-from loadgen.traces import TraceRequest, load_trace, resolve_trace
+from loadgen.traces import TraceRequest, arrival_granularity_ms, load_trace, resolve_trace, spread_arrivals
 from replica_agent.policy.time_model import TimeModel
-from replica_agent.profiles import load_profile
+from replica_agent.profiles import load_profile, vllm_serve_batch_defaults
 
 DEFAULT_FRACTIONS = (0.4, 0.55, 0.7, 0.8, 0.9, 1.0, 1.1)
 """Default sweep: these fractions of the analytic bound (req/s)."""
@@ -159,6 +159,8 @@ class Setup:
     leases: bool
     max_model_len: int
     seed: int
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
 
 
 def fleet_config(setup: Setup, policy: str) -> FleetConfig:
@@ -171,6 +173,7 @@ def fleet_config(setup: Setup, policy: str) -> FleetConfig:
         leases=setup.leases, queue_kind=setup.queue_kind, queue_cap_tokens=setup.queue_cap_tokens,
         max_queue_ms=2.0 * setup.ttft_ms, tenant_weights=tuple((t, 1.0) for t, _ in TENANTS),
         max_model_len=setup.max_model_len, drain_ms=setup.drain_s * 1000.0, seed=setup.seed,
+        max_num_batched_tokens=setup.max_num_batched_tokens, max_num_seqs=setup.max_num_seqs,
     )  # fmt: skip
 
 
@@ -287,6 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "within the TTFT target, floor((ttft - a) / b)")  # fmt: skip
     p.add_argument("--no-leases", action="store_true", help="pab routers forward without Reserve (double-spend demo)")
     p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="engine token cap per iteration, every policy (default: what `vllm serve` uses on the "
+                        "profile's GPU: 2048 on A100, 8192 on H100)")  # fmt: skip
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="engine cap on running requests (default: `vllm serve`'s: 256 on A100, 1024 on H100)")
+    p.add_argument("--arrival-spread-ms", type=float, default=None,
+                   help="spread each arrival uniformly over this many ms (undo timestamp quantisation; default: "
+                        "the trace's known granularity, 3000 for mooncake-conv, else 0)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=1, help="worker processes (one policy sweep each)")
     return p
@@ -295,17 +306,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep, write fleet.json (and the plot), print the table. Returns the exit code."""
     args = build_parser().parse_args(argv)
-    full = load_trace(resolve_trace(args.trace))
+    spread_ms = arrival_granularity_ms(args.trace) if args.arrival_spread_ms is None else args.arrival_spread_ms
+    full = spread_arrivals(load_trace(resolve_trace(args.trace)), spread_ms, args.seed)
     kept = tuple(r for r in full if max(1, r.prompt_tokens) + max(1, r.output_tokens) <= args.max_model_len)
     span_s = max(1e-9, (full[-1].arrival_ms - full[0].arrival_ms) / 1000.0)
     native = len(kept) / span_s
     prof = load_profile(args.profile)
-    bound = analytic_bound(kept, prof.time_model, prof.kv_capacity_tokens, args.tpot_ms, args.replicas)
+    serve = vllm_serve_batch_defaults(prof.gpu)
+    max_tokens = args.max_num_batched_tokens or serve.max_num_batched_tokens
+    max_seqs = args.max_num_seqs or serve.max_num_seqs
+    bound = analytic_bound(kept, prof.time_model, prof.kv_capacity_tokens, args.tpot_ms, args.replicas,
+                           max_seqs, max_tokens)  # fmt: skip
     rates = sorted(args.rates) if args.rates else [round(bound.rps * f, 2) for f in DEFAULT_FRACTIONS]
     cap_tokens = args.queue_cap_tokens or prof.time_model.tokens_within_ms(args.ttft_ms)
     setup = Setup(kept, native, args.replicas, args.profile, args.ttft_ms, args.tpot_ms, args.duration_s,
                   args.drain_s, args.routers, args.push_period_ms, args.net_delay_ms, args.queue, cap_tokens,
-                  not args.no_leases, args.max_model_len, args.seed)  # fmt: skip
+                  not args.no_leases, args.max_model_len, args.seed, max_tokens, max_seqs)  # fmt: skip
     t0 = time.perf_counter()
     jobs = [(setup, p, tuple(rates)) for p in args.policies]
     if args.jobs > 1:
@@ -333,6 +349,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "duration_s": args.duration_s, "drain_s": args.drain_s,
         "push_period_ms": args.push_period_ms, "net_delay_ms": args.net_delay_ms, "queue": args.queue,
         "leases": not args.no_leases, "static_queue_cap_tokens": cap_tokens, "seed": args.seed,
+        "engine": {"max_num_batched_tokens": max_tokens, "max_num_seqs": max_seqs,
+                   "vllm_serve_defaults": {"max_num_batched_tokens": serve.max_num_batched_tokens,
+                                           "max_num_seqs": serve.max_num_seqs, "gpu": prof.gpu}},
+        "arrival_spread_ms": spread_ms,
         "native_rps": round(native, 4), "windows_interleaved": args.replicas,
         "requests_in_trace": len(full), "requests_dropped_over_max_model_len": len(full) - len(kept),
         "time_model": {"a_ms": prof.time_model.a_ms, "b_ms_per_new_token": prof.time_model.b_ms_per_new_token,

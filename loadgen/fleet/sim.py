@@ -69,7 +69,7 @@ from replica_agent.policy.time_model import TimeModel
 from router.admission_queue import Dispatcher, FifoQueue, QueueFull, QueueTimeout, WaitingRequest
 from router.budgets import BudgetBook
 from router.fair_queue import FairQueue, TenantShare
-from router.placement import PlacementRequest, ReplicaView
+from router.placement import DEFAULT_MAX_CANDIDATES, PlacementRequest, ReplicaView
 
 POLICIES: dict[str, tuple[str, str]] = {
     "round-robin": ("direct", "vllm-default"),
@@ -82,7 +82,7 @@ POLICIES: dict[str, tuple[str, str]] = {
 }
 """Fleet policy name -> (router kind, replica batching policy)."""
 
-MAX_RESERVE_CANDIDATES = 3
+MAX_RESERVE_CANDIDATES = DEFAULT_MAX_CANDIDATES  # Reserve calls per placement (as router/server.py)
 """Reserve calls (or forwards for static-queue-cap) per placement, as router/server.py."""
 
 SLO_CLASS = "interactive"

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from loadgen.traces import (
+    arrival_granularity_ms,
+    spread_arrivals,
     EMBEDDED_TRACES,
     TraceFormatError,
     TraceRequest,
@@ -139,3 +141,32 @@ def test_unknown_format_and_empty(tmp_path: Path) -> None:
     h.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
     with pytest.raises(TraceFormatError, match="no requests"):
         load_trace(h)
+
+
+def test_spread_arrivals_moves_each_arrival_inside_its_step() -> None:
+    reqs = [TraceRequest(0.0, 10, 1), TraceRequest(0.0, 20, 2), TraceRequest(3000.0, 30, 3), TraceRequest(3000.0, 40, 4)]
+    out = spread_arrivals(reqs, 3000.0, seed=7)
+    assert [r.arrival_ms for r in out] == sorted(r.arrival_ms for r in out)
+    # each request stays inside [t, t + 3000) of its own step, lengths travel with it
+    by_len = {r.prompt_tokens: r for r in out}
+    for r in reqs:
+        moved = by_len[r.prompt_tokens]
+        assert r.arrival_ms <= moved.arrival_ms < r.arrival_ms + 3000.0
+        assert moved.output_tokens == r.output_tokens
+    assert len({r.arrival_ms for r in out}) == 4  # the simultaneous pairs are split
+    assert spread_arrivals(reqs, 3000.0, seed=7) == out  # seeded
+    assert spread_arrivals(reqs, 0.0) == reqs  # g = 0: unchanged (already sorted)
+    with pytest.raises(ValueError, match="granularity_ms"):
+        spread_arrivals(reqs, -1.0)
+
+
+def test_mooncake_granularity_is_known_and_spreading_breaks_its_bursts() -> None:
+    assert arrival_granularity_ms("mooncake-conv") == 3000.0
+    assert arrival_granularity_ms("azure-conv") == 0.0
+    trace = load_trace(resolve_trace("mooncake-conv"))
+    # the logged timestamps: 10 requests share t = 0 (first rows of the file)
+    assert sum(1 for r in trace if r.arrival_ms == 0.0) == 10
+    spread = spread_arrivals(trace, 3000.0)
+    assert len(spread) == len(trace)
+    assert len({r.arrival_ms for r in spread}) == len(spread)
+    assert max(r.arrival_ms for r in spread) < trace[-1].arrival_ms + 3000.0

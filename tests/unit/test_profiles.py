@@ -1,0 +1,31 @@
+"""Named GPU profiles and the `vllm serve` batch defaults the benchmarks give vLLM's own scheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+from replica_agent.profiles import ServeBatchDefaults, available_profiles, load_profile, vllm_serve_batch_defaults
+
+
+def test_profile_rows_from_the_shared_fits() -> None:
+    # shared profiles/fits.md: Llama-3-8B on A100-80GB, a = 9.86 ms, b = 0.0727 ms/token, 467,291 KV tokens
+    p = load_profile("llama-3-8b-a100")
+    assert p.gpu == "A100"
+    assert p.time_model.a_ms == pytest.approx(9.86, abs=0.01)
+    assert p.time_model.b_ms_per_new_token == pytest.approx(0.0727, abs=1e-4)
+    assert p.kv_capacity_tokens == 467_291
+    assert load_profile("llama-2-70b-h100-tp4").gpu == "H100"
+    assert "llama-2-7b-h100" in available_profiles()
+    with pytest.raises(KeyError, match="known"):
+        load_profile("gpt-9-tpu")
+
+
+def test_vllm_serve_defaults_follow_vllm_0_32_get_batch_defaults() -> None:
+    # vllm/engine/arg_utils.py EngineArgs.get_batch_defaults, OPENAI_API_SERVER context:
+    # A100 (80 GB, but excluded by name) -> 2048 / 256; H100-80GB (>= 70 GiB) -> 8192 / 1024; >= 160 GiB -> 16384 / 1024
+    assert vllm_serve_batch_defaults("A100") == ServeBatchDefaults(2048, 256)
+    assert vllm_serve_batch_defaults("h100") == ServeBatchDefaults(8192, 1024)
+    assert vllm_serve_batch_defaults("H200") == ServeBatchDefaults(8192, 1024)
+    assert vllm_serve_batch_defaults("B200") == ServeBatchDefaults(16384, 1024)
+    with pytest.raises(KeyError, match="unknown GPU"):
+        vllm_serve_batch_defaults("MI300X")
