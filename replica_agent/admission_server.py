@@ -3,8 +3,10 @@
 WatchBudget sends one BudgetSnapshot at once, then one on every change the :class:`Agent`
 signals and at least every ``push_interval_ms`` (simulated ms), so a silent stream means a dead
 or stuck agent. Changes arriving while a snapshot is being sent coalesce into the next one.
-Reserve grants a lease only when the prompt ``fits`` the class's PAB (policy/pab.py); the answer's
-pab_ms/pab_tokens already include the new lease, and a push follows at once.
+Reserve grants a lease only when the prompt fits the class's PAB over the class horizon minus the
+request's ``waited_ms`` (``pab.admits``, policy/pab.py "Aged requests"); the answer's
+pab_ms/pab_tokens are the fresh-arrival budget (full horizon) and already include the new lease,
+and a push follows at once.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class AdmissionService(admission_pb2_grpc.AdmissionServiceServicer):
             int(request.max_tokens) or None,
             request.request_id,
             agent.clock.now_ms(),
+            request.waited_ms,
         )
         b = res.budget
         return admission_pb2.ReserveResponse(

@@ -28,7 +28,7 @@ from replica_agent.engine_metrics import EngineMetrics
 from replica_agent.policy.leases import Lease, LeaseTable, LeaseTableFull
 from replica_agent.plugin_mode import PLUGIN, STALE, export_mode, lease_matches, parse_record, record_kind
 from replica_agent.plugin_mode import replica_state_from_record
-from replica_agent.policy.pab import ClassBudget, PendingPrefill, ReplicaState, SloClass, compute_budgets, fits
+from replica_agent.policy.pab import ClassBudget, PendingPrefill, ReplicaState, SloClass, admits, compute_budgets
 from replica_agent.policy.residuals import ResidualTracker
 from replica_agent.policy.time_model import TimeModel
 from replica_agent.tracker import FinishedRequest, Tracker, TrackedRequest
@@ -470,9 +470,14 @@ class Agent:
             margin_frac=self.config.margin_frac,
         )
 
-    def compute_budget(self, now_ms: float) -> BudgetView:
-        """PAB of every class plus the replica figures a snapshot carries."""
-        classes = compute_budgets(self.replica_state(now_ms), self.config.slo_classes)
+    def compute_budget(self, now_ms: float, state: ReplicaState | None = None) -> BudgetView:
+        """PAB of every class plus the replica figures a snapshot carries.
+
+        ``state``: the PAB inputs when the caller already built them (``replica_state(now_ms)``).
+        """
+        if state is None:
+            state = self.replica_state(now_ms)
+        classes = compute_budgets(state, self.config.slo_classes)
         healthy, detail = self.health(now_ms)
         m = self._engine.metrics
         running = 0 if m is None else m.num_running
@@ -522,24 +527,37 @@ class Agent:
 
     # ---- leases --------------------------------------------------------------------------
     def reserve(
-        self, slo_class: str, prompt_tokens: int, max_tokens: int | None, request_id: str, now_ms: float
+        self,
+        slo_class: str,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        request_id: str,
+        now_ms: float,
+        waited_ms: float = 0.0,
     ) -> ReserveResult:
-        """Grant a lease when the prompt fits the class's PAB (architecture.md "Agent", Reserve)."""
+        """Grant a lease when the prompt fits the class's PAB (architecture.md "Agent", Reserve).
+
+        ``waited_ms``: ms the request already spent since its arrival at the router (queued or
+        retried); the fit is :func:`~replica_agent.policy.pab.admits`, over the class horizon minus
+        it (pab.py, "Aged requests"). The answer's budget is the fresh-arrival one (full horizon),
+        what the router's view of this replica holds.
+        """
         budget = None
         cls = self.classes.get(slo_class)
         if cls is None:
             reason = "unknown-class"
-        elif prompt_tokens < 0:
+        elif prompt_tokens < 0 or not waited_ms >= 0.0:  # negative or NaN
             reason = "bad-request"
         else:
-            view = self.compute_budget(now_ms)
+            state = self.replica_state(now_ms)
+            view = self.compute_budget(now_ms, state)
             budget = view.classes[slo_class]
             if not view.healthy:
                 reason = "unhealthy"
             elif self.max_prompt_tokens and prompt_tokens > self.max_prompt_tokens:
                 reason = "prompt-too-long"
-            elif not fits(prompt_tokens, budget, self.time_model()):
-                reason = "kv-full" if prompt_tokens > budget.kv_limited_tokens else "no-budget"
+            elif not (fit := admits(prompt_tokens, state, cls, waited_ms))[0]:
+                reason = "kv-full" if prompt_tokens > fit[1].kv_limited_tokens else "no-budget"
             else:
                 try:
                     lease_id = self.leases.grant(

@@ -77,6 +77,8 @@ class WaitingRequest:
         expire_reason: reason given when ``deadline_ms`` passes (``queue-timeout`` or
             ``slo-infeasible`` when the deadline was set by the fast-fail prediction).
         seq: arrival order in the queue (set by the queue).
+        arrival_ms: router clock when the request arrived at the router (simulated ms; before
+            ``enqueued_ms`` when it was tried or retried first); None = ``enqueued_ms``.
     """
 
     request_id: str
@@ -93,6 +95,12 @@ class WaitingRequest:
     first_token_deadline_ms: float = float("inf")
     expire_reason: str = "queue-timeout"
     seq: int = 0
+    arrival_ms: float | None = None
+
+    def waited_ms(self, now_ms: float) -> float:
+        """ms since the request's arrival at the router (>= 0): its TTFT has that much less left."""
+        arrival = self.enqueued_ms if self.arrival_ms is None else self.arrival_ms
+        return max(0.0, now_ms - arrival)
 
 
 class AdmissionQueue(Protocol):

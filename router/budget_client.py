@@ -212,9 +212,18 @@ class BudgetClient:
             backoff = min(BACKOFF_CAP_S, backoff * 2)
 
     async def reserve(
-        self, replica_id: str, slo_class: str, prompt_tokens: int, request_id: str, max_tokens: int = 0
+        self,
+        replica_id: str,
+        slo_class: str,
+        prompt_tokens: int,
+        request_id: str,
+        max_tokens: int = 0,
+        waited_ms: float = 0.0,
     ) -> ReserveResult:
         """Take a lease on ``replica_id`` for a prompt of ``prompt_tokens`` tokens.
+
+        ``waited_ms``: ms since the request arrived at the router; the agent plans over the class
+        horizon minus it (proto ReserveRequest.waited_ms).
 
         Never raises for RPC problems: a deadline (``reserve_timeout_ms``) gives ``reason="timeout"``,
         any other RPC error ``reason="unavailable"``.
@@ -228,6 +237,7 @@ class BudgetClient:
             request_id=request_id,
             router_id=self._router_id,
             max_tokens=int(max_tokens),
+            waited_ms=float(waited_ms),
         )
         try:
             resp = await stub.Reserve(req, timeout=self._reserve_timeout_s)

@@ -7,8 +7,13 @@ Filters -> scorers -> picker (STYLE.md, llm-d endpoint picker):
   PAB of its SLO class (docs/architecture.md, section "PAB"; the agent's
   ``replica_agent.policy.pab.fits``): ``a + b*P <= PAB_ms(k)`` and ``P <= PAB_tokens(k)``; a
   prompt whose ``a + b*P`` exceeds the horizon H fits only on a replica with nothing reserved
-  and enough KV (``P <= kv_limited_tokens``).
-- scorers give each remaining replica a number; ``headroom = (pab_ms - (a + b*P)) / horizon_ms``.
+  and enough KV (``P <= kv_limited_tokens``). A request that already waited ``w`` ms since its
+  arrival at the router (``PlacementRequest.waited_ms``: queued, or retried) is checked with the
+  conservative rule of ``fits(..., waited_ms=w)`` on the fresh-arrival budget of the snapshot:
+  ``a + b*P <= PAB_ms(k) - w``, ``P <= PAB_tokens(k)``, ``P <= floor((PAB_ms(k) - w - a) / b)``,
+  and the prefill-alone case from ``a + b*P > H - w`` (pab.py docstring, "Aged requests": it
+  never admits what the agent's exact rule over the horizon H - w refuses).
+- scorers give each remaining replica a number; ``headroom = (pab_ms - w - (a + b*P)) / horizon_ms``.
 - the picker orders the replicas by score (ties: lowest replica id, or a seeded RNG); the caller
   reserves on the first and falls back to the next one when the Reserve is refused.
 
@@ -46,11 +51,14 @@ ClassBudgetView = ClassBudget
 # attribute loads in the hot loop). The fields are the very floats fits() and HeadroomScorer
 # compute from the view, so comparisons give the same answers:
 #   (replica_id, a_ms, b_ms_per_token, horizon_ms + 1e-9, pab_ms + 1e-9, pab_ms - a_ms, horizon_ms,
-#    normal_max_tokens, oversize_max_tokens)
+#    normal_max_tokens, oversize_max_tokens, pab_ms)
 # normal_max_tokens: P <= pab_tokens and the max-prompt limit (one cap, see _tokens_cap);
 # oversize_max_tokens: P <= kv_limited_tokens and the max-prompt limit when nothing is reserved
 # (pab_ms >= horizon_ms - 1e-9), else -1 (no oversize prompt fits).
-PabFitEntry = tuple[str, float, float, float, float, float, float, float, float]
+# The three sums (horizon + 1e-9, pab + 1e-9, pab - a) serve a fresh request (waited_ms = 0); for
+# an aged one the fused pass computes (horizon - w) + 1e-9, (pab - w) + 1e-9 and (pab - w) - a from
+# horizon_ms and pab_ms as fits() and HeadroomScorer do.
+PabFitEntry = tuple[str, float, float, float, float, float, float, float, float, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +121,7 @@ def _pab_fit_table(view: ReplicaView) -> dict[str, PabFitEntry]:
             view.replica_id, a, b, h + _EPS, pab + _EPS, pab - a, h,
             _tokens_cap(cb.pab_tokens, mp),
             _tokens_cap(cb.kv_limited_tokens, mp) if idle else -1,
+            pab,
         )  # fmt: skip
     return table
 
@@ -125,11 +134,14 @@ class PlacementRequest:
         slo_class: SLO class name.
         prompt_tokens: estimated prompt tokens (tokens).
         exclude: replica ids not to use (already tried for this request).
+        waited_ms: ms since the request's arrival at the router (queued or retried), >= 0; its
+            TTFT has that much less time left (``fits(..., waited_ms)``, pab.py "Aged requests").
     """
 
     slo_class: str
     prompt_tokens: int
     exclude: frozenset[str] = frozenset()
+    waited_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +237,11 @@ class FitsFilter:
         out = []
         for r in replicas:
             budget = r.classes.get(request.slo_class)
-            if budget is not None and r.time_model is not None and fits(request.prompt_tokens, budget, r.time_model):
+            if (
+                budget is not None
+                and r.time_model is not None
+                and fits(request.prompt_tokens, budget, r.time_model, request.waited_ms)
+            ):
                 out.append(r)
         return out
 
@@ -235,7 +251,8 @@ class FitsFilter:
 
 @dataclass(frozen=True, slots=True)
 class HeadroomScorer:
-    """``(pab_ms - (a + b*P)) / horizon_ms``: share of the class horizon left after this prefill."""
+    """``(pab_ms - w - (a + b*P)) / horizon_ms``: share of the class horizon left after this prefill
+    (``w`` = ``request.waited_ms``, 0 for a fresh request; the ms it already waited are gone too)."""
 
     name: str = "headroom"
 
@@ -244,7 +261,9 @@ class HeadroomScorer:
         if budget is None or replica.time_model is None or budget.horizon_ms <= 0:
             return float("-inf")
         tm = replica.time_model
-        return (budget.pab_ms - tm.a_ms - tm.b_ms_per_new_token * request.prompt_tokens) / budget.horizon_ms
+        return (
+            budget.pab_ms - request.waited_ms - tm.a_ms - tm.b_ms_per_new_token * request.prompt_tokens
+        ) / budget.horizon_ms
 
 
 # ---------------------------------------------------------------- pickers
@@ -324,13 +343,13 @@ class FusedPabPolicy(PlacementPolicy):
     ``rng`` it shares); :meth:`place` reads the views directly instead of calling them, and
     :meth:`place_chain` runs the chain itself. Per view, from its precomputed ``pab_fit`` entry
     (:data:`PabFitEntry`; None = dropped by healthy, fresh or the class lookup): exclude, then the
-    fit test with :func:`fits`'s arithmetic, operation for operation, so the floats compare the
-    same (the max-prompt limit is folded into the token caps), then
-    ``headroom = (pab_ms - a - b*P) / horizon_ms`` (-inf when ``horizon_ms <= 0``), then a top-k
+    fit test with :func:`fits`'s arithmetic (with the request's ``waited_ms`` w), operation for
+    operation, so the floats compare the same (the max-prompt limit is folded into the token caps),
+    then ``headroom = (pab_ms - w - a - b*P) / horizon_ms`` (-inf when ``horizon_ms <= 0``), then a top-k
     by the picker's key, ascending ``(-headroom, replica_id)`` or, with a seed,
     ``(-headroom, u, replica_id)`` with one ``rng.random()`` per fitting view in input order, as
     :meth:`HighestScorePicker.order` draws them. The result is the chain's order cut to
-    ``max_candidates``. A negative prompt goes to the chain (which raises like :func:`fits`).
+    ``max_candidates``. A negative prompt or ``waited_ms`` goes to the chain (which raises like :func:`fits`).
 
     Attributes:
         max_candidates: keep the best this many (>= 1); None = every fitting replica, fully ordered.
@@ -351,7 +370,8 @@ class FusedPabPolicy(PlacementPolicy):
     def place(self, request: PlacementRequest, replicas: Sequence[ReplicaView]) -> PlacementResult:
         """Ordered candidate replica ids (at most ``max_candidates``), or none with the chain's reason."""
         p = request.prompt_tokens
-        if p < 0:
+        w = request.waited_ms
+        if p < 0 or not w >= 0.0:  # negative (or NaN) waited_ms: the chain raises like fits()
             res = self.place_chain(request, replicas)
             k = self.max_candidates
             return res if k is None else PlacementResult(res.candidates[:k], res.reason)
@@ -369,15 +389,22 @@ class FusedPabPolicy(PlacementPolicy):
             f = v.pab_fit.get(slo_class)
             if f is None:  # unhealthy, stale, no time model, or no budget for the class
                 continue
-            rid, a, b, horizon_eps, pab_eps, pab_minus_a, h, normal_max, oversize_max = f
+            rid, a, b, horizon_eps, pab_eps, pab_minus_a, h, normal_max, oversize_max, pab = f
             if exclude and rid in exclude:
                 continue
             bp = b * p
             prefill_ms = a + bp  # fits(): a + b*P, fresh prompt
+            if w:  # aged request: fits(..., waited_ms=w) and HeadroomScorer, operation for operation
+                horizon_eps = (h - w) + _EPS
+                pab_w = pab - w
+                pab_eps = pab_w + _EPS
+                pab_minus_a = pab_w - a
             if prefill_ms > horizon_eps:  # oversize: only where nothing is reserved and the KV holds it
                 if not p <= oversize_max:
                     continue
             elif not (prefill_ms <= pab_eps and p <= normal_max):
+                continue
+            elif w and not p <= _tokens_within(pab_w, a, b):  # P <= floor((pab_ms - w - a) / b)
                 continue
             ns = inf if h <= 0 else -((pab_minus_a - bp) / h)  # -headroom (HeadroomScorer, negated as the picker does)
             if draw is None:
@@ -407,6 +434,13 @@ class FusedPabPolicy(PlacementPolicy):
         if k is None:
             top.sort()
         return PlacementResult(tuple([key[-1] for key in top]))
+
+
+def _tokens_within(budget_ms: float, a: float, b: float) -> int:
+    """``TimeModel.tokens_within_ms`` with the same operations: floor((budget - a) / b), >= 0."""
+    if budget_ms <= a:
+        return 0
+    return max(0, math.floor((budget_ms - a) / b + 1e-9))
 
 
 def _refusal_reason(request: PlacementRequest, replicas: Sequence[ReplicaView]) -> str:

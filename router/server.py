@@ -477,24 +477,39 @@ class Router:
         self._release(grant, "client-gone")
 
     async def _place_and_reserve(
-        self, slo_class: str, prompt_tokens: int, max_tokens: int, request_id: str, exclude: frozenset[str]
+        self,
+        slo_class: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        request_id: str,
+        exclude: frozenset[str],
+        arrival_ms: float,
     ) -> Grant | None:
-        """Placement, then Reserve on the candidates in order; None when none granted."""
+        """Placement, then Reserve on the candidates in order; None when none granted.
+
+        Both see the request's age ``waited_ms = now - arrival_ms`` (router clock, simulated ms):
+        its TTFT has that much less time left (pab.py "Aged requests").
+        """
+        waited_ms = max(0.0, self.clock.now_ms() - arrival_ms)
         t0 = time.perf_counter()
-        result = self.policy.place(PlacementRequest(slo_class, prompt_tokens, exclude), self.book.views())
+        result = self.policy.place(PlacementRequest(slo_class, prompt_tokens, exclude, waited_ms), self.book.views())
         self.metrics.placement_seconds.observe(time.perf_counter() - t0)
         for replica_id in result.candidates[:MAX_RESERVE_CANDIDATES]:
             self.book.take_local(replica_id, slo_class, prompt_tokens)
             t1 = time.perf_counter()
-            answer = await self.budgets.reserve(replica_id, slo_class, prompt_tokens, request_id, max_tokens)
+            waited_ms = max(0.0, self.clock.now_ms() - arrival_ms)  # refused Reserves before took time
+            answer = await self.budgets.reserve(
+                replica_id, slo_class, prompt_tokens, request_id, max_tokens, waited_ms
+            )
             self.metrics.reserve_seconds.observe(time.perf_counter() - t1)
             if answer.granted:
                 return Grant(replica_id, answer.lease_id)
         return None
 
     async def _admit_waiting(self, entry: WaitingRequest) -> Grant | None:
+        arrival_ms = entry.enqueued_ms if entry.arrival_ms is None else entry.arrival_ms
         return await self._place_and_reserve(
-            entry.slo_class, entry.prompt_tokens, entry.max_tokens, entry.request_id, entry.exclude
+            entry.slo_class, entry.prompt_tokens, entry.max_tokens, entry.request_id, entry.exclude, arrival_ms
         )
 
     async def _acquire(
@@ -518,7 +533,7 @@ class Router:
         if len(self.queue) == 0:
             with self.tracer.start_as_current_span("router.placement") as span:
                 grant = await self._place_and_reserve(
-                    principal.slo_class, prompt_tokens, max_tokens, request_id, exclude
+                    principal.slo_class, prompt_tokens, max_tokens, request_id, exclude, arrival_ms
                 )
                 span.set_attribute("fairbatch.replica", grant.replica_id if grant else "")
             if grant is not None:
@@ -553,6 +568,7 @@ class Router:
             priority=band,
             first_token_deadline_ms=first_token_deadline,
             expire_reason=expire_reason,
+            arrival_ms=arrival_ms,
         )
         before = self.queue.counter(principal.tenant)
         after = self.queue.push(entry)  # QueueFull propagates

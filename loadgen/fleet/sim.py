@@ -12,14 +12,16 @@ by events on one heap:
   tpot``, DESIGN section 4; in-flight prefills: ``tokens_out == 0`` with their computed prompt
   tokens; free KV: free blocks * block size) plus the agent's
   :class:`~replica_agent.policy.leases.LeaseTable`; budgets by ``pab.class_budget``; Reserve
-  grants a lease only when ``pab.fits`` (as ``replica_agent.agent.Agent.reserve``).
+  grants a lease only when ``pab.admits`` with the request's age ``waited_ms = now - arrival at
+  the router`` (as ``replica_agent.agent.Agent.reserve``; pab.py "Aged requests").
 - routers (``pab`` kind): each copy has its own :class:`router.budgets.BudgetBook` (fed by
   delayed snapshots), the ``pab`` placement policy of :func:`router.placement.default_registry`,
   a :class:`router.fair_queue.FairQueue` (or FIFO) and the real
   :class:`router.admission_queue.Dispatcher`, whose async methods are driven synchronously (the
   simulated ``admit`` never suspends). Request path as ``router/server.py`` ``_acquire``: placement
   + Reserve at once when nobody waits, else queue; ``take_local`` before each Reserve and
-  ``apply_reserve`` with the answer; up to 3 Reserve candidates per placement.
+  ``apply_reserve`` with the answer; up to 3 Reserve candidates per placement; placement and
+  Reserve both get ``waited_ms = now - arrival at the router``.
 - routers (baselines, loadgen/fleet/baselines.py): placement on router-local outstanding counts
   or scraped engine metrics, no router queue.
 
@@ -43,7 +45,8 @@ and at the queue's next deadline at the latest; a wake-up before a pending deadl
 Double-spend: a prefill admitted to a replica beyond that replica's PAB at the moment it was
 granted. With leases the moment is the Reserve (the lease then counts in PAB's in-flight
 reservation); without leases (``leases=False``, routers forward on their own view alone) it is
-the request's arrival at the replica, checked with ``pab.fits`` against the exact state then.
+the request's arrival at the replica, checked with ``pab.admits`` (its age then: ``waited_ms =
+arrival at the replica - arrival at the router``) against the exact state then.
 
 Requests not finished by ``duration end + drain_ms`` count as failed (``unfinished``).
 Deterministic: one seeded ``random.Random``; virtual time only (wall time is measured only for
@@ -64,7 +67,16 @@ from loadgen.sim.engine import EngineConfig, SimEngine, StepResult
 from loadgen.stats import FAILED, OK, REJECTED, RequestRecord
 from replica_agent.policy.batching import PolicyConfig, make_policy
 from replica_agent.policy.leases import LeaseTable
-from replica_agent.policy.pab import ClassBudget, DecodeState, PendingPrefill, ReplicaState, SloClass, class_budget, fits
+from replica_agent.policy.pab import (
+    ClassBudget,
+    DecodeState,
+    PendingPrefill,
+    ReplicaState,
+    SloClass,
+    admits,
+    class_budget,
+    fits,
+)
 from replica_agent.policy.time_model import TimeModel
 from router.admission_queue import Dispatcher, FifoQueue, QueueFull, QueueTimeout, WaitingRequest
 from router.budgets import BudgetBook
@@ -352,18 +364,20 @@ class _Router:
 
     # ------------------------------------------------------------ pab path
 
-    def _place(self, slo_class: str, prompt_tokens: int, exclude: frozenset[str]) -> _Grant | None:
-        """router/server.py ``_place_and_reserve``: placement, then Reserve on up to 3 candidates."""
+    def _place(self, slo_class: str, prompt_tokens: int, exclude: frozenset[str], arrival_ms: float) -> _Grant | None:
+        """router/server.py ``_place_and_reserve``: placement, then Reserve on up to 3 candidates,
+        both with the request's age ``waited_ms = now - arrival_ms`` (arrival at the router)."""
         sim = self.sim
         now = self.clock.t
+        waited_ms = max(0.0, now - arrival_ms)
         t0 = time.perf_counter()
-        result = self.policy.place(PlacementRequest(slo_class, prompt_tokens, exclude), self.book.views(now))
+        result = self.policy.place(PlacementRequest(slo_class, prompt_tokens, exclude, waited_ms), self.book.views(now))
         sim.sample_decision(time.perf_counter() - t0)
         refusals = 0
         for rid in result.candidates[:MAX_RESERVE_CANDIDATES]:
             self.book.take_local(rid, slo_class, prompt_tokens)
             ri = sim.index_of[rid]
-            granted, lease_id, after = sim.reserve(ri, prompt_tokens, now)
+            granted, lease_id, after = sim.reserve(ri, prompt_tokens, now, waited_ms)
             sim.stats.reserve_answers += 1
             if after is not None:
                 self.book.apply_reserve(rid, slo_class, after.pab_ms, after.pab_tokens)
@@ -373,7 +387,8 @@ class _Router:
         return None
 
     async def _admit(self, entry: WaitingRequest) -> _Grant | None:
-        return self._place(entry.slo_class, entry.prompt_tokens, entry.exclude)
+        arrival = entry.enqueued_ms if entry.arrival_ms is None else entry.arrival_ms
+        return self._place(entry.slo_class, entry.prompt_tokens, entry.exclude, arrival)
 
     async def _orphan(self, grant: _Grant) -> None:  # never happens: simulated waiters do not leave
         self.sim.replicas[grant.replica].leases.release(grant.lease_id)
@@ -421,7 +436,7 @@ class _Router:
             return
         cfg = sim.cfg
         if len(self.queue) == 0:
-            grant = self._place(SLO_CLASS, req.prompt_tokens, frozenset())
+            grant = self._place(SLO_CLASS, req.prompt_tokens, frozenset(), req.arrival_ms)
             if grant is not None:
                 self._charge(req)
                 sim.forward_granted(idx, grant, now)
@@ -439,7 +454,7 @@ class _Router:
             max_tokens=req.output_tokens, enqueued_ms=now, deadline_ms=deadline,
             future=_SimFuture(lambda g, i=idx: self._granted_from_queue(i, g),  # type: ignore[arg-type,misc]
                               lambda e, i=idx: sim.reject(i, getattr(e, "reason", "queue-timeout"))),
-            first_token_deadline_ms=req.arrival_ms + cfg.ttft_ms, expire_reason=reason,
+            first_token_deadline_ms=req.arrival_ms + cfg.ttft_ms, expire_reason=reason, arrival_ms=req.arrival_ms,
         )  # fmt: skip
         try:
             self.queue.push(entry)
@@ -510,8 +525,12 @@ class FleetSim:
 
     # ------------------------------------------------------------ agent side
 
-    def reserve(self, ri: int, prompt_tokens: int, now_ms: float) -> tuple[bool, str, ClassBudget | None]:
-        """The agent's Reserve (plugin mode): grant a lease when the prompt fits PAB now."""
+    def reserve(
+        self, ri: int, prompt_tokens: int, now_ms: float, waited_ms: float = 0.0
+    ) -> tuple[bool, str, ClassBudget | None]:
+        """The agent's Reserve (plugin mode): grant a lease when the prompt fits PAB now, over the
+        class horizon minus ``waited_ms`` (``pab.admits``, as ``Agent.reserve``). The budget
+        returned (for the router's view) is the fresh-arrival one, full horizon."""
         rep = self.replicas[ri]
         cfg = self.cfg
         if not self.cfg.leases:  # forward on the router's view alone; checked at arrival
@@ -519,8 +538,11 @@ class FleetSim:
             return True, "", None
         state = replica_state(rep.engine, rep.leases, now_ms, cfg.margin_frac)
         before = class_budget(state, self.slo)
-        tm = rep.engine.policy_time_model
-        if not fits(prompt_tokens, before, tm):
+        if waited_ms:  # aged: exact rule over the horizon minus waited_ms
+            ok = admits(prompt_tokens, state, self.slo, waited_ms)[0]
+        else:  # the same as admits(..., 0), without computing the budget twice
+            ok = fits(prompt_tokens, before, rep.engine.policy_time_model)
+        if not ok:
             self.stats.refusals += 1
             return False, "", before
         self.stats.grants += 1
@@ -534,11 +556,13 @@ class FleetSim:
         st.lease_id = grant.lease_id
         self.push_event(now_ms + 3 * d + 2 * d * grant.refusals, _FORWARD, idx, (grant.replica,))
 
-    def _admission_check(self, rep: _Replica, prompt_tokens: int, now_ms: float) -> None:
-        """Without leases: count a prefill that arrives beyond the replica's exact PAB."""
-        b = class_budget(replica_state(rep.engine, rep.leases, now_ms, self.cfg.margin_frac), self.slo)
+    def _admission_check(self, rep: _Replica, prompt_tokens: int, now_ms: float, waited_ms: float) -> None:
+        """Without leases: count a prefill that arrives beyond the replica's exact PAB (over the
+        class horizon minus ``waited_ms``, its age at the replica: ``pab.admits``)."""
+        fit, b = admits(prompt_tokens, replica_state(rep.engine, rep.leases, now_ms, self.cfg.margin_frac),
+                        self.slo, waited_ms)  # fmt: skip
         tm = rep.engine.policy_time_model
-        if not fits(prompt_tokens, b, tm):
+        if not fit:
             self.stats.double_spends += 1
             self.stats.double_spent_ms += max(0.0, tm.prefill_ms(prompt_tokens) - b.pab_ms)
 
@@ -567,7 +591,7 @@ class FleetSim:
             if self.cfg.leases:
                 rep.leases.consume(st.lease_id)
             else:
-                self._admission_check(rep, req.prompt_tokens, t)
+                self._admission_check(rep, req.prompt_tokens, t, max(0.0, t - req.arrival_ms))
         rep.seq += 1
         rep.engine.add_request(str(idx), req.prompt_tokens, req.output_tokens, req.arrival_ms,
                                self.cfg.ttft_ms, self.cfg.tpot_ms)  # fmt: skip

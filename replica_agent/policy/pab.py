@@ -63,6 +63,55 @@ reserved (PAB_ms = H: zero decode and in-flight reservation) whose KV cache hold
 (``P <= kv_limited_tokens``; the time part of PAB_tokens is necessarily smaller than such P), so
 it takes a whole idle replica.
 
+Aged requests
+-------------
+A request that already spent ``w`` ms between its arrival at the router and the decision (queued
+at the router, or retried after a failed replica) must have its prefill run by
+``arrival + ttft_k``, i.e. within ``H - w`` of now (the margin is kept: the deadline is the same as
+for a fresh arrival, w ms nearer). Two rules, one exact and one conservative:
+
+*Exact (agent side, :func:`class_budget` with ``waited_ms = w``):* plan over the shortened horizon::
+
+    H_w = max(0, H - w)
+
+and every formula above with H_w in place of H: N and the decode reservation count the tokens
+due by t + H_w, the KV growth reserve counts growth over H_w; the in-flight reservation does not
+depend on the horizon. The fields of the returned :class:`ClassBudget` (``horizon_ms``,
+``pab_ms``, ``pab_tokens``, ``kv_limited_tokens``, ...) then describe the shortened horizon H_w.
+The fit rule is :func:`fits` on that budget, except the prefill-alone case (below).
+
+*Conservative (router side, :func:`fits` with ``waited_ms = w`` on the budget of a fresh arrival,
+horizon H, as a snapshot carries it):* the router has no replica state, only PAB_ms(H),
+PAB_tokens(H) and kv_limited_tokens(H). Write dec(H) for the decode reservation over H and infl
+for the in-flight reservation. Then:
+
+- dec is non-decreasing in the horizon: n_d = max(0, floor((t + H - ddl_d) / tpot_d) + 1) only
+  shrinks as H shrinks, so N(H - w) <= N(H) and dec(H - w) <= dec(H) (the cost of one iteration,
+  a + b*|D| + c*sum ctx_d, does not depend on H);
+- infl does not depend on H;
+
+hence (and also when the max(0, .) clamps, since PAB_ms(H_w) >= 0)::
+
+    PAB_ms(H - w) = H - w - dec(H - w) - infl >= H - w - dec(H) - infl = PAB_ms(H) - w
+
+So the router checks ``a + b*P <= PAB_ms(H) - w``, and ``P <= floor((PAB_ms(H) - w - a) / b)``
+(the time-based token count on PAB_ms(H) - w, <= the same count on PAB_ms(H_w) because the count
+is non-decreasing), and ``P <= PAB_tokens(H)``, whose KV part kv_limited_tokens(H) is for horizon
+H: the growth reserve ``min(remaining_d, ceil(H / tpot_d) + 1)`` only shrinks with the horizon, so
+kv_limited_tokens(H) <= kv_limited_tokens(H_w) and that bound is conservative too. A prompt with
+``a + b*P > H - w`` cannot meet its TTFT anywhere; as the prefill-alone rule above, it fits only on
+a replica with nothing reserved over the full horizon H (PAB_ms(H) = H) and
+``P <= kv_limited_tokens(H)``. Every prompt the router rule admits, the exact rule admits (up to
+float rounding of one ulp between PAB_ms(H) - w and PAB_ms(H_w)); with w = 0 both are the rule of
+a fresh arrival, unchanged.
+
+Prefill-alone case of the exact rule: when ``a + b*P > H_w`` (the aged request cannot meet its
+TTFT; always so once w >= H, where H_w = 0 and the budget over H_w is vacuously "idle"), the
+agent asks for a replica with nothing reserved over the FULL horizon H, as the router does, and
+``P <= kv_limited_tokens(H_w)`` (:func:`admits`). Idle over H_w alone would let a request that
+already missed its TTFT onto a busy replica (no decode due within a few ms is common), where
+least-slack batching would then run it ahead of fresh prefills.
+
 Floating point: floors and ceils are taken with a 1e-9 tolerance so that exact multiples (e.g.
 (t + H - ddl) / tpot = 3.0 computed as 2.9999999) round as the arithmetic intends.
 """
@@ -168,7 +217,8 @@ class ClassBudget:
 
     Attributes:
         slo_class: class name.
-        horizon_ms: H = ttft_ms * (1 - margin_frac).
+        horizon_ms: H = ttft_ms * (1 - margin_frac); for an aged request (``class_budget`` with
+            ``waited_ms = w``) H_w = max(0, H - w), and every field below is over that horizon.
         pab_ms: max(0, H - decode_reservation_ms - inflight_reservation_ms).
         pab_tokens: min(floor((pab_ms - a) / b), kv_limited_tokens).
         kv_limited_tokens: kv_free minus decode growth reserve minus pending prompt tokens, >= 0.
@@ -212,10 +262,30 @@ def growth_reserve_tokens(horizon_ms: float, decodes: Iterable[DecodeState]) -> 
     return total
 
 
-def class_budget(state: ReplicaState, slo: SloClass) -> ClassBudget:
-    """PAB of ``slo`` on the replica in ``state`` (formulas: module docstring, architecture.md "PAB")."""
+def _check_waited(waited_ms: float) -> None:
+    if not waited_ms >= 0.0:  # also NaN
+        raise ValueError(f"waited_ms must be >= 0, got {waited_ms}")
+
+
+def class_budget(state: ReplicaState, slo: SloClass, waited_ms: float = 0.0) -> ClassBudget:
+    """PAB of ``slo`` on the replica in ``state`` (formulas: module docstring, architecture.md "PAB").
+
+    Args:
+        state: the replica at ``state.now_ms``.
+        slo: the request's SLO class.
+        waited_ms: ms the request already spent since its arrival at the router (0 = a fresh
+            arrival). The budget is planned over ``H_w = max(0, H - waited_ms)`` with
+            ``H = ttft_ms * (1 - margin_frac)`` (module docstring, "Aged requests"); the fields of
+            the result (``horizon_ms``, ``pab_ms``, ``pab_tokens``, ...) describe that horizon.
+
+    Raises:
+        ValueError: if ``waited_ms`` is negative or NaN.
+    """
+    _check_waited(waited_ms)
     tm = state.time_model
     horizon = slo.ttft_ms * (1.0 - state.margin_frac)
+    if waited_ms:
+        horizon = max(0.0, horizon - waited_ms)
     n_iter = decode_iterations(state.now_ms, horizon, state.decodes)
     if state.decodes and n_iter > 0:
         ctx = sum(d.context_tokens for d in state.decodes)
@@ -251,26 +321,69 @@ def compute_budgets(state: ReplicaState, classes: Iterable[SloClass]) -> dict[st
     return {c.name: class_budget(state, c) for c in classes}
 
 
-def fits(prompt_tokens: int, class_budget: ClassBudget, time_model: TimeModel) -> bool:
-    """Whether a fresh prompt of ``prompt_tokens`` tokens fits ``class_budget`` (architecture.md "PAB").
+def fits(prompt_tokens: int, class_budget: ClassBudget, time_model: TimeModel, waited_ms: float = 0.0) -> bool:
+    """Whether a prompt of ``prompt_tokens`` tokens fits ``class_budget`` (architecture.md "PAB").
 
-    Rule: ``a + b * P <= pab_ms`` and ``P <= pab_tokens``. A prompt with ``a + b * P > horizon_ms``
-    cannot meet its TTFT anywhere; it fits only where nothing is reserved (``pab_ms == horizon_ms``,
-    within 1e-9) and ``P <= kv_limited_tokens``: it takes a whole idle replica. Only the first five
-    fields of ``class_budget`` are read, so a router-side view built from a snapshot works too.
+    Rule for a fresh arrival (``waited_ms = 0``): ``a + b * P <= pab_ms`` and ``P <= pab_tokens``.
+    A prompt with ``a + b * P > horizon_ms`` cannot meet its TTFT anywhere; it fits only where
+    nothing is reserved (``pab_ms == horizon_ms``, within 1e-9) and ``P <= kv_limited_tokens``: it
+    takes a whole idle replica. Only the first five fields of ``class_budget`` are read, so a
+    router-side view built from a snapshot works too.
+
+    With ``waited_ms = w > 0`` this is the router's CONSERVATIVE rule for a request that already
+    waited w ms, on the budget of a fresh arrival (horizon H; module docstring, "Aged requests",
+    for the proof that it never admits what the exact agent rule :func:`admits` refuses):
+    ``a + b*P <= pab_ms - w`` and ``P <= pab_tokens`` and ``P <= floor((pab_ms - w - a) / b)``; a
+    prompt with ``a + b*P > horizon_ms - w`` fits only where nothing is reserved over H
+    (``pab_ms == horizon_ms``, within 1e-9) and ``P <= kv_limited_tokens``. With ``w = 0`` the
+    results are exactly those of the fresh-arrival rule (same float operations).
 
     Args:
         prompt_tokens: P (tokens), >= 0.
         class_budget: the replica's budget for the request's class (possibly from a snapshot).
         time_model: the replica's a, b, c (ms).
+        waited_ms: w, ms since the request's arrival at the router (>= 0).
 
     Raises:
-        ValueError: if ``prompt_tokens`` is negative.
+        ValueError: if ``prompt_tokens`` or ``waited_ms`` is negative (or ``waited_ms`` NaN).
     """
     if prompt_tokens < 0:
         raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
+    _check_waited(waited_ms)
     prefill_ms = time_model.a_ms + time_model.b_ms_per_new_token * prompt_tokens  # fresh prompt: ctx 0
-    if prefill_ms > class_budget.horizon_ms + _EPS:
+    if prefill_ms > (class_budget.horizon_ms - waited_ms) + _EPS:
         idle = class_budget.pab_ms >= class_budget.horizon_ms - _EPS  # PAB_ms = H: nothing reserved
         return idle and prompt_tokens <= class_budget.kv_limited_tokens
-    return prefill_ms <= class_budget.pab_ms + _EPS and prompt_tokens <= class_budget.pab_tokens
+    pab_w = class_budget.pab_ms - waited_ms
+    return (
+        prefill_ms <= pab_w + _EPS
+        and prompt_tokens <= class_budget.pab_tokens
+        and (not waited_ms or prompt_tokens <= time_model.tokens_within_ms(pab_w))
+    )
+
+
+def admits(prompt_tokens: int, state: ReplicaState, slo: SloClass, waited_ms: float = 0.0) -> tuple[bool, ClassBudget]:
+    """The agent's EXACT fit rule for a request of class ``slo`` that waited ``waited_ms`` ms.
+
+    Budget over ``H_w = max(0, H - waited_ms)`` (:func:`class_budget` with ``waited_ms``), then
+    :func:`fits` on it; when the prefill alone exceeds H_w (``a + b*P > H_w``, the request cannot
+    meet its TTFT) and ``waited_ms > 0``, it fits only where nothing is reserved over the FULL
+    horizon H (``class_budget(state, slo).pab_ms == H`` within 1e-9) and
+    ``P <= kv_limited_tokens(H_w)`` (module docstring, "Aged requests"). With ``waited_ms = 0``:
+    exactly ``fits(P, class_budget(state, slo), tm)``.
+
+    Returns:
+        (fits, the budget over H_w).
+
+    Raises:
+        ValueError: if ``prompt_tokens`` or ``waited_ms`` is negative (or ``waited_ms`` NaN).
+    """
+    if prompt_tokens < 0:
+        raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
+    budget = class_budget(state, slo, waited_ms)
+    tm = state.time_model
+    if waited_ms and tm.a_ms + tm.b_ms_per_new_token * prompt_tokens > budget.horizon_ms + _EPS:
+        full = class_budget(state, slo)
+        idle = full.pab_ms >= full.horizon_ms - _EPS
+        return idle and prompt_tokens <= budget.kv_limited_tokens, budget
+    return fits(prompt_tokens, budget, tm), budget

@@ -160,3 +160,36 @@ async def test_unhealthy_snapshot_names_the_reason(served):
     snap = await asyncio.wait_for(stream.read(), 5.0)
     assert not snap.healthy and "500" in snap.status_detail
     stream.cancel()
+
+
+async def test_reserve_plans_over_the_horizon_minus_waited_ms(served):
+    agent = make_agent()
+    stub = await served(agent)
+
+    def reserve(request_id: str, prompt_tokens: int, waited_ms: float = 0.0):
+        req = admission_pb2.ReserveRequest(
+            slo_class="interactive", prompt_tokens=prompt_tokens, request_id=request_id, waited_ms=waited_ms
+        )
+        return stub.Reserve(req)
+
+    # a first lease of 1000 tokens: in-flight 0.1 * 1000 = 100 ms -> PAB_ms = 450 - 100 = 350
+    first = await reserve("q1", 1000)
+    assert first.granted and first.pab_ms == pytest.approx(350.0)
+    # the same 1000-token prompt (10 + 100 = 110 ms), aged 300 ms: horizon 450 - 300 = 150 ms,
+    # PAB_ms = 150 - 100 = 50 < 110 -> refused, no lease taken; the answer carries the
+    # fresh-arrival budget (350 ms), the figure the router's view holds
+    aged = await reserve("q2", 1000, waited_ms=300.0)
+    assert not aged.granted and aged.reason == "no-budget" and aged.lease_id == ""
+    assert aged.pab_ms == pytest.approx(350.0) and aged.pab_tokens == 3400
+    assert len(agent.leases) == 1
+    # past its TTFT (w = 1000 > 450) on a replica with a lease in flight: refused too
+    late = await reserve("q3", 1000, waited_ms=1000.0)
+    assert not late.granted and late.reason == "no-budget"
+    # fresh (w = 0), the same prompt fits: 110 <= 350 -> granted, PAB_ms 350 - 100 = 250
+    fresh = await reserve("q4", 1000)
+    assert fresh.granted and fresh.pab_ms == pytest.approx(250.0)
+    # aged 100 ms: horizon 350, PAB_ms 350 - 200 = 150 >= 110 and 1000 <= floor(140 / 0.1) -> granted
+    ok = await reserve("q5", 1000, waited_ms=100.0)
+    assert ok.granted and ok.pab_ms == pytest.approx(150.0)
+    bad = await reserve("q6", 10, waited_ms=-1.0)
+    assert not bad.granted and bad.reason == "bad-request"

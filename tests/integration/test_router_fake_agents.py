@@ -324,6 +324,8 @@ async def test_zero_budget_queues_then_flows(fleet: Fleet) -> None:
     assert resp.status == 200
     assert resp.headers["x-fairbatch-replica"] == "r1"
     assert float(fleet.upstreams["r1"].hits[0]["x-fairbatch-queued-ms"]) >= 250
+    # the Reserve that won carried the request's age (arrival at the router -> Reserve)
+    assert fleet.admission["r1"].reserves[-1].waited_ms >= 250
     assert len(fleet.router.queue) == 0
 
 

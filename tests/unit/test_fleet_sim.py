@@ -57,6 +57,20 @@ def test_pab_refuses_a_replica_whose_budget_a_lease_took() -> None:
     assert sim.stats.grants == 1 and sim.stats.refusals == 1 and sim.stats.double_spends == 0
 
 
+def test_pab_reserve_plans_over_the_horizon_minus_the_wait() -> None:
+    # Idle replica, H = 900 ms. A 7000-token prompt costs 518.56 ms. Aged 300 ms: H_w = 600 >= 518.56
+    # and PAB_ms(H_w) = 600 (nothing reserved) -> granted; the answer is the fresh budget,
+    # 900 - 508.70 = 391.30 ms. A second one aged 300 ms: H_w = 600, PAB_ms = 600 - 508.70 = 91.30
+    # < 518.56 -> refused (a fresh one would be refused too: 391.30 < 518.56). A 2000-token prompt
+    # (155.20 ms): fresh 155.20 <= 391.30 -> fits; aged 300 ms: 155.20 > 91.30 -> refused.
+    sim = FleetSim(cfg("pab", replicas=1), [])
+    granted, _, after = sim.reserve(0, 7000, 0.0, waited_ms=300.0)
+    assert granted and after is not None and after.pab_ms == pytest.approx(391.3023)
+    assert not sim.reserve(0, 7000, 0.0, waited_ms=300.0)[0]
+    assert not sim.reserve(0, 2000, 0.0, waited_ms=300.0)[0]
+    assert sim.reserve(0, 2000, 0.0)[0]
+
+
 def _burst() -> list[FleetRequest]:
     # 48 prompts of 3000 tokens within 40 ms, 8 routers, 2 replicas: each replica can take
     # floor(900 / (b * 3000)) = 4 at once, so budgets run out while views are 200 ms stale.

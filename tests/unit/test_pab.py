@@ -6,6 +6,9 @@ TPOT 50 ms; margin 0.1 -> horizon H = 500 * 0.9 = 450 ms.
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from replica_agent.policy.leases import LeaseTable
@@ -14,6 +17,7 @@ from replica_agent.policy.pab import (
     PendingPrefill,
     ReplicaState,
     SloClass,
+    admits,
     class_budget,
     compute_budgets,
     fits,
@@ -161,3 +165,140 @@ def test_compute_budgets_per_class_and_validation():
         SloClass("x", 0.0, 1.0)
     with pytest.raises(ValueError):
         ReplicaState(0.0, (), (), 0, TM, 1.0)
+
+
+# ---------------------------------------------------------------- aged requests (waited_ms)
+
+AGED_CLASS = SloClass("aged", 1000.0, 100.0)  # margin 0 below -> H = 1000 ms
+
+
+def aged_state(decodes=(), prefills=()) -> ReplicaState:
+    return ReplicaState(0.0, tuple(decodes), tuple(prefills), 100_000, TM, 0.0)
+
+
+ONE_DECODE = DecodeState(next_deadline_ms=50.0, tpot_ms=100.0, context_tokens=1000, tokens_out=10, max_tokens=None)
+
+
+def test_waited_shortens_the_horizon_hand_worked():
+    st = aged_state([ONE_DECODE])
+    fresh = class_budget(st, AGED_CLASS)
+    aged = class_budget(st, AGED_CLASS, waited_ms=300.0)
+    # One iteration of the decode: a + b*|D| + c*ctx = 10 + 0.1 * 1 + 0.001 * 1000 = 11.1 ms.
+    # w = 0:   H = 1000 * (1 - 0) = 1000; N = floor((0 + 1000 - 50) / 100) + 1 = floor(9.5) + 1 = 10
+    #          decode reservation 10 * 11.1 = 111 ms; PAB_ms = 1000 - 111 = 889 ms
+    #          tokens: floor((889 - 10) / 0.1) = 8790; KV growth ceil(1000 / 100) + 1 = 11 -> 99 989
+    assert fresh.horizon_ms == 1000.0
+    assert fresh.decode_iterations == 10
+    assert fresh.decode_reservation_ms == pytest.approx(111.0)
+    assert fresh.pab_ms == pytest.approx(889.0)
+    assert fresh.pab_tokens == 8790
+    assert fresh.kv_limited_tokens == 99_989
+    # w = 300: H_w = 1000 - 300 = 700; N = floor((700 - 50) / 100) + 1 = floor(6.5) + 1 = 7
+    #          decode reservation 7 * 11.1 = 77.7 ms; PAB_ms = 700 - 77.7 = 622.3 ms
+    #          tokens: floor((622.3 - 10) / 0.1) = 6123; KV growth ceil(700 / 100) + 1 = 8 -> 99 992
+    assert aged.horizon_ms == 700.0
+    assert aged.decode_iterations == 7
+    assert aged.decode_reservation_ms == pytest.approx(77.7)
+    assert aged.pab_ms == pytest.approx(622.3)
+    assert aged.pab_tokens == 6123
+    assert aged.kv_limited_tokens == 99_992
+    # the router's conservative bound: PAB_ms(H) - w = 889 - 300 = 589 <= 622.3 = PAB_ms(H - w)
+    assert fresh.pab_ms - 300.0 == pytest.approx(589.0)
+    assert fresh.pab_ms - 300.0 <= aged.pab_ms
+    # waited_ms = 0 is the fresh budget itself
+    assert class_budget(st, AGED_CLASS, waited_ms=0.0) == fresh
+
+
+def test_prompt_fits_fresh_but_not_after_waiting():
+    st = aged_state([ONE_DECODE])
+    fresh = class_budget(st, AGED_CLASS)
+    # P = 6500: a + b*P = 10 + 650 = 660 ms.
+    #   w = 0:   660 <= 889 and 6500 <= 8790                       -> fits
+    #   w = 300: exact (agent): 660 <= H_w = 700 but 660 > 622.3   -> refused
+    #            router: 660 <= 1000 - 300 but 660 > 889 - 300 = 589 -> refused
+    assert fits(6500, fresh, TM) and admits(6500, st, AGED_CLASS)[0]
+    assert not admits(6500, st, AGED_CLASS, 300.0)[0]
+    assert not fits(6500, fresh, TM, waited_ms=300.0)
+    # P = 6000: 610 ms. Exact: 610 <= 622.3 and 6000 <= 6123 -> fits; the router's bound is
+    # conservative: 610 > 589 -> refused there (never the other way round)
+    ok, budget = admits(6000, st, AGED_CLASS, 300.0)
+    assert ok and budget.horizon_ms == 700.0
+    assert not fits(6000, fresh, TM, waited_ms=300.0)
+    # P = 5000: 510 ms <= 589 -> both admit; the router's token count floor((589 - 10) / 0.1) = 5790
+    assert fits(5000, fresh, TM, waited_ms=300.0) and admits(5000, st, AGED_CLASS, 300.0)[0]
+    assert fits(5790, fresh, TM, waited_ms=300.0) and not fits(5791, fresh, TM, waited_ms=300.0)
+
+
+def test_request_past_its_ttft_takes_only_an_idle_replica():
+    # w = 1200 > H = 1000: H_w = 0, every prompt's prefill exceeds it (the prefill-alone rule).
+    busy = aged_state([ONE_DECODE])
+    ok, budget = admits(100, busy, AGED_CLASS, 1200.0)
+    assert budget.horizon_ms == 0.0 and budget.pab_ms == 0.0
+    # the budget over H_w = 0 alone looks "idle" (pab_ms == horizon_ms == 0): the decode is due at
+    # 50 ms, after the empty horizon. admits() asks for nothing reserved over the full H instead.
+    assert fits(100, budget, TM)
+    assert not ok
+    assert not fits(100, class_budget(busy, AGED_CLASS), TM, waited_ms=1200.0)
+    # an idle replica takes it (KV 100 000 holds it), on both sides
+    idle = aged_state()
+    assert admits(100, idle, AGED_CLASS, 1200.0)[0]
+    assert fits(100, class_budget(idle, AGED_CLASS), TM, waited_ms=1200.0)
+    # with w = 950: H_w = 50; a 100-token prompt (20 ms) fits there by time: N over 50 ms is
+    # floor((50 - 50) / 100) + 1 = 1 -> 11.1 ms -> PAB_ms 38.9 >= 20 -> admitted by the exact rule;
+    # the router's bound 889 - 950 < 0 refuses it
+    assert admits(100, busy, AGED_CLASS, 950.0)[0]
+    assert not fits(100, class_budget(busy, AGED_CLASS), TM, waited_ms=950.0)
+
+
+def test_waited_ms_validation():
+    st = aged_state([ONE_DECODE])
+    b = class_budget(st, AGED_CLASS)
+    for bad in (-1.0, -1e-12, math.nan):
+        with pytest.raises(ValueError, match="waited_ms"):
+            class_budget(st, AGED_CLASS, bad)
+        with pytest.raises(ValueError, match="waited_ms"):
+            fits(100, b, TM, bad)
+        with pytest.raises(ValueError, match="waited_ms"):
+            admits(100, st, AGED_CLASS, bad)
+
+
+def _random_state(rng: random.Random) -> tuple[ReplicaState, SloClass]:
+    tm = TimeModel(rng.choice([0.0, 5.0, 10.0, 9.8626]), rng.choice([0.05, 0.1, 0.0726711]),
+                   rng.choice([0.0, 0.001, 0.0001]))  # fmt: skip
+    slo = SloClass("k", rng.choice([300.0, 500.0, 1000.0, 2500.0]), rng.choice([20.0, 50.0, 100.0]))
+    now = rng.uniform(0.0, 10_000.0)
+    decodes = [
+        DecodeState(now + rng.uniform(-300.0, 2000.0), rng.choice([20.0, 50.0, 100.0, 33.3]), rng.randint(1, 20_000),
+                    rng.randint(1, 500), rng.choice([None, rng.randint(1, 1000)]))
+        for _ in range(rng.choice([0, 0, 1, 2, 5, 20]))
+    ]  # fmt: skip
+    prefills = [PendingPrefill(rng.randint(1, 4000), rng.choice([0, 0, rng.randint(0, 1000)]))
+                for _ in range(rng.choice([0, 0, 1, 3]))]  # fmt: skip
+    kv = rng.choice([1_000_000, rng.randint(0, 20_000)])
+    return ReplicaState(now, decodes, prefills, kv, tm, rng.choice([0.0, 0.1, 0.25])), slo
+
+
+def test_router_rule_never_admits_what_the_agent_refuses():
+    """Property: fits(P, budget(H), tm, w) implies admits(P, state, slo, w) (pab.py "Aged requests")."""
+    rng = random.Random(20251129)
+    router_yes = agent_only = 0
+    for _ in range(4000):
+        st, slo = _random_state(rng)
+        tm = st.time_model
+        fresh = class_budget(st, slo)
+        h = fresh.horizon_ms
+        w = rng.choice([0.0, rng.uniform(0.0, h), rng.uniform(0.0, 1.5 * h), h, h * 2.0, rng.uniform(0.0, 50.0)])
+        exact = class_budget(st, slo, w)
+        by_time = tm.tokens_within_ms(fresh.pab_ms - w)
+        p = rng.choice([0, 1, rng.randint(0, 30_000), by_time, by_time + 1, fresh.pab_tokens, exact.pab_tokens,
+                        exact.pab_tokens + 1, tm.tokens_within_ms(exact.horizon_ms) + 1, exact.kv_limited_tokens])
+        p = max(0, p)
+        router = fits(p, fresh, tm, w)
+        agent, _ = admits(p, st, slo, w)
+        assert not router or agent, (st, slo, w, p)
+        assert exact.pab_ms >= fresh.pab_ms - w - 1e-9  # PAB_ms(H - w) >= PAB_ms(H) - w
+        if w == 0.0:
+            assert router == agent == fits(p, fresh, tm)
+        router_yes += router
+        agent_only += agent and not router
+    assert router_yes > 400 and agent_only > 100  # both sides of the rule are exercised

@@ -62,6 +62,33 @@ def test_hand_worked_four_replicas() -> None:
     assert res.candidates == () and res.reason == "fits"
 
 
+def test_waited_ms_shrinks_the_budget_and_the_headroom() -> None:
+    # P = 1000 -> 110 ms. r2: pab_ms 250, pab_tokens 2400; r3: pab_ms 400, pab_tokens 3900; H = 450.
+    reps = [view("r2", 250.0, 2400), view("r3", 400.0, 3900)]
+    reg = default_registry()
+    # w = 100: r2 150 - 110 = 40 ms left, tokens floor((150 - 10) / 0.1) = 1400 >= 1000 -> fits;
+    #          r3 300 ms -> fits. Headroom (pab - w - 110) / 450: r3 190/450, r2 40/450.
+    req = PlacementRequest("interactive", 1000, waited_ms=100.0)
+    assert HeadroomScorer().score(req, reps[0]) == pytest.approx(40.0 / 450.0)
+    assert HeadroomScorer().score(req, reps[1]) == pytest.approx(190.0 / 450.0)
+    for name in ("pab", "pab-chain"):
+        assert reg.build(name).place(req, reps).candidates == ("r3", "r2")
+    # w = 200: r2 50 ms < 110 -> out; r3 200 ms -> fits
+    for name in ("pab", "pab-chain"):
+        assert reg.build(name).place(PlacementRequest("interactive", 1000, waited_ms=200.0), reps).candidates == ("r3",)
+    # w = 300: r3 100 ms < 110 -> nowhere; the reason is the fit filter
+    for name in ("pab", "pab-chain"):
+        res = reg.build(name).place(PlacementRequest("interactive", 1000, waited_ms=300.0), reps)
+        assert res.candidates == () and res.reason == "fits"
+    # w = 400: 110 > H - w = 50 -> the prefill-alone rule: only an idle replica (pab_ms == H)
+    idle = [*reps, view("r9", H, 4400)]
+    for name in ("pab", "pab-chain"):
+        assert reg.build(name).place(PlacementRequest("interactive", 1000, waited_ms=400.0), idle).candidates == ("r9",)
+    # negative waited_ms raises like fits()
+    with pytest.raises(ValueError, match="waited_ms"):
+        reg.build("pab").place(PlacementRequest("interactive", 1000, waited_ms=-1.0), reps)
+
+
 def test_oversize_prompt_takes_the_idle_replica() -> None:
     # P = 5000 -> 510 ms > H = 450: r1 is idle (pab_ms == H) with KV for 5000; r2 idle without the KV.
     reps = [view("r0", 449.0, 4390), view("r1", H, 4400), view("r2", H, 4400, kv=4000)]
@@ -177,6 +204,23 @@ def random_prompt(rng: random.Random, reps: list[ReplicaView]) -> int:
     return rng.choice([0, 1, int(rng.lognormvariate(7.0, 1.2))])
 
 
+def random_waited(rng: random.Random, reps: list[ReplicaView]) -> float:
+    """Mostly 0 (fresh request), else random ages, often right where the budget or horizon minus
+    the age meets some prompt's prefill time, and ages past the horizon."""
+    r = rng.random()
+    if r < 0.4:
+        return 0.0
+    if reps and r < 0.75:
+        v = rng.choice(reps)
+        cb = next(iter(v.classes.values()), None)
+        if cb is not None:
+            t = v.time_model or TM
+            prefill = t.a_ms + t.b_ms_per_new_token * rng.randint(0, 5000)
+            base = rng.choice([cb.pab_ms, cb.horizon_ms])
+            return max(0.0, base - prefill + rng.choice([-2e-9, -5e-10, 0.0, 5e-10]))
+    return rng.choice([rng.uniform(0.0, 500.0), rng.uniform(0.0, 2000.0), 1e-9, 1000.0])
+
+
 @pytest.mark.parametrize("seed", [None, 1234])
 def test_fused_equals_chain_on_random_fleets(seed: int | None) -> None:
     rng = random.Random(20240611 if seed is None else seed)
@@ -193,7 +237,7 @@ def test_fused_equals_chain_on_random_fleets(seed: int | None) -> None:
         for _ in range(4):
             cls = rng.choice(CLASSES + ("unknown",)) if rng.random() < 0.1 else rng.choice(CLASSES)
             exclude = frozenset(rid for rid in ids if rng.random() < 0.15)
-            req = PlacementRequest(cls, random_prompt(rng, reps), exclude)
+            req = PlacementRequest(cls, random_prompt(rng, reps), exclude, random_waited(rng, reps))
             for k in ks:
                 want = chains[k].place(req, reps)
                 got = fused[k].place(req, reps)
@@ -215,11 +259,13 @@ def test_fused_place_chain_is_the_chain() -> None:
         assert policy.place_chain(req, reps) == chain.place(req, reps) == policy.place(req, reps)  # type: ignore[attr-defined]
 
 
-def test_fused_equals_chain_at_the_tolerance_edges() -> None:
+@pytest.mark.parametrize("waited_ms", [0.0, 100.0, 0.3])
+def test_fused_equals_chain_at_the_tolerance_edges(waited_ms: float) -> None:
     # Every combination of horizon, budget, token caps, KV, max prompt and prompt within a few 1e-9 ms
-    # or one token of the edges of the fit rule, one view at a time.
+    # or one token of the edges of the fit rule, one view at a time; with an age w, the horizon and
+    # budget are raised by w so that H - w and pab - w sit at the same edges.
     p0 = 4000
-    pf = TM.a_ms + TM.b_ms_per_new_token * p0  # prefill time of p0 tokens (ms)
+    pf = TM.a_ms + TM.b_ms_per_new_token * p0 + waited_ms  # prefill time of p0 tokens (ms), plus w
     reg = default_registry()
     fused, chain = reg.build("pab"), reg.build("pab-chain")
     checked = fitting = 0
@@ -230,7 +276,7 @@ def test_fused_equals_chain_at_the_tolerance_edges() -> None:
                     for mp in (0, p0 - 1, p0, p0 + 1):
                         v = ReplicaView("r0", True, True, TM, {"interactive": ClassBudget("interactive", h, pab, tokens, kvl)}, mp)
                         for p in (p0 - 1, p0, p0 + 1):
-                            req = PlacementRequest("interactive", p)
+                            req = PlacementRequest("interactive", p, waited_ms=waited_ms)
                             got, want = fused.place(req, [v]), chain.place(req, [v])
                             assert got == want, (h, pab, tokens, kvl, mp, p)
                             checked += 1
