@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -300,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the trace's known granularity, 3000 for mooncake-conv, else 0)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=1, help="worker processes (one policy sweep each)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep what --out already holds for the same trace/fleet/profile: other policies as they are, "
+                        "rows of a rerun policy joined by rate (this run's row wins)")  # fmt: skip
     return p
 
 
@@ -338,6 +342,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             "fraction_of_bound": round(cap / bound.rps, 3) if bound.rps > 0 else None,
             "rows": rows,
         }
+    if args.merge and os.path.exists(args.out):
+        with open(args.out) as f:
+            old = json.load(f)
+        if (old.get("trace"), old.get("replicas"), old.get("profile")) != (args.trace, args.replicas, args.profile):
+            raise SystemExit(f"--merge: {args.out} is a run of another trace, fleet size or profile")
+        for name, pol in old["policies"].items():
+            if name not in policies:
+                policies[name] = pol
+            else:  # same policy: union of the rows, this run's row wins at a rate both have
+                rows = {r["rate_rps"]: r for r in pol["rows"]}
+                rows.update({r["rate_rps"]: r for r in policies[name]["rows"]})
+                merged = [rows[k] for k in sorted(rows)]
+                cap, how = capacity(merged, 0.9)
+                policies[name] = {"capacity_rps": round(cap, 3), "capacity_bound": how,
+                                  "fraction_of_bound": round(cap / bound.rps, 3) if bound.rps > 0 else None,
+                                  "rows": merged}  # fmt: skip
+        policies = {n: policies[n] for n in POLICIES if n in policies}
+        rates = sorted(set(rates) | set(old.get("rates", [])))
     rr = policies.get("round-robin", {}).get("capacity_rps")
     base_caps = {n: policies[n]["capacity_rps"] for n in BASELINES if n in policies}
     best_name = max(base_caps, key=base_caps.__getitem__) if base_caps else None

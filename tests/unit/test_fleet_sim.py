@@ -142,3 +142,27 @@ def test_request_arriving_before_any_snapshot_waits_for_the_first_one() -> None:
     res = run_fleet(cfg("pab", replicas=2), [FleetRequest(0.0, 6000, 2)])
     assert res.records[0].outcome == "ok"
     assert res.records[0].token_times_ms[0] < 1000.0
+
+
+def test_bench_fleet_merge_joins_policies_and_rows(tmp_path) -> None:
+    import json
+
+    from loadgen.fleet.bench import main as bench_main
+
+    out = tmp_path / "fleet.json"
+    common = ["--trace", "azure-conv", "--replicas", "2", "--duration-s", "4", "--drain-s", "20", "--out", str(out)]
+    assert bench_main([*common, "--policies", "round-robin", "--rates", "1", "2"]) == 0
+    assert bench_main([*common, "--policies", "pab", "--rates", "1", "--merge"]) == 0
+    d = json.loads(out.read_text())
+    assert list(d["policies"]) == ["round-robin", "pab"]  # POLICIES order, the first run's policy kept
+    assert [r["rate_rps"] for r in d["policies"]["round-robin"]["rows"]] == [1.0, 2.0]
+    rr_cap = d["policies"]["round-robin"]["capacity_rps"]
+    assert d["policies"]["pab"]["x_round_robin"] == round(d["policies"]["pab"]["capacity_rps"] / rr_cap, 3)
+    # a rerun policy gets the union of its rows by rate
+    assert bench_main([*common, "--policies", "round-robin", "--rates", "3", "--merge"]) == 0
+    d = json.loads(out.read_text())
+    assert [r["rate_rps"] for r in d["policies"]["round-robin"]["rows"]] == [1.0, 2.0, 3.0]
+    assert d["rates"] == [1.0, 2.0, 3.0]
+    # another fleet size is refused, the file is kept
+    with pytest.raises(SystemExit, match="another trace"):
+        bench_main([*common[:3], "3", *common[4:], "--policies", "pab", "--rates", "1", "--merge"])
