@@ -11,12 +11,12 @@ OUT=${OUT:-docs/evaluation}
 mkdir -p "$OUT"
 P70=llama-2-70b-h100-tp4
 declare -A ARGS=(
-  [azure-conv-16]="--trace azure-conv --replicas 16 --rates 68 79 90 96 102 107 113 119 125 131 137"
+  [azure-conv-16]="--trace azure-conv --replicas 16 --rates 68 79 90 96 102 107 113 119 125 131 137 143 149 155 161 167"
   [azure-code-16]="--trace azure-code --replicas 16 --rates 16 24 32 40 50 60 72 84 90 96 102"
   [mooncake-conv-16]="--trace mooncake-conv --replicas 16 --ttft-ms 2500 --rates 5 8 11 14 16 18 20 22 24"
-  [azure-conv-16-70b]="--trace azure-conv --replicas 16 --profile $P70 --rates 74 86 99 105 111 117 123 130 136"
+  [azure-conv-16-70b]="--trace azure-conv --replicas 16 --profile $P70 --rates 74 86 99 105 111 117 123 130 136 142 148 154 160 166"
   [azure-code-16-70b]="--trace azure-code --replicas 16 --profile $P70 --rates 16 24 32 40 50 60 72 84 90 96 102"
-  [mooncake-conv-16-70b]="--trace mooncake-conv --replicas 16 --profile $P70 --ttft-ms 2500 --rates 5 8 11 14 16 18 20 22 24"
+  [mooncake-conv-16-70b]="--trace mooncake-conv --replicas 16 --profile $P70 --ttft-ms 2500 --rates 5 8 11 14 16 18 20 22 24 26 28 30 32 34"
   [azure-conv-64]="--trace azure-conv --replicas 64 --rates 361 429 452 474 497"
   [azure-code-64]="--trace azure-code --replicas 64 --rates 96 128 160 200 240 280 330 380 410 440"
   [mooncake-conv-64]="--trace mooncake-conv --replicas 64 --ttft-ms 2500 --rates 32 44 56 64 72 80 88"
