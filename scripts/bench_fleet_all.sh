@@ -3,7 +3,8 @@
 # replicas on the three embedded traces, both profiles. Engines run `vllm serve`'s own batch
 # defaults for the profile's GPU (A100: 2048 tokens / 256 seqs; H100: 8192 / 1024).
 # Usage: scripts/bench_fleet_all.sh [RUN ...]  (RUN = <trace>-<replicas>[-70b]; default: all)
-# Wall time on 2 shared cores: ~5 min per 16-replica run, ~15-25 min per 64-replica run.
+# Wall time on 2 shared cores: ~2-5 min per 16-replica run, ~10-25 min per 64-replica run, ~15 min
+# for the 256-replica run (three policies only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -19,10 +20,14 @@ declare -A ARGS=(
   [mooncake-conv-16-70b]="--trace mooncake-conv --replicas 16 --profile $P70 --ttft-ms 2500 --rates 5 8 11 14 16 18 20 22 24 26 28 30 32 34"
   [azure-conv-64]="--trace azure-conv --replicas 64 --rates 361 429 452 474 497"
   [azure-code-64]="--trace azure-code --replicas 64 --rates 96 128 160 200 240 280 330 380 410 440"
-  [mooncake-conv-64]="--trace mooncake-conv --replicas 64 --ttft-ms 2500 --rates 32 44 56 64 72 80 88"
+  [mooncake-conv-64]="--trace mooncake-conv --replicas 64 --ttft-ms 2500 --rates 32 44 56 64 72 80 88 96 104 112 120"
+  [azure-code-64-70b]="--trace azure-code --replicas 64 --profile $P70 --rates 200 240 280 330 380 410 440"
+  [mooncake-conv-64-70b]="--trace mooncake-conv --replicas 64 --profile $P70 --ttft-ms 2500 --rates 56 64 72 80 88 96 104"
+  [azure-code-256]="--trace azure-code --replicas 256 --policies round-robin least-outstanding pab+fairbatching
+                    --rates 1000 1150 1300 1450 1600 1750 1900"
 )
 ORDER=(azure-conv-16 azure-code-16 mooncake-conv-16 azure-conv-16-70b azure-code-16-70b mooncake-conv-16-70b
-       azure-code-64 mooncake-conv-64 azure-conv-64)
+       azure-code-64 mooncake-conv-64 azure-conv-64 azure-code-64-70b mooncake-conv-64-70b azure-code-256)
 RUNS=("$@")
 [ ${#RUNS[@]} -gt 0 ] || RUNS=("${ORDER[@]}")
 for run in "${RUNS[@]}"; do
