@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loadgen.sim.engine import EngineConfig, SimEngine
-from loadgen.sim.virtual import VirtualRequest, run_virtual
+from loadgen.sim.virtual import LivelockError, VirtualRequest, run_virtual
 from loadgen.stats import OK, REJECTED, RequestRecord, Slo, figures
 from loadgen.traces import TraceRequest, arrival_granularity_ms, load_trace, resolve_trace, spread_arrivals
 from replica_agent.policy.batching import POLICIES, PolicyConfig, make_policy
@@ -99,7 +99,12 @@ def run_point(setup: BenchSetup, policy: str, rate_rps: float, tpot_from_first_t
     pcfg = PolicyConfig(setup.ttft_ms, setup.tpot_ms, setup.token_budget, tpot_from_first_token)
     engine = SimEngine(cfg, make_policy(policy, pcfg))
     t0 = time.perf_counter()
-    run = run_virtual(reqs, engine)
+    try:
+        run = run_virtual(reqs, engine)
+    except LivelockError as e:
+        # the replica stopped serving: every SLO counts as missed at this rate
+        return {"rate_rps": round(rate_rps, 4), "requests": len(reqs), "slo_attainment": 0.0,
+                "envelope_attainment": 0.0, "error": str(e), "wall_s": round(time.perf_counter() - t0, 3)}  # fmt: skip
     wall_s = time.perf_counter() - t0
     records = [
         RequestRecord("all", rec.request.arrival_ms, rec.request.prompt_tokens, len(rec.token_times_ms),
@@ -175,8 +180,11 @@ def plot(result: dict[str, Any], path: str) -> None:
     for name, pol in result["policies"].items():
         rates = [r["rate_rps"] for r in pol["rows"]]
         axes[0].plot(rates, [r["slo_attainment"] for r in pol["rows"]], marker="o", label=name)
-        axes[1].plot(rates, [r["ttft_p99_ms"] for r in pol["rows"]], marker="o", label=name)
-        axes[2].plot(rates, [r["tpot_p99_ms"] for r in pol["rows"]], marker="o", label=name)
+        nan = float("nan")  # rows of a livelocked run (key "error") have no latencies
+        axes[1].plot(rates, [nan if r.get("ttft_p99_ms") is None else r["ttft_p99_ms"] for r in pol["rows"]],
+                     marker="o", label=name)  # fmt: skip
+        axes[2].plot(rates, [nan if r.get("tpot_p99_ms") is None else r["tpot_p99_ms"] for r in pol["rows"]],
+                     marker="o", label=name)  # fmt: skip
     axes[0].axhline(result["target_attainment"], color="grey", ls="--", lw=1)
     axes[0].set_ylabel("SLO attainment")
     axes[1].set_ylabel("TTFT p99 (ms)")

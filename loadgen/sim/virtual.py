@@ -93,12 +93,17 @@ class VirtualRun:
     residuals: ResidualTracker | None = None
 
 
+class LivelockError(RuntimeError):
+    """The engine keeps stepping but emits no token (see :func:`run_virtual`)."""
+
+
 def run_virtual(
     requests: Sequence[VirtualRequest],
     engine: SimEngine,
     step_log: TextIO | None = None,
     residuals: ResidualTracker | None = None,
     policy_time_model: TimeModel | None = None,
+    max_steps_without_token: int = 100_000,
 ) -> VirtualRun:
     """Replay ``requests`` through ``engine`` on a virtual clock (see the module docstring).
 
@@ -109,11 +114,21 @@ def run_virtual(
         residuals: fed (predicted by the policy's model, measured) every step; the policy is then
             given ``residuals.inflate(policy_time_model)``.
         policy_time_model: the model the policy believes (default: the engine's own).
+        max_steps_without_token: steps in a row without any token (first or decode) after which the
+            run is declared a livelock. A prefill finishing emits its first token, so a healthy run
+            stays far below (a 32k prompt in 2k chunks is 16 steps); a policy that starves decodes
+            while KV is full (prefill-first on Mooncake's 12k prompts: decodes never run, hold the
+            KV, prefills are preempted and recomputed forever) reaches it.
 
     Raises:
         RuntimeError: if the engine makes no progress while work exists and nothing will arrive.
+        LivelockError: (a RuntimeError) after ``max_steps_without_token`` token-less steps in a row.
+        ValueError: if ``max_steps_without_token`` < 1.
     """
+    if max_steps_without_token < 1:
+        raise ValueError(f"max_steps_without_token must be >= 1, got {max_steps_without_token}")
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_ms)
+    dry_steps = 0  # consecutive steps that emitted no token
     records = [VirtualRecord(r) for r in requests]
     by_id: dict[str, VirtualRecord] = {}
     base_model = policy_time_model if policy_time_model is not None else engine.config.time_model
@@ -148,6 +163,13 @@ def run_virtual(
             continue
         steps += 1
         end = result.end_ms
+        dry_steps = 0 if result.outputs else dry_steps + 1
+        if dry_steps >= max_steps_without_token:
+            raise LivelockError(
+                f"livelock: {dry_steps} steps in a row emitted no token (policy {engine.policy.name}, t={end:.0f} ms, "
+                f"{engine.num_running} running, {engine.num_waiting} waiting, "
+                f"{engine.counters.num_preemptions} preemptions so far): the batches only redo preempted work"
+            )
         for out in result.outputs:
             by_id[out.request_id].token_times_ms.append(end)
         if step_log is not None:

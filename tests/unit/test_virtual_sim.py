@@ -9,7 +9,7 @@ import random
 import pytest
 
 from loadgen.sim.engine import EngineConfig, SimEngine
-from loadgen.sim.virtual import VirtualRequest, run_virtual
+from loadgen.sim.virtual import LivelockError, VirtualRequest, run_virtual
 from replica_agent.policy.batching import POLICIES, PolicyConfig, make_policy
 from replica_agent.policy.residuals import ResidualTracker
 from replica_agent.policy.time_model import TimeModel
@@ -79,3 +79,24 @@ def test_residual_tracker_inflates_policy_model() -> None:
     m = eng.policy_time_model  # the believed model x 1.5
     assert (m.a_ms, m.b_ms_per_new_token, m.c_ms_per_context_token) == (
         pytest.approx(7.5), pytest.approx(0.075), pytest.approx(0.00075))  # fmt: skip
+
+
+def test_prefill_first_livelock_is_reported_not_spun_forever() -> None:
+    # 20 blocks of 16 = 320 KV slots; three 100-token prompts need 7 blocks each (21 > 20).
+    # prefill-first gives the whole 32-token budget to the waiting prefill every step, so r0 and r1
+    # (prefilled, 14 blocks) never decode and never free KV; r2's prefill grows to 6 blocks, needs a
+    # 7th, is preempted (newest), is re-admitted when its 6 blocks are free again, and so on: steps
+    # run forever, no token comes out.
+    reqs = [VirtualRequest(f"r{i}", float(i), 100, 20) for i in range(3)]
+
+    def eng(policy: str) -> SimEngine:
+        cfg = EngineConfig(TM, num_gpu_blocks=20, block_size=16, max_num_batched_tokens=32, max_num_seqs=32)
+        return SimEngine(cfg, make_policy(policy, PolicyConfig(500, 50)))
+
+    with pytest.raises(LivelockError, match=r"livelock: 1000 steps in a row emitted no token \(policy prefill-first"):
+        run_virtual(reqs, eng("prefill-first"), max_steps_without_token=1000)
+    # decode-first (vLLM's order) finishes the same work: decodes run, finish and free their blocks
+    run = run_virtual(reqs, eng("vllm-default"), max_steps_without_token=1000)
+    assert [len(r.token_times_ms) for r in run.records] == [20, 20, 20]
+    with pytest.raises(ValueError, match="max_steps_without_token"):
+        run_virtual(reqs, eng("vllm-default"), max_steps_without_token=0)
