@@ -192,8 +192,8 @@ def test_crafted_case_changes_stock_ordering(replica: PluginReplica) -> None:
         first: dict[str, float] = {}
         base = {"model": SERVED_MODEL_NAME, "ignore_eos": True}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as s:
-            t1 = asyncio.create_task(_stream(s, url, {**base, "prompt": make_prompt(20, 3), "max_tokens": 400}, d1, first))
-            t2 = asyncio.create_task(_stream(s, url, {**base, "prompt": make_prompt(20, 4), "max_tokens": 400,
+            t1 = asyncio.create_task(_stream(s, url, {**base, "prompt": make_prompt(20, 3), "max_tokens": 960}, d1, first))
+            t2 = asyncio.create_task(_stream(s, url, {**base, "prompt": make_prompt(20, 4), "max_tokens": 960,
                                                       "vllm_xargs": {"fairbatch_ttft_ms": 10, "fairbatch_tpot_ms": 10}},
                                              d2, first))
             while len(first) < 2:
