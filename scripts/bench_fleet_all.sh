@@ -23,11 +23,14 @@ declare -A ARGS=(
   [mooncake-conv-64]="--trace mooncake-conv --replicas 64 --ttft-ms 2500 --rates 32 44 56 64 72 80 88 96 104 112 120"
   [azure-code-64-70b]="--trace azure-code --replicas 64 --profile $P70 --rates 200 240 280 330 380 410 440"
   [mooncake-conv-64-70b]="--trace mooncake-conv --replicas 64 --profile $P70 --ttft-ms 2500 --rates 56 64 72 80 88 96 104"
+  [azure-conv-16-300s]="--trace azure-conv --replicas 16 --duration-s 300 --policies round-robin least-outstanding
+                        pab+fairbatching --rates 107 113 119 125 131 137"
   [azure-code-256]="--trace azure-code --replicas 256 --policies round-robin least-outstanding pab+fairbatching
                     --rates 1000 1150 1300 1450 1600 1750 1900"
 )
 ORDER=(azure-conv-16 azure-code-16 mooncake-conv-16 azure-conv-16-70b azure-code-16-70b mooncake-conv-16-70b
-       azure-code-64 mooncake-conv-64 azure-conv-64 azure-code-64-70b mooncake-conv-64-70b azure-code-256)
+       azure-code-64 mooncake-conv-64 azure-conv-64 azure-code-64-70b mooncake-conv-64-70b azure-code-256
+       azure-conv-16-300s)
 RUNS=("$@")
 [ ${#RUNS[@]} -gt 0 ] || RUNS=("${ORDER[@]}")
 for run in "${RUNS[@]}"; do

@@ -2,7 +2,8 @@
 
 1. Double-spend: R = 1, 2, 8 router copies, each with its own stale view (pushes every
    ``--push-period-ms``, ``--net-delay-ms`` per hop), with and without leases, on a 16-replica
-   fleet (loadgen/fleet/sim.py) near its capacity. A double-spend is a prefill admitted to a
+   fleet (loadgen/fleet/sim.py) past the analytic bound (1.2x, where budgets bind and Reserves
+   are refused), engines at `vllm serve` defaults. A double-spend is a prefill admitted to a
    replica beyond its PAB at grant time (Reserve with leases, arrival without).
 2. Push period: SLO attainment and goodput of ``pab+fairbatching`` at fixed rates for push periods
    10 ms .. 1 s, and the capacity interpolated between them (loadgen.bench_policies.capacity).
@@ -36,7 +37,7 @@ from loadgen.fleet.bench import Setup, analytic_bound, run_point
 from loadgen.fleet.sim import _Snapshot
 from loadgen.traces import load_trace, resolve_trace
 from replica_agent.policy.pab import ClassBudget
-from replica_agent.profiles import load_profile
+from replica_agent.profiles import load_profile, vllm_serve_batch_defaults
 from router.budgets import BudgetBook
 from router.placement import PlacementRequest, default_registry
 
@@ -81,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", default="azure-conv")
     p.add_argument("--profile", default="llama-3-8b-a100")
     p.add_argument("--replicas", type=int, default=16)
-    p.add_argument("--rate", type=float, default=None, help="req/s of part 1 (default 0.95 x analytic bound)")
-    p.add_argument("--push-rates", type=float, nargs="+", default=None, help="rates of part 2 (default 0.85/0.95/1.05 x bound)")
+    p.add_argument("--rate", type=float, default=None, help="req/s of part 1 (default 1.2 x analytic bound: past it, budgets bind and Reserves are refused)")
+    p.add_argument("--push-rates", type=float, nargs="+", default=None, help="rates of part 2 (default 1.0/1.15/1.3 x bound)")
     p.add_argument("--push-periods", type=float, nargs="+", default=[10, 50, 100, 250, 500, 1000])
     p.add_argument("--push-period-ms", type=float, default=100.0)
     p.add_argument("--net-delay-ms", type=float, default=1.0)
@@ -91,11 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge", action="store_true", help="keep the parts already in --out that this run skips")
     args = p.parse_args(argv)
     prof = load_profile(args.profile)
+    serve = vllm_serve_batch_defaults(prof.gpu)  # engines as `vllm serve` runs them on this GPU
     full = load_trace(resolve_trace(args.trace))
     kept = tuple(r for r in full if max(1, r.prompt_tokens) + max(1, r.output_tokens) <= 32768)
     native = len(kept) / ((full[-1].arrival_ms - full[0].arrival_ms) / 1000.0)
     bound = analytic_bound(kept, prof.time_model, prof.kv_capacity_tokens, 100.0, args.replicas)
-    rate = args.rate or round(0.95 * bound.rps, 1)
+    rate = args.rate or round(1.2 * bound.rps, 1)
     out: dict[str, Any] = {}
     if args.merge and os.path.exists(args.out):
         with open(args.out) as f:
@@ -105,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def setup(routers: int, push: float, leases: bool) -> Setup:
         return Setup(kept, native, args.replicas, args.profile, 1000.0, 100.0, args.duration_s, 60.0, routers,
-                     push, args.net_delay_ms, "fair", 0, leases, 32768, 0)  # fmt: skip
+                     push, args.net_delay_ms, "fair", 0, leases, 32768, 0,
+                     serve.max_num_batched_tokens, serve.max_num_seqs)  # fmt: skip
 
     if "double-spend" not in args.skip:
         rows = []
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                                "net_delay_ms": args.net_delay_ms, "rows": rows}  # fmt: skip
 
     if "push" not in args.skip:
-        rates = args.push_rates or [round(f * bound.rps, 1) for f in (0.85, 0.95, 1.05)]
+        rates = args.push_rates or [round(f * bound.rps, 1) for f in (1.0, 1.15, 1.3)]
         print(f"push period: pab+fairbatching, 1 router, rates {rates}")
         prow = []
         for period in args.push_periods:
