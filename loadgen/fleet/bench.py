@@ -120,9 +120,24 @@ def analytic_bound(
 
 
 def build_arrivals(
-    trace: Sequence[TraceRequest], native_rps: float, rate_rps: float, duration_s: float, windows: int, seed: int
+    trace: Sequence[TraceRequest],
+    native_rps: float,
+    rate_rps: float,
+    duration_s: float,
+    windows: int,
+    seed: int,
+    window_offset: float = 0.0,
 ) -> list[FleetRequest]:
-    """The interleaved, rate-scaled stream of the module docstring (sorted by arrival)."""
+    """The interleaved, rate-scaled stream of the module docstring (sorted by arrival).
+
+    ``window_offset`` in [0, 1) shifts every window start by that fraction of ``span / windows``
+    (window w starts at ``(w + window_offset) * span / windows``): other trace segments, same mix.
+
+    Raises:
+        ValueError: if ``window_offset`` is outside [0, 1).
+    """
+    if not 0.0 <= window_offset < 1.0:
+        raise ValueError(f"window_offset must be in [0, 1), got {window_offset}")
     span = max(1e-9, trace[-1].arrival_ms - trace[0].arrival_ms)
     scale = rate_rps / (windows * native_rps)
     horizon_ms = duration_s * 1000.0
@@ -131,7 +146,7 @@ def build_arrivals(
     shares = [s for _, s in TENANTS]
     out: list[tuple[float, int, int]] = []
     for w in range(windows):
-        start = trace[0].arrival_ms + w * span / windows
+        start = trace[0].arrival_ms + (w + window_offset) * span / windows
         for r in trace:
             t = ((r.arrival_ms - start) % span) / scale
             if t < horizon_ms:
@@ -162,6 +177,7 @@ class Setup:
     seed: int
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    window_offset: float = 0.0
 
 
 def fleet_config(setup: Setup, policy: str) -> FleetConfig:
@@ -184,7 +200,8 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 def run_point(setup: Setup, policy: str, rate_rps: float) -> dict[str, Any]:
     """One policy at one rate: a row of fleet.json."""
-    reqs = build_arrivals(setup.trace, setup.native_rps, rate_rps, setup.duration_s, setup.replicas, setup.seed)
+    reqs = build_arrivals(setup.trace, setup.native_rps, rate_rps, setup.duration_s, setup.replicas, setup.seed,
+                          setup.window_offset)  # fmt: skip
     res = run_fleet(fleet_config(setup, policy), reqs)
     slo = Slo(setup.ttft_ms, setup.tpot_ms)
     slos = {t: slo for t, _ in TENANTS}
@@ -299,7 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arrival-spread-ms", type=float, default=None,
                    help="spread each arrival uniformly over this many ms (undo timestamp quantisation; default: "
                         "the trace's known granularity, 3000 for mooncake-conv, else 0)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="tenant draw, push phases, power-of-two choices, arrival spread")
+    p.add_argument("--window-offset", type=float, default=0.0,
+                   help="shift every interleaved trace window by this fraction of span/N, in [0, 1): other trace "
+                        "segments for a second sample")  # fmt: skip
     p.add_argument("--jobs", type=int, default=1, help="worker processes (one policy sweep each)")
     p.add_argument("--merge", action="store_true",
                    help="keep what --out already holds for the same trace/fleet/profile: other policies as they are, "
@@ -325,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cap_tokens = args.queue_cap_tokens or prof.time_model.tokens_within_ms(args.ttft_ms)
     setup = Setup(kept, native, args.replicas, args.profile, args.ttft_ms, args.tpot_ms, args.duration_s,
                   args.drain_s, args.routers, args.push_period_ms, args.net_delay_ms, args.queue, cap_tokens,
-                  not args.no_leases, args.max_model_len, args.seed, max_tokens, max_seqs)  # fmt: skip
+                  not args.no_leases, args.max_model_len, args.seed, max_tokens, max_seqs,
+                  args.window_offset)  # fmt: skip
     t0 = time.perf_counter()
     jobs = [(setup, p, tuple(rates)) for p in args.policies]
     if args.jobs > 1:
@@ -345,8 +366,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.merge and os.path.exists(args.out):
         with open(args.out) as f:
             old = json.load(f)
-        if (old.get("trace"), old.get("replicas"), old.get("profile")) != (args.trace, args.replicas, args.profile):
-            raise SystemExit(f"--merge: {args.out} is a run of another trace, fleet size or profile")
+        if (old.get("trace"), old.get("replicas"), old.get("profile"), old.get("seed", 0), old.get("window_offset", 0.0)) != (
+            args.trace, args.replicas, args.profile, args.seed, args.window_offset
+        ):
+            raise SystemExit(f"--merge: {args.out} is a run of another trace, fleet size, profile, seed or window offset")
         for name, pol in old["policies"].items():
             if name not in policies:
                 policies[name] = pol
@@ -371,6 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "duration_s": args.duration_s, "drain_s": args.drain_s,
         "push_period_ms": args.push_period_ms, "net_delay_ms": args.net_delay_ms, "queue": args.queue,
         "leases": not args.no_leases, "static_queue_cap_tokens": cap_tokens, "seed": args.seed,
+        "window_offset": args.window_offset,
         "engine": {"max_num_batched_tokens": max_tokens, "max_num_seqs": max_seqs,
                    "vllm_serve_defaults": {"max_num_batched_tokens": serve.max_num_batched_tokens,
                                            "max_num_seqs": serve.max_num_seqs, "gpu": prof.gpu}},

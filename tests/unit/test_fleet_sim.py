@@ -166,3 +166,19 @@ def test_bench_fleet_merge_joins_policies_and_rows(tmp_path) -> None:
     # another fleet size is refused, the file is kept
     with pytest.raises(SystemExit, match="another trace"):
         bench_main([*common[:3], "3", *common[4:], "--policies", "pab", "--rates", "1", "--merge"])
+
+
+def test_build_arrivals_window_offset_takes_other_trace_segments() -> None:
+    from loadgen.fleet.bench import build_arrivals
+    from loadgen.traces import TraceRequest
+
+    # arrivals 0, 100, 200, 300 ms (span 300), prompt = 1..4 to tell them apart; one window, rate = native
+    trace = [TraceRequest(100.0 * i, i + 1, 1) for i in range(4)]
+    # offset 0.5: the window starts at 150 ms; t = ((a - 150) mod 300) / 1 -> 150, 250, 50, 150
+    got = build_arrivals(trace, 2.0, 2.0, 10.0, 1, 0, window_offset=0.5)
+    assert [(r.arrival_ms, r.prompt_tokens) for r in got] == [(50.0, 3), (150.0, 1), (150.0, 4), (250.0, 2)]
+    # offset 0: starts at 0; a = 300 wraps to 0
+    got0 = build_arrivals(trace, 2.0, 2.0, 10.0, 1, 0)
+    assert [(r.arrival_ms, r.prompt_tokens) for r in got0] == [(0.0, 1), (0.0, 4), (100.0, 2), (200.0, 3)]
+    with pytest.raises(ValueError, match="window_offset"):
+        build_arrivals(trace, 2.0, 2.0, 10.0, 1, 0, window_offset=1.0)
