@@ -183,6 +183,19 @@ def test_crafted_case_changes_stock_ordering(replica: PluginReplica) -> None:
     time budget = max(D2's slack, 10 ms), P is predicted at 451 ms, so P is chunked to fill the
     budget after the urgent D2, and the non-urgent D1 (huge slack) is left out of those steps.
     """
+    # The case needs P's prefill to run while D1 and D2 decode and before D2 has banked slack (a
+    # CPU decode step is shorter than D2's 10 ms TPOT, so D2 gains slack every token). On a loaded
+    # machine P can reach vLLM's scheduler too late; then both policies agree (or D1/D2 are done),
+    # every step is still checked against the pure policy, and the scenario is replayed (at most 4
+    # times) until a step where FairBatching and the stock order differ.
+    for _attempt in range(4):
+        if _crafted_attempt(replica):
+            return
+    pytest.fail("in 4 attempts P's prefill never ran while D1 and D2 were decoding (machine too slow?)")
+
+
+def _crafted_attempt(replica: PluginReplica) -> bool:
+    """One replay of the crafted case; False when no step of P's prefill told the policies apart."""
     tag = uuid.uuid4().hex[:8]
     d1, d2, p = f"d1-{tag}", f"d2-{tag}", f"p-{tag}"
     url = replica.url + "/v1/completions"
@@ -207,25 +220,39 @@ def test_crafted_case_changes_stock_ordering(replica: PluginReplica) -> None:
     recs = replica.records()[n_before:]
     prefill_steps = [r for r in recs if (q := _entry(r, p)) is not None and q["n"] > 0 and q["ph"] == "p"]
     assert prefill_steps, "P's prefill never appeared in the export"
-    changed = []
-    for r in prefill_steps:
-        e1, e2, ep = _entry(r, d1), _entry(r, d2), _entry(r, p)
-        if e1 and e2 and e1["q"] == "r" and e1["ph"] == "d" and e2["ph"] == "d":
-            if e1["n"] == 0 and e2["n"] == 1 and 0 < ep["n"] < ep["p"] - ep["c"]:
-                changed.append(r)
-    assert changed, [(r["proposed"], r["scheduled"]) for r in prefill_steps]
-    for r in changed:
-        assert r["mode"] == "fairbatching" and r["exact"], (r["proposed"], r["scheduled"])
+    overlap = [r for r in prefill_steps if (e1 := _entry(r, d1)) and (e2 := _entry(r, d2))
+               and e1["ph"] == "d" and e2["ph"] == "d"]  # fmt: skip
+    conclusive = []
+    for r in overlap:
+        assert r["mode"] == "fairbatching", r["mode"]
         state = _state_from_record(r)
+        p_id = _entry(r, p)["id"]
+        # the exported state is enough to recompute FairBatching's decision (plugin mode), and the
+        # plugin proposed exactly that decision (vLLM may trim a proposal, e.g. to what the KV
+        # manager allocates; exactness is checked on the steps that tell the policies apart)
+        again = dict(FairBatchingPolicy(DEFAULT_TTFT_MS, DEFAULT_TPOT_MS).form_batch(state).items)
+        proposed = dict((rid, n) for rid, n in r["proposed"])
+        assert set(again) == set(proposed), (again, proposed)
+        assert abs(again[p_id] - proposed[p_id]) <= 1  # slack is exported rounded to 1 us
         # the stock decision on the same state: every running decode first, then P's prefill
         stock = dict(VllmDefaultPolicy().form_batch(state).items)
-        d1_id = _entry(r, d1)["id"]
-        p_id = _entry(r, p)["id"]
-        assert stock.get(d1_id) == 1 and stock.get(p_id, 0) > dict(r["scheduled"])[p_id]
-        # the exported state is enough to recompute FairBatching's decision (plugin mode)
-        again = dict(FairBatchingPolicy(DEFAULT_TTFT_MS, DEFAULT_TPOT_MS).form_batch(state).items)
-        assert set(again) == set(r["scheduled"])
-        assert abs(again[p_id] - r["scheduled"][p_id]) <= 1  # slack is exported rounded to 1 us
+        if set(stock) != set(again) or abs(stock.get(p_id, 0) - again.get(p_id, 0)) > 1:
+            conclusive.append((r, stock))
+    if not conclusive:
+        # P arrived after D2 had banked slack (decode steps on CPU are shorter than its 10 ms
+        # TPOT), so the budget held everything and both policies agree: nothing to see here
+        return False
+    changed = []
+    for r, stock in conclusive:
+        e1, e2, ep = _entry(r, d1), _entry(r, d2), _entry(r, p)
+        if e1["q"] == "r" and e1["n"] == 0 and e2["n"] == 1 and 0 < ep["n"] < ep["p"] - ep["c"]:
+            # D1 left out, urgent D2 in, P chunked to the budget; stock takes D1 and more of P;
+            # vLLM executed the proposal as it was
+            assert r["exact"], (r["proposed"], r["scheduled"])
+            assert stock.get(e1["id"]) == 1 and stock.get(ep["id"], 0) > r["scheduled"][ep["id"]]
+            changed.append(r)
+    assert changed, [(r["proposed"], r["scheduled"]) for r, _ in conclusive]
+    return True
 
 
 def test_step_log_calibrates(replica: PluginReplica) -> None:
