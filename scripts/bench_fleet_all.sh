@@ -25,12 +25,17 @@ declare -A ARGS=(
   [mooncake-conv-64-70b]="--trace mooncake-conv --replicas 64 --profile $P70 --ttft-ms 2500 --rates 56 64 72 80 88 96 104"
   [azure-conv-16-300s]="--trace azure-conv --replicas 16 --duration-s 300 --policies round-robin least-outstanding
                         pab+fairbatching --rates 107 113 119 125 131 137"
+  [azure-conv-16-sample2]="--trace azure-conv --replicas 16 --seed 1 --window-offset 0.5
+                           --rates 68 79 90 96 102 107 113 119 125 131 137 143 149 155 161 167"
+  [azure-code-16-sample2]="--trace azure-code --replicas 16 --seed 1 --window-offset 0.5 --rates 16 24 32 40 50 60 72 84 90 96 102"
+  [mooncake-conv-16-sample2]="--trace mooncake-conv --replicas 16 --seed 1 --window-offset 0.5 --ttft-ms 2500
+                              --rates 5 8 11 14 16 18 20 22 24 26 28"
   [azure-code-256]="--trace azure-code --replicas 256 --policies round-robin least-outstanding pab+fairbatching
                     --rates 1000 1150 1300 1450 1600 1750 1900"
 )
 ORDER=(azure-conv-16 azure-code-16 mooncake-conv-16 azure-conv-16-70b azure-code-16-70b mooncake-conv-16-70b
        azure-code-64 mooncake-conv-64 azure-conv-64 azure-code-64-70b mooncake-conv-64-70b azure-code-256
-       azure-conv-16-300s)
+       azure-conv-16-300s azure-conv-16-sample2 azure-code-16-sample2 mooncake-conv-16-sample2)
 RUNS=("$@")
 [ ${#RUNS[@]} -gt 0 ] || RUNS=("${ORDER[@]}")
 for run in "${RUNS[@]}"; do
