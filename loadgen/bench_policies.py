@@ -38,12 +38,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from loadgen.sim.engine import EngineConfig, SimEngine
+from loadgen.bench_args import add_engine_and_trace_args, resolve_engine_and_trace_args
 from loadgen.sim.virtual import LivelockError, VirtualRequest, run_virtual
 from loadgen.stats import OK, REJECTED, RequestRecord, Slo, figures
-from loadgen.traces import TraceRequest, arrival_granularity_ms, load_trace, resolve_trace, spread_arrivals
+from loadgen.traces import TraceRequest, load_trace, resolve_trace, spread_arrivals
 from replica_agent.policy.batching import POLICIES, PolicyConfig, make_policy
 from replica_agent.policy.envelope import Envelope
-from replica_agent.profiles import load_profile, vllm_serve_batch_defaults
+from replica_agent.profiles import load_profile
 
 DEFAULT_POLICIES = ("vllm-default", "fairbatching", "fcfs", "prefill-first")
 
@@ -220,14 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attainment", choices=("tpot", "envelope"), default="tpot",
                    help="what a met SLO means for capacity: TTFT and TPOT targets (DESIGN section 2, default) or "
                         "every token inside the seed's deadline envelope")  # fmt: skip
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="engine token cap per iteration, every policy (default: what `vllm serve` uses on the "
-                        "profile's GPU: 2048 on A100, 8192 on H100)")  # fmt: skip
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="engine cap on running requests (default: `vllm serve`'s: 256 on A100, 1024 on H100)")
-    p.add_argument("--arrival-spread-ms", type=float, default=None,
-                   help="spread each arrival uniformly over this many ms (undo timestamp quantisation; default: "
-                        "the trace's known granularity, 3000 for mooncake-conv, else 0)")  # fmt: skip
+    add_engine_and_trace_args(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival spread")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=32768)
@@ -242,11 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep, write bench.json (and the plot), print a table. Returns the exit code."""
     args = build_parser().parse_args(argv)
-    spread_ms = arrival_granularity_ms(args.trace) if args.arrival_spread_ms is None else args.arrival_spread_ms
+    serve = resolve_engine_and_trace_args(args, args.variant)
+    spread_ms = args.arrival_spread_ms
     full = spread_arrivals(load_trace(resolve_trace(args.trace)), spread_ms, args.seed)
-    serve = vllm_serve_batch_defaults(load_profile(args.profile, args.variant).gpu)
-    args.max_num_batched_tokens = args.max_num_batched_tokens or serve.max_num_batched_tokens
-    args.max_num_seqs = args.max_num_seqs or serve.max_num_seqs
     kept = tuple(r for r in full if r.prompt_tokens + max(1, r.output_tokens) <= args.max_model_len)
     span_s = max(1e-9, (full[-1].arrival_ms - full[0].arrival_ms) / 1000.0)
     native = len(full) / span_s

@@ -55,12 +55,13 @@ from typing import Any
 
 import numpy as np
 
+from loadgen.bench_args import add_engine_and_trace_args, resolve_engine_and_trace_args
 from loadgen.bench_policies import capacity
 from loadgen.fleet.sim import POLICIES, FleetConfig, FleetRequest, run_fleet
 from loadgen.stats import Slo, figures, per_tenant
-from loadgen.traces import TraceRequest, arrival_granularity_ms, load_trace, resolve_trace, spread_arrivals
+from loadgen.traces import TraceRequest, load_trace, resolve_trace, spread_arrivals
 from replica_agent.policy.time_model import TimeModel
-from replica_agent.profiles import load_profile, vllm_serve_batch_defaults
+from replica_agent.profiles import load_profile
 
 DEFAULT_FRACTIONS = (0.4, 0.55, 0.7, 0.8, 0.9, 1.0, 1.1)
 """Default sweep: these fractions of the analytic bound (req/s)."""
@@ -308,14 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "within the TTFT target, floor((ttft - a) / b)")  # fmt: skip
     p.add_argument("--no-leases", action="store_true", help="pab routers forward without Reserve (double-spend demo)")
     p.add_argument("--max-model-len", type=int, default=32768)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="engine token cap per iteration, every policy (default: what `vllm serve` uses on the "
-                        "profile's GPU: 2048 on A100, 8192 on H100)")  # fmt: skip
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="engine cap on running requests (default: `vllm serve`'s: 256 on A100, 1024 on H100)")
-    p.add_argument("--arrival-spread-ms", type=float, default=None,
-                   help="spread each arrival uniformly over this many ms (undo timestamp quantisation; default: "
-                        "the trace's known granularity, 3000 for mooncake-conv, else 0)")  # fmt: skip
+    add_engine_and_trace_args(p)
     p.add_argument("--seed", type=int, default=0, help="tenant draw, push phases, power-of-two choices, arrival spread")
     p.add_argument("--window-offset", type=float, default=0.0,
                    help="shift every interleaved trace window by this fraction of span/N, in [0, 1): other trace "
@@ -330,15 +324,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep, write fleet.json (and the plot), print the table. Returns the exit code."""
     args = build_parser().parse_args(argv)
-    spread_ms = arrival_granularity_ms(args.trace) if args.arrival_spread_ms is None else args.arrival_spread_ms
+    serve = resolve_engine_and_trace_args(args)
+    spread_ms = args.arrival_spread_ms
     full = spread_arrivals(load_trace(resolve_trace(args.trace)), spread_ms, args.seed)
     kept = tuple(r for r in full if max(1, r.prompt_tokens) + max(1, r.output_tokens) <= args.max_model_len)
     span_s = max(1e-9, (full[-1].arrival_ms - full[0].arrival_ms) / 1000.0)
     native = len(kept) / span_s
     prof = load_profile(args.profile)
-    serve = vllm_serve_batch_defaults(prof.gpu)
-    max_tokens = args.max_num_batched_tokens or serve.max_num_batched_tokens
-    max_seqs = args.max_num_seqs or serve.max_num_seqs
+    max_tokens = args.max_num_batched_tokens
+    max_seqs = args.max_num_seqs
     bound = analytic_bound(kept, prof.time_model, prof.kv_capacity_tokens, args.tpot_ms, args.replicas,
                            max_seqs, max_tokens)  # fmt: skip
     rates = sorted(args.rates) if args.rates else [round(bound.rps * f, 2) for f in DEFAULT_FRACTIONS]

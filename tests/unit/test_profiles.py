@@ -29,3 +29,22 @@ def test_vllm_serve_defaults_follow_vllm_0_32_get_batch_defaults() -> None:
     assert vllm_serve_batch_defaults("B200") == ServeBatchDefaults(16384, 1024)
     with pytest.raises(KeyError, match="unknown GPU"):
         vllm_serve_batch_defaults("MI300X")
+
+
+def test_bench_flags_default_to_vllm_serve_and_the_trace_granularity() -> None:
+    import argparse
+
+    from loadgen.bench_args import add_engine_and_trace_args, resolve_engine_and_trace_args
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--profile")
+    p.add_argument("--trace")
+    add_engine_and_trace_args(p)
+    a = p.parse_args(["--profile", "llama-2-70b-h100-tp4", "--trace", "mooncake-conv"])
+    assert resolve_engine_and_trace_args(a) == ServeBatchDefaults(8192, 1024)
+    assert (a.max_num_batched_tokens, a.max_num_seqs, a.arrival_spread_ms) == (8192, 1024, 3000.0)
+    # explicit values win, including 0
+    a = p.parse_args(["--profile", "llama-3-8b-a100", "--trace", "mooncake-conv", "--max-num-batched-tokens", "8192",
+                      "--arrival-spread-ms", "0"])  # fmt: skip
+    resolve_engine_and_trace_args(a)
+    assert (a.max_num_batched_tokens, a.max_num_seqs, a.arrival_spread_ms) == (8192, 256, 0.0)

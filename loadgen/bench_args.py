@@ -1,0 +1,39 @@
+"""Command-line flags shared by the benchmarks (bench-policies, bench-fleet): engine settings and
+the trace's arrival spread, with the defaults resolved from the profile and the trace."""
+
+from __future__ import annotations
+
+import argparse
+
+from loadgen.traces import arrival_granularity_ms
+from replica_agent.profiles import ServeBatchDefaults, load_profile, vllm_serve_batch_defaults
+
+
+def add_engine_and_trace_args(p: argparse.ArgumentParser) -> None:
+    """Add ``--max-num-batched-tokens``, ``--max-num-seqs`` and ``--arrival-spread-ms`` (all default None)."""
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="engine token cap per iteration, every policy (default: what `vllm serve` uses on the "
+                        "profile's GPU: 2048 on A100, 8192 on H100)")  # fmt: skip
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="engine cap on running requests (default: `vllm serve`'s: 256 on A100, 1024 on H100)")
+    p.add_argument("--arrival-spread-ms", type=float, default=None,
+                   help="spread each arrival uniformly over this many ms (undo timestamp quantisation; default: "
+                        "the trace's known granularity, 3000 for mooncake-conv, else 0)")  # fmt: skip
+
+
+def resolve_engine_and_trace_args(args: argparse.Namespace, variant: str = "all_batches") -> ServeBatchDefaults:
+    """Fill the None defaults of :func:`add_engine_and_trace_args` in place; returns `vllm serve`'s defaults.
+
+    Reads ``args.profile`` (GPU of the profile) and ``args.trace`` (known timestamp granularity).
+
+    Raises:
+        KeyError: for an unknown profile or GPU.
+    """
+    serve = vllm_serve_batch_defaults(load_profile(args.profile, variant).gpu)
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = serve.max_num_batched_tokens
+    if args.max_num_seqs is None:
+        args.max_num_seqs = serve.max_num_seqs
+    if args.arrival_spread_ms is None:
+        args.arrival_spread_ms = arrival_granularity_ms(args.trace)
+    return serve
