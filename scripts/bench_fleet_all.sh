@@ -21,6 +21,7 @@ declare -A ARGS=(
   [azure-conv-64]="--trace azure-conv --replicas 64 --rates 361 429 452 474 497 520 545 570 595"
   [azure-code-64]="--trace azure-code --replicas 64 --rates 96 128 160 200 240 280 330 380 410 440"
   [mooncake-conv-64]="--trace mooncake-conv --replicas 64 --ttft-ms 2500 --rates 32 44 56 64 72 80 88 96 104 112 120"
+  [azure-conv-64-70b]="--trace azure-conv --replicas 64 --profile $P70 --rates 394 468 493 517 542 567 591 615"
   [azure-code-64-70b]="--trace azure-code --replicas 64 --profile $P70 --rates 200 240 280 330 380 410 440"
   [mooncake-conv-64-70b]="--trace mooncake-conv --replicas 64 --profile $P70 --ttft-ms 2500 --rates 56 64 72 80 88 96 104"
   [azure-conv-16-300s]="--trace azure-conv --replicas 16 --duration-s 300 --policies round-robin least-outstanding
@@ -34,7 +35,7 @@ declare -A ARGS=(
                     --rates 1000 1150 1300 1450 1600 1750 1900"
 )
 ORDER=(azure-conv-16 azure-code-16 mooncake-conv-16 azure-conv-16-70b azure-code-16-70b mooncake-conv-16-70b
-       azure-code-64 mooncake-conv-64 azure-conv-64 azure-code-64-70b mooncake-conv-64-70b azure-code-256
+       azure-code-64 mooncake-conv-64 azure-conv-64 azure-conv-64-70b azure-code-64-70b mooncake-conv-64-70b azure-code-256
        azure-conv-16-300s azure-conv-16-sample2 azure-code-16-sample2 mooncake-conv-16-sample2)
 RUNS=("$@")
 [ ${#RUNS[@]} -gt 0 ] || RUNS=("${ORDER[@]}")
