@@ -97,10 +97,14 @@ class WaitingRequest:
     seq: int = 0
     arrival_ms: float | None = None
 
+    @property
+    def arrived_ms(self) -> float:
+        """Router clock at the request's arrival at the router (``arrival_ms``, else ``enqueued_ms``)."""
+        return self.enqueued_ms if self.arrival_ms is None else self.arrival_ms
+
     def waited_ms(self, now_ms: float) -> float:
         """ms since the request's arrival at the router (>= 0): its TTFT has that much less left."""
-        arrival = self.enqueued_ms if self.arrival_ms is None else self.arrival_ms
-        return max(0.0, now_ms - arrival)
+        return max(0.0, now_ms - self.arrived_ms)
 
 
 class AdmissionQueue(Protocol):

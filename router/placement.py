@@ -404,7 +404,7 @@ class FusedPabPolicy(PlacementPolicy):
                     continue
             elif not (prefill_ms <= pab_eps and p <= normal_max):
                 continue
-            elif w and not p <= _tokens_within(pab_w, a, b):  # P <= floor((pab_ms - w - a) / b)
+            elif w and not p <= v.time_model.tokens_within_ms(pab_w):  # P <= floor((pab_ms - w - a) / b)
                 continue
             ns = inf if h <= 0 else -((pab_minus_a - bp) / h)  # -headroom (HeadroomScorer, negated as the picker does)
             if draw is None:
@@ -434,13 +434,6 @@ class FusedPabPolicy(PlacementPolicy):
         if k is None:
             top.sort()
         return PlacementResult(tuple([key[-1] for key in top]))
-
-
-def _tokens_within(budget_ms: float, a: float, b: float) -> int:
-    """``TimeModel.tokens_within_ms`` with the same operations: floor((budget - a) / b), >= 0."""
-    if budget_ms <= a:
-        return 0
-    return max(0, math.floor((budget_ms - a) / b + 1e-9))
 
 
 def _refusal_reason(request: PlacementRequest, replicas: Sequence[ReplicaView]) -> str:
@@ -529,12 +522,8 @@ def default_registry() -> PlacementRegistry:
         )
 
     def pab_policy(seed: int | None = None, max_candidates: int | None = DEFAULT_MAX_CANDIDATES) -> PlacementPolicy:
-        return FusedPabPolicy(
-            filters=[ExcludeFilter(), HealthyFilter(), FreshFilter(), MaxPromptFilter(), FitsFilter()],
-            scorers=[(HeadroomScorer(), 1.0)],
-            picker=HighestScorePicker(seed=seed),
-            max_candidates=max_candidates,
-        )
+        chain = pab_chain(seed)
+        return FusedPabPolicy(chain.filters, chain.scorers, chain.picker, max_candidates=max_candidates)
 
     reg.policies["pab"] = pab_policy
     reg.policies["pab-chain"] = pab_chain

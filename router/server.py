@@ -507,9 +507,8 @@ class Router:
         return None
 
     async def _admit_waiting(self, entry: WaitingRequest) -> Grant | None:
-        arrival_ms = entry.enqueued_ms if entry.arrival_ms is None else entry.arrival_ms
         return await self._place_and_reserve(
-            entry.slo_class, entry.prompt_tokens, entry.max_tokens, entry.request_id, entry.exclude, arrival_ms
+            entry.slo_class, entry.prompt_tokens, entry.max_tokens, entry.request_id, entry.exclude, entry.arrived_ms
         )
 
     async def _acquire(

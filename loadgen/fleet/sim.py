@@ -387,8 +387,7 @@ class _Router:
         return None
 
     async def _admit(self, entry: WaitingRequest) -> _Grant | None:
-        arrival = entry.enqueued_ms if entry.arrival_ms is None else entry.arrival_ms
-        return self._place(entry.slo_class, entry.prompt_tokens, entry.exclude, arrival)
+        return self._place(entry.slo_class, entry.prompt_tokens, entry.exclude, entry.arrived_ms)
 
     async def _orphan(self, grant: _Grant) -> None:  # never happens: simulated waiters do not leave
         self.sim.replicas[grant.replica].leases.release(grant.lease_id)
