@@ -393,7 +393,17 @@ async def test_killed_replica_reroutes_and_ends_streams_cleanly(vllm_fleet: Vllm
             return resp, resp.headers["x-fairbatch-replica"], buf
 
         streams = list(await asyncio.gather(*(open_stream(i) for i in range(12))))
-        victim_id = streams[0][1]
+        # the victim is the replica the router will prefer for the late requests (larger PAB, as the
+        # headroom scorer ranks them), among those holding a stream: otherwise every late request
+        # may go to the survivor and the re-route path is never exercised
+        def preference(rid: str) -> tuple[bool, float]:
+            m = agent_metrics(fleet.replica(rid))
+            pab_tokens = metric_value(m, "fairbatch_agent_pab_tokens") or 0.0
+            return pab_tokens >= 32, metric_value(m, "fairbatch_agent_pab_ms") or 0.0
+
+        holders = sorted({rid for _, rid, _ in streams})
+        prefs = dict(zip(holders, await asyncio.gather(*(asyncio.to_thread(preference, r) for r in holders))))
+        victim_id = max(holders, key=lambda rid: prefs[rid])
         survivor_id = "r1" if victim_id == "r0" else "r0"
         victim = fleet.replica(victim_id)
         assert victim.engine is not None
