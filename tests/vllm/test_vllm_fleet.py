@@ -378,9 +378,19 @@ async def test_killed_replica_reroutes_and_ends_streams_cleanly(vllm_fleet: Vllm
     fleet = vllm_fleet
     url = fleet.router_url
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as s:
-        # long streams on both replicas (started together, 12 so that each replica's steps are slow and
-        # a starved client still sees them mid-generation); read until each produced tokens
+        # The victim is r0 (vLLM's own KV sizing: budget to spare), the survivor r1. Every late request
+        # must meet the victim whatever the two budgets: the survivor's agent is paused until its budget
+        # is stale (snapshot TTL 1 s), so the router places only on r0; it resumes before the kill, so
+        # re-routed requests have somewhere to go.
+        victim_id, survivor_id = "r0", "r1"
+        victim, survivor = fleet.replica(victim_id), fleet.replica(survivor_id)
+        assert victim.engine is not None and survivor.agent is not None
+        api_pid = victim.engine.popen.pid  # `vllm serve` is the API server; started with a new session: pgid
+        core_pids = [p for p in _group_pids(api_pid) if p != api_pid]
+        assert core_pids, "no EngineCore/worker process found in the replica's process group"
+
         async def open_stream(i: int) -> tuple[aiohttp.ClientResponse, str, bytearray]:
+            """A 990-token stream, read until it produced tokens."""
             body = {"model": MODEL, "prompt": make_prompt(20, i), "max_tokens": 990, "ignore_eos": True,
                     "stream": True}
             resp = await s.post(url + "/v1/completions", json=body, headers=auth(fleet))
@@ -392,24 +402,31 @@ async def test_killed_replica_reroutes_and_ends_streams_cleanly(vllm_fleet: Vllm
                 buf += chunk
             return resp, resp.headers["x-fairbatch-replica"], buf
 
-        streams = list(await asyncio.gather(*(open_stream(i) for i in range(12))))
-        # the victim is the replica the router will prefer for the late requests (larger PAB, as the
-        # headroom scorer ranks them), among those holding a stream: otherwise every late request
-        # may go to the survivor and the re-route path is never exercised
-        def preference(rid: str) -> tuple[bool, float]:
-            m = agent_metrics(fleet.replica(rid))
-            pab_tokens = metric_value(m, "fairbatch_agent_pab_tokens") or 0.0
-            return pab_tokens >= 32, metric_value(m, "fairbatch_agent_pab_ms") or 0.0
+        async def usable() -> list[str]:
+            async with s.get(url + "/health") as resp:
+                return sorted((await resp.json())["replicas_usable"])
 
-        holders = sorted({rid for _, rid, _ in streams})
-        prefs = dict(zip(holders, await asyncio.gather(*(asyncio.to_thread(preference, r) for r in holders))))
-        victim_id = max(holders, key=lambda rid: prefs[rid])
-        survivor_id = "r1" if victim_id == "r0" else "r0"
-        victim = fleet.replica(victim_id)
-        assert victim.engine is not None
-        api_pid = victim.engine.popen.pid  # `vllm serve` is the API server; started with a new session: pgid
-        core_pids = [p for p in _group_pids(api_pid) if p != api_pid]
-        assert core_pids, "no EngineCore/worker process found in the replica's process group"
+        async def wait_usable(pred: Any, what: str) -> None:
+            deadline = time.monotonic() + 15.0
+            while not pred(now_usable := await usable()):
+                assert time.monotonic() < deadline, f"router never saw {what}: usable {now_usable}"
+                await asyncio.sleep(0.05)
+
+        # streams wherever the router puts them (the survivor's must not notice the kill)
+        streams = list(await asyncio.gather(*(open_stream(i) for i in range(4))))
+        os.kill(survivor.agent.popen.pid, signal.SIGSTOP)
+        try:
+            await wait_usable(lambda u: u == [victim_id], f"{survivor_id}'s budget go stale")
+            # streams on the victim only, then its engine core + worker stalled at once (phase 1: the API
+            # server stays alive, answers /metrics and 200 headers), before a stream can finish
+            on_victim = list(await asyncio.gather(*(open_stream(10 + i) for i in range(6))))
+            for p in core_pids:
+                os.kill(p, signal.SIGSTOP)
+        except BaseException:
+            os.kill(survivor.agent.popen.pid, signal.SIGCONT)
+            raise
+        assert {rid for _, rid, _ in on_victim} == {victim_id}, [rid for _, rid, _ in on_victim]
+        streams += on_victim
 
         async def later(i: int, stream: bool) -> tuple[int, str, Any]:
             body: dict[str, Any] = {"model": MODEL, "prompt": make_prompt(25, i), "max_tokens": 6, "ignore_eos": True}
@@ -420,15 +437,14 @@ async def test_killed_replica_reroutes_and_ends_streams_cleanly(vllm_fleet: Vllm
                 return resp.status, resp.headers.get("x-fairbatch-replica", ""), (
                     sse_events(raw) if stream and resp.status == 200 else json.loads(raw))
 
-        # phase 1: engine core + worker stalled, API server alive (answers /metrics and 200 headers)
-        for p in core_pids:
-            os.kill(p, signal.SIGSTOP)
         accepted = [asyncio.create_task(later(i, i % 2 == 0)) for i in range(6)]
         await asyncio.sleep(1.0)
         # phase 2: the whole replica hangs; the router still holds a fresh, healthy snapshot
         os.kill(api_pid, signal.SIGSTOP)
         unanswered = [asyncio.create_task(later(100 + i, i % 2 == 0)) for i in range(8)]
         await asyncio.sleep(0.5)
+        os.kill(survivor.agent.popen.pid, signal.SIGCONT)
+        await wait_usable(lambda u: survivor_id in u, f"{survivor_id}'s agent back")
         os.killpg(api_pid, signal.SIGKILL)
         t_kill = time.monotonic()
         # streaming requests on the victim: clean SSE error event, then [DONE], stream closed normally
