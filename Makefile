@@ -18,7 +18,7 @@ demo: $(STAMP)
 
 ## make test: every test (unit, integration over loopback)
 test: $(STAMP)
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rfEs
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit
@@ -29,7 +29,7 @@ vllm-env:
 
 ## make test-vllm: only the tests that start real vLLM processes (skipped without .venv-vllm)
 test-vllm: $(STAMP)
-	$(PY) -m pytest -q -rs -m vllm tests/vllm
+	$(PY) -m pytest -q -rfEs -m vllm tests/vllm
 
 ## make proto: regenerate the committed gRPC stubs from proto/admission.proto
 proto: $(STAMP)
