@@ -40,7 +40,7 @@ from replica_agent.policy.pab import SloClass
 from replica_agent.policy.time_model import TimeModel
 from replica_agent.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile
 from replica_agent.proxy import Proxy, ProxyConfig, make_session
-from replica_agent.runtime import run, setup_logging
+from replica_agent.runtime import hold_grpc_aio, run, setup_logging
 from replica_agent.telemetry import make_tracer
 
 log = logging.getLogger("replica_agent")
@@ -295,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             config_from_args(args)  # fail fast with a readable message
         except (ValueError, KeyError, OSError) as e:
             parser.error(str(e))
+        hold_grpc_aio()
         run(serve(args))
         return 0
     parser.error(f"unknown command {args.command!r}")

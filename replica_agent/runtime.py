@@ -17,6 +17,21 @@ def run(main: Coroutine[Any, Any, Any]) -> Any:
     return uvloop.run(main)
 
 
+def hold_grpc_aio() -> None:
+    """Hold one process-wide reference to grpc.aio's runtime (call once, before serving; a second call only adds a reference).
+
+    grpc.aio runs one completion-queue poller thread per process and shuts it down when the last aio
+    channel or server is freed; that shutdown joins the poller thread in a loop, from a destructor,
+    and can wait forever when the poller is blocked writing its wake-up byte to a socket that no event
+    loop reads any more (grpc/grpc PR #40989; issue #22365 recommends initialising from the main
+    thread). Holding a reference keeps the poller alive until the process exits (it is a daemon
+    thread), so neither a server's shutdown nor a test's closed loop can reach that join.
+    """
+    from grpc.experimental import aio as grpc_aio
+
+    grpc_aio.init_grpc_aio()
+
+
 def setup_logging(level: str = "INFO") -> None:
     """Plain structured-ish log lines on stderr (no prompt text is ever logged)."""
     logging.basicConfig(

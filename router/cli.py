@@ -27,7 +27,7 @@ import sys
 from aiohttp import web
 
 from replica_agent.clock import Clock
-from replica_agent.runtime import run, setup_logging
+from replica_agent.runtime import hold_grpc_aio, run, setup_logging
 from router.config import ConfigError, RouterConfig, load_config
 from router.server import Router
 
@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fairbatch-router: {exc}", file=sys.stderr)
         return 2
     router_id = args.router_id or f"router-{socket.gethostname()}-{os.getpid()}"
+    hold_grpc_aio()
     run(serve(config, args.host, args.port, clock, router_id, args.drain_s, args.config, args.reload_poll_s))
     return 0
 

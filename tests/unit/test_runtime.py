@@ -1,0 +1,47 @@
+"""replica_agent.runtime.hold_grpc_aio: grpc.aio's poller thread outlives every loop once held.
+
+Run in a child interpreter: the test session itself already holds the reference (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+SCRIPT = """
+import asyncio, sys, threading
+import grpc
+from replica_agent.runtime import hold_grpc_aio
+
+if sys.argv[1] == "hold":
+    hold_grpc_aio()
+
+async def serve_once() -> None:
+    server = grpc.aio.server()
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    await asyncio.wait_for(channel.channel_ready(), 10)
+    await channel.close()
+    await server.stop(None)
+
+for _ in range(2):  # two loops, as two tests or a restart would use
+    asyncio.run(serve_once())
+    print(sum("_poll_wrapper" in t.name for t in threading.enumerate()))
+"""
+
+
+def pollers_after_each_loop(mode: str) -> list[int]:
+    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return [int(line) for line in out.stdout.split()]
+
+
+def test_without_the_hold_grpc_shuts_its_poller_down_after_each_loop() -> None:
+    # the shutdown path (a join from a destructor) runs after every loop
+    assert pollers_after_each_loop("plain") == [0, 0]
+
+
+def test_held_grpc_keeps_one_poller_across_loops() -> None:
+    # one poller thread, never joined, and the second loop is still served through it
+    assert pollers_after_each_loop("hold") == [1, 1]
