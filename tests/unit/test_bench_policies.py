@@ -24,3 +24,28 @@ def test_capacity_bounds() -> None:
     assert capacity([{"rate_rps": 1.0, "slo_attainment": 0.5}], 0.9) == (0.0, "below-sweep")
     assert capacity([{"rate_rps": 1.0, "slo_attainment": 0.95}, {"rate_rps": 2.0, "slo_attainment": 0.91}], 0.9) == (
         2.0, "at-least")
+
+
+def test_trace_start_skips_the_gap_at_the_start_of_azure_code(tmp_path) -> None:
+    import json
+
+    from loadgen.bench_policies import main
+    from loadgen.traces import load_trace, resolve_trace
+
+    arrivals_s = [r.arrival_ms / 1000.0 for r in load_trace(resolve_trace("azure-code"))]
+    # the data: 63 requests in the first 39.3 s, then nothing until 183.06 s
+    assert sum(a < 183.0 for a in arrivals_s) == 63 and 39.0 < arrivals_s[62] < 39.5 and 183.0 < arrivals_s[63] < 183.1
+    native = len(arrivals_s) / (arrivals_s[-1] - arrivals_s[0])
+    out = tmp_path / "b.json"
+    assert main(["--trace", "azure-code", "--ttft-ms", "1000", "--tpot-ms", "100", "--policies", "vllm-default",
+                 "--rates", "1.0", "--duration-s", "60", "--trace-start-s", "183", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    # rate 1.0 scales arrival times by native / 1.0, so a 60 s window covers 60 * 1.0 / native s of
+    # trace from 183 s on
+    end_s = 183.0 + 60.0 * 1.0 / native
+    expected = sum(183.0 <= a < end_s for a in arrivals_s)
+    assert result["trace_start_s"] == 183.0
+    assert result["policies"]["vllm-default"]["rows"][0]["requests"] == expected
+    # the rate label is the trace's long-run average (gaps included): this dense segment offers
+    # about three times the labelled rate
+    assert expected > 2.5 * 60
