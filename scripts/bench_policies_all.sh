@@ -34,3 +34,27 @@ for t in azure-conv azure-code mooncake-conv; do
   bench --trace "$t" ${SLO[$t]} --rates ${RATES[$t]} --policies vllm-default fairbatching \
     --max-num-batched-tokens 8192 --out "$OUT/$t-8192.json" --plot "$OUT/$t-8192.png"
 done
+# TPOT 50 ms, the other end of issue 4's SLO range, under both yardsticks
+declare -A RATES50=([azure-conv]="2 3 4 5 6 7 8" [azure-code]="0.3 0.6 0.9 1.2 1.5 1.8"
+                    [mooncake-conv]="0.2 0.3 0.4 0.5 0.6 0.7 0.8 0.9")
+for t in azure-conv azure-code mooncake-conv; do
+  slo=${SLO[$t]/--tpot-ms 100/--tpot-ms 50}
+  # shellcheck disable=SC2086
+  bench --trace "$t" $slo --rates ${RATES50[$t]} --policies vllm-default fairbatching \
+    --out "$OUT/$t-tpot50.json" --plot "$OUT/$t-tpot50.png"
+  # shellcheck disable=SC2086
+  bench --trace "$t" $slo --rates ${RATES50[$t]} --policies vllm-default fairbatching \
+    --attainment envelope --seed-envelope --out "$OUT/$t-tpot50-envelope.json" --plot "$OUT/$t-tpot50-envelope.png"
+done
+# azure-code after its opening gap (63 requests in 0-39 s, nothing until 183 s)
+for tpot in 100 50; do
+  sfx=$([ "$tpot" = 100 ] && echo "" || echo "-tpot50")
+  for y in tpot envelope; do
+    extra=$([ "$y" = envelope ] && echo "--attainment envelope --seed-envelope" || echo "")
+    ysfx=$([ "$y" = envelope ] && echo "-envelope" || echo "")
+    # shellcheck disable=SC2086
+    bench --trace azure-code --ttft-ms 1000 --tpot-ms "$tpot" --duration-s 300 --trace-start-s 183 \
+      --rates 0.1 0.15 0.2 0.25 0.3 0.35 0.4 0.5 --policies vllm-default fairbatching $extra \
+      --out "$OUT/azure-code-start183$sfx$ysfx.json" --plot "$OUT/azure-code-start183$sfx$ysfx.png"
+  done
+done
