@@ -18,6 +18,8 @@ Policies live in :data:`POLICIES` (name -> class); :func:`make_policy` builds on
   prefills chunked to a fixed token budget (vLLM v1 chunked prefill, Sarathi-style).
 - ``fairbatching`` (:class:`FairBatchingPolicy`): deadline/slack batch formation inside a
   predicted time budget (seed 000, FairBatching, arXiv 2510.14392; DESIGN.md section 3).
+- ``fairbatching-pd`` (:class:`PrefillDeadlineFairBatchingPolicy`): FairBatching whose budget may
+  grow so the most urgent waiting prefill meets its first-token deadline (our extension).
 - ``fcfs`` (:class:`FcfsPolicy`): arrival order, prefill and decode alike.
 - ``prefill-first`` (:class:`PrefillFirstPolicy`): every prefill (arrival order) before any decode.
 """
@@ -367,6 +369,7 @@ class FairBatchingPolicy:
     default_ttft_ms: float = 1000.0
     default_tpot_ms: float = 100.0
     tpot_from_first_token: bool = True
+    prefill_deadline_budget: ClassVar[bool] = False
 
     @classmethod
     def from_config(cls, config: PolicyConfig) -> FairBatchingPolicy:
@@ -427,6 +430,7 @@ class FairBatchingPolicy:
                 prefills.append((slack_of(r, out)[0], r, rem, False))
 
         # 2.-3. budget, urgent split, order.
+        prefills.sort(key=_SLACK)
         if decodes:
             budget = min_slack if min_slack > min_tpot else min_tpot
             threshold = budget + min_tpot
@@ -434,10 +438,16 @@ class FairBatchingPolicy:
             non_urgent = [d for d in decodes if d[0] >= threshold]
             urgent.sort(key=_SLACK)
             non_urgent.sort(key=_SLACK)
+            if self.prefill_deadline_budget and prefills:
+                head_slack, head, head_rem, _ = prefills[0]
+                decode_ms = sum(b + c * r.computed_tokens for _, r in decodes)
+                budget = prefill_deadline_budget(
+                    budget, a + decode_ms + c * head.computed_tokens, b, head_rem, head_slack,
+                    state.max_num_batched_tokens,
+                )
         else:
             budget = math.inf
             urgent = non_urgent = []
-        prefills.sort(key=_SLACK)
 
         # 4. add while time, KV, token cap and sequence cap allow.
         batch = Batch()
@@ -503,6 +513,52 @@ class FairBatchingPolicy:
         return batch
 
 
+def prefill_deadline_budget(
+    budget_ms: float, fixed_ms: float, b_ms: float, remaining_tokens: int, slack_ms: float, token_cap: int
+) -> float:
+    """Step-time budget (ms) raised so that the most urgent prefill can still meet its first-token deadline.
+
+    Our extension of FairBatching's budget (seed 000 / DESIGN section 3 look only at decode slack;
+    measured on Mooncake at TPOT 50 ms, long prompts then miss TTFT at low load, docs/bench). With
+    steps of T ms, each step gives the prefill (T - F) / b tokens, F = ``fixed_ms`` (the step's fixed
+    cost a, the running decodes and the prefill's own context), so R remaining tokens take about
+    R * b * T / (T - F) ms. When that exceeds the prefill's slack s at T = ``budget_ms`` but some step
+    no longer than a full token cap (F + b * cap) meets it, the budget becomes the smallest such T:
+    T' = F * s / (s - R * b). Otherwise (it makes it anyway, or it cannot make it at all) the budget
+    is unchanged, and the decodes keep their protection.
+
+    Args:
+        budget_ms: FairBatching's budget max(min slack, min TPOT) (ms).
+        fixed_ms: F above (ms).
+        b_ms: time model's ms per new token.
+        remaining_tokens: prompt tokens the prefill still has to compute (R).
+        slack_ms: the prefill's slack to its first-token deadline (s, ms).
+        token_cap: max_num_batched_tokens (tokens).
+
+    Returns:
+        The step-time budget (ms), >= ``budget_ms``.
+    """
+    need_ms = remaining_tokens * b_ms
+    if slack_ms <= need_ms:  # cannot make it even with no per-step overhead
+        return budget_ms
+    if budget_ms > fixed_ms and need_ms * budget_ms / (budget_ms - fixed_ms) <= slack_ms:
+        return budget_ms  # on time at the seed's budget
+    raised = fixed_ms * slack_ms / (slack_ms - need_ms)
+    if raised > fixed_ms + b_ms * token_cap:
+        return budget_ms
+    return max(budget_ms, raised)
+
+
+@dataclass(slots=True)
+class PrefillDeadlineFairBatchingPolicy(FairBatchingPolicy):
+    """FairBatching whose step budget may grow for the most urgent waiting prefill
+    (:func:`prefill_deadline_budget`); everything else as :class:`FairBatchingPolicy`. Our
+    extension, not the seed's policy: opt in by name (``fairbatching-pd``)."""
+
+    name: ClassVar[str] = "fairbatching-pd"
+    prefill_deadline_budget: ClassVar[bool] = True
+
+
 def _most_urgent(
     urgent: list[tuple[float, SchedRequest]],
     prefills: list[tuple[float, SchedRequest, int, bool]],
@@ -533,6 +589,7 @@ def _most_urgent(
 POLICIES: dict[str, type[BatchingPolicy]] = {
     VllmDefaultPolicy.name: VllmDefaultPolicy,
     FairBatchingPolicy.name: FairBatchingPolicy,
+    PrefillDeadlineFairBatchingPolicy.name: PrefillDeadlineFairBatchingPolicy,
     FcfsPolicy.name: FcfsPolicy,
     PrefillFirstPolicy.name: PrefillFirstPolicy,
 }

@@ -129,8 +129,8 @@ def seed_case(prompt_p: int) -> tuple[list[SchedRequest], list[SchedRequest]]:
     return [d1, d2], [p]
 
 
-def test_registry_has_all_four() -> None:
-    assert set(POLICIES) == {"vllm-default", "fairbatching", "fcfs", "prefill-first"}
+def test_registry_has_all_five() -> None:
+    assert set(POLICIES) == {"vllm-default", "fairbatching", "fairbatching-pd", "fcfs", "prefill-first"}
     fb = make_policy("fairbatching", PolicyConfig(default_ttft_ms=700, default_tpot_ms=70))
     assert isinstance(fb, FairBatchingPolicy) and (fb.default_ttft_ms, fb.default_tpot_ms) == (700, 70)
     assert make_policy("vllm-default", PolicyConfig(token_budget=2048)).token_budget == 2048  # type: ignore[attr-defined]
