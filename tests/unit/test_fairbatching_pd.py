@@ -4,7 +4,8 @@ Time model a = 8 ms, b = 0.125 ms/new token, c = 0 (exact in binary). One runnin
 slack 0 and TPOT 50 ms -> the seed's budget max(0, 50) = 50 ms. Waiting prefill P: 2000 tokens
 (R * b = 250 ms of compute). F = a + D's token (0.125) = 8.125 ms.
 At 50 ms steps P gets (50 - 8.125) / 0.125 = 335 tokens a step and needs 250 * 50 / 41.875 =
-298.5 ms in all.
+298.5 ms in all. The policy plans against P's slack less one 50 ms step (and F with P's context at
+its last chunk, 0 here as c = 0).
 """
 
 from __future__ import annotations
@@ -43,16 +44,17 @@ def test_registered_and_separate_from_the_seed_policy() -> None:
 def test_budget_grows_to_the_smallest_step_that_meets_the_prefill_deadline() -> None:
     # slack 260 < 298.5: T' = F * s / (s - R b) = 8.125 * 260 / 10 = 211.25 ms
     assert prefill_deadline_budget(50.0, 8.125, 0.125, 2000, 260.0, 8192) == pytest.approx(211.25)
-    # P then gets (211.25 - 8.125) / 0.125 = 1625 tokens; the seed's policy gives it 335
-    assert make_policy("fairbatching-pd").form_batch(scene(260.0)).items == [("D", 1), ("P", 1625)]
-    assert FairBatchingPolicy().form_batch(scene(260.0)).items == [("D", 1), ("P", 335)]
+    # P with slack 310 is planned at 310 - 50 = 260: it gets (211.25 - 8.125) / 0.125 = 1625 tokens;
+    # the seed's policy gives it 335
+    assert make_policy("fairbatching-pd").form_batch(scene(310.0)).items == [("D", 1), ("P", 1625)]
+    assert FairBatchingPolicy().form_batch(scene(310.0)).items == [("D", 1), ("P", 335)]
 
 
 @pytest.mark.parametrize(("slack", "cap", "why"), [
-    (400.0, 8192, "on time at 50 ms steps (298.5 <= 400)"),
-    (240.0, 8192, "too late whatever the steps (240 < R b = 250)"),
-    (260.0, 1000, "needs 211.25 ms steps, more than a full cap: 8.125 + 0.125 * 1000 = 133.125"),
+    (450.0, 8192, "planned at 400: on time at 50 ms steps (298.5 <= 400)"),
+    (290.0, 8192, "planned at 240: too late whatever the steps (240 < R b = 250)"),
+    (310.0, 1000, "planned at 260: needs 211.25 ms steps, more than a full cap: 8.125 + 0.125 * 1000 = 133.125"),
 ])
 def test_budget_unchanged(slack: float, cap: int, why: str) -> None:
-    assert prefill_deadline_budget(50.0, 8.125, 0.125, 2000, slack, cap) == 50.0, why
+    assert prefill_deadline_budget(50.0, 8.125, 0.125, 2000, slack - 50.0, cap) == 50.0, why
     assert make_policy("fairbatching-pd").form_batch(scene(slack, cap)).items == [("D", 1), ("P", 335)], why
