@@ -4,6 +4,9 @@
 #   <trace>.json/.png           `vllm serve` defaults on A100 (2048 tokens / 256 seqs), DESIGN yardstick
 #   <trace>-envelope.json/.png  same engine, seed 000's envelope yardstick, FairBatching on the seed envelope
 #   <trace>-8192.json/.png      tuned engine (8192 tokens), DESIGN yardstick
+#   <trace>-tpot50[-envelope]   TPOT 50 ms under both yardsticks
+#   azure-code-start183*        azure-code after its opening gap (--trace-start-s 183)
+#   pd/, tb512/                 fairbatching-pd, and a 512-token vllm-default baseline
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -58,3 +61,24 @@ for tpot in 100 50; do
       --out "$OUT/azure-code-start183$sfx$ysfx.json" --plot "$OUT/azure-code-start183$sfx$ysfx.png"
   done
 done
+# FairBatching variants and baseline sensitivity (docs/bench/pd, docs/bench/tb512)
+mkdir -p "$OUT/pd" "$OUT/tb512"
+for cfg in "tpot100::--tpot-ms 100" "tpot50::--tpot-ms 50" "tpot50-envelope::--tpot-ms 50 --attainment envelope --seed-envelope"; do
+  name=${cfg%%::*}; args=${cfg#*::}
+  # shellcheck disable=SC2086
+  bench --trace azure-code --ttft-ms 1000 --duration-s 300 --trace-start-s 183 --rates 0.1 0.15 0.2 0.25 0.3 0.35 0.4 0.5 \
+    --policies vllm-default fairbatching fairbatching-pd $args --out "$OUT/pd/azure-code-start183-$name.json" | tee "$OUT/pd/azure-code-start183-$name.txt"
+  # shellcheck disable=SC2086
+  bench --trace azure-conv --ttft-ms 1000 --duration-s 300 --rates 2 3 4 5 6 6.5 7 7.5 8 \
+    --policies vllm-default fairbatching fairbatching-pd $args --out "$OUT/pd/azure-conv-$name.json" | tee "$OUT/pd/azure-conv-$name.txt"
+  # shellcheck disable=SC2086
+  bench --trace mooncake-conv --ttft-ms 2500 --duration-s 600 --rates 0.2 0.3 0.4 0.5 0.6 0.7 0.8 0.9 \
+    --policies vllm-default fairbatching fairbatching-pd $args --out "$OUT/pd/mooncake-conv-$name.json" | tee "$OUT/pd/mooncake-conv-$name.txt"
+done
+tb() { bench --policies vllm-default fairbatching --token-budget 512 --tpot-ms 100 "$@"; }
+tb --trace azure-code --ttft-ms 1000 --duration-s 300 --trace-start-s 183 --rates 0.1 0.15 0.2 0.25 0.3 0.35 0.4 0.5 \
+  --out "$OUT/tb512/azure-code-start183-tb512.json" | tee "$OUT/tb512/azure-code-start183-tb512.txt"
+tb --trace azure-conv --ttft-ms 1000 --duration-s 300 --rates 2 3 4 5 6 6.5 7 7.5 8 \
+  --out "$OUT/tb512/azure-conv-tb512.json" | tee "$OUT/tb512/azure-conv-tb512.txt"
+tb --trace mooncake-conv --ttft-ms 2500 --duration-s 600 --rates 0.2 0.3 0.4 0.5 0.6 0.7 0.8 0.9 \
+  --out "$OUT/tb512/mooncake-conv-tb512.json" | tee "$OUT/tb512/mooncake-conv-tb512.txt"

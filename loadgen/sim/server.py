@@ -49,7 +49,7 @@ from loadgen.sim.step_log import write_step
 from loadgen.sim.tokenizer import OUTPUT_TOKEN_TEXT, count_tokens, render_chat
 from replica_agent.clock import Clock
 from replica_agent.policy.batching import POLICIES, PolicyConfig, make_policy
-from replica_agent.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile
+from replica_agent.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile, vllm_serve_batch_defaults
 from replica_agent.runtime import run, setup_logging
 
 log = logging.getLogger("loadgen.sim.server")
@@ -79,8 +79,11 @@ class SimServerConfig:
         host, port: listen address.
         profile, variant: GPU profile (time model and default KV capacity), see replica_agent.profiles.
         time_scale: wall seconds per simulated second (> 0).
-        max_num_batched_tokens: token cap of one iteration (tokens).
-        max_num_seqs: cap on running requests.
+        max_num_batched_tokens: token cap of one iteration (tokens); None -> what ``vllm serve``
+            uses on the profile's GPU (``replica_agent.profiles.vllm_serve_batch_defaults``:
+            A100 2048, H100/H200 8192).
+        max_num_seqs: cap on running requests; None -> ``vllm serve``'s default on the GPU (A100
+            256, H100/H200 1024).
         block_size: tokens per KV block.
         num_gpu_blocks: KV blocks; None -> profile kv_capacity_tokens // block_size.
         max_model_len: cap on prompt + output tokens (tokens).
@@ -98,8 +101,8 @@ class SimServerConfig:
     profile: str = DEFAULT_PROFILE
     variant: str = DEFAULT_VARIANT
     time_scale: float = 1.0
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
     block_size: int = 16
     num_gpu_blocks: int | None = None
     max_model_len: int = 32768
@@ -224,14 +227,17 @@ class SimServer:
         if num_blocks is None:
             num_blocks = profile.kv_capacity_tokens // config.block_size
         self.model_name = config.served_model_name or profile.name
+        serve = vllm_serve_batch_defaults(profile.gpu)
+        max_tokens = serve.max_num_batched_tokens if config.max_num_batched_tokens is None else config.max_num_batched_tokens
+        max_seqs = serve.max_num_seqs if config.max_num_seqs is None else config.max_num_seqs
         self.clock = Clock(config.time_scale)
         self.engine = SimEngine(
             EngineConfig(
                 time_model=profile.time_model,
                 num_gpu_blocks=num_blocks,
                 block_size=config.block_size,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=max_tokens,
+                max_num_seqs=max_seqs,
                 max_model_len=config.max_model_len,
             ),
             make_policy(config.policy, PolicyConfig(config.default_ttft_ms, config.default_tpot_ms)),
@@ -694,10 +700,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", default=d.variant, help="fit variant of the profile")
     parser.add_argument("--time-scale", type=float, default=d.time_scale,
                         help="wall seconds per simulated second; 4 = four times slower than a GPU (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                        help="token cap of one step, as vLLM's (default: %(default)s)")
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                        help="requests in one step at most (default: %(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="token cap of one step, as vLLM's (default: vllm serve's on the profile's GPU: "
+                             "A100 2048, H100/H200 8192)")  # fmt: skip
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="requests in one step at most (default: vllm serve's on the GPU: A100 256, H100/H200 1024)")
     parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     parser.add_argument("--num-gpu-blocks", type=int, default=None,
                         help="KV blocks (default: profile kv_capacity_tokens // block_size)")  # fmt: skip

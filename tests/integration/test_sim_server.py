@@ -292,3 +292,14 @@ async def test_request_larger_than_kv_cache_is_400_with_request_id() -> None:
             assert r.status == 400 and r.headers["X-Request-Id"] == "big"
             assert "KV" in (await r.json())["error"]["message"]
         assert not sim.engine.has_work()
+
+
+def test_engine_defaults_are_vllm_serve_defaults_of_the_profile_gpu() -> None:
+    # vLLM 0.32.0 get_batch_defaults: A100 (80 GB included) 2048 / 256, H100 8192 / 1024
+    a100 = SimServer(SimServerConfig(profile="llama-3-8b-a100")).engine.config
+    assert (a100.max_num_batched_tokens, a100.max_num_seqs) == (2048, 256)
+    h100 = SimServer(SimServerConfig(profile="llama-2-70b-h100-tp4")).engine.config
+    assert (h100.max_num_batched_tokens, h100.max_num_seqs) == (8192, 1024)
+    # flags win over the defaults
+    tuned = SimServer(SimServerConfig(profile="llama-3-8b-a100", max_num_batched_tokens=8192, max_num_seqs=128))
+    assert (tuned.engine.config.max_num_batched_tokens, tuned.engine.config.max_num_seqs) == (8192, 128)

@@ -1,7 +1,7 @@
 """The virtual-clock simulator (loadgen/sim/virtual.py) and the real-time server agree on a short trace.
 
-Same engine settings as the server's defaults (llama-3-8b-a100, vllm-default policy, 8192-token cap,
-256 sequences, block 16), the first 40 s of the Azure conversation trace at 3x its rate (89 requests in 13.3 s). The server runs at
+Same engine settings as the server's defaults (llama-3-8b-a100, vllm-default policy, 2048-token cap
+and 256 sequences as vllm serve on an A100, block 16), the first 40 s of the Azure conversation trace at 3x its rate (89 requests in 13.3 s). The server runs at
 time scale 1 (one simulated ms is one wall ms) and adds real-world jitter (timer resolution, HTTP,
 the event loop), so the comparison is on aggregates with tolerances: mean TTFT within 25 % (it is the
 more jitter-sensitive figure: tens of ms), mean TPOT within 10 %, and every request the same number
@@ -46,7 +46,7 @@ async def test_virtual_and_real_time_engines_agree(engine_url: str) -> None:
     profile = load_profile("llama-3-8b-a100")
     engine = SimEngine(
         EngineConfig(time_model=profile.time_model, num_gpu_blocks=profile.kv_capacity_tokens // 16, block_size=16,
-                     max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=32768),
+                     max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=32768),
         make_policy("vllm-default", PolicyConfig(1000.0, 100.0)),
     )
     virtual = run_virtual([VirtualRequest(str(i), r.arrival_ms, r.prompt_tokens, r.output_tokens)
