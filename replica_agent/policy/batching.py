@@ -369,7 +369,7 @@ class FairBatchingPolicy:
     default_ttft_ms: float = 1000.0
     default_tpot_ms: float = 100.0
     tpot_from_first_token: bool = True
-    prefill_deadline_budget: ClassVar[bool] = False
+    raise_budget_for_prefills: ClassVar[bool] = False
 
     @classmethod
     def from_config(cls, config: PolicyConfig) -> FairBatchingPolicy:
@@ -438,7 +438,7 @@ class FairBatchingPolicy:
             non_urgent = [d for d in decodes if d[0] >= threshold]
             urgent.sort(key=_SLACK)
             non_urgent.sort(key=_SLACK)
-            if self.prefill_deadline_budget and prefills:
+            if self.raise_budget_for_prefills and prefills:
                 # conservative inputs: see prefill_deadline_budget
                 head_slack, head, head_rem, _ = prefills[0]
                 decode_ms = sum(b + c * r.computed_tokens for _, r in decodes)
@@ -561,7 +561,7 @@ class PrefillDeadlineFairBatchingPolicy(FairBatchingPolicy):
     extension, not the seed's policy: opt in by name (``fairbatching-pd``)."""
 
     name: ClassVar[str] = "fairbatching-pd"
-    prefill_deadline_budget: ClassVar[bool] = True
+    raise_budget_for_prefills: ClassVar[bool] = True
 
 
 def _most_urgent(

@@ -38,7 +38,7 @@ def scene(p_slack_ms: float, cap: int = 8192) -> SchedState:
 
 def test_registered_and_separate_from_the_seed_policy() -> None:
     assert isinstance(make_policy("fairbatching-pd"), PrefillDeadlineFairBatchingPolicy)
-    assert not FairBatchingPolicy.prefill_deadline_budget
+    assert not FairBatchingPolicy.raise_budget_for_prefills
 
 
 def test_budget_grows_to_the_smallest_step_that_meets_the_prefill_deadline() -> None:
