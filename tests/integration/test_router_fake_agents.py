@@ -199,7 +199,8 @@ class Fleet:
         return server, gport
 
     async def start(self, replicas: dict[str, float], modes: dict[str, str] | None = None,
-                    max_queue_ms: float = 3000, queue_max_requests: int = 64, silence_s: float = 10.0) -> None:
+                    max_queue_ms: float = 3000, queue_max_requests: int = 64, silence_s: float = 10.0,
+                    ttft_ms: float = 500) -> None:
         modes = modes or {}
         reps = []
         for rid, pab in replicas.items():
@@ -207,7 +208,7 @@ class Fleet:
             reps.append({"id": rid, "http_url": http_url, "grpc_target": target})
         config = RouterConfig.model_validate({
             "model": "sim-model",
-            "slo_classes": {"interactive": {"ttft_ms": 500, "tpot_ms": 50, "max_queue_ms": max_queue_ms}},
+            "slo_classes": {"interactive": {"ttft_ms": ttft_ms, "tpot_ms": 50, "max_queue_ms": max_queue_ms}},
             "tenants": {"acme": {"weight": 1, "slo_class": "interactive"}},
             "api_keys": {hash_api_key(API_KEY): "acme"},
             "replicas": reps,
@@ -403,7 +404,9 @@ async def test_no_usable_replica_is_503_no_replica_and_health_degraded(fleet: Fl
 
 
 async def test_agent_restart_stale_then_reconnects(fleet: Fleet) -> None:
-    await fleet.start({"r0": 400.0})
+    # TTFT 5 s, PAB 4 s, max queue 5 s: the queued request may wait out the reconnect backoff (up to 2 s) and still
+    # fit its aged budget (a + bP <= PAB - waited); with TTFT 500 ms it is shed as slo-infeasible
+    await fleet.start({"r0": 4000.0}, ttft_ms=5000, max_queue_ms=5000)
     assert fleet.router is not None
     old = fleet._grpc[0]
     port = int(fleet.router.config.replicas[0].grpc_target.rsplit(":", 1)[1])
@@ -417,7 +420,7 @@ async def test_agent_restart_stale_then_reconnects(fleet: Fleet) -> None:
     waiting = asyncio.create_task(fleet.post(completion()))  # nothing usable: queued ...
     await asyncio.sleep(0.2)
     assert not waiting.done()
-    await fleet.start_grpc(FakeAdmission("r0", 400.0), port)
+    await fleet.start_grpc(FakeAdmission("r0", 4000.0), port)
     resp = await asyncio.wait_for(waiting, 5.0)  # ... the watch reconnects (backoff <= 2 s) and it flows
     assert resp.status == 200 and resp.headers["x-fairbatch-replica"] == "r0"
 
