@@ -192,7 +192,7 @@ async def test_replicas_come_and_go_without_restart(fleet: Fleet) -> None:
 
     # a request that arrives before any replica waits in the queue, then flows when one appears
     early = asyncio.create_task(fleet.post())
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.1)  # short: the aged request must still fit PAB 400 ms - waited (TTFT 500 ms)
     assert not early.done() and len(router.queue) == 1
     source.set(r0)
     resp = await asyncio.wait_for(early, 5)
