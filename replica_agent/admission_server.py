@@ -19,6 +19,7 @@ import grpc
 
 from proto import admission_pb2, admission_pb2_grpc
 from replica_agent.agent import Agent, BudgetView
+from replica_agent.aio import wait_event
 from replica_agent.policy.pab import ClassBudget
 
 log = logging.getLogger(__name__)
@@ -80,10 +81,7 @@ class AdmissionService(admission_pb2_grpc.AdmissionServiceServicer):
         while True:
             changed = agent.change_event
             yield snapshot_pb(agent, agent.compute_budget(agent.clock.now_ms()))
-            try:
-                await asyncio.wait_for(changed.wait(), timeout=period_s)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(changed, period_s)
 
     async def Reserve(  # noqa: N802
         self, request: admission_pb2.ReserveRequest, context: grpc.aio.ServicerContext

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
+from replica_agent.aio import wait_event
 from replica_agent.clock import Clock
 
 log = logging.getLogger(__name__)
@@ -264,11 +265,7 @@ class Dispatcher(Generic[G]):
             nd = self.queue.next_deadline_ms()
             if nd is not None:
                 timeout = min(timeout, max(0.0, self.clock.to_wall_s(nd - self.clock.now_ms())) + 0.001)
-            if not self._wake.is_set():
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout)
-                except TimeoutError:
-                    pass
+            await wait_event(self._wake, timeout)
             self._wake.clear()
             try:
                 await self.dispatch_once()

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from replica_agent.clock import Clock
+from replica_agent.aio import wait_event
 from replica_agent.policy.time_model import TimeModel
 from replica_agent.policy.pab import ClassBudget
 from router.placement import ReplicaView
@@ -202,11 +203,7 @@ class BudgetBook:
         if timeout_s is None:
             await event.wait()
             return True
-        try:
-            await asyncio.wait_for(event.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
+        return await wait_event(event, timeout_s)
 
     # -------------------------------------------------------------- reads
 

@@ -27,6 +27,7 @@ import sys
 from aiohttp import web
 
 from replica_agent.clock import Clock
+from replica_agent.aio import wait_event
 from replica_agent.runtime import hold_grpc_aio, run, setup_logging
 from router.config import ConfigError, RouterConfig, load_config
 from router.server import Router
@@ -81,10 +82,7 @@ async def watch_config(router: Router, path: str, poll_s: float, hup: asyncio.Ev
     wall seconds; 0 = never polled). One reload at a time; runs until cancelled."""
     stamp = _file_stamp(path)
     while True:
-        try:
-            await asyncio.wait_for(hup.wait(), poll_s if poll_s > 0 else None)
-        except TimeoutError:
-            pass
+        await wait_event(hup, poll_s if poll_s > 0 else None)
         signalled = hup.is_set()
         hup.clear()
         new_stamp = _file_stamp(path)

@@ -48,6 +48,7 @@ from loadgen.sim.engine import EngineConfig, SimEngine, StepResult
 from loadgen.sim.step_log import write_step
 from loadgen.sim.tokenizer import OUTPUT_TOKEN_TEXT, count_tokens, render_chat
 from replica_agent.clock import Clock
+from replica_agent.aio import wait_event
 from replica_agent.policy.batching import POLICIES, PolicyConfig, make_policy
 from replica_agent.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile, vllm_serve_batch_defaults
 from replica_agent.runtime import run, setup_logging
@@ -300,8 +301,7 @@ class SimServer:
             if not result.batch.items:
                 # Nothing schedulable (cannot happen with the shipped policy); do not spin.
                 self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=0.01)
+                await wait_event(self._wake, 0.01)
                 sim_now = clock.now_ms()
                 continue
             delay_s = clock.to_wall_s(result.end_ms - clock.now_ms())
