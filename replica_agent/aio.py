@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 async def wait_event(event: asyncio.Event, timeout_s: float | None) -> bool:
@@ -26,4 +30,24 @@ async def wait_event(event: asyncio.Event, timeout_s: float | None) -> bool:
             await event.wait()
     except TimeoutError:
         return False
+    return True
+
+
+async def stop_task(task: asyncio.Task[Any], timeout_s: float = 5.0) -> bool:
+    """Cancel ``task`` and wait for it to end, at most ``timeout_s`` wall seconds.
+
+    ``asyncio.wait`` rather than ``await task`` inside ``try/except CancelledError``: that pattern
+    also swallows a cancellation aimed at the caller, and waits forever for a task that drops its
+    own (see :func:`wait_event`).
+
+    Returns:
+        True when the task ended in time (logged otherwise, and left running).
+    """
+    task.cancel()
+    done, _ = await asyncio.wait([task], timeout=timeout_s)
+    if not done:
+        log.warning("task %s did not stop within %.1f s of its cancellation", task.get_name(), timeout_s)
+        return False
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("task %s ended with %r", task.get_name(), task.exception())
     return True

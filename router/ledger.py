@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from replica_agent.aio import stop_task
+
 log = logging.getLogger(__name__)
 
 MINUTE_MS = 60_000.0
@@ -362,11 +364,7 @@ class RedisLedger:
     async def close(self) -> None:
         """Stop the reconnect loop and close the client."""
         if self._rejoin is not None:
-            self._rejoin.cancel()
-            try:
-                await self._rejoin
-            except asyncio.CancelledError:
-                pass
+            await stop_task(self._rejoin)
             self._rejoin = None
         try:
             await self._client.aclose()

@@ -46,6 +46,7 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from replica_agent.aio import stop_task
 from replica_agent.clock import Clock
 from replica_agent.telemetry import extract_context, inject_context, make_tracer
 from router.admission_queue import Dispatcher, QueueFull, QueueTimeout, WaitingRequest
@@ -193,20 +194,6 @@ def throttled(reason: str, message: str, retry_after_s: int = RETRY_AFTER_S) -> 
     )
 
 
-async def _stop_task(task: asyncio.Task[Any], timeout_s: float = 5.0) -> None:
-    """Cancel ``task`` and wait for it, at most ``timeout_s`` wall seconds (logged when it does not stop).
-
-    ``asyncio.wait`` rather than ``await task`` in ``try/except CancelledError``: the latter also
-    swallows a cancellation aimed at the caller.
-    """
-    task.cancel()
-    done, _ = await asyncio.wait([task], timeout=timeout_s)
-    if not done:
-        log.warning("task %s did not stop within %.1f s of its cancellation", task.get_name(), timeout_s)
-    elif not task.cancelled() and task.exception() is not None:
-        log.warning("task %s ended with %r", task.get_name(), task.exception())
-
-
 class Router:
     """All router state for one process; dependencies are built here and passed down.
 
@@ -304,10 +291,10 @@ class Router:
             await asyncio.wait([self._discovery_task], timeout=2.0)
             self._discovery_task = None
         if self._dispatch_task is not None:
-            await _stop_task(self._dispatch_task)
+            await stop_task(self._dispatch_task)
             self._dispatch_task = None
         if self._sync_task is not None:
-            await _stop_task(self._sync_task)
+            await stop_task(self._sync_task)
             self._sync_task = None
         if self._background:
             await asyncio.wait(list(self._background), timeout=2.0)

@@ -48,7 +48,7 @@ from loadgen.sim.engine import EngineConfig, SimEngine, StepResult
 from loadgen.sim.step_log import write_step
 from loadgen.sim.tokenizer import OUTPUT_TOKEN_TEXT, count_tokens, render_chat
 from replica_agent.clock import Clock
-from replica_agent.aio import wait_event
+from replica_agent.aio import stop_task, wait_event
 from replica_agent.policy.batching import POLICIES, PolicyConfig, make_policy
 from replica_agent.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile, vllm_serve_batch_defaults
 from replica_agent.runtime import run, setup_logging
@@ -345,9 +345,7 @@ class SimServer:
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task  # an engine-loop failure was already logged
+            await stop_task(task)  # an engine-loop failure was already logged
             for box in self._boxes.values():
                 box.error = "engine shutting down"
                 box.event.set()

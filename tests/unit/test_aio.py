@@ -49,3 +49,36 @@ async def test_wait_event_results() -> None:
     event.set()
     assert await wait_event(event, 0.01) is True
     assert await wait_event(event, None) is True
+
+
+async def test_stop_task_ends_a_task_and_bounds_one_that_ignores_its_cancellation() -> None:
+    from replica_agent.aio import stop_task
+
+    normal = asyncio.create_task(asyncio.sleep(10))
+    await asyncio.sleep(0)
+    assert await stop_task(normal, 1.0) is True and normal.cancelled()
+
+    release = asyncio.Event()
+
+    async def stubborn() -> None:  # drops every cancellation, as the 3.11 wait_for race can
+        while not release.is_set():
+            try:
+                await asyncio.sleep(0.02)
+            except asyncio.CancelledError:
+                continue
+
+    task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    assert await stop_task(task, 0.1) is False  # bounded: returns after 0.1 s, the task still runs
+    assert 0.09 <= loop.time() - t0 < 1.0 and not task.done()
+
+    # the caller's own cancellation is not swallowed while it waits
+    caller = asyncio.create_task(stop_task(task, 10.0))
+    await asyncio.sleep(0.01)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    release.set()  # let it end, so the test's loop can close
+    await asyncio.wait_for(task, 1.0)
