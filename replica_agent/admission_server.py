@@ -11,7 +11,6 @@ and a push follows at once.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 
