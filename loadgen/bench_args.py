@@ -30,10 +30,8 @@ def resolve_engine_and_trace_args(args: argparse.Namespace, variant: str = "all_
         KeyError: for an unknown profile or GPU.
     """
     serve = vllm_serve_batch_defaults(load_profile(args.profile, variant).gpu)
-    if args.max_num_batched_tokens is None:
-        args.max_num_batched_tokens = serve.max_num_batched_tokens
-    if args.max_num_seqs is None:
-        args.max_num_seqs = serve.max_num_seqs
+    batch = serve.resolve(args.max_num_batched_tokens, args.max_num_seqs)
+    args.max_num_batched_tokens, args.max_num_seqs = batch.max_num_batched_tokens, batch.max_num_seqs
     if args.arrival_spread_ms is None:
         args.arrival_spread_ms = arrival_granularity_ms(args.trace)
     return serve

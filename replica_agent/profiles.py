@@ -58,6 +58,13 @@ class ServeBatchDefaults:
     max_num_batched_tokens: int
     max_num_seqs: int
 
+    def resolve(self, max_num_batched_tokens: int | None, max_num_seqs: int | None) -> ServeBatchDefaults:
+        """The settings an engine runs with: each given flag, else this default (None = not given)."""
+        return ServeBatchDefaults(
+            self.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens,
+            self.max_num_seqs if max_num_seqs is None else max_num_seqs,
+        )
+
 
 _GIB = 1 << 30
 _MIB = 1 << 20

@@ -15,8 +15,8 @@ import asyncio
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from replica_agent.clock import Clock
 from replica_agent.aio import wait_event
+from replica_agent.clock import Clock
 from replica_agent.policy.time_model import TimeModel
 from replica_agent.policy.pab import ClassBudget
 from router.placement import ReplicaView
@@ -199,11 +199,7 @@ class BudgetBook:
 
     async def wait_changed(self, timeout_s: float | None = None) -> bool:
         """Wait for the next change (wall seconds timeout); True when woken by a change."""
-        event = self._changed
-        if timeout_s is None:
-            await event.wait()
-            return True
-        return await wait_event(event, timeout_s)
+        return await wait_event(self._changed, timeout_s)
 
     # -------------------------------------------------------------- reads
 

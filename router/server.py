@@ -287,8 +287,7 @@ class Router:
     async def close(self) -> None:
         """Stop discovery and the dispatcher, finish background releases (bounded), close clients."""
         if self._discovery_task is not None:
-            self._discovery_task.cancel()
-            await asyncio.wait([self._discovery_task], timeout=2.0)
+            await stop_task(self._discovery_task, 2.0)
             self._discovery_task = None
         if self._dispatch_task is not None:
             await stop_task(self._dispatch_task)

@@ -47,8 +47,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from loadgen.sim.engine import EngineConfig, SimEngine, StepResult
 from loadgen.sim.step_log import write_step
 from loadgen.sim.tokenizer import OUTPUT_TOKEN_TEXT, count_tokens, render_chat
-from replica_agent.clock import Clock
 from replica_agent.aio import stop_task, wait_event
+from replica_agent.clock import Clock
 from replica_agent.policy.batching import POLICIES, PolicyConfig, make_policy
 from replica_agent.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile, vllm_serve_batch_defaults
 from replica_agent.runtime import run, setup_logging
@@ -228,17 +228,15 @@ class SimServer:
         if num_blocks is None:
             num_blocks = profile.kv_capacity_tokens // config.block_size
         self.model_name = config.served_model_name or profile.name
-        serve = vllm_serve_batch_defaults(profile.gpu)
-        max_tokens = serve.max_num_batched_tokens if config.max_num_batched_tokens is None else config.max_num_batched_tokens
-        max_seqs = serve.max_num_seqs if config.max_num_seqs is None else config.max_num_seqs
+        batch = vllm_serve_batch_defaults(profile.gpu).resolve(config.max_num_batched_tokens, config.max_num_seqs)
         self.clock = Clock(config.time_scale)
         self.engine = SimEngine(
             EngineConfig(
                 time_model=profile.time_model,
                 num_gpu_blocks=num_blocks,
                 block_size=config.block_size,
-                max_num_batched_tokens=max_tokens,
-                max_num_seqs=max_seqs,
+                max_num_batched_tokens=batch.max_num_batched_tokens,
+                max_num_seqs=batch.max_num_seqs,
                 max_model_len=config.max_model_len,
             ),
             make_policy(config.policy, PolicyConfig(config.default_ttft_ms, config.default_tpot_ms)),

@@ -48,3 +48,10 @@ def test_bench_flags_default_to_vllm_serve_and_the_trace_granularity() -> None:
                       "--arrival-spread-ms", "0"])  # fmt: skip
     resolve_engine_and_trace_args(a)
     assert (a.max_num_batched_tokens, a.max_num_seqs, a.arrival_spread_ms) == (8192, 256, 0.0)
+
+
+def test_serve_defaults_resolve_keeps_given_flags() -> None:
+    a100 = vllm_serve_batch_defaults("A100")  # 2048 / 256
+    assert a100.resolve(None, None) == ServeBatchDefaults(2048, 256)
+    assert a100.resolve(8192, None) == ServeBatchDefaults(8192, 256)
+    assert a100.resolve(None, 64) == ServeBatchDefaults(2048, 64)
