@@ -8,10 +8,12 @@ scripts the same way. Every wait is bounded; :meth:`ProcessGroup.stop` ends ever
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -19,11 +21,75 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+@dataclass
+class PortPicker:
+    """Hands out loopback TCP ports for child servers, each port at most once, outside the OS's ephemeral range.
+
+    Why not ``bind(("127.0.0.1", 0))`` and pass that number on: the port is free only until the socket
+    is closed. Until the child binds it, any outbound connection on the machine may be given the same
+    port as its local port, since the OS picks both from the ephemeral range
+    (``/proc/sys/net/ipv4/ip_local_port_range``, 32768-60999 on Linux). A test fleet opens thousands
+    of client connections, so an agent then failed with "Address already in use" (CI, session 3).
+    Ports below that range are never handed to outbound connections; each one picked is checked free
+    with a bind and never handed out twice by this picker.
+
+    Attributes:
+        low, high: inclusive port range to pick from.
+        rng: random source (seeded per process, so concurrent test processes spread out).
+    """
+
+    low: int = 20000
+    high: int = 32767
+    rng: random.Random = field(default_factory=random.Random)
+    _given: set[int] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def pick(self, host: str = "127.0.0.1", tries: int = 200) -> int:
+        """A port on ``host`` that binds now and that this picker has not handed out before.
+
+        Raises:
+            RuntimeError: if ``tries`` random ports were all taken or handed out.
+        """
+        with self._lock:
+            for _ in range(tries):
+                port = self.rng.randint(self.low, self.high)
+                if port in self._given:
+                    continue
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    try:
+                        s.bind((host, port))
+                    except OSError:
+                        continue
+                self._given.add(port)
+                return port
+        raise RuntimeError(f"no free TCP port in {self.low}-{self.high} on {host} after {tries} tries")
+
+
+def ephemeral_port_range(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> tuple[int, int] | None:
+    """The OS's ephemeral (outbound) port range as ``(low, high)``, or None where it cannot be read."""
+    try:
+        low, high = (int(x) for x in path.read_text().split())
+    except (OSError, ValueError):
+        return None
+    return low, high
+
+
+def _default_picker() -> PortPicker:
+    span = ephemeral_port_range()
+    if span is not None and span[0] > 11024:
+        return PortPicker(low=span[0] - 10000, high=span[0] - 1)
+    return PortPicker()
+
+
+_PICKER = _default_picker()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 for a child server: free now, below the ephemeral range, unique in this process.
+
+    See :class:`PortPicker` for why the OS's own ``bind(0)`` choice is not used.
+    """
+    return _PICKER.pick()
 
 
 def script(name: str) -> list[str]:

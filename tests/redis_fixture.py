@@ -22,11 +22,7 @@ from pathlib import Path
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from loadgen.procs import free_port
 
 
 @dataclass
@@ -89,7 +85,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
             "redis-server NOT INSTALLED: the Redis ledger tests did not run "
             "(apt-get update && apt-get install -y redis-server)"
         )
-    server = RedisServer(binary, _free_port(), tmp_path_factory.mktemp("redis"))
+    server = RedisServer(binary, free_port(), tmp_path_factory.mktemp("redis"))
     server.start()
     try:
         yield server

@@ -23,6 +23,7 @@ from aiohttp import web
 from kubernetes import client as k8s
 
 from proto import admission_pb2, admission_pb2_grpc
+from loadgen.procs import free_port
 from replica_agent.clock import Clock
 from router.config import ReplicaConfig, RouterConfig, hash_api_key
 from router.discovery import KubernetesDiscovery, KubernetesEndpointSliceApi, Publish
@@ -339,14 +340,6 @@ def endpoint_slice(name: str, pods: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_router_with_kubernetes_discovery_against_an_api_server_double(fleet: Fleet) -> None:
     api_server = FakeApiServer("llm", "fb-agents")
     runner = web.AppRunner(api_server.app(), handler_cancellation=True, shutdown_timeout=1.0)
@@ -356,7 +349,7 @@ async def test_router_with_kubernetes_discovery_against_an_api_server_double(fle
     api_port = runner.addresses[0][1]
 
     # two "pods" on distinct loopback addresses with the same agent ports, as in a cluster
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = free_port(), free_port()
     await fleet.agent("vllm-0", host="127.0.0.2", http_port=http_port, grpc_port=grpc_port)
     await fleet.agent("vllm-1", pab_ms=440.0, host="127.0.0.3", http_port=http_port, grpc_port=grpc_port)
     api_server.slices["fb-agents-abc"] = endpoint_slice("fb-agents-abc", {"vllm-0": "127.0.0.2"})
