@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,20 @@ async def wait_event(event: asyncio.Event, timeout_s: float | None) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+async def within(aw: Awaitable[T], timeout_s: float | None) -> T:
+    """Await ``aw`` for at most ``timeout_s`` wall seconds (None: no limit) and return its result.
+
+    The same as ``asyncio.wait_for(aw, timeout_s)`` except that a cancellation of the caller
+    always propagates, also when ``aw`` completes in the same loop iteration (see
+    :func:`wait_event`; CPython gh-86296). On timeout ``aw`` is cancelled, as with ``wait_for``.
+
+    Raises:
+        TimeoutError: when ``timeout_s`` passes first.
+    """
+    async with asyncio.timeout(timeout_s):
+        return await aw
 
 
 async def stop_task(task: asyncio.Task[Any], timeout_s: float = 5.0) -> bool:

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from replica_agent.aio import within
 from router.config import DiscoveryConfig, ReplicaConfig
 
 log = logging.getLogger(__name__)
@@ -301,7 +302,7 @@ class DnsDiscovery:
         """The replicas the name resolves to now: ``{}`` when the name does not exist (no ready
         endpoint), None when the look-up failed otherwise or timed out (keep the last set)."""
         try:
-            infos = await asyncio.wait_for(self._resolver(self.name), self._timeout_s)
+            infos = await within(self._resolver(self.name), self._timeout_s)
         except socket.gaierror as exc:
             if exc.errno in _NO_NAME_ERRNOS:
                 return {}

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from replica_agent.aio import stop_task
+from replica_agent.aio import stop_task, within
 
 log = logging.getLogger(__name__)
 
@@ -356,7 +356,7 @@ class RedisLedger:
     async def start(self) -> None:
         """Check Redis once; degraded (local) at once when it does not answer."""
         try:
-            await asyncio.wait_for(self._client.ping(), self.timeout_s)
+            await within(self._client.ping(), self.timeout_s)
             log.info("ledger: using Redis at %s (prefix %s)", self.url, self.prefix)
         except self._errors as exc:
             self._fail(exc)
@@ -388,7 +388,7 @@ class RedisLedger:
         while True:
             await asyncio.sleep(delay)
             try:
-                await asyncio.wait_for(self._client.ping(), self.timeout_s)
+                await within(self._client.ping(), self.timeout_s)
             except self._errors:
                 delay = min(self.retry_max_s, delay * 2)
                 continue
@@ -399,7 +399,7 @@ class RedisLedger:
             return
 
     async def _call(self, coro: Any) -> Any:
-        return await asyncio.wait_for(coro, self.timeout_s)
+        return await within(coro, self.timeout_s)
 
     async def acquire(self, tenant: str, request_id: str, limits: TenantLimits, tokens: int) -> Ticket | Refusal:
         """Atomic acquire in Redis (local ledger while degraded)."""

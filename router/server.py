@@ -46,7 +46,7 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from replica_agent.aio import stop_task
+from replica_agent.aio import stop_task, within
 from replica_agent.clock import Clock
 from replica_agent.telemetry import extract_context, inject_context, make_tracer
 from router.admission_queue import Dispatcher, QueueFull, QueueTimeout, WaitingRequest
@@ -568,7 +568,7 @@ class Router:
         self.metrics.queue_depth.set(len(self.queue))
         self.dispatcher.wake()
         try:
-            grant = await asyncio.wait_for(entry.future, self.clock.to_wall_s(deadline_ms - now))
+            grant = await within(entry.future, self.clock.to_wall_s(deadline_ms - now))
             self._charge(principal.tenant, prompt_tokens, self._decode_estimate(max_tokens))
             return grant
         except TimeoutError:

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from replica_agent.aio import wait_event
+from replica_agent.aio import wait_event, within
 
 
 async def set_and_cancel_together(wait) -> str:
@@ -41,6 +41,36 @@ async def test_wait_event_propagates_a_cancellation_that_races_the_event() -> No
 async def test_wait_for_drops_that_cancellation_on_python_3_11() -> None:
     # the reason for wait_event: the same race through asyncio.wait_for loses the cancellation
     assert await set_and_cancel_together(lambda e: asyncio.wait_for(e.wait(), 10.0)) == "returned"
+
+
+async def test_within_propagates_a_cancellation_that_races_the_result() -> None:
+    # the router's queued request: its grant future is resolved just as the client leaves
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[str] = loop.create_future()
+
+    async def waiter() -> str:
+        return await within(fut, 10.0)
+
+    task = asyncio.create_task(waiter())
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    fut.set_result("grant")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert fut.result() == "grant"  # still there for the caller's cleanup to release
+
+
+async def test_within_results_and_timeout() -> None:
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[int] = loop.create_future()
+    done.set_result(7)
+    assert await within(done, 0.01) == 7
+    assert await within(asyncio.sleep(0, result="x"), None) == "x"
+    pending: asyncio.Future[int] = loop.create_future()
+    with pytest.raises(TimeoutError):
+        await within(pending, 0.01)
+    assert pending.cancelled()  # like wait_for, the awaited future is cancelled on timeout
 
 
 async def test_wait_event_results() -> None:
