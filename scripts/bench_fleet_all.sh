@@ -33,9 +33,15 @@ declare -A ARGS=(
                               --rates 5 8 11 14 16 18 20 22 24 26 28"
   [azure-code-256]="--trace azure-code --replicas 256 --policies round-robin least-outstanding pab+fairbatching
                     --rates 1000 1150 1300 1450 1600 1750 1900"
+  [mooncake-conv-256]="--trace mooncake-conv --replicas 256 --ttft-ms 2500
+                       --policies round-robin least-outstanding static-queue-cap pab+fairbatching
+                       --rates 200 230 260 290 320 350 380"
+  [azure-conv-256]="--trace azure-conv --replicas 256 --policies round-robin least-outstanding pab+fairbatching
+                    --rates 1750 1850 1950 2050 2150"
 )
 ORDER=(azure-conv-16 azure-code-16 mooncake-conv-16 azure-conv-16-70b azure-code-16-70b mooncake-conv-16-70b
        azure-code-64 mooncake-conv-64 azure-conv-64 azure-conv-64-70b azure-code-64-70b mooncake-conv-64-70b azure-code-256
+       mooncake-conv-256 azure-conv-256
        azure-conv-16-300s azure-conv-16-sample2 azure-code-16-sample2 mooncake-conv-16-sample2)
 RUNS=("$@")
 [ ${#RUNS[@]} -gt 0 ] || RUNS=("${ORDER[@]}")
