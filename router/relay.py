@@ -41,9 +41,12 @@ class RelayOutcome:
     """What happened to one forwarding attempt.
 
     Attributes:
-        kind: ``ok`` (answer relayed, stream complete), ``retryable`` (failed before any byte
-            reached the client), ``upstream_error`` (failed mid-stream; error event sent),
-            ``client_gone`` (client disconnected; upstream closed).
+        kind: ``ok`` (answer relayed, stream complete), ``refused`` (the engine answered with an
+            error status other than 502/503/504, e.g. 400 for a bad ``max_tokens`` or 404 for an
+            unknown model: relayed as is, no token produced, not retried since every replica
+            would answer the same), ``retryable`` (failed before any byte reached the client),
+            ``upstream_error`` (failed mid-stream; error event sent), ``client_gone`` (client
+            disconnected; upstream closed).
         response: the response to return from the handler (prepared when streamed); None when
             nothing was sent (retryable, or client gone before the first byte).
         status: upstream HTTP status (0 when no answer).
@@ -262,7 +265,9 @@ class Relay:
                 return RelayOutcome("retryable", status=status, detail=f"read: {exc.__class__.__name__}")
             headers = dict(response_headers)
             headers["Content-Type"] = ctype
-            return RelayOutcome("ok", web.Response(status=status, body=payload, headers=headers), status=status)
+            kind = "refused" if status >= 400 else "ok"
+            detail = f"upstream status {status}" if status >= 400 else ""
+            return RelayOutcome(kind, web.Response(status=status, body=payload, headers=headers), status, detail)
         return await self._relay_stream(request, upstream, ctype, response_headers)
 
     async def _relay_stream(

@@ -710,6 +710,11 @@ class Router:
                 if not stream and isinstance(outcome.response, web.Response):
                     self._correct_decode(principal.tenant, outcome.response, decode_estimate)
                 return "ok", outcome.response  # type: ignore[return-value]
+            if outcome.kind == "refused":  # the engine refused the request: relay its error, nothing ran
+                self._charge(principal.tenant, -prompt_tokens, -decode_estimate)
+                self._release(grant, "upstream-refused")
+                log.info("request %s: replica %s refused it: %s", request_id, grant.replica_id, outcome.detail)
+                return "upstream_refused", outcome.response  # type: ignore[return-value]
             if outcome.kind == "retryable":  # no token produced: refund the dispatch charge
                 self._charge(principal.tenant, -prompt_tokens, -decode_estimate)
             self._release(grant, "upstream-error" if outcome.kind != "client_gone" else "client-disconnect")

@@ -104,7 +104,7 @@ class FakeAdmission(admission_pb2_grpc.AdmissionServiceServicer):
 
 @dataclass
 class FakeUpstream:
-    """The agent's HTTP side. ``mode``: ok | fail503 | drop (close before any byte) | slow."""
+    """The agent's HTTP side. ``mode``: ok | fail503 | bad-request | drop (close before any byte) | slow."""
 
     replica_id: str
     mode: str = "ok"
@@ -125,6 +125,9 @@ class FakeUpstream:
         self.bodies.append(body)
         if self.mode == "fail503":
             return web.json_response({"error": {"message": "engine down"}}, status=503)
+        if self.mode == "bad-request":  # what vLLM answers to e.g. max_tokens: -5 (JSON, also when stream is set)
+            return web.json_response({"error": {"message": "max_tokens must be at least 1, got -5.",
+                                                "type": "BadRequestError", "param": None, "code": 400}}, status=400)
         if self.mode == "drop":
             request.transport.close()  # type: ignore[union-attr]
             await asyncio.sleep(0.05)
@@ -480,6 +483,30 @@ async def test_failure_before_first_byte_retried_elsewhere(fleet: Fleet, mode: s
     while not fleet.admission["r0"].releases and loop.time() < end:
         await asyncio.sleep(0.02)
     assert [r.lease_id for r in fleet.admission["r0"].releases] == ["r0-lease-1"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_engine_refusal_is_relayed_not_retried_and_frees_everything(fleet: Fleet, stream: bool) -> None:
+    # a 400 from the engine is the client's error: every replica would answer the same, so no retry; the
+    # lease goes back, the tenant is not charged for work that never ran, and the outcome is not "ok"
+    await fleet.start({"r0": 400.0, "r1": 300.0}, modes={"r0": "bad-request", "r1": "bad-request"})
+    assert fleet.router is not None
+    before = fleet.router.queue.counter("acme")
+    resp = await fleet.post(completion(stream=stream))
+    assert resp.status == 400 and resp.headers["x-fairbatch-replica"] == "r0"
+    assert (await resp.json())["error"]["message"] == "max_tokens must be at least 1, got -5."
+    assert len(fleet.upstreams["r0"].hits) == 1 and not fleet.upstreams["r1"].hits
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 2.0
+    while not fleet.admission["r0"].releases and loop.time() < end:
+        await asyncio.sleep(0.02)
+    assert [(r.lease_id, r.reason) for r in fleet.admission["r0"].releases] == [("r0-lease-1", "upstream-refused")]
+    assert fleet.admission["r0"].pab_ms == 400.0  # the reservation is back
+    assert fleet.router.queue.counter("acme") == before
+    metrics = await (await fleet.session.get(fleet.url + "/metrics")).text()  # type: ignore[union-attr]
+    assert 'fairbatch_router_requests_total{outcome="upstream_refused",slo_class="interactive",tenant="acme"} 1.0' \
+        in metrics
+    assert 'outcome="ok"' not in metrics
 
 
 async def test_failure_mid_stream_ends_with_error_event(fleet: Fleet) -> None:
