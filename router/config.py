@@ -14,7 +14,7 @@ Schema (docs/architecture.md, section "Router"; DESIGN.md section 6)::
       - {id: r0, http_url: "http://127.0.0.1:8101", grpc_target: "127.0.0.1:9101"}
     discovery: {mode: static}          # or kubernetes / dns: replicas found at run time (router/discovery.py)
     queue: {max_requests: 1024, max_tokens: 4000000, max_bypass: 8}
-    admission: {bytes_per_token: 4.0, reserve_timeout_ms: 200}
+    admission: {bytes_per_token: 4.0, reserve_timeout_ms: 200, estimate_refuse_factor: 2.0}
     telemetry: {otlp_endpoint: null, service_name: fairbatch-router}
     auth: {trusted_header: x-tenant, trusted_networks: ["10.0.0.0/8"]}   # optional gateway identity
     fairness: {w_prefill: 1.0, w_decode: 2.0, default_max_tokens: 256, counter_sync_ms: 100}
@@ -173,9 +173,15 @@ class AdmissionConfig(_Strict):
     Attributes:
         bytes_per_token: UTF-8 bytes per token of the text estimate (> 0).
         reserve_timeout_ms: deadline of one Reserve call (simulated ms, > 0).
+        estimate_refuse_factor: a prompt counted from its text (an estimate, not token ids) is
+            refused up front (400 ``context_length_exceeded``) only when the estimate exceeds every
+            replica's max context by this factor (>= 1); below it the request is placed with its
+            estimate capped at the largest max context, and the engine's own tokenizer decides (its
+            400 is relayed, the reservation freed). Token-id prompts are exact and refused at 1x.
     """
 
     bytes_per_token: float = Field(default=4.0, gt=0)
+    estimate_refuse_factor: float = Field(default=2.0, ge=1.0)
     reserve_timeout_ms: float = Field(default=200.0, gt=0)
 
 

@@ -473,6 +473,11 @@ def prompt_exceeds_every_replica(prompt_tokens: int, replicas: Sequence[ReplicaV
     return True
 
 
+def largest_max_prompt(replicas: Sequence[ReplicaView]) -> int:
+    """The largest max prompt length (tokens) that a replica reports; 0 when none reports one."""
+    return max((r.max_prompt_tokens for r in replicas), default=0)
+
+
 class PlacementRegistry:
     """Name -> factory for filters, scorers and pickers, and named policies built from them."""
 

@@ -62,10 +62,11 @@ from router.placement import (
     PlacementPolicy,
     PlacementRequest,
     default_registry,
+    largest_max_prompt,
     prompt_exceeds_every_replica,
 )
 from router.relay import Relay, RelayOutcome, UpstreamAbort
-from router.tokens import PromptError, estimate_prompt_tokens
+from router.tokens import PromptError, estimate_prompt_tokens, prompt_is_exact
 
 log = logging.getLogger(__name__)
 
@@ -636,13 +637,31 @@ class Router:
             return "bad_request", openai_error(400, str(exc), param="messages" if chat else "prompt")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         max_tokens = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else 0
-        if prompt_exceeds_every_replica(prompt_tokens, self.book.views()):
-            return "bad_request", openai_error(
-                400,
-                f"The prompt ({prompt_tokens} tokens, estimated) is longer than every replica's maximum context.",
-                param="messages" if chat else "prompt",
-                code="context_length_exceeded",
-            )
+        views = self.book.views()
+        if prompt_is_exact(body, chat):
+            if prompt_exceeds_every_replica(prompt_tokens, views):
+                return "bad_request", openai_error(
+                    400,
+                    f"The prompt ({prompt_tokens} tokens) is longer than every replica's maximum context "
+                    f"({largest_max_prompt(views)} tokens).",
+                    param="prompt",
+                    code="context_length_exceeded",
+                )
+        else:
+            factor = self.config.admission.estimate_refuse_factor
+            if prompt_exceeds_every_replica(math.ceil(prompt_tokens / factor), views):
+                return "bad_request", openai_error(
+                    400,
+                    f"The prompt (about {prompt_tokens} tokens, estimated at "
+                    f"{self.config.admission.bytes_per_token:g} bytes per token) is longer than every replica's "
+                    f"maximum context ({largest_max_prompt(views)} tokens) by more than {factor:g}x.",
+                    param="messages" if chat else "prompt",
+                    code="context_length_exceeded",
+                )
+            # an estimate may overcount: place with at most the largest context, the engine's tokenizer decides
+            cap = largest_max_prompt(views)
+            if cap > 0:
+                prompt_tokens = min(prompt_tokens, cap)
 
         limits = self.limits.get(principal.tenant, TenantLimits())
         quota = await self.ledger.acquire(

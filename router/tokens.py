@@ -89,6 +89,17 @@ def chat_prompt_tokens(messages: Any, bytes_per_token: float) -> int:
     return total
 
 
+def prompt_is_exact(body: Mapping[str, Any], chat: bool) -> bool:
+    """True when :func:`estimate_prompt_tokens` is an exact count: a completion prompt of token ids only
+    (``[1, 2]`` or ``[[1, 2], [3]]``). Text and chat prompts are estimates (no tokenizer runs here)."""
+    if chat:
+        return False
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    return _is_token_ids(prompt) or all(isinstance(p, list) and _is_token_ids(p) for p in prompt)
+
+
 def estimate_prompt_tokens(body: Mapping[str, Any], chat: bool, bytes_per_token: float) -> int:
     """Prompt tokens of an OpenAI request body (``chat`` selects ``messages`` over ``prompt``).
 

@@ -377,9 +377,26 @@ async def test_auth_and_bad_requests(fleet: Fleet) -> None:
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "prompt"
     resp = await fleet.post({"prompt": "hi"})
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "model"
-    resp = await fleet.post({"model": "m", "prompt": [1] * 40000})
-    assert resp.status == 400 and (await resp.json())["error"]["code"] == "context_length_exceeded"
+    resp = await fleet.post({"model": "m", "prompt": [1] * 40000})  # token ids: exact, refused at 1x
+    err = (await resp.json())["error"]
+    assert resp.status == 400 and err["code"] == "context_length_exceeded"
+    assert err["message"] == "The prompt (40000 tokens) is longer than every replica's maximum context (32768 tokens)."
+    # text: 300,000 bytes ~ 75,000 tokens at 4 bytes per token > 2 x 32,768: refused up front
+    resp = await fleet.post({"model": "m", "prompt": "x" * 300_000})
+    err = (await resp.json())["error"]
+    assert resp.status == 400 and err["code"] == "context_length_exceeded" and "by more than 2x" in err["message"]
     assert not fleet.upstreams["r0"].hits
+
+
+async def test_text_prompt_estimated_over_the_context_goes_to_the_engine(fleet: Fleet) -> None:
+    # "hello " x 30,000 = 180,000 bytes: 45,000 tokens at 4 bytes per token, but about 30,000 for a real
+    # BPE tokenizer, so it may fit 32,768; below 2x the router does not refuse it on its estimate. It is
+    # placed with the estimate capped at the largest max context (Reserve for 32,768 tokens) and the engine
+    # decides.
+    await fleet.start({"r0": 4000.0}, ttft_ms=5000, max_queue_ms=5000)
+    resp = await fleet.post({"model": "sim-model", "prompt": "hello " * 30_000, "max_tokens": 4})
+    assert resp.status == 200 and resp.headers["x-fairbatch-replica"] == "r0"
+    assert [r.prompt_tokens for r in fleet.admission["r0"].reserves] == [32768]
 
 
 async def test_stale_replica_gets_no_work(fleet: Fleet) -> None:

@@ -40,3 +40,15 @@ def test_chat_adds_four_per_message() -> None:
 def test_missing_or_bad_prompt(body: dict, chat: bool) -> None:
     with pytest.raises(PromptError):
         estimate_prompt_tokens(body, chat, 4.0)
+
+
+def test_prompt_is_exact_only_for_token_ids() -> None:
+    from router.tokens import prompt_is_exact
+
+    assert prompt_is_exact({"prompt": [1, 2, 3]}, chat=False)
+    assert prompt_is_exact({"prompt": [[1, 2], [3]]}, chat=False)
+    assert not prompt_is_exact({"prompt": "hello"}, chat=False)
+    assert not prompt_is_exact({"prompt": ["a", [1, 2]]}, chat=False)  # mixed: the text part is estimated
+    assert not prompt_is_exact({"prompt": []}, chat=False)
+    assert not prompt_is_exact({"prompt": [True, 2]}, chat=False)  # bools are not token ids
+    assert not prompt_is_exact({"messages": [{"role": "user", "content": "hi"}]}, chat=True)
