@@ -331,7 +331,8 @@ class SimServer:
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         if self.config.step_log:
-            self._step_log = open(self.config.step_log, "a", encoding="utf-8", buffering=1 << 16)  # noqa: SIM115
+            # line-buffered: `fairbatch-agent calibrate` can read the log while the engine runs
+            self._step_log = open(self.config.step_log, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
         task = asyncio.create_task(self.engine_loop(), name="sim-engine-loop")
         log.info(
             "sim engine up: model=%s blocks=%d block_size=%d max_num_batched_tokens=%d max_num_seqs=%d "

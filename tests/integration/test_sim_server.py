@@ -303,3 +303,18 @@ def test_engine_defaults_are_vllm_serve_defaults_of_the_profile_gpu() -> None:
     # flags win over the defaults
     tuned = SimServer(SimServerConfig(profile="llama-3-8b-a100", max_num_batched_tokens=8192, max_num_seqs=128))
     assert (tuned.engine.config.max_num_batched_tokens, tuned.engine.config.max_num_seqs) == (8192, 128)
+
+
+async def test_step_log_is_readable_while_the_engine_runs(tmp_path: Path) -> None:
+    # `fairbatch-agent calibrate LOG` on a running engine: every finished step is in the file at once
+    from replica_agent.calibrate import read_step_log
+
+    log_path = tmp_path / "steps.jsonl"
+    async with running(step_log=str(log_path)) as (base, _sim, s):
+        body = {"model": MODEL, "prompt": make_prompt(37), "max_tokens": 5}
+        async with s.post(f"{base}/v1/completions", json=body) as r:
+            assert r.status == 200
+        new_tokens, _context, measured_ms = read_step_log(log_path)  # the engine is still up
+        # one prefill step of the 37 prompt tokens (it also yields token 1), then 4 one-token decode steps
+        assert new_tokens == [37, 1, 1, 1, 1]
+        assert all(ms > 0 for ms in measured_ms)
