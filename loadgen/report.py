@@ -115,16 +115,27 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.1f} %"
 
 
+def _workload(doc: Mapping[str, Any]) -> str:
+    """One line naming what was replayed: a trace window and its compression, or a scenario."""
+    duration, scale = doc.get("duration_s"), doc.get("rate_scale")
+    if doc.get("trace") is None:
+        name = doc.get("scenario")
+        head = f"scenario {name}" if name else "workload"
+        return f"{head}: {duration:g} s of arrivals" if isinstance(duration, (int, float)) else head
+    head = f"trace {doc['trace']}"
+    if isinstance(duration, (int, float)) and isinstance(scale, (int, float)) and scale > 0:
+        return f"{head}: {duration:g} s of trace at rate x{scale:g} = {duration / scale:.1f} s of arrivals"
+    return f"{head}: window {duration} s, rate x{scale}"
+
+
 def print_report(doc: Mapping[str, Any], console: Console | None = None) -> None:
     """Print the report's figures as rich tables (overall + per tenant, latencies, replicas)."""
     console = console or default_console()
-    title = (
-        f"trace {doc.get('trace')}  window {doc.get('duration_s')} s  rate x{doc.get('rate_scale')}  "
-        f"time scale {doc.get('time_scale')} (latencies in simulated ms)"
-    )
+    title = f"{_workload(doc)}; time scale {doc.get('time_scale')} (latencies in simulated ms)"
     rows = [("all", doc), *sorted(doc.get("per_tenant", {}).items())]
 
-    t = Table(title=title, title_justify="left")
+    console.print(title, markup=False)
+    t = Table()
     for col in ("set", "requests", "ok", "rejected", "failed", "SLO attained", "goodput req/s", "goodput tok/s",
                 "out tok/s"):
         t.add_column(col, justify="left" if col == "set" else "right", no_wrap=True)
@@ -164,7 +175,8 @@ def print_report(doc: Mapping[str, Any], console: Console | None = None) -> None
         console.print(f"  e.g. {label}: {msg}", markup=False)
     max_lag_ms = doc.get("max_send_lag_ms", 0) or 0
     console.print(
-        f"measured {doc.get('measured_duration_s', 0):.1f} simulated s in {doc.get('wall_s', 0):.1f} wall s; "
+        f"measured {doc.get('measured_duration_s', 0):.1f} simulated s (arrivals, then the drain) in "
+        f"{doc.get('wall_s', 0):.1f} wall s; "
         f"send lag behind the trace p99 {_fmt((doc.get('send_lag_ms') or {}).get('p99'))} ms, "
         f"max {max_lag_ms:.1f} ms"
         + (" (high: the client or the machine was overloaded; latencies include it)" if max_lag_ms > 50 else "")

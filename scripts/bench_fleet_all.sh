@@ -7,7 +7,7 @@
 # for the 256-replica run (three policies only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(if [ -x .venv/bin/python ]; then echo .venv/bin/python; else echo python; fi)}
 OUT=${OUT:-docs/evaluation}
 mkdir -p "$OUT"
 P70=llama-2-70b-h100-tp4

@@ -9,7 +9,7 @@
 #   pd/, tb512/                 fairbatching-pd, and a 512-token vllm-default baseline
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(if [ -x .venv/bin/python ]; then echo .venv/bin/python; else echo python; fi)}
 OUT=${OUT:-docs/bench}
 mkdir -p "$OUT"
 bench() { "$PY" -m loadgen.bench_policies --profile llama-3-8b-a100 --jobs "${JOBS:-2}" "$@"; }

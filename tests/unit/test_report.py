@@ -71,3 +71,17 @@ def test_print_report_shows_figures() -> None:
     text = buf.getvalue()
     for needle in ("TTFT", "TPOT", "ITL", "queue-full", "25.0 %", "r1 2", "acme", "beta", "time scale 4.0", "boom [x]"):
         assert needle in text
+
+
+def test_print_report_names_the_window_in_arrival_seconds() -> None:
+    # 30 s of trace at rate x2 arrive in 30 / 2 = 15 s; a scenario has no trace and no rate
+    slos = {"acme": Slo(200.0, 20.0), "beta": Slo(200.0, 20.0)}
+    doc = build_report(_result(), slos, {"trace": "azure-conv", "rate_scale": 2.0, "duration_s": 30.0})
+    buf = io.StringIO()
+    print_report(doc, Console(file=buf, width=200))
+    assert "trace azure-conv: 30 s of trace at rate x2 = 15.0 s of arrivals" in buf.getvalue()
+    assert "measured 2.0 simulated s (arrivals, then the drain) in 8.0 wall s" in buf.getvalue()
+    doc = build_report(_result(), slos, {"scenario": "flooder", "duration_s": 25.0})
+    buf = io.StringIO()
+    print_report(doc, Console(file=buf, width=200))
+    assert "scenario flooder: 25 s of arrivals" in buf.getvalue() and "None" not in buf.getvalue()
