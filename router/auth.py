@@ -90,3 +90,16 @@ class ApiKeyAuthenticator:
                 if principal is not None:
                     return principal
         return self.authenticate(headers.get("Authorization"))
+
+    def refusal(self, headers: Mapping[str, str], peer: str | None) -> str:
+        """The 401 message for a request that :meth:`identify` did not identify.
+
+        Names the tenant when a trusted gateway sent a tenant the config does not know (an
+        operator's error, worth saying); otherwise the generic API-key message, which tells an
+        untrusted client nothing about the trusted header.
+        """
+        if self._header:
+            name = (headers.get(self._header) or "").strip()
+            if name and name not in self._by_tenant and self.trusted_source(peer):
+                return f"Unknown tenant {name!r} in header {self._header!r}, and no valid API key."
+        return "Invalid or missing API key."

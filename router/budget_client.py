@@ -169,6 +169,7 @@ class BudgetClient:
         request = admission_pb2.WatchBudgetRequest(router_id=self._router_id)
         loop = asyncio.get_running_loop()
         me = asyncio.current_task()
+        down_since: float | None = None  # loop time of the first failure of the current outage
         while self._tasks.get(replica_id) is me:  # ends once the replica is removed (or replaced)
             call = stub.WatchBudget(request)
             self._calls[replica_id] = call
@@ -185,6 +186,9 @@ class BudgetClient:
                     watchdog = loop.call_later(self._silence_s, on_silence)
                     self._book.update(replica_id, snapshot)
                     backoff = BACKOFF_START_S
+                    if down_since is not None:
+                        log.info("replica %s: watch stream back after %.1f s", replica_id, loop.time() - down_since)
+                        down_since = None
                 detail = "watch stream ended"
             except asyncio.CancelledError:
                 if silent[0] and not self._closing:
@@ -205,6 +209,8 @@ class BudgetClient:
             if self._tasks.get(replica_id) is not me:
                 return
             self._book.mark_disconnected(replica_id, detail)
+            if down_since is None:
+                down_since = loop.time()
             # INFO once per outage (first failure after a good stream), DEBUG while retrying
             level = logging.INFO if backoff == BACKOFF_START_S else logging.DEBUG
             log.log(level, "replica %s: %s; reconnecting in %.2f s", replica_id, detail, backoff)

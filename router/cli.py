@@ -131,6 +131,7 @@ async def serve(
         if watcher is not None:
             watcher.cancel()
         await runner.cleanup()
+        log.info("stopped")
 
 
 def main(argv: list[str] | None = None) -> int:

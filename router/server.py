@@ -195,6 +195,22 @@ def throttled(reason: str, message: str, retry_after_s: int = RETRY_AFTER_S) -> 
     )
 
 
+@web.middleware
+async def openai_http_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own HTTP errors (404 unknown path, 405 wrong method, 413 body over
+    ``client_max_size``) as OpenAI-format JSON, like every other error of the router."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        text = exc.text or ""
+        if not text or text.startswith(f"{exc.status}:"):  # aiohttp's default body, e.g. "404: Not Found"
+            text = f"{exc.reason}: {request.method} {request.path}"
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return openai_error(exc.status, text, code=exc.status, headers=headers)
+
+
 class Router:
     """All router state for one process; dependencies are built here and passed down.
 
@@ -262,7 +278,7 @@ class Router:
 
     def build_app(self) -> web.Application:
         """The aiohttp application (routes, lifecycle hooks, response headers)."""
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[openai_http_errors])
         app[_ROUTER_KEY] = self
         app.router.add_post("/v1/completions", self.handle_completions)
         app.router.add_post("/v1/chat/completions", self.handle_chat)
@@ -607,7 +623,7 @@ class Router:
             principal = self.auth.identify(request.headers, request.remote)
             if principal is None:
                 self.metrics.requests.labels("unknown", "unknown", "unauthorized").inc()
-                return openai_error(401, "Invalid or missing API key.", code="invalid_api_key")
+                return openai_error(401, self.auth.refusal(request.headers, request.remote), code="invalid_api_key")
             span.set_attribute("fairbatch.tenant", principal.tenant)
             span.set_attribute("fairbatch.slo_class", principal.slo_class)
             try:

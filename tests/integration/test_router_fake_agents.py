@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -424,9 +425,10 @@ async def test_no_usable_replica_is_503_no_replica_and_health_degraded(fleet: Fl
     assert (await resp.json())["error"]["code"] == "no-replica"
 
 
-async def test_agent_restart_stale_then_reconnects(fleet: Fleet) -> None:
+async def test_agent_restart_stale_then_reconnects(fleet: Fleet, caplog: pytest.LogCaptureFixture) -> None:
     # TTFT 5 s, PAB 4 s, max queue 5 s: the queued request may wait out the reconnect backoff (up to 2 s) and still
     # fit its aged budget (a + bP <= PAB - waited); with TTFT 500 ms it is shed as slo-infeasible
+    caplog.set_level(logging.INFO, logger="router.budget_client")
     await fleet.start({"r0": 4000.0}, ttft_ms=5000, max_queue_ms=5000)
     assert fleet.router is not None
     old = fleet._grpc[0]
@@ -444,6 +446,11 @@ async def test_agent_restart_stale_then_reconnects(fleet: Fleet) -> None:
     await fleet.start_grpc(FakeAdmission("r0", 4000.0), port)
     resp = await asyncio.wait_for(waiting, 5.0)  # ... the watch reconnects (backoff <= 2 s) and it flows
     assert resp.status == 200 and resp.headers["x-fairbatch-replica"] == "r0"
+    # the outage is logged once when it starts and once when it ends
+    msgs = [r.getMessage() for r in caplog.records if r.name == "router.budget_client" and r.levelno >= logging.INFO]
+    assert any(m.startswith("replica r0: watch stream error: UNAVAILABLE; reconnecting") or
+               m.startswith("replica r0: watch stream ended; reconnecting") for m in msgs), msgs
+    assert sum(m.startswith("replica r0: watch stream back after ") for m in msgs) == 1, msgs
 
 
 async def test_silent_stream_is_reopened(fleet: Fleet) -> None:
@@ -571,3 +578,15 @@ async def test_models_health_metrics(fleet: Fleet) -> None:
                  'fairbatch_router_replica_pab_ms{replica="r0",slo_class="interactive"}',
                  'fairbatch_router_budget_age_ms{replica="r0"}'):
         assert name in text, name
+
+
+async def test_unknown_path_and_wrong_method_answer_openai_errors(fleet: Fleet) -> None:
+    await fleet.start({"r0": 400.0})
+    assert fleet.session is not None
+    async with fleet.session.get(fleet.url + "/v1/nope") as resp:
+        assert resp.status == 404 and resp.content_type == "application/json"
+        assert (await resp.json())["error"] == {
+            "message": "Not Found: GET /v1/nope", "type": "invalid_request_error", "param": None, "code": 404}
+    async with fleet.session.get(fleet.url + "/v1/completions") as resp:
+        assert resp.status == 405 and resp.headers["Allow"] == "POST"
+        assert (await resp.json())["error"]["message"] == "Method Not Allowed: GET /v1/completions"

@@ -198,6 +198,7 @@ async def test_spoofed_tenant_header_from_untrusted_address_is_ignored(fleet: In
                       auth={"trusted_header": "x-tenant", "trusted_networks": ["10.0.0.0/8"]})
     resp = await fleet.post(None, headers={"x-tenant": "acme"})  # loopback is not trusted
     assert resp.status == 401
+    assert (await resp.json())["error"]["message"] == "Invalid or missing API key."  # says nothing of the header
     assert fleet.router is not None
     cfg = fleet.router.config.model_copy(update={"auth": type(fleet.router.config.auth)(
         trusted_header="x-tenant", trusted_networks=["127.0.0.0/8"])})
@@ -207,6 +208,9 @@ async def test_spoofed_tenant_header_from_untrusted_address_is_ignored(fleet: In
     assert fleet.replicas.upstreams["r0"].hits[-1]["x-fairbatch-tenant"] == "acme"
     resp = await fleet.post(None, headers={"x-tenant": "nobody"})  # unknown tenant: falls back to the key
     assert resp.status == 401
+    err = (await resp.json())["error"]
+    assert err["code"] == "invalid_api_key"
+    assert err["message"] == "Unknown tenant 'nobody' in header 'x-tenant', and no valid API key."
 
 
 # ---------------------------------------------------------------- router processes
