@@ -326,12 +326,15 @@ def run_scenario(path: str | Path, out: str | None = None, keep_logs: str | None
                 if part:
                     plans.append((part, ReplayConfig(target=url, tenants=[TenantSpec(n, 1.0, keys[n])], model=profile,
                                                       time_scale=scale, max_wall_s=max_wall_s, progress=False)))
+        alone_s = float(doc.get("slowdown_alone_s", 0) or 0)
         console.print(f"scenario {name}: {len(replicas)} replicas, {n_routers} router(s), "
-                      f"{sum(len(t) for t in traces.values())} requests over {duration_s:g} s (time scale {scale:g})")
+                      f"{sum(len(t) for t in traces.values())} requests over {duration_s:g} s (time scale {scale:g}); "
+                      f"the replay takes about {duration_s * scale:.0f} wall s plus its drain"
+                      + (f", then a {alone_s:g} s slowdown baseline per tenant (about "
+                         f"{alone_s * scale * len(traces):.0f} wall s in all)" if alone_s > 0 else ""))
         from replica_agent.runtime import run
 
         result = _merge(run(_replay_all(plans)), scale)
-        alone_s = float(doc.get("slowdown_alone_s", 0) or 0)
         for n, trace in traces.items():  # the slowdown baseline: each tenant alone on the idle fleet
             part = [r for r in trace if r.arrival_ms < alone_s * 1000.0]
             if not part:
@@ -410,12 +413,18 @@ def print_fairness(report: Mapping[str, Any], console: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``demo --scenario FILE [--out PATH] [--keep-logs DIR]``; returns the exit status."""
-    p = argparse.ArgumentParser(prog="fairbatch-loadgen demo", description="Run a multi-tenant fairness scenario.")
-    p.add_argument("command", nargs="?", default="demo", choices=["demo"])
+    p = argparse.ArgumentParser(
+        prog="fairbatch-loadgen demo",
+        usage="fairbatch-loadgen demo --scenario FILE [--out PATH] [--keep-logs DIR] [--max-wall-s S]",
+        description="Run a multi-tenant fairness scenario.",
+    )
+    p.add_argument("command", nargs="?", default="demo", choices=["demo"], help=argparse.SUPPRESS)
     p.add_argument("--scenario", required=True, metavar="FILE", help="scenario YAML (loadgen/scenarios/*.yaml)")
     p.add_argument("--out", default=None, help="report JSON path (default out/scenario-<name>.json)")
     p.add_argument("--keep-logs", default=None, metavar="DIR", help="keep children's logs and the YAML here")
     p.add_argument("--max-wall-s", type=float, default=900.0, help="wall-clock limit of the replay")
+    p.add_argument("--no-progress", action="store_true",
+                   help="accepted for symmetry with the trace demo; scenarios print no progress bar")
     args = p.parse_args(argv)
     out = args.out or f"out/scenario-{Path(args.scenario).stem}.json"
     try:

@@ -66,3 +66,11 @@ def test_backlog_jain_and_maxmin_index() -> None:
 def test_mean_completion_ignores_refusals() -> None:
     assert mean_completion_ms([rec("a", 0, 10, 40), rec("a", 0, 0, 0, outcome=REJECTED, reason="x")]) == 40
     assert mean_completion_ms([]) is None
+
+
+def test_scenario_cli_reports_a_missing_file_and_accepts_no_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    from loadgen.scenario import main
+
+    assert main(["demo", "--scenario", "/nonexistent/flooder.yaml", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fairbatch-loadgen demo: ") and "/nonexistent/flooder.yaml" in err
