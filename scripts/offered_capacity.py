@@ -2,7 +2,7 @@
 
 bench-fleet labels a point with the trace's long-run rate scaled (gaps included); the requests a
 60 s window actually holds can differ, most at low rates where few windows are interleaved. This
-reads every docs/evaluation/*.json, re-derives each policy's capacity with the same interpolation
+reads every docs/evaluation/*.json (runs before bench-fleet wrote `offered_capacity_rps` itself), re-derives each policy's capacity with the same interpolation
 (loadgen.bench_policies.capacity) on rate = requests / duration_s, prints a table and writes JSON.
 
     python scripts/offered_capacity.py [--dir docs/evaluation] [--out docs/evaluation/offered.json]
@@ -15,12 +15,7 @@ import json
 from pathlib import Path
 
 from loadgen.bench_policies import capacity
-
-
-def offered_rows(rows: list[dict], duration_s: float) -> list[dict]:
-    """Rows with ``rate_rps`` replaced by the offered rate (req/s), sorted by it."""
-    out = [{**r, "label_rps": r["rate_rps"], "rate_rps": r["requests"] / duration_s} for r in rows]
-    return sorted(out, key=lambda r: r["rate_rps"])
+from loadgen.fleet.bench import offered_rows
 
 
 def main() -> int:

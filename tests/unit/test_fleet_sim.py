@@ -182,3 +182,21 @@ def test_build_arrivals_window_offset_takes_other_trace_segments() -> None:
     assert [(r.arrival_ms, r.prompt_tokens) for r in got0] == [(0.0, 1), (0.0, 4), (100.0, 2), (200.0, 3)]
     with pytest.raises(ValueError, match="window_offset"):
         build_arrivals(trace, 2.0, 2.0, 10.0, 1, 0, window_offset=1.0)
+
+
+def test_offered_capacity_uses_requests_in_the_window() -> None:
+    from loadgen.bench_policies import capacity
+    from loadgen.fleet.bench import capacity_text, offered_rows
+
+    # labels 1, 2, 3 req/s; the 60 s windows hold 120, 150 and 300 requests = 2.0, 2.5, 5.0 req/s offered
+    rows = [{"rate_rps": 1.0, "requests": 120, "slo_attainment": 0.95},
+            {"rate_rps": 2.0, "requests": 150, "slo_attainment": 0.93},
+            {"rate_rps": 3.0, "requests": 300, "slo_attainment": 0.80}]
+    off = offered_rows(rows, 60.0)
+    assert [r["rate_rps"] for r in off] == [2.0, 2.5, 5.0] and [r["label_rps"] for r in off] == [1.0, 2.0, 3.0]
+    # label: 2 + (0.93 - 0.9) / (0.93 - 0.80) * 1 = 2.2308; offered: 2.5 + 0.03 / 0.13 * 2.5 = 3.0769
+    assert capacity(rows, 0.9) == (pytest.approx(2.2308, abs=1e-4), "interpolated")
+    assert capacity(off, 0.9) == (pytest.approx(3.0769, abs=1e-4), "interpolated")
+    assert capacity_text(3.0769, "interpolated", off) == "3.08"
+    assert capacity_text(0.0, "below-sweep", off) == "<2.00"
+    assert capacity_text(5.0, "at-least", off) == ">=5.00"
