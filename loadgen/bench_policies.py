@@ -205,19 +205,28 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags of ``bench-policies``."""
-    p = argparse.ArgumentParser(prog="fairbatch-loadgen bench-policies", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="fairbatch-loadgen bench-policies",
+        description="Benchmark the batching policies on one simulated replica in virtual time: sweep the "
+        "arrival rate, record SLO attainment, TTFT/TPOT percentiles and goodput per policy and rate, and each "
+        "policy's capacity (the highest rate with attainment >= --target-attainment).",
+    )
     p.add_argument("--trace", required=True, help="embedded trace name (azure-conv, azure-code, mooncake-conv) or path")
-    p.add_argument("--profile", default="llama-3-8b-a100")
-    p.add_argument("--variant", default="all_batches")
-    p.add_argument("--ttft-ms", type=float, required=True)
-    p.add_argument("--tpot-ms", type=float, required=True)
-    p.add_argument("--out", required=True, help="bench.json")
-    p.add_argument("--plot", default=None, help="bench.png")
+    p.add_argument("--profile", default="llama-3-8b-a100",
+                   help="GPU step-time profile: time model and KV capacity (default: llama-3-8b-a100)")
+    p.add_argument("--variant", default="all_batches",
+                   help="which fit of the profile (replica_agent/data/fitted_coefficients.csv; default: all_batches)")
+    p.add_argument("--ttft-ms", type=float, required=True, help="TTFT target, simulated ms")
+    p.add_argument("--tpot-ms", type=float, required=True, help="TPOT target, simulated ms")
+    p.add_argument("--out", required=True, help="result JSON path, e.g. bench.json")
+    p.add_argument("--plot", default=None, help="plot path, e.g. bench.png (optional)")
     p.add_argument("--rates", type=float, nargs="+", default=None,
                    help="arrival rates (req/s); default: 0.25..2.0 x the trace's native rate")  # fmt: skip
     p.add_argument("--duration-s", type=float, default=600.0, help="window of the rate-scaled trace (simulated s)")
-    p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), choices=sorted(POLICIES))
-    p.add_argument("--target", type=float, default=0.9, help="attainment that defines capacity")
+    p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), choices=sorted(POLICIES),
+                   help=f"policies to compare (default: {' '.join(DEFAULT_POLICIES)})")
+    p.add_argument("--target-attainment", "--target", dest="target", type=float, default=0.9,
+                   help="SLO attainment that defines capacity (default: 0.9)")
     p.add_argument("--attainment", choices=("tpot", "envelope"), default="tpot",
                    help="what a met SLO means for capacity: TTFT and TPOT targets (DESIGN section 2, default) or "
                         "every token inside the seed's deadline envelope")  # fmt: skip
@@ -226,8 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-start-s", type=float, default=0.0,
                    help="start the window at this trace time (native s): skips a gap in the trace's start "
                         "(azure-code: 63 requests in 0-39 s, then nothing until 183 s)")  # fmt: skip
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size, tokens (default: 16)")
+    p.add_argument("--max-model-len", type=int, default=32768,
+                   help="longer prompts of the trace are dropped, as vLLM refuses them (default: 32768)")
     p.add_argument("--token-budget", type=int, default=None,
                    help="vllm-default's chunked-prefill token budget (default: --max-num-batched-tokens)")  # fmt: skip
     p.add_argument("--seed-envelope", action="store_true",
