@@ -76,6 +76,7 @@ def ephemeral_port_range(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_ran
 
 def _default_picker() -> PortPicker:
     span = ephemeral_port_range()
+    # the 10,000 ports just below the ephemeral range, when they all lie above the privileged ports (< 1024)
     if span is not None and span[0] > 11024:
         return PortPicker(low=span[0] - 10000, high=span[0] - 1)
     return PortPicker()

@@ -399,9 +399,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   "rows": merged}  # fmt: skip
         policies = {n: policies[n] for n in POLICIES if n in policies}
         rates = sorted(set(rates) | set(old.get("rates", [])))
-    for pol in policies.values():
-        rows = [r for r in pol["rows"] if "requests" in r]
-        cap, how = capacity(offered_rows(rows, args.duration_s), 0.9) if rows else (0.0, "below-sweep")
+    offered_by_policy = {n: offered_rows([r for r in pol["rows"] if "requests" in r], args.duration_s)
+                         for n, pol in policies.items()}
+    for name, pol in policies.items():
+        off = offered_by_policy[name]
+        cap, how = capacity(off, 0.9) if off else (0.0, "below-sweep")
         pol["offered_capacity_rps"], pol["offered_capacity_bound"] = round(cap, 3), how
     rr = policies.get("round-robin", {}).get("capacity_rps")
     base_caps = {n: policies[n]["capacity_rps"] for n in BASELINES if n in policies}
@@ -444,8 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         xb = pol["x_best_baseline"]
         below = pol["capacity_bound"] == "below-sweep"
         label = capacity_text(pol["capacity_rps"], pol["capacity_bound"], pol["rows"])
-        offered = capacity_text(pol["offered_capacity_rps"], pol["offered_capacity_bound"],
-                                offered_rows([r for r in pol["rows"] if "requests" in r], args.duration_s))
+        offered = capacity_text(pol["offered_capacity_rps"], pol["offered_capacity_bound"], offered_by_policy[name])
         frac = "-" if below or pol["fraction_of_bound"] is None else f"{pol['fraction_of_bound']:.3f}"
         print(f"{name:<18} {label:>9} {offered:>9} {frac:>9} "
               f"{'-' if xr is None or below else f'{xr:.2f}':>6} {'-' if xb is None or below else f'{xb:.2f}':>7}")  # fmt: skip
