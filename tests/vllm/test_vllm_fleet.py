@@ -335,8 +335,12 @@ async def test_overloaded_replica_gets_no_new_work(vllm_fleet: VllmFleet) -> Non
                     placed.append(resp.headers["x-fairbatch-replica"])
                     assert (await resp.json())["usage"]["completion_tokens"] == 4
             assert placed == ["r0"] * 6, placed
-            assert await asyncio.to_thread(pab_tokens, r1) == 0
-            assert await asyncio.to_thread(engine_value, r1, "vllm:num_preemptions_total") >= 0
+            # ... while r1 still held its load. (r1's PAB itself may come back during the placements: its 32 streams
+            # advance and vLLM admits waiting ones as KV frees; a `pab_tokens(r1) == 0` check here read 2048 once
+            # in a full `make test` run.)
+            busy = await asyncio.to_thread(
+                lambda: engine_value(r1, "vllm:num_requests_running") + engine_value(r1, "vllm:num_requests_waiting"))
+            assert busy > 0, "r1 went idle during the placements; the test proved nothing"
         finally:
             for t in load:
                 t.cancel()
