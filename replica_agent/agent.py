@@ -29,6 +29,7 @@ from replica_agent.policy.leases import Lease, LeaseTable, LeaseTableFull
 from replica_agent.plugin_mode import PLUGIN, STALE, export_mode, lease_matches, parse_record, record_kind
 from replica_agent.plugin_mode import replica_state_from_record
 from replica_agent.policy.pab import ClassBudget, PendingPrefill, ReplicaState, SloClass, admits, compute_budgets
+from replica_agent.policy.preemption import account_preempted
 from replica_agent.policy.residuals import ResidualTracker
 from replica_agent.policy.time_model import TimeModel
 from replica_agent.tracker import FinishedRequest, Tracker, TrackedRequest
@@ -460,10 +461,13 @@ class Agent:
         m = self._engine.metrics
         kv_usage = 1.0 if m is None else m.kv_usage
         kv_free = math.floor((1.0 - kv_usage) * self.kv_capacity_tokens())
-        prefills = self.tracker.prefills() + tuple(PendingPrefill(lease.prompt_tokens) for lease in self.leases.active())
+        # requests the engine preempted (waiting again, KV freed) must recompute before a new prompt
+        decodes, prefills, _ = account_preempted(
+            self.tracker.decodes(), self.tracker.prefills(), None if m is None else m.num_waiting)
+        prefills += tuple(PendingPrefill(lease.prompt_tokens) for lease in self.leases.active())
         return ReplicaState(
             now_ms=now_ms,
-            decodes=self.tracker.decodes(),
+            decodes=decodes,
             prefills=prefills,
             kv_free_tokens=max(0, kv_free),
             time_model=self.time_model(),

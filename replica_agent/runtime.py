@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Coroutine
 from typing import Any
 
 
 def run(main: Coroutine[Any, Any, Any]) -> Any:
-    """Run ``main`` to completion on uvloop when installed, else on the default asyncio loop."""
+    """Run ``main`` to completion on uvloop when installed, else on the default asyncio loop.
+
+    ``FAIRBATCH_EVENT_LOOP=asyncio`` in the environment forces the default loop (a diagnostic knob).
+    """
+    if os.environ.get("FAIRBATCH_EVENT_LOOP", "").lower() == "asyncio":
+        return asyncio.run(main)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a pinned dependency on Linux

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from loadgen.fleet.baselines import BASELINE_POLICIES, MetricsSample, RouterLoad, fleet_registry
-from loadgen.sim.engine import EngineConfig, SimEngine, StepResult
+from loadgen.sim.engine import EngineConfig, RequestStatus, SimEngine, StepResult
 from loadgen.stats import FAILED, OK, REJECTED, RequestRecord
 from replica_agent.policy.batching import PolicyConfig, make_policy
 from replica_agent.policy.leases import LeaseTable
@@ -319,11 +319,13 @@ def replica_state(engine: SimEngine, leases: LeaseTable, now_ms: float, margin_f
     decodes: list[DecodeState] = []
     prefills: list[PendingPrefill] = []
     for r in engine.requests.values():
-        if r.tokens_out >= 1:
+        # as the plugin exports (replica_agent/plugin_export.py): a decode is running with one token to
+        # compute; a preempted request (waiting again, computed_tokens reset) recomputes its context first
+        if r.status is RequestStatus.RUNNING and r.tokens_out >= 1 and r.remaining_tokens == 1:
             decodes.append(DecodeState(r.arrival_ms + r.ttft_ms + r.tokens_out * r.tpot_ms,  # type: ignore[operator]
                                        r.tpot_ms, r.prompt_tokens + r.tokens_out, r.tokens_out, r.max_tokens))  # type: ignore[arg-type]  # fmt: skip
         else:
-            prefills.append(PendingPrefill(r.prompt_tokens, r.computed_tokens))
+            prefills.append(PendingPrefill(r.num_tokens, min(r.num_tokens, r.computed_tokens)))
     for lease in leases.active():
         prefills.append(PendingPrefill(lease.prompt_tokens))
     if extra_prefill_tokens > 0:
