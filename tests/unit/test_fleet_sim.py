@@ -6,8 +6,11 @@ import pytest
 
 from loadgen.fleet.baselines import RouterLoad, fleet_registry
 from loadgen.fleet.bench import analytic_bound
-from loadgen.fleet.sim import FleetConfig, FleetRequest, FleetSim, run_fleet
+from loadgen.fleet.sim import FleetConfig, FleetRequest, FleetSim, replica_state, run_fleet
+from loadgen.sim.engine import EngineConfig, SimEngine
 from loadgen.traces import TraceRequest
+from replica_agent.policy.leases import LeaseTable
+from replica_agent.policy.pab import PendingPrefill
 from replica_agent.policy.time_model import TimeModel
 from router.placement import PlacementRequest, ReplicaView
 
@@ -200,3 +203,22 @@ def test_offered_capacity_uses_requests_in_the_window() -> None:
     assert capacity_text(3.0769, "interpolated", off) == "3.08"
     assert capacity_text(0.0, "below-sweep", off) == "<2.00"
     assert capacity_text(5.0, "at-least", off) == ">=5.00"
+
+
+def test_replica_state_counts_a_preempted_request_as_a_recompute_prefill() -> None:
+    """tests/unit/test_sim_engine.py's preemption case: 4 blocks of 4 tokens, a and b with 8-token
+    prompts; a's 2nd decode preempts b (1 token out, KV freed). PAB must see a as the only decode
+    (context 9) and b as a prefill of its 9 tokens with nothing computed, as the plugin exports it;
+    b counted as a decode reserved decode time and no KV for its recompute."""
+    eng = SimEngine(EngineConfig(TimeModel(10.0, 0.1, 0.001), 4, 4, 8192, 256, 32768))
+    eng.add_request("a", 8, max_tokens=5, arrival_ms=0.0, ttft_ms=1000.0, tpot_ms=100.0)
+    eng.add_request("b", 8, max_tokens=5, arrival_ms=1.0, ttft_ms=1000.0, tpot_ms=100.0)
+    eng.step(1.0)
+    st = replica_state(eng, LeaseTable(), 20.0, 0.1)
+    assert [d.context_tokens for d in st.decodes] == [9, 9] and st.prefills == []
+    s = eng.step(20.0)
+    assert s.preempted == ["b"]
+    st = replica_state(eng, LeaseTable(), s.end_ms, 0.1)
+    assert [(d.context_tokens, d.tokens_out) for d in st.decodes] == [(10, 2)]
+    assert st.prefills == [PendingPrefill(9, 0)]
+    assert st.kv_free_tokens == 4  # a holds 3 blocks of 4, one block free

@@ -5,6 +5,7 @@ Run in a child interpreter: the test session itself already holds the reference 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -45,3 +46,25 @@ def test_without_the_hold_grpc_shuts_its_poller_down_after_each_loop() -> None:
 def test_held_grpc_keeps_one_poller_across_loops() -> None:
     # one poller thread, never joined, and the second loop is still served through it
     assert pollers_after_each_loop("hold") == [1, 1]
+
+
+LOOP_SCRIPT = """
+import asyncio
+from replica_agent.runtime import run
+
+async def loop_module() -> str:
+    return type(asyncio.get_running_loop()).__module__
+
+print(run(loop_module()))
+"""
+
+
+def test_event_loop_knob() -> None:
+    """uvloop by default; FAIRBATCH_EVENT_LOOP=asyncio gives the standard library's loop."""
+    def loop_of(env: dict[str, str]) -> str:
+        out = subprocess.run([sys.executable, "-c", LOOP_SCRIPT], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, **env}, check=True)
+        return out.stdout.strip()
+
+    assert loop_of({"FAIRBATCH_EVENT_LOOP": ""}).startswith("uvloop")
+    assert loop_of({"FAIRBATCH_EVENT_LOOP": "asyncio"}).startswith("asyncio")
