@@ -8,10 +8,12 @@ tests run the agent's proxy in this process so they can watch its tracker; one r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import sys
 import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -242,26 +244,32 @@ async def test_upstream_error_status_relayed(agent_proxy, engine):
     assert len(agent.tracker) == 0
 
 
+@contextlib.asynccontextmanager
+async def bare_proxy(pcfg: ProxyConfig, scale: float) -> AsyncIterator[tuple[Agent, str]]:
+    """An agent (class ``default``: 1000/100 ms, 1000 KV tokens) and its proxy on a free loopback port."""
+    cfg = AgentConfig(
+        replica_id="r1", time_model=load_profile(MODEL).time_model, slo_classes=(SloClass("default", 1000.0, 100.0),),
+        default_slo_class="default", profile_kv_capacity_tokens=1000,
+    )
+    agent = Agent(cfg, Clock(scale))
+    session = make_session(pcfg)
+    runner = web.AppRunner(Proxy(agent, pcfg, session, make_tracer("t")).app())
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield agent, f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+        await session.close()
+
+
 async def test_engine_failure_mid_stream_sends_error_event(tmp_path):
     with ProcessGroup(tmp_path) as group:
         engine = start_engine(group, "doomed-engine")
-        cfg = AgentConfig(
-            replica_id="r1",
-            time_model=load_profile(MODEL).time_model,
-            slo_classes=(SloClass("default", 1000.0, 100.0),),
-            default_slo_class="default",
-            profile_kv_capacity_tokens=1000,
-        )
-        agent = Agent(cfg, Clock(SCALE))
-        pcfg = ProxyConfig(engine_url=engine)
-        session = make_session(pcfg)
-        runner = web.AppRunner(Proxy(agent, pcfg, session, make_tracer("t")).app())
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
+        async with bare_proxy(ProxyConfig(engine_url=engine), SCALE) as (agent, url):
             async with aiohttp.ClientSession() as s:
-                async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=completion_body(20_000, True)) as r:
+                async with s.post(url + "/v1/completions", json=completion_body(20_000, True)) as r:
                     chunks = []
                     async for chunk in r.content.iter_any():
                         chunks.append(chunk)
@@ -272,9 +280,6 @@ async def test_engine_failure_mid_stream_sends_error_event(tmp_path):
             assert events[-1] == b"data: [DONE]"
             assert json.loads(events[-2][len(b"data: "):])["error"]["type"] == "upstream_error"
             assert len(agent.tracker) == 0
-        finally:
-            await runner.cleanup()
-            await session.close()
 
 
 def test_cli_agent_exposes_pab_per_class(engine, tmp_path):
@@ -353,36 +358,24 @@ async def start_dropping_engine(stats: dict[str, int]) -> tuple[asyncio.Server, 
 async def test_request_resent_when_the_engine_drops_a_kept_alive_connection(stale_retries):
     stats = {"connections": 0, "answered": 0, "dropped": 0}
     server, engine_url = await start_dropping_engine(stats)
-    cfg = AgentConfig(
-        replica_id="r2", time_model=load_profile(MODEL).time_model, slo_classes=(SloClass("default", 1000.0, 100.0),),
-        default_slo_class="default", profile_kv_capacity_tokens=1000,
-    )
-    agent = Agent(cfg, Clock(1.0))
-    pcfg = ProxyConfig(engine_url=engine_url, stale_retries=stale_retries)
-    session = make_session(pcfg)
-    runner = web.AppRunner(Proxy(agent, pcfg, session, make_tracer("t")).app())
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
-        statuses, bodies = [], []
-        async with aiohttp.ClientSession() as s:
-            for _ in range(3):
-                async with s.post(f"http://127.0.0.1:{port}/v1/completions",
-                                  json={"model": "m", "prompt": "a b c", "max_tokens": 1, "stream": True}) as r:
-                    statuses.append(r.status)
-                    bodies.append(await r.read())
-        if stale_retries:
-            # requests 2 and 3 went out on the kept-alive connection, were dropped, and were re-sent on a new one
-            assert statuses == [200, 200, 200] and bodies == [_SSE] * 3
-            assert stats == {"connections": 3, "answered": 3, "dropped": 2}
-        else:
-            assert statuses == [200, 502, 200]
-            assert b"engine unreachable" in bodies[1]
-            assert stats == {"connections": 2, "answered": 2, "dropped": 1}
-        assert len(agent.tracker) == 0
+        async with bare_proxy(ProxyConfig(engine_url=engine_url, stale_retries=stale_retries), 1.0) as (agent, url):
+            statuses, bodies = [], []
+            async with aiohttp.ClientSession() as s:
+                for _ in range(3):
+                    async with s.post(url + "/v1/completions",
+                                      json={"model": "m", "prompt": "a b c", "max_tokens": 1, "stream": True}) as r:
+                        statuses.append(r.status)
+                        bodies.append(await r.read())
+            if stale_retries:
+                # requests 2 and 3 went out on the kept-alive connection, were dropped, and were re-sent on a new one
+                assert statuses == [200, 200, 200] and bodies == [_SSE] * 3
+                assert stats == {"connections": 3, "answered": 3, "dropped": 2}
+            else:
+                assert statuses == [200, 502, 200]
+                assert b"engine unreachable" in bodies[1]
+                assert stats == {"connections": 2, "answered": 2, "dropped": 1}
+            assert len(agent.tracker) == 0
     finally:
-        await runner.cleanup()
-        await session.close()
         server.close()
         await server.wait_closed()
