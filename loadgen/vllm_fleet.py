@@ -103,6 +103,15 @@ def vllm_env(core: int, cache_root: Path | None = None) -> dict[str, str]:
     return env
 
 
+VLLM_NICE = 10
+"""Nice value of the CPU ``vllm serve`` processes. On a 2-core machine two CPU replicas' engine cores and
+workers keep both cores busy, and at nice 0 they starved the code under test: the agents' main threads
+got 0-24 ms of CPU per second of load while runnable (``/proc/PID/schedstat``), their event loops stalled
+for up to 12 s (asyncio debug), and Reserve calls took up to 16 s. At nice 10 the agents, the router and
+the test client run first; vLLM takes every cycle they leave. On a GPU node vLLM does not spin the host's
+CPU like this, and the agent sidecar gets its own CPU request (deploy/helm)."""
+
+
 def vllm_serve_argv(
     port: int,
     *,
@@ -113,10 +122,13 @@ def vllm_serve_argv(
     num_gpu_blocks_override: int | None = None,
     enforce_eager: bool = True,
     extra_args: Sequence[str] = (),
+    nice: int = VLLM_NICE,
 ) -> list[str]:
-    """argv of ``vllm serve`` for the tiny model (CPU, float32)."""
+    """argv of ``vllm serve`` for the tiny model (CPU, float32), run through ``nice -n nice`` when
+    ``nice > 0`` and ``nice`` is installed (it execs: the process keeps its pid)."""
+    prefix = ["nice", "-n", str(nice)] if nice > 0 and shutil.which("nice") else []
     argv = [
-        str(vllm_venv() / "bin" / "vllm"), "serve", str(model_dir or tiny_model_dir()),
+        *prefix, str(vllm_venv() / "bin" / "vllm"), "serve", str(model_dir or tiny_model_dir()),
         "--host", host, "--port", str(port),
         "--dtype", "float32",
         "--max-model-len", str(max_model_len),
