@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from replica_agent.engine_metrics import (
     CACHE_CONFIG,
@@ -11,7 +14,9 @@ from replica_agent.engine_metrics import (
     PREEMPTIONS,
     RUNNING,
     WAITING,
+    EngineMetrics,
     parse_engine_metrics,
+    wanted_lines,
 )
 
 # Shape of vLLM 0.32.0's /metrics (trimmed), new names.
@@ -120,3 +125,39 @@ def test_empty_text():
 def test_garbage_raises_value_error():
     with pytest.raises(ValueError):
         parse_engine_metrics("vllm:num_requests_running{engine= 3 3 3\n")
+
+
+REAL_PAGE = (Path(__file__).parents[1] / "data" / "vllm-0.32.0-cpu-metrics.txt").read_text()
+"""GET /metrics of a real vLLM 0.32.0 (CPU build, tiny model) after 3 requests: 624 lines, 53 KB."""
+
+
+def _loaded(page: str) -> str:
+    """The real page with the values of a loaded replica typed in by hand."""
+    for name, value in (("num_requests_running", "3.0"), ("num_requests_waiting", "29.0"),
+                        ("kv_cache_usage_perc", "0.9375"), ("num_preemptions_total", "7.0")):
+        old = f'vllm:{name}{{engine="0",model_name="tiny-llama"}} 0.0'
+        assert old in page
+        page = page.replace(old, old[:-3] + value)
+    return page
+
+
+def test_real_vllm_page_parsed_from_the_wanted_lines_only() -> None:
+    page = _loaded(REAL_PAGE)
+    kept = wanted_lines(page).splitlines()
+    # running, waiting (not waiting_by_reason), KV usage, preemptions, ITL sum and count, cache config
+    assert len(kept) == 7 and not any("waiting_by_reason" in line for line in kept)
+    m, missing = parse_engine_metrics(page)
+    assert missing == []
+    assert m == EngineMetrics(num_running=3, num_waiting=29, kv_usage=0.9375, preemptions=7.0, block_size=128,
+                              num_gpu_blocks=4096, itl_sum_s=0.13563743601116585, itl_count=57.0)
+    # reference: prometheus_client over the whole page
+    ref = {s.name: s.value for f in text_string_to_metric_families(page) for s in f.samples
+           if s.name in (RUNNING, WAITING, KV_USAGE, PREEMPTIONS, ITL + "_sum", ITL + "_count")}
+    assert ref == {RUNNING: m.num_running, WAITING: m.num_waiting, KV_USAGE: m.kv_usage, PREEMPTIONS: m.preemptions,
+                   ITL + "_sum": m.itl_sum_s, ITL + "_count": m.itl_count}
+
+
+def test_a_page_without_the_wanted_metrics_is_parsed_whole() -> None:
+    assert wanted_lines("# TYPE other gauge\nother 1.0\n") == ""
+    with pytest.raises(ValueError):  # not Prometheus text at all: still an error, not "all missing"
+        parse_engine_metrics("<html><body>502 Bad Gateway</body></html>\n")
