@@ -244,8 +244,7 @@ class Proxy:
                     status=up.status, body=body, headers={"Content-Type": up.headers.get("Content-Type", "application/json")}
                 )
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            log.warning("engine %s unreachable: %s: %s", self._base, type(e).__name__, e)
-            return error_json(502, f"engine unreachable: {type(e).__name__}")
+            return self._unreachable(e)
 
     async def health(self, request: web.Request) -> web.Response:
         """200 when the engine's /health answers 200 (bounded wait), else 503."""
@@ -375,6 +374,7 @@ class Proxy:
                 return self._unreachable(e)
 
     def _unreachable(self, e: BaseException) -> web.Response:
+        """502 ``engine unreachable: <exception type>``, and the exception in the log."""
         log.warning("engine %s unreachable: %s: %s", self._base, type(e).__name__, e)
         return error_json(502, f"engine unreachable: {type(e).__name__}")
 
