@@ -1,4 +1,4 @@
-"""Linear batch-time model: predicted iteration time = a + b * new_tokens + c * context_tokens.
+"""Batch-time model: predicted iteration time = a + b * new_tokens + c * context_tokens + e * chunk_prefix_tokens.
 
 Source: seed 000 (FairBatching, arXiv 2510.14392, section 4, "batch time model"); the coefficients
 shipped in ``replica_agent/data/fitted_coefficients.csv`` were fitted on Vidur/Splitwise GPU
@@ -7,15 +7,61 @@ profiles (see ``replica_agent/data/SOURCES.md``).
 - ``new_tokens``: tokens computed in this iteration (1 per decode, plus every prefill-chunk token).
 - ``context_tokens``: sum over the batch of tokens already in the KV cache before the iteration
   (decode: its context length; prefill chunk: the prefix already computed, 0 for a fresh prompt).
+- ``chunk_prefix_tokens``: sum over the batch of ``chunk_i * prefix_i`` (``chunk_i`` = tokens computed for
+  sequence i in this iteration, ``prefix_i`` = its tokens already in the KV cache). A prefill chunk's
+  attention over its prefix grows as chunk x prefix (the surrogate in ``docs/engine-time-model.md``:
+  ``1.134e-7 * chunk * kv`` ms per layer), which the linear ``c * context`` charges only once. For a decode
+  the product is its context length, so ``c`` and ``e`` are separable only through prefill chunks with a
+  prefix; ``e`` defaults to 0 (the linear model of the profiles).
+
+:class:`StepFeatures` is the one description of an iteration that the engines (simulated and vLLM),
+the time models and the online calibrator (``replica_agent/policy/calibration.py``) share.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class StepFeatures:
+    """Token counts of one engine iteration, the inputs of every step-time model.
+
+    Attributes:
+        new_tokens: sum over the batch of tokens computed this iteration (tokens).
+        context_tokens: sum over the batch of tokens already in the KV cache before it (tokens).
+        chunk_prefix_tokens: sum over the batch of chunk_i * prefix_i (tokens^2).
+        chunk_sq_tokens: sum over the batch of chunk_i^2 (tokens^2).
+        num_seqs: sequences in the batch.
+    """
+
+    new_tokens: int
+    context_tokens: int
+    chunk_prefix_tokens: int
+    chunk_sq_tokens: int
+    num_seqs: int
+
+    @classmethod
+    def from_items(cls, items: Iterable[tuple[int, int]]) -> StepFeatures:
+        """Features of a batch given as ``(chunk_i, prefix_i)`` pairs (new tokens, tokens already computed).
+
+        Raises:
+            ValueError: on a negative count.
+        """
+        new = ctx = cross = sq = n = 0
+        for chunk, prefix in items:
+            if chunk < 0 or prefix < 0:
+                raise ValueError(f"chunk and prefix must be >= 0, got {chunk}, {prefix}")
+            new += chunk
+            ctx += prefix
+            cross += chunk * prefix
+            sq += chunk * chunk
+            n += 1
+        return cls(new, ctx, cross, sq, n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,30 +72,41 @@ class TimeModel:
         a_ms: fixed cost of one iteration (ms).
         b_ms_per_new_token: cost of each token computed in the iteration (ms/token).
         c_ms_per_context_token: cost of each token already in the KV cache that the batch reads (ms/token).
+        e_ms_per_chunk_prefix: cost of each (new token, prefix token) pair of a sequence (ms/token^2);
+            0 in the profiles' linear fits.
     """
 
     a_ms: float
     b_ms_per_new_token: float
     c_ms_per_context_token: float
+    e_ms_per_chunk_prefix: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.a_ms < 0 or self.b_ms_per_new_token <= 0 or self.c_ms_per_context_token < 0:
+        if (self.a_ms < 0 or self.b_ms_per_new_token <= 0 or self.c_ms_per_context_token < 0
+                or self.e_ms_per_chunk_prefix < 0):  # fmt: skip
             raise ValueError(
-                f"time model needs a >= 0, b > 0, c >= 0; got a={self.a_ms}, "
-                f"b={self.b_ms_per_new_token}, c={self.c_ms_per_context_token}"
+                f"time model needs a >= 0, b > 0, c >= 0, e >= 0; got a={self.a_ms}, "
+                f"b={self.b_ms_per_new_token}, c={self.c_ms_per_context_token}, e={self.e_ms_per_chunk_prefix}"
             )
 
-    def batch_ms(self, new_tokens: int | float, context_tokens: int | float) -> float:
-        """Predicted time (ms) of one iteration with these token counts."""
-        return self.a_ms + self.b_ms_per_new_token * new_tokens + self.c_ms_per_context_token * context_tokens
+    def batch_ms(self, new_tokens: int | float, context_tokens: int | float, chunk_prefix_tokens: int | float = 0) -> float:
+        """Predicted time (ms) of one iteration with these token counts (``chunk_prefix_tokens`` = sum chunk_i * prefix_i)."""
+        return (self.a_ms + self.b_ms_per_new_token * new_tokens + self.c_ms_per_context_token * context_tokens
+                + self.e_ms_per_chunk_prefix * chunk_prefix_tokens)  # fmt: skip
+
+    def step_ms(self, f: StepFeatures) -> float:
+        """Predicted time (ms) of the iteration ``f`` describes."""
+        return self.batch_ms(f.new_tokens, f.context_tokens, f.chunk_prefix_tokens)
 
     def prefill_ms(self, prompt_tokens: int | float, computed_tokens: int | float = 0) -> float:
         """Predicted time (ms) to prefill the rest of a prompt in one iteration of its own.
 
-        ``computed_tokens`` of the prompt are already in the KV cache (chunked prefill).
+        ``computed_tokens`` of the prompt are already in the KV cache (chunked prefill); the chunk
+        of ``remaining`` tokens reads them: cross term ``remaining * computed``.
         """
-        remaining = max(0.0, float(prompt_tokens) - float(computed_tokens))
-        return self.batch_ms(remaining, computed_tokens)
+        computed = float(computed_tokens)
+        remaining = max(0.0, float(prompt_tokens) - computed)
+        return self.batch_ms(remaining, computed, remaining * computed)
 
     def tokens_within_ms(self, budget_ms: float) -> int:
         """Largest fresh prompt (tokens) whose one-iteration prefill fits ``budget_ms``: floor((budget - a) / b), >= 0."""

@@ -59,3 +59,30 @@ def test_model_predictions_and_validation():
         TimeModel(1.0, 0.0, 0.0)
     with pytest.raises(ValueError):
         TimeModel(-1.0, 0.1, 0.0)
+
+
+def test_step_features_from_items_by_hand():
+    from replica_agent.policy.time_model import StepFeatures
+
+    # two decodes at contexts 100 and 300, one 512-token chunk over a 1024-token prefix
+    f = StepFeatures.from_items([(1, 100), (1, 300), (512, 1024)])
+    assert (f.new_tokens, f.context_tokens, f.num_seqs) == (514, 1424, 3)
+    assert f.chunk_prefix_tokens == 100 + 300 + 512 * 1024  # 524,688
+    assert f.chunk_sq_tokens == 1 + 1 + 512 * 512  # 262,146
+    with pytest.raises(ValueError):
+        StepFeatures.from_items([(-1, 0)])
+
+
+def test_chunk_prefix_term_by_hand():
+    from replica_agent.policy.time_model import StepFeatures
+
+    tm = TimeModel(10.0, 0.07, 8e-5, 1e-7)
+    f = StepFeatures.from_items([(2048, 16384)])
+    # 10 + 0.07*2048 + 8e-5*16384 + 1e-7*2048*16384 = 10 + 143.36 + 1.31072 + 3.3554432
+    assert tm.step_ms(f) == pytest.approx(158.0261632)
+    # prefill of the last 2048 tokens of an 18432-token prompt in one iteration is the same step
+    assert tm.prefill_ms(18432, 16384) == pytest.approx(158.0261632)
+    # e defaults to 0: the profiles' linear model is unchanged
+    assert TimeModel(10.0, 0.07, 8e-5).prefill_ms(18432, 16384) == pytest.approx(10 + 143.36 + 1.31072)
+    with pytest.raises(ValueError):
+        TimeModel(10.0, 0.07, 8e-5, -1e-9)
