@@ -7,12 +7,11 @@ profiles (see ``replica_agent/data/SOURCES.md``).
 - ``new_tokens``: tokens computed in this iteration (1 per decode, plus every prefill-chunk token).
 - ``context_tokens``: sum over the batch of tokens already in the KV cache before the iteration
   (decode: its context length; prefill chunk: the prefix already computed, 0 for a fresh prompt).
-- ``chunk_prefix_tokens``: sum over the batch of ``chunk_i * prefix_i`` (``chunk_i`` = tokens computed for
-  sequence i in this iteration, ``prefix_i`` = its tokens already in the KV cache). A prefill chunk's
-  attention over its prefix grows as chunk x prefix (the surrogate in ``docs/engine-time-model.md``:
-  ``1.134e-7 * chunk * kv`` ms per layer), which the linear ``c * context`` charges only once. For a decode
-  the product is its context length, so ``c`` and ``e`` are separable only through prefill chunks with a
-  prefix; ``e`` defaults to 0 (the linear model of the profiles).
+- ``chunk_prefix_tokens``: sum over the batch's prefill chunks of ``chunk_i * prefix_i`` (``chunk_i`` =
+  tokens computed for sequence i in this iteration, ``prefix_i`` = its tokens already in the KV cache).
+  A prefill chunk's attention over its prefix grows as chunk x prefix (the surrogate in
+  ``docs/engine-time-model.md``: ``1.134e-7 * chunk * kv`` ms per layer), which the linear
+  ``c * context`` charges only once. ``e`` defaults to 0 (the linear model of the profiles).
 
 :class:`StepFeatures` is the one description of an iteration that the engines (simulated and vLLM),
 the time models and the online calibrator (``replica_agent/policy/calibration.py``) share.
@@ -37,6 +36,11 @@ class StepFeatures:
         chunk_prefix_tokens: sum over the batch of chunk_i * prefix_i (tokens^2).
         chunk_sq_tokens: sum over the batch of chunk_i^2 (tokens^2).
         num_seqs: sequences in the batch.
+        prefill_chunk_prefix_tokens: the same sum as ``chunk_prefix_tokens`` over prefill chunks
+            only (chunk_i > 1), the feature of :class:`TimeModel`'s ``e`` (tokens^2). A decode's
+            product is its context, already in ``context_tokens``: keeping decodes out makes ``e``
+            the attention of chunks over their prefixes alone, so a replica that only decodes
+            says nothing about ``e`` (replica_agent/policy/calibration.py).
     """
 
     new_tokens: int
@@ -44,6 +48,7 @@ class StepFeatures:
     chunk_prefix_tokens: int
     chunk_sq_tokens: int
     num_seqs: int
+    prefill_chunk_prefix_tokens: int = 0
 
     @classmethod
     def from_items(cls, items: Iterable[tuple[int, int]]) -> StepFeatures:
@@ -52,7 +57,7 @@ class StepFeatures:
         Raises:
             ValueError: on a negative count.
         """
-        new = ctx = cross = sq = n = 0
+        new = ctx = cross = sq = n = pcross = 0
         for chunk, prefix in items:
             if chunk < 0 or prefix < 0:
                 raise ValueError(f"chunk and prefix must be >= 0, got {chunk}, {prefix}")
@@ -61,7 +66,9 @@ class StepFeatures:
             cross += chunk * prefix
             sq += chunk * chunk
             n += 1
-        return cls(new, ctx, cross, sq, n)
+            if chunk > 1:
+                pcross += chunk * prefix
+        return cls(new, ctx, cross, sq, n, pcross)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +79,8 @@ class TimeModel:
         a_ms: fixed cost of one iteration (ms).
         b_ms_per_new_token: cost of each token computed in the iteration (ms/token).
         c_ms_per_context_token: cost of each token already in the KV cache that the batch reads (ms/token).
-        e_ms_per_chunk_prefix: cost of each (new token, prefix token) pair of a sequence (ms/token^2);
-            0 in the profiles' linear fits.
+        e_ms_per_chunk_prefix: cost of each (new token, prefix token) pair of a prefill chunk
+            (ms/token^2; :attr:`StepFeatures.prefill_chunk_prefix_tokens`); 0 in the profiles' linear fits.
     """
 
     a_ms: float
@@ -90,13 +97,14 @@ class TimeModel:
             )
 
     def batch_ms(self, new_tokens: int | float, context_tokens: int | float, chunk_prefix_tokens: int | float = 0) -> float:
-        """Predicted time (ms) of one iteration with these token counts (``chunk_prefix_tokens`` = sum chunk_i * prefix_i)."""
+        """Predicted time (ms) of one iteration with these token counts (``chunk_prefix_tokens`` = sum of
+        chunk_i * prefix_i over its prefill chunks)."""
         return (self.a_ms + self.b_ms_per_new_token * new_tokens + self.c_ms_per_context_token * context_tokens
                 + self.e_ms_per_chunk_prefix * chunk_prefix_tokens)  # fmt: skip
 
     def step_ms(self, f: StepFeatures) -> float:
         """Predicted time (ms) of the iteration ``f`` describes."""
-        return self.batch_ms(f.new_tokens, f.context_tokens, f.chunk_prefix_tokens)
+        return self.batch_ms(f.new_tokens, f.context_tokens, f.prefill_chunk_prefix_tokens)
 
     def prefill_ms(self, prompt_tokens: int | float, computed_tokens: int | float = 0) -> float:
         """Predicted time (ms) to prefill the rest of a prompt in one iteration of its own.

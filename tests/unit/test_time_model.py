@@ -69,6 +69,7 @@ def test_step_features_from_items_by_hand():
     assert (f.new_tokens, f.context_tokens, f.num_seqs) == (514, 1424, 3)
     assert f.chunk_prefix_tokens == 100 + 300 + 512 * 1024  # 524,688
     assert f.chunk_sq_tokens == 1 + 1 + 512 * 512  # 262,146
+    assert f.prefill_chunk_prefix_tokens == 512 * 1024  # decodes (chunk 1) left out
     with pytest.raises(ValueError):
         StepFeatures.from_items([(-1, 0)])
 

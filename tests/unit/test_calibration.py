@@ -1,0 +1,113 @@
+"""OnlineTimeModel: the fit converges on noise-free steps, the margin is the quantile worked out by
+hand, an unexcited coefficient stays at the prior, the domain constraints hold."""
+
+import math
+
+import numpy as np
+import pytest
+
+from replica_agent.policy.calibration import CalibratorConfig, OnlineTimeModel, solve_ridge
+from replica_agent.policy.time_model import StepFeatures, TimeModel
+
+PRIOR = TimeModel(9.86, 0.0727, 7.94e-5)  # the llama-3-8b-a100 all_batches profile
+TRUTH = TimeModel(11.0, 0.064, 9.0e-5, 3.6e-6)  # an engine the profile mis-predicts
+
+
+def _steps(rng, n):
+    """Random batches: decodes (contexts 128..4096) plus, in half of them, a prefill chunk over a prefix."""
+    out = []
+    for _ in range(n):
+        items = [(1, int(rng.integers(128, 4096))) for _ in range(int(rng.integers(1, 64)))]
+        if rng.random() < 0.5:
+            items.append((int(rng.integers(64, 2048)), int(rng.choice([0, 1024, 4096, 16384]))))
+        out.append(StepFeatures.from_items(items))
+    return out
+
+
+def test_converges_to_the_engine_on_noise_free_steps():
+    rng = np.random.default_rng(7)
+    cal = OnlineTimeModel(PRIOR)
+    steps = _steps(rng, 800)
+    for f in steps:
+        cal.observe(f, TRUTH.step_ms(f))
+    m = cal.model()
+    # the prior's pull is kappa = 5 observations against 1 / (1 - 0.995) = 200 in memory, 5 / 205 = 2.4 %
+    # of the prior's own error (at most 37 %, the cross term below): within 2 % on every step, 0.5 % mean
+    errs = [abs(m.step_ms(f) / TRUTH.step_ms(f) - 1) for f in _steps(rng, 200)]
+    assert max(errs) < 0.02 and sum(errs) / len(errs) < 0.005
+    # the prefill cross term was learned from zero: a 2048-token chunk at a 16k prefix
+    big = StepFeatures.from_items([(2048, 16384)])
+    assert TRUTH.step_ms(big) == pytest.approx(11 + 0.064 * 2048 + 9e-5 * 16384 + 3.6e-6 * 2048 * 16384)  # 253.35
+    assert m.step_ms(big) == pytest.approx(TRUTH.step_ms(big), rel=0.02)
+    assert PRIOR.step_ms(big) < 0.7 * TRUTH.step_ms(big)  # what the profile alone planned: 160 ms
+    # after the early errors have left the window, the margin is ~1 (no error left to cover)
+    assert 1.0 <= cal.margin() < 1.02
+    assert cal.mean_abs_rel_error() < 0.01
+
+
+def test_margin_is_the_quantile_of_measured_over_predicted():
+    # a prior so strong the point model cannot move: each step's ratio is exactly the one fed
+    cfg = CalibratorConfig(forgetting=1.0, prior_weight=1e12, margin_quantile=0.95, window=20, min_samples=10,
+                           initial_margin=1.1)
+    cal = OnlineTimeModel(PRIOR, cfg)
+    f = StepFeatures.from_items([(1, 1000)] * 8)
+    ratios = [1.0 + k / 100 for k in range(20)]  # 1.00 .. 1.19
+    for k, r in enumerate(ratios):
+        if k == 9:
+            assert cal.margin() == 1.1  # 9 samples < min_samples: the initial margin
+        cal.observe(f, PRIOR.step_ms(f) * r)
+    # numpy's linear quantile of 20 sorted values at 0.95: position 0.95 * 19 = 18.05 -> 1.18 + 0.05 * 0.01
+    assert cal.margin() == pytest.approx(1.1805)
+    c = cal.conservative()
+    assert c.a_ms == pytest.approx(9.86 * 1.1805) and c.b_ms_per_new_token == pytest.approx(0.0727 * 1.1805)
+    q = cal.residual_quantiles((0.5,))
+    assert q[0.5] == pytest.approx(0.095)  # median of 0.00 .. 0.19
+    # optimistic errors never shrink the plan below the point model
+    for _ in range(20):
+        cal.observe(f, PRIOR.step_ms(f) * 0.8)
+    assert cal.margin() == 1.0
+
+
+def test_the_margin_is_capped():
+    cal = OnlineTimeModel(PRIOR, CalibratorConfig(prior_weight=1e12, min_samples=1, max_margin=1.5))
+    f = StepFeatures.from_items([(1, 1000)])
+    cal.observe(f, PRIOR.step_ms(f) * 3.0)
+    assert cal.margin() == 1.5
+
+
+def test_decode_only_replica_leaves_e_at_the_prior():
+    rng = np.random.default_rng(3)
+    cal = OnlineTimeModel(PRIOR)
+    for _ in range(400):
+        f = StepFeatures.from_items([(1, int(rng.integers(128, 4096))) for _ in range(int(rng.integers(1, 128)))])
+        cal.observe(f, TRUTH.step_ms(f))
+    m = cal.model()
+    assert m.e_ms_per_chunk_prefix == 0.0  # never excited: no drift, no wind-up
+    f = StepFeatures.from_items([(1, 2000)] * 64)
+    assert m.step_ms(f) == pytest.approx(TRUTH.step_ms(f), rel=0.01)  # decodes themselves are learned
+
+
+def test_constraints_by_active_set():
+    # data that says a < 0: y = 0.1 * new exactly, prior a = 10 with no weight -> a is fixed at 0
+    xs = [(1.0, float(n), 0.0, 0.0) for n in (10, 20, 40, 80)]
+    a_mat = sum(np.outer(x, x) / (0.1 * x[1]) ** 2 for x in xs)
+    g = sum(np.array(x) * (0.1 * x[1]) / (0.1 * x[1]) ** 2 for x in xs)
+    w = len(xs)
+    # shift: y = 0.1 * new - 0.5 would want a = -0.5; here a = 0 is exact anyway
+    theta = solve_ridge(a_mat, g, w, np.array([10.0, 0.07, 0.0, 0.0]), 1e-9)
+    assert theta[0] == pytest.approx(0.0, abs=1e-6) and theta[1] == pytest.approx(0.1)
+    g2 = sum(np.array(x) * (0.1 * x[1] - 0.5) / (0.1 * x[1]) ** 2 for x in xs)
+    theta2 = solve_ridge(a_mat, g2, w, np.array([10.0, 0.07, 0.0, 0.0]), 1e-9)
+    assert theta2[0] == 0.0 and theta2[1] > 0  # the unconstrained a = -0.5 is clipped, b re-solved
+
+
+def test_bad_observations_are_ignored_and_config_validated():
+    cal = OnlineTimeModel(PRIOR)
+    f = StepFeatures.from_items([(1, 100)])
+    assert cal.observe(f, math.nan) is None and cal.observe(f, 0.0) is None
+    assert cal.observe(StepFeatures.from_items([]), 10.0) is None
+    assert cal.count == 0 and cal.model() is PRIOR and math.isnan(cal.mean_abs_rel_error())
+    with pytest.raises(ValueError):
+        CalibratorConfig(margin_quantile=1.0)
+    with pytest.raises(ValueError):
+        CalibratorConfig(initial_margin=3.0, max_margin=2.0)
