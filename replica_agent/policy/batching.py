@@ -345,8 +345,8 @@ class FairBatchingPolicy:
        recomputes; slack against their next token's deadline), then non-urgent decodes, each
        group by slack ascending (ties keep queue order).
     4. Add in that order while the batch stays inside all limits: predicted time
-       ``time_model.batch_ms(new_tokens, context_tokens) <= time_budget`` (context = each item's
-       computed tokens), the KV blocks still free (``kv_free_blocks``; a new request is admitted
+       ``time_model.batch_ms(new_tokens, context_tokens, chunk_prefix, num_decodes) <= time_budget``
+       (context = each item's computed tokens; chunk_prefix = sum of chunk x computed over prefill chunks), the KV blocks still free (``kv_free_blocks``; a new request is admitted
        only when its whole remaining prompt fits, so admitted prefills cannot wedge the cache),
        the token cap (max_num_batched_tokens) and max_num_seqs. A prefill that does not fit whole
        is chunked to what is left of the time, token and KV budgets; items that do not fit are
@@ -388,6 +388,8 @@ class FairBatchingPolicy:
         a = tm.a_ms
         b = tm.b_ms_per_new_token
         c = tm.c_ms_per_context_token
+        e = tm.e_ms_per_chunk_prefix
+        b_dec = b + tm.d_ms_per_decode  # a decode's own token (TimeModel.d_ms_per_decode)
         now = state.now_ms
         d_ttft = self.default_ttft_ms
         d_tpot = self.default_tpot_ms
@@ -441,7 +443,7 @@ class FairBatchingPolicy:
             if self.raise_budget_for_prefills and prefills:
                 # conservative inputs: see prefill_deadline_budget
                 head_slack, head, head_rem, _ = prefills[0]
-                decode_ms = sum(b + c * r.computed_tokens for _, r in decodes)
+                decode_ms = sum(b_dec + c * r.computed_tokens for _, r in decodes)
                 budget = prefill_deadline_budget(
                     budget, a + decode_ms + c * (head.computed_tokens + head_rem), b, head_rem, head_slack - budget,
                     state.max_num_batched_tokens,
@@ -467,14 +469,14 @@ class FairBatchingPolicy:
                         continue
                     comp = r.computed_tokens
                     room = budget - t - c * comp  # ms left for this item's new tokens
-                    if room < b:
+                    if room < b + e * comp:
                         continue
                     held = -(-comp // bs)
                     if not running and -(-(comp + rem) // bs) - held > kv_left:
                         continue
                     n = rem if rem < tokens_left else tokens_left
                     if room != math.inf:
-                        n_time = int(room / b + 1e-9)  # as TimeModel.tokens_within_ms
+                        n_time = int(room / (b + e * comp) + 1e-9)  # as TimeModel.tokens_within_ms
                         if n_time < n:
                             n = n_time
                     n_kv = (held + kv_left) * bs - comp
@@ -483,7 +485,7 @@ class FairBatchingPolicy:
                     if n < 1:
                         continue
                     items.append((r.request_id, n))
-                    t += b * n + c * comp
+                    t += (b + e * comp) * n + c * comp  # chunk n over prefix comp: e * n * comp
                     tokens_left -= n
                     kv_left -= -(-(comp + n) // bs) - held
                     if not running:
@@ -493,7 +495,7 @@ class FairBatchingPolicy:
                 if tokens_left <= 0:
                     break
                 comp = r.computed_tokens
-                dt = b + c * comp
+                dt = b_dec + c * comp
                 if t + dt > budget:
                     continue
                 if comp % bs == 0:  # the new token opens a block

@@ -28,7 +28,7 @@ were admitted earlier and whose promises we must keep:
    needs ``N = max_d n_d`` iterations, each predicted by the batch-time model (TimeModel, seed 000
    section 4) with |D| new tokens and the decodes' contexts read::
 
-       decode_reservation = N * (a + b * |D| + c * sum_d ctx_d)         (0 when D is empty)
+       decode_reservation = N * (a + (b + d) * |D| + c * sum_d ctx_d)   (0 when D is empty)
 
    ``ctx_d`` is the decode's tokens in the KV cache (prompt + tokens out). Context growth during
    the N iterations is ignored (c * |D| * N^2 / 2 is small next to the rest for the sizes we run).
@@ -38,7 +38,10 @@ were admitted earlier and whose promises we must keep:
    horizon. They ride in the decode iterations (chunked prefill), so they add only their token
    terms, not another fixed cost ``a``::
 
-       inflight_reservation = sum_p (b * (prompt_p - computed_p) + c * computed_p)
+       inflight_reservation = sum_p (b * r_p + c * computed_p + e * r_p * computed_p),  r_p = prompt_p - computed_p
+
+   (``d`` and ``e``: the decode and chunk x prefix terms of replica_agent/policy/time_model.py, 0 in
+   the profiles' linear fits; the online calibrator learns them.)
 
 What remains is the prefill time a new prompt may use::
 
@@ -224,7 +227,7 @@ class ClassBudget:
         kv_limited_tokens: kv_free minus decode growth reserve minus pending prompt tokens, >= 0.
         ttft_ms, tpot_ms: the class's targets (ms).
         decode_reservation_ms: N * (a + b*|D| + c*sum ctx).
-        inflight_reservation_ms: sum of b*remaining + c*computed over prefills and leases.
+        inflight_reservation_ms: sum of b*remaining + c*computed + e*remaining*computed over prefills and leases.
         kv_free_tokens: free KV cache (tokens).
         decode_iterations: N = max_d n_d.
     """
@@ -289,11 +292,12 @@ def class_budget(state: ReplicaState, slo: SloClass, waited_ms: float = 0.0) -> 
     n_iter = decode_iterations(state.now_ms, horizon, state.decodes)
     if state.decodes and n_iter > 0:
         ctx = sum(d.context_tokens for d in state.decodes)
-        decode_res = n_iter * tm.batch_ms(len(state.decodes), ctx)
+        decode_res = n_iter * tm.batch_ms(len(state.decodes), ctx, 0, len(state.decodes))
     else:
         decode_res = 0.0
-    inflight_res = sum(
-        tm.b_ms_per_new_token * p.remaining_tokens + tm.c_ms_per_context_token * p.computed_tokens
+    b, c, e = tm.b_ms_per_new_token, tm.c_ms_per_context_token, tm.e_ms_per_chunk_prefix
+    inflight_res = sum(  # each rides in batches that already pay a: its tokens, prefix and chunk x prefix
+        b * p.remaining_tokens + c * p.computed_tokens + e * p.remaining_tokens * p.computed_tokens
         for p in state.prefills
     )
     pab_ms = max(0.0, horizon - decode_res - inflight_res)

@@ -41,6 +41,7 @@ class StepFeatures:
             product is its context, already in ``context_tokens``: keeping decodes out makes ``e``
             the attention of chunks over their prefixes alone, so a replica that only decodes
             says nothing about ``e`` (replica_agent/policy/calibration.py).
+        num_decodes: sequences with a chunk of 1 token (decodes), the feature of :class:`TimeModel`'s ``d``.
     """
 
     new_tokens: int
@@ -49,6 +50,7 @@ class StepFeatures:
     chunk_sq_tokens: int
     num_seqs: int
     prefill_chunk_prefix_tokens: int = 0
+    num_decodes: int = 0
 
     @classmethod
     def from_items(cls, items: Iterable[tuple[int, int]]) -> StepFeatures:
@@ -57,7 +59,7 @@ class StepFeatures:
         Raises:
             ValueError: on a negative count.
         """
-        new = ctx = cross = sq = n = pcross = 0
+        new = ctx = cross = sq = n = pcross = dec = 0
         for chunk, prefix in items:
             if chunk < 0 or prefix < 0:
                 raise ValueError(f"chunk and prefix must be >= 0, got {chunk}, {prefix}")
@@ -68,7 +70,9 @@ class StepFeatures:
             n += 1
             if chunk > 1:
                 pcross += chunk * prefix
-        return cls(new, ctx, cross, sq, n, pcross)
+            elif chunk == 1:
+                dec += 1
+        return cls(new, ctx, cross, sq, n, pcross, dec)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,30 +85,43 @@ class TimeModel:
         c_ms_per_context_token: cost of each token already in the KV cache that the batch reads (ms/token).
         e_ms_per_chunk_prefix: cost of each (new token, prefix token) pair of a prefill chunk
             (ms/token^2; :attr:`StepFeatures.prefill_chunk_prefix_tokens`); 0 in the profiles' linear fits.
+        d_ms_per_decode: cost of a decode beyond ``b`` (ms per decode sequence; > -b, so a decode's
+            own token costs ``b + d`` > 0). A decode's GEMM rows run memory-bound, a prefill's
+            compute-bound (shared profiles: the decode-only fit's b is 0.043 against 0.073 over all
+            batches for Llama-3-8B A100), so one ``b`` cannot price both; 0 in the profiles' fits.
+            A caller that does not pass ``num_decodes`` prices decodes at ``b``.
     """
 
     a_ms: float
     b_ms_per_new_token: float
     c_ms_per_context_token: float
     e_ms_per_chunk_prefix: float = 0.0
+    d_ms_per_decode: float = 0.0
 
     def __post_init__(self) -> None:
         if (self.a_ms < 0 or self.b_ms_per_new_token <= 0 or self.c_ms_per_context_token < 0
-                or self.e_ms_per_chunk_prefix < 0):  # fmt: skip
+                or self.e_ms_per_chunk_prefix < 0 or not self.b_ms_per_new_token + self.d_ms_per_decode > 0):  # fmt: skip
             raise ValueError(
-                f"time model needs a >= 0, b > 0, c >= 0, e >= 0; got a={self.a_ms}, "
-                f"b={self.b_ms_per_new_token}, c={self.c_ms_per_context_token}, e={self.e_ms_per_chunk_prefix}"
+                f"time model needs a >= 0, b > 0, c >= 0, e >= 0, b + d > 0; got a={self.a_ms}, "
+                f"b={self.b_ms_per_new_token}, c={self.c_ms_per_context_token}, e={self.e_ms_per_chunk_prefix}, "
+                f"d={self.d_ms_per_decode}"
             )
 
-    def batch_ms(self, new_tokens: int | float, context_tokens: int | float, chunk_prefix_tokens: int | float = 0) -> float:
+    def batch_ms(self, new_tokens: int | float, context_tokens: int | float, chunk_prefix_tokens: int | float = 0,
+                 num_decodes: int | float = 0) -> float:
         """Predicted time (ms) of one iteration with these token counts (``chunk_prefix_tokens`` = sum of
-        chunk_i * prefix_i over its prefill chunks)."""
+        chunk_i * prefix_i over its prefill chunks; ``num_decodes`` of the ``new_tokens`` are decodes)."""
         return (self.a_ms + self.b_ms_per_new_token * new_tokens + self.c_ms_per_context_token * context_tokens
-                + self.e_ms_per_chunk_prefix * chunk_prefix_tokens)  # fmt: skip
+                + self.e_ms_per_chunk_prefix * chunk_prefix_tokens + self.d_ms_per_decode * num_decodes)  # fmt: skip
 
     def step_ms(self, f: StepFeatures) -> float:
         """Predicted time (ms) of the iteration ``f`` describes."""
-        return self.batch_ms(f.new_tokens, f.context_tokens, f.prefill_chunk_prefix_tokens)
+        return self.batch_ms(f.new_tokens, f.context_tokens, f.prefill_chunk_prefix_tokens, f.num_decodes)
+
+    def scaled(self, k: float) -> TimeModel:
+        """Every coefficient times ``k`` (> 0): the same model, ``k`` times slower."""
+        return TimeModel(self.a_ms * k, self.b_ms_per_new_token * k, self.c_ms_per_context_token * k,
+                         self.e_ms_per_chunk_prefix * k, self.d_ms_per_decode * k)  # fmt: skip
 
     def prefill_ms(self, prompt_tokens: int | float, computed_tokens: int | float = 0) -> float:
         """Predicted time (ms) to prefill the rest of a prompt in one iteration of its own.

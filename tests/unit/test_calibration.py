@@ -10,7 +10,7 @@ from replica_agent.policy.calibration import CalibratorConfig, OnlineTimeModel, 
 from replica_agent.policy.time_model import StepFeatures, TimeModel
 
 PRIOR = TimeModel(9.86, 0.0727, 7.94e-5)  # the llama-3-8b-a100 all_batches profile
-TRUTH = TimeModel(11.0, 0.064, 9.0e-5, 3.6e-6)  # an engine the profile mis-predicts
+TRUTH = TimeModel(11.0, 0.064, 9.0e-5, 3.6e-6, -0.02)  # an engine the profile mis-predicts: decodes at 0.044
 
 
 def _steps(rng, n):
@@ -32,9 +32,10 @@ def test_converges_to_the_engine_on_noise_free_steps():
         cal.observe(f, TRUTH.step_ms(f))
     m = cal.model()
     # the prior's pull is kappa = 5 observations against 1 / (1 - 0.995) = 200 in memory, 5 / 205 = 2.4 %
-    # of the prior's own error (at most 37 %, the cross term below): within 2 % on every step, 0.5 % mean
+    # of the prior's own error (10-37 % per step, the cross term below the worst): within 2 % on every step,
+    # 1 % on average
     errs = [abs(m.step_ms(f) / TRUTH.step_ms(f) - 1) for f in _steps(rng, 200)]
-    assert max(errs) < 0.02 and sum(errs) / len(errs) < 0.005
+    assert max(errs) < 0.02 and sum(errs) / len(errs) < 0.01
     # the prefill cross term was learned from zero: a 2048-token chunk at a 16k prefix
     big = StepFeatures.from_items([(2048, 16384)])
     assert TRUTH.step_ms(big) == pytest.approx(11 + 0.064 * 2048 + 9e-5 * 16384 + 3.6e-6 * 2048 * 16384)  # 253.35
@@ -78,26 +79,33 @@ def test_the_margin_is_capped():
 def test_decode_only_replica_leaves_e_at_the_prior():
     rng = np.random.default_rng(3)
     cal = OnlineTimeModel(PRIOR)
-    for _ in range(400):
-        f = StepFeatures.from_items([(1, int(rng.integers(128, 4096))) for _ in range(int(rng.integers(1, 128)))])
+    for _ in range(400):  # batch sizes and mean contexts drawn apart, as in the profiles' batch mix
+        mu = rng.uniform(128, 4096)
+        f = StepFeatures.from_items([(1, int(max(16, rng.normal(mu, 0.3 * mu)))) for _ in range(int(rng.integers(1, 128)))])
         cal.observe(f, TRUTH.step_ms(f))
     m = cal.model()
     assert m.e_ms_per_chunk_prefix == 0.0  # never excited: no drift, no wind-up
+    assert m.b_ms_per_new_token == pytest.approx(PRIOR.b_ms_per_new_token)  # nor the prefill token's cost
     f = StepFeatures.from_items([(1, 2000)] * 64)
     assert m.step_ms(f) == pytest.approx(TRUTH.step_ms(f), rel=0.01)  # decodes themselves are learned
+    # the decode slope was learned as d: from the prior's 0.0727 most of the way (> 75 %) to the engine's
+    # 0.064 - 0.02 = 0.044; the rest is the ridge's pull along a direction the batch size and the summed
+    # context share (both grow with the batch)
+    slope = m.b_ms_per_new_token + m.d_ms_per_decode
+    assert 0.044 <= slope < 0.0727 - 0.75 * (0.0727 - 0.044)
 
 
 def test_constraints_by_active_set():
     # data that says a < 0: y = 0.1 * new exactly, prior a = 10 with no weight -> a is fixed at 0
-    xs = [(1.0, float(n), 0.0, 0.0) for n in (10, 20, 40, 80)]
+    xs = [(1.0, float(n), 0.0, 0.0, 0.0) for n in (10, 20, 40, 80)]
     a_mat = sum(np.outer(x, x) / (0.1 * x[1]) ** 2 for x in xs)
     g = sum(np.array(x) * (0.1 * x[1]) / (0.1 * x[1]) ** 2 for x in xs)
     w = len(xs)
     # shift: y = 0.1 * new - 0.5 would want a = -0.5; here a = 0 is exact anyway
-    theta = solve_ridge(a_mat, g, w, np.array([10.0, 0.07, 0.0, 0.0]), 1e-9)
+    theta = solve_ridge(a_mat, g, w, np.array([10.0, 0.07, 0.07, 0.0, 0.0]), 1e-9)
     assert theta[0] == pytest.approx(0.0, abs=1e-6) and theta[1] == pytest.approx(0.1)
     g2 = sum(np.array(x) * (0.1 * x[1] - 0.5) / (0.1 * x[1]) ** 2 for x in xs)
-    theta2 = solve_ridge(a_mat, g2, w, np.array([10.0, 0.07, 0.0, 0.0]), 1e-9)
+    theta2 = solve_ridge(a_mat, g2, w, np.array([10.0, 0.07, 0.07, 0.0, 0.0]), 1e-9)
     assert theta2[0] == 0.0 and theta2[1] > 0  # the unconstrained a = -0.5 is clipped, b re-solved
 
 
