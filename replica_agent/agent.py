@@ -7,10 +7,14 @@ Everything runs on one event loop, so no locks are needed; nothing here blocks.
 
 Plugin mode (``plugin_mode=True``; replica_agent/plugin_mode.py): the vLLM scheduler plugin's
 per-step records replace the tracker and the KV estimate as PAB's inputs while they are fresh
-(:meth:`Agent.on_plugin_record`), and its step times feed the live time-model residuals; PAB and
-the snapshot's coefficients then use the inflated (conservative) model once the mean relative
-error exceeds ``residual_threshold`` (:meth:`Agent.time_model`). In proxy mode no step time is
-seen, the residual gauge stays NaN and the model is the configured one.
+(:meth:`Agent.on_plugin_record`).
+
+Time model: an :class:`~replica_agent.policy.calibration.OnlineTimeModel` starts from the
+configured coefficients and learns from every step it is shown; PAB, Reserve and the snapshots
+plan with its conservative model (point model x learned margin, always on; :meth:`Agent.time_model`).
+Plugin mode shows it the engine's own step times (step records); proxy mode shows it the
+decode-only steps it can time from the token gaps it relays
+(replica_agent/policy/step_estimate.py, :meth:`Agent.request_tokens`).
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ from replica_agent.plugin_mode import PLUGIN, STALE, export_mode, lease_matches,
 from replica_agent.plugin_mode import replica_state_from_record
 from replica_agent.policy.pab import ClassBudget, PendingPrefill, ReplicaState, SloClass, admits, compute_budgets
 from replica_agent.policy.preemption import account_preempted
-from replica_agent.policy.residuals import ResidualTracker
-from replica_agent.policy.time_model import TimeModel
-from replica_agent.tracker import FinishedRequest, Tracker, TrackedRequest
+from replica_agent.policy.calibration import TERMS, CalibratorConfig, OnlineTimeModel
+from replica_agent.policy.step_estimate import decode_step_sample
+from replica_agent.policy.time_model import StepFeatures, TimeModel
+from replica_agent.tracker import FinishedRequest, Phase, Tracker, TrackedRequest
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +63,8 @@ class AgentConfig:
         plugin_mode: PAB from the scheduler plugin's export (``--plugin-export``).
         plugin_stale_ms: N of the staleness rule (replica_agent/plugin_mode.py).
         proxy_tracking: the agent relays HTTP and tracks requests (False: ``--no-proxy``).
-        residual_alpha, residual_threshold, residual_max_inflation: the ResidualTracker's settings.
+        calibration: settings of the online time model (replica_agent/policy/calibration.py).
+        proxy_step_estimates: in proxy mode, learn from the decode-only steps timed from token gaps.
     """
 
     replica_id: str
@@ -78,9 +84,8 @@ class AgentConfig:
     plugin_mode: bool = False
     plugin_stale_ms: float = 500.0
     proxy_tracking: bool = True
-    residual_alpha: float = 0.05
-    residual_threshold: float = 0.15
-    residual_max_inflation: float = 2.0
+    calibration: CalibratorConfig = field(default_factory=CalibratorConfig)
+    proxy_step_estimates: bool = True
 
     def __post_init__(self) -> None:
         if not self.slo_classes:
@@ -200,25 +205,30 @@ class AgentMetrics:
         self.plugin_dropped = Gauge(
             "fairbatch_agent_plugin_export_dropped", "records the plugin reports it dropped (last record)", registry=r
         )
-        self.time_model_residual = Gauge(
-            "fairbatch_agent_time_model_residual",
-            "EWMA of |measured - predicted| / predicted step time with the configured a, b, c (fraction), "
-            "from the plugin's step records; NaN in proxy mode, where no step times are seen (unavailable)",
-            registry=r,
+        self.time_model_coefficient = Gauge(
+            "fairbatch_agent_time_model_coefficient",
+            "online-fitted step-time coefficient (point model; term a: ms, b, d: ms per token, c: ms per context "
+            "token, e: ms per chunk x prefix token pair; replica_agent/policy/calibration.py)", ["term"], registry=r,
         )
-        self.time_model_bias = Gauge(
-            "fairbatch_agent_time_model_bias",
-            "EWMA of the signed relative error (measured - predicted) / predicted (> 0: model optimistic); "
-            "NaN in proxy mode (unavailable)", registry=r,
+        self.time_model_margin = Gauge(
+            "fairbatch_agent_time_model_margin_ratio",
+            "factor on the point model that PAB and Reserve plan with: the learned quantile of measured / "
+            "predicted step time, clamped to [1, max]", registry=r,
         )
-        self.time_model_inflation = Gauge(
-            "fairbatch_agent_time_model_inflation",
-            "factor on a, b, c that PAB uses: 1 while the residual is within the threshold, else "
-            "min(max, 1 + residual) (conservative model); always 1 in proxy mode", registry=r,
+        self.time_model_residual_quantile = Gauge(
+            "fairbatch_agent_time_model_residual_ratio",
+            "quantile of (measured - predicted) / predicted step time over the recent window (one step ahead)",
+            ["quantile"], registry=r,
         )
-        self.time_model_residual.set(math.nan)
-        self.time_model_bias.set(math.nan)
-        self.time_model_inflation.set(1.0)
+        self.time_model_abs_error = Gauge(
+            "fairbatch_agent_time_model_mean_abs_error_ratio",
+            "mean |measured - predicted| / predicted step time over the recent window; NaN before any step", registry=r,
+        )
+        self.time_model_steps = Counter(
+            "fairbatch_agent_time_model_steps", "steps the online time model learned from, by source (plugin, proxy)",
+            ["source"], registry=r,
+        )
+        self.time_model_abs_error.set(math.nan)
 
 
 @dataclass(slots=True)
@@ -256,9 +266,8 @@ class Agent:
         self.max_prompt_tokens = 0
         self._engine = _EngineView()
         self._plugin = _PluginView()
-        self.residuals = ResidualTracker(
-            config.residual_alpha, config.residual_threshold, config.residual_max_inflation
-        )
+        self.calibrator = OnlineTimeModel(config.time_model, config.calibration)
+        self._export_time_model()
         self._seq = itertools.count(1)
         self._changed = asyncio.Event()
         for c in config.slo_classes:  # export every class from the start
@@ -413,28 +422,42 @@ class Agent:
             new = int(rec["new_tokens"])
             ctx = int(rec["context_tokens"])
             measured = float(rec["measured_ms"])
+            n = int(rec.get("batch_size") or 0)
+            pcross = int(rec.get("chunk_prefix_tokens") or 0)
+            dec = int(rec.get("num_decodes") or 0)
         except (KeyError, TypeError, ValueError):
             return
-        predicted = self.config.time_model.batch_ms(new, ctx)
-        if new <= 0 or not predicted > 0 or not measured > 0 or not math.isfinite(measured):
+        if new <= 0 or not measured > 0 or not math.isfinite(measured) or not 0 <= dec <= new:
             return
-        before = self.residuals.inflation_factor()
-        self.residuals.observe(predicted, measured)
-        r = self.residuals
-        self.metrics.time_model_residual.set(r.magnitude)
-        self.metrics.time_model_bias.set(r.bias)
-        after = r.inflation_factor()
-        self.metrics.time_model_inflation.set(after)
-        if after != before:
-            if (before == 1.0) != (after == 1.0):
-                log.warning("time model residual %.3f: PAB %s", r.magnitude,
-                            f"uses a, b, c x {after:.2f}" if after > 1.0 else "back to the configured a, b, c")
+        self.observe_step(StepFeatures(new, ctx, pcross, 0, n, pcross, dec), measured, "plugin")
+
+    def observe_step(self, features: StepFeatures, measured_ms: float, source: str, weight: float = 1.0) -> None:
+        """Teach the online time model one executed step (``source``: ``plugin`` or ``proxy``)."""
+        before = self.calibrator.margin()
+        if self.calibrator.observe(features, measured_ms, weight) is None:
+            return
+        self.metrics.time_model_steps.labels(source).inc()
+        if self.calibrator.count % 16 == 1:
+            self._export_time_model()
+        if abs(self.calibrator.margin() - before) >= 0.01:
             self.notify()
 
+    def _export_time_model(self) -> None:
+        cal = self.calibrator
+        m = cal.model()
+        values = dict(zip(TERMS, (m.a_ms, m.b_ms_per_new_token, m.d_ms_per_decode, m.c_ms_per_context_token,
+                                  m.e_ms_per_chunk_prefix), strict=True))  # fmt: skip
+        g = self.metrics
+        for term, v in values.items():
+            g.time_model_coefficient.labels(term).set(v)
+        g.time_model_margin.set(cal.margin())
+        for q, v in cal.residual_quantiles().items():
+            g.time_model_residual_quantile.labels(f"{q:g}").set(v)
+        g.time_model_abs_error.set(cal.mean_abs_rel_error())
+
     def time_model(self) -> TimeModel:
-        """a, b, c that PAB, Reserve and snapshots use: the configured model, inflated while the live
-        residuals exceed the threshold (plugin mode only; proxy mode sees no step times)."""
-        return self.residuals.inflate(self.config.time_model)
+        """The model PAB, Reserve and snapshots plan with: the online fit x its learned margin."""
+        return self.calibrator.conservative()
 
     def kv_capacity_tokens(self) -> int:
         """KV capacity (tokens): the flag, else the engine's cache_config_info, else the profile."""
@@ -513,6 +536,7 @@ class Agent:
     def refresh_gauges(self, now_ms: float) -> BudgetView:
         """Set the Prometheus gauges from a fresh computation (called by GET /metrics)."""
         view = self.compute_budget(now_ms)
+        self._export_time_model()
         m = self.metrics
         for name, b in view.classes.items():
             m.pab_ms.labels(name).set(b.pab_ms)
@@ -630,8 +654,18 @@ class Agent:
         return req
 
     def request_tokens(self, key: str, now_ms: float, n: int = 1) -> None:
-        """Output tokens seen; notifies on the first (prefill -> decode)."""
-        if self.tracker.on_token(key, now_ms, n):
+        """Output tokens seen; notifies on the first (prefill -> decode). In proxy mode a decode's
+        token gap teaches the time model a decode-only step (replica_agent/policy/step_estimate.py)."""
+        t = self.tracker
+        if self.config.proxy_step_estimates and not self.config.plugin_mode:
+            req = t.get(key)
+            m = self._engine.metrics
+            if req is not None and req.phase is Phase.DECODE and (m is None or m.num_waiting == 0):
+                sample = decode_step_sample(req.last_token_ms, now_ms, n, t.num_decodes, t.decode_context_tokens,
+                                            t.prefill_idle_since_ms)  # fmt: skip
+                if sample is not None:
+                    self.observe_step(sample[0], sample[1], "proxy", sample[2])
+        if t.on_token(key, now_ms, n):
             self.notify()
 
     def request_usage(self, key: str, prompt_tokens: int | None, completion_tokens: int | None) -> None:

@@ -10,7 +10,7 @@ lease-expiry task. SIGTERM/SIGINT stop it gracefully.
 Plugin mode (``--plugin-export unix:PATH``, replica_agent/plugin_mode.py): the agent also binds the
 UNIX datagram socket PATH, which the vLLM scheduler plugin (``FAIRBATCH_PLUGIN_EXPORT=unix:PATH``)
 feeds every step, and computes PAB from the engine state those records carry; their step times
-give the live time-model residuals. With ``--no-proxy`` it does not relay requests (the HTTP port
+teach the online time model (replica_agent/policy/calibration.py; proxy mode learns from token gaps). With ``--no-proxy`` it does not relay requests (the HTTP port
 serves only /metrics and /health): the router's replica entry then has ``http_url`` = vLLM itself
 and ``grpc_target`` = this agent.
 """
@@ -37,6 +37,7 @@ from replica_agent.clock import Clock
 from replica_agent.engine_metrics import MetricsScraper
 from replica_agent.plugin_mode import PluginExportReader, parse_export_target
 from replica_agent.policy.pab import SloClass
+from replica_agent.policy.calibration import CalibratorConfig
 from replica_agent.policy.time_model import TimeModel
 from replica_agent.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile
 from replica_agent.proxy import Proxy, ProxyConfig, make_session
@@ -144,10 +145,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-proxy", action="store_true",
                    help="plugin mode only: do not relay HTTP (the router sends requests to vLLM directly; the HTTP "
                         "port serves /metrics and /health only)")
-    s.add_argument("--residual-threshold", type=float, default=0.15,
-                   help="plugin mode: mean relative step-time error above which PAB inflates a, b, c")
-    s.add_argument("--residual-alpha", type=float, default=0.05, help="EWMA weight of the newest step residual")
-    s.add_argument("--residual-max-inflation", type=float, default=2.0, help="cap of the a, b, c inflation factor")
+    s.add_argument("--time-model-forgetting", type=float, default=0.995,
+                   help="online time model: weight of a step seen k steps ago is this^k (memory 1/(1-x) steps)")
+    s.add_argument("--time-model-margin-quantile", type=float, default=0.95,
+                   help="plan with the point model x this quantile of measured/predicted step time (always on)")
+    s.add_argument("--time-model-max-margin", type=float, default=2.0, help="cap of the planning margin")
+    s.add_argument("--time-model-initial-margin", type=float, default=1.0,
+                   help="planning margin until --time-model-min-samples steps are seen")
+    s.add_argument("--time-model-min-samples", type=int, default=16, help="steps before the margin is learned")
+    s.add_argument("--time-model-window", type=int, default=256, help="steps of relative errors the margin is taken over")
+    s.add_argument("--time-model-prior-weight", type=float, default=5.0,
+                   help="the profile's coefficients count as this many steps in the online fit (ridge prior)")
+    s.add_argument("--no-proxy-step-estimates", action="store_true",
+                   help="proxy mode: do not learn step times from relayed token gaps (keep the profile's model)")
     s.add_argument("--log-level", default="INFO")
     c = sub.add_parser(
         "calibrate",
@@ -198,9 +208,12 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         plugin_mode=plugin,
         plugin_stale_ms=args.plugin_stale_ms,
         proxy_tracking=not args.no_proxy,
-        residual_alpha=args.residual_alpha,
-        residual_threshold=args.residual_threshold,
-        residual_max_inflation=args.residual_max_inflation,
+        calibration=CalibratorConfig(
+            forgetting=args.time_model_forgetting, prior_weight=args.time_model_prior_weight,
+            margin_quantile=args.time_model_margin_quantile, window=args.time_model_window,
+            min_samples=args.time_model_min_samples, initial_margin=args.time_model_initial_margin,
+            max_margin=args.time_model_max_margin),
+        proxy_step_estimates=not args.no_proxy_step_estimates,
     )
 
 

@@ -94,10 +94,19 @@ class Tracker:
 
     Attributes:
         max_requests: bound on tracked requests (> 0).
+        num_decodes: requests in decode (kept up to date by every event: O(1) per token).
+        decode_context_tokens: their summed context (prompt + tokens out).
+        num_prefills: requests in prefill.
+        prefill_idle_since_ms: since when no request has been in prefill (ms); None while one is;
+            -inf before any request.
     """
 
     max_requests: int = 65536
     _requests: dict[str, TrackedRequest] = field(default_factory=dict)
+    num_decodes: int = 0
+    decode_context_tokens: int = 0
+    num_prefills: int = 0
+    prefill_idle_since_ms: float | None = float("-inf")
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -146,7 +155,14 @@ class Tracker:
             lease_id=lease_id,
         )
         self._requests[request_id] = req
+        self.num_prefills += 1
+        self.prefill_idle_since_ms = None
         return req
+
+    def _leave_prefill(self, now_ms: float) -> None:
+        self.num_prefills -= 1
+        if self.num_prefills == 0:
+            self.prefill_idle_since_ms = now_ms
 
     def on_token(self, request_id: str, now_ms: float, n: int = 1) -> bool:
         """``n`` output tokens seen at ``now_ms``. Returns True when this was the first token
@@ -159,7 +175,11 @@ class Tracker:
             req.phase = Phase.DECODE
             req.first_token_ms = now_ms
             req.computed_tokens = req.prompt_tokens
+            self._leave_prefill(now_ms)
+            self.num_decodes += 1
+            self.decode_context_tokens += req.prompt_tokens
         req.tokens_out += n
+        self.decode_context_tokens += n
         req.last_token_ms = now_ms
         return first
 
@@ -170,17 +190,27 @@ class Tracker:
         req = self._requests.get(request_id)
         if req is None:
             return
+        before = req.context_tokens
         if prompt_tokens is not None and prompt_tokens >= 0:
             req.prompt_tokens = int(prompt_tokens)
             if req.phase is Phase.DECODE:
                 req.computed_tokens = req.prompt_tokens
         if completion_tokens is not None and completion_tokens >= 0:
             req.tokens_out = int(completion_tokens)
+        if req.phase is Phase.DECODE:
+            self.decode_context_tokens += req.context_tokens - before
 
     def on_finish(self, request_id: str, now_ms: float, outcome: str = "ok") -> FinishedRequest | None:
         """Stop tracking (finished or aborted); None when unknown."""
         req = self._requests.pop(request_id, None)
-        return None if req is None else FinishedRequest(req, outcome, now_ms)
+        if req is None:
+            return None
+        if req.phase is Phase.PREFILL:
+            self._leave_prefill(now_ms)
+        else:
+            self.num_decodes -= 1
+            self.decode_context_tokens -= req.context_tokens
+        return FinishedRequest(req, outcome, now_ms)
 
     def on_abort(self, request_id: str, now_ms: float, outcome: str = "aborted") -> FinishedRequest | None:
         """Same as :meth:`on_finish` with an abort outcome."""

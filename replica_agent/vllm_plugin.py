@@ -56,7 +56,11 @@ Exact vs approximate (see docs/vllm.md, "FairBatching scheduler plugin"):
 Configuration (environment of ``vllm serve``, inherited by the EngineCore process):
 
 - ``FAIRBATCH_COEFFICIENTS="a,b,c"`` (ms, ms/new token, ms/context token) or ``FAIRBATCH_PROFILE``
-  (a name from replica_agent/data/fitted_coefficients.csv); default: profile ``llama-3-8b-a100``;
+  (a name from replica_agent/data/fitted_coefficients.csv); default: profile ``llama-3-8b-a100``.
+  These are the prior of the plugin's online time model (replica_agent/policy/calibration.py): every
+  executed step's measured time (end of ``schedule()`` to the start of ``update_from_output()``)
+  teaches it, and the policy's time budget uses its conservative model (fit x learned margin);
+  ``FAIRBATCH_ONLINE_TIME_MODEL=0`` keeps the prior fixed;
 - ``FAIRBATCH_TTFT_MS`` / ``FAIRBATCH_TPOT_MS``: SLO of requests that carry none (default 1000 / 100);
   a request carries its own in ``vllm_xargs`` (``{"fairbatch_ttft_ms": X, "fairbatch_tpot_ms": Y}``
   in the OpenAI request body; vLLM 0.32.0 copies ``vllm_xargs`` into
@@ -104,6 +108,8 @@ from replica_agent.plugin_export import (
     time_model_from_env,
 )
 from replica_agent.policy.batching import Batch, FairBatchingPolicy, SchedRequest, SchedState
+from replica_agent.policy.calibration import OnlineTimeModel
+from replica_agent.policy.time_model import StepFeatures, TimeModel
 
 logger = logging.getLogger("vllm.fairbatch")
 
@@ -135,6 +141,8 @@ class FairBatchingScheduler(Scheduler):
             )
         self.fb_enabled = (self.fb_version_ok or force) and not disabled
         self.fb_time_model, tm_source = time_model_from_env()
+        self.fb_calibrator = (OnlineTimeModel(self.fb_time_model)
+                              if env.get("FAIRBATCH_ONLINE_TIME_MODEL", "1") != "0" else None)  # fmt: skip
         self.fb_default_ttft_ms = positive_float(env.get("FAIRBATCH_TTFT_MS")) or 1000.0
         self.fb_default_tpot_ms = positive_float(env.get("FAIRBATCH_TPOT_MS")) or 100.0
         self.fb_policy = FairBatchingPolicy(self.fb_default_ttft_ms, self.fb_default_tpot_ms)
@@ -149,7 +157,7 @@ class FairBatchingScheduler(Scheduler):
         self.fb_steps_exact = 0
         self.fb_steps_stock = 0
         self.fb_error_logged = False
-        self.fb_pending: tuple[float, int, int, int] | None = None  # (end of schedule s, new, ctx, n)
+        self.fb_pending: tuple[float, StepFeatures] | None = None  # (end of schedule s, what the step computes)
         logger.info(
             "FairBatching scheduler plugin (vLLM %s): policy %s, time model %s, default SLO ttft %.0f ms / "
             "tpot %.0f ms, export %s, step log %s, block size %d",
@@ -219,9 +227,13 @@ class FairBatchingScheduler(Scheduler):
             max_num_seqs=min(self.max_num_running_reqs, self.max_num_active_reqs),
             kv_free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
             block_size=self.fb_block_size,
-            time_model=self.fb_time_model,
+            time_model=self._fb_plan_model(),
         )
         return state, by_id
+
+    def _fb_plan_model(self) -> TimeModel:
+        """The model the policy plans with: the online fit x its margin, or the fixed prior."""
+        return self.fb_time_model if self.fb_calibrator is None else self.fb_calibrator.conservative()
 
     # ---- schedule ---------------------------------------------------------------------------------
 
@@ -259,12 +271,14 @@ class FairBatchingScheduler(Scheduler):
             self.fb_steps_exact += exact
         sched = out.num_scheduled_tokens
         new_tokens = out.total_num_scheduled_tokens
-        ctx = 0
+        items = []
         for rid, n in sched.items():
             r = self.requests.get(rid)
-            if r is not None:
-                ctx += r.num_computed_tokens - n  # computed before this step (vLLM already advanced it)
-        self.fb_pending = (time.time(), new_tokens, ctx, len(sched)) if new_tokens > 0 else None
+            if r is not None:  # computed before this step (vLLM already advanced it)
+                items.append((n, max(0, r.num_computed_tokens - n)))
+        features = StepFeatures.from_items(items)
+        ctx = features.context_tokens
+        self.fb_pending = (time.time(), features) if new_tokens > 0 else None
         if self.fb_export is not None:
             self._fb_export_step(now, reason, state, batch, sched, new_tokens, ctx, exact)
         return out
@@ -336,7 +350,7 @@ class FairBatchingScheduler(Scheduler):
         self.fb_export.send(state_record(
             self.fb_step, now * 1000.0, reason, state, batch, sched, new_tokens, ctx, exact,
             self.kv_cache_manager.block_pool.num_gpu_blocks, self.fb_block_size,
-            self.fb_default_ttft_ms, self.fb_default_tpot_ms, self.fb_time_model, self.fb_export.dropped,
+            self.fb_default_ttft_ms, self.fb_default_tpot_ms, self._fb_plan_model(), self.fb_export.dropped,
         ))
 
     def update_from_output(self, scheduler_output, model_runner_output):  # type: ignore[override]
@@ -347,11 +361,15 @@ class FairBatchingScheduler(Scheduler):
             r = self.requests.get(rid)
             if r is not None and r.num_output_tokens > 0 and getattr(r, _FIRST_ATTR, None) is None:
                 setattr(r, _FIRST_ATTR, t_start * 1000.0)
-        if pending is not None and (self.fb_step_log is not None or self.fb_export is not None):
-            t_end_sched, new_tokens, ctx, n = pending
+        if pending is not None:
+            t_end_sched, f = pending
             ms = (t_start - t_end_sched) * 1000.0
+            if ms > 0 and self.fb_calibrator is not None:
+                self.fb_calibrator.observe(f, ms)
+        if pending is not None and (self.fb_step_log is not None or self.fb_export is not None):
             if ms > 0:
-                rec = step_record(t_end_sched * 1000.0, new_tokens, ctx, ms, n)
+                rec = step_record(t_end_sched * 1000.0, f.new_tokens, f.context_tokens, ms, f.num_seqs,
+                                  f.prefill_chunk_prefix_tokens, f.num_decodes)  # fmt: skip
                 if self.fb_export is not None:  # plugin mode: the agent's live residuals
                     self.fb_export.send(rec)
                 if self.fb_step_log is not None:

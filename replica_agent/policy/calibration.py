@@ -67,7 +67,8 @@ class CalibratorConfig:
         margin_quantile: q in (0.5, 1): the margin is this quantile of measured / predicted.
         window: steps of relative errors kept for the quantiles (>= 8).
         min_samples: steps before the learned margin replaces ``initial_margin`` (>= 1).
-        initial_margin: margin before ``min_samples`` steps (>= 1).
+        initial_margin: margin before ``min_samples`` steps (>= 1; default 1: the profile as it is,
+            for the well under a second of steps a replica needs to learn its own).
         max_margin: cap of the margin (>= initial_margin).
         refit_every: solve the normal equations and recompute the margin every this many steps
             (>= 1; the statistics and the error window are updated every step).
@@ -78,7 +79,7 @@ class CalibratorConfig:
     margin_quantile: float = 0.95
     window: int = 256
     min_samples: int = 16
-    initial_margin: float = 1.1
+    initial_margin: float = 1.0
     max_margin: float = 2.0
     refit_every: int = 1
 
@@ -194,7 +195,7 @@ class OnlineTimeModel:
         x = features_vector(features)
         predicted = self._model.step_ms(features)
         ratio = measured_ms / predicted if predicted > 0 else math.inf
-        lam = self.config.forgetting
+        lam = self.config.forgetting if weight == 1.0 else self.config.forgetting**weight  # per step, not per share
         w = weight / (measured_ms * measured_ms)
         a, g = self._a, self._g
         if lam < 1.0:

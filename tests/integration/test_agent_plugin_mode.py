@@ -3,7 +3,7 @@
 The datagrams are built and sent by the plugin's own code (replica_agent/plugin_export.py:
 ``state_record``, ``step_record``, ``PluginExporter``), in the hand-worked state of
 tests/unit/test_plugin_mode.py (expected PAB there: 589.464 ms / 2306 tokens; with a, b, c doubled
-by the residuals: 278.928 ms / 1294 tokens). A fake engine in this process answers /metrics
+by the learned margin: 278.928 ms / 1294 tokens). A fake engine in this process answers /metrics
 (2 running, so a silent export counts as stale), /health and /v1/models.
 """
 
@@ -89,7 +89,7 @@ def sock_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-async def test_agent_plugin_mode_exact_pab_staleness_and_residuals(tmp_path, sock_dir) -> None:
+async def test_agent_plugin_mode_exact_pab_staleness_and_learned_margin(tmp_path, sock_dir) -> None:
     engine, engine_port = await fake_engine()
     sock = sock_dir / "agent.sock"
     http_port, grpc_port = free_port(), free_port()
@@ -101,7 +101,8 @@ async def test_agent_plugin_mode_exact_pab_staleness_and_residuals(tmp_path, soc
             "serve", "--engine-url", f"http://127.0.0.1:{engine_port}", "--http-port", str(http_port),
             "--grpc-port", str(grpc_port), "--coefficients", "10,0.1,0.001", "--slo-class", "interactive:1000:100",
             "--margin-frac", "0.1", "--plugin-export", f"unix:{sock}", "--plugin-stale-ms", "300", "--no-proxy",
-            "--residual-alpha", "0.5", "--residual-threshold", "0.15", "--push-interval-ms", "50",
+            "--time-model-prior-weight", "1e12", "--time-model-min-samples", "1", "--time-model-window", "8",
+            "--time-model-initial-margin", "1.0", "--push-interval-ms", "50",
             "--metrics-interval-ms", "50",
         ])
         await asyncio.to_thread(group.wait_http_ok, child, f"http://127.0.0.1:{http_port}/metrics", 30.0)
@@ -112,9 +113,9 @@ async def test_agent_plugin_mode_exact_pab_staleness_and_residuals(tmp_path, soc
         # busy engine, no record yet: --no-proxy has nothing to fall back to
         snap = await next_snapshot(stream, lambda s: "no plugin record yet" in s.status_detail)
         assert not snap.healthy
-        assert agent_metric(http_port, "fairbatch_agent_time_model_residual") != agent_metric(
-            http_port, "fairbatch_agent_time_model_residual")  # NaN: no step seen yet
-        assert agent_metric(http_port, "fairbatch_agent_time_model_inflation") == 1.0
+        assert agent_metric(http_port, "fairbatch_agent_time_model_mean_abs_error_ratio") != agent_metric(
+            http_port, "fairbatch_agent_time_model_mean_abs_error_ratio")  # NaN: no step seen yet
+        assert agent_metric(http_port, "fairbatch_agent_time_model_margin_ratio") == 1.0
 
         # the exported state -> exact PAB (hand-worked in tests/unit/test_plugin_mode.py)
         assert exporter.send(hand_record(time.time() * 1000.0))
@@ -135,21 +136,21 @@ async def test_agent_plugin_mode_exact_pab_staleness_and_residuals(tmp_path, soc
         assert agent_metric(http_port, "fairbatch_agent_plugin_export_stale") == 1.0
         assert agent_metric(http_port, "fairbatch_agent_plugin_fallbacks_total") == 1.0
 
-        # a step 2x slower than the model predicts (21 ms): residual 1.0 -> a, b, c x 2
+        # a step 2x slower than the model predicts (21 ms): margin 2 -> a, b, c x 2
         assert exporter.send(step_record(time.time() * 1000.0, 100, 1000, 42.0, 2))
         assert exporter.send(hand_record(time.time() * 1000.0))
         snap = await next_snapshot(stream, lambda s: s.healthy and s.coefficients.a_ms == pytest.approx(20.0))
         b = snap.classes[0]
         assert snap.coefficients.b_ms_per_new_token == pytest.approx(0.2)
         assert b.pab_ms == pytest.approx(278.928) and b.pab_tokens == 1294
-        assert agent_metric(http_port, "fairbatch_agent_time_model_residual") == pytest.approx(1.0)
-        assert agent_metric(http_port, "fairbatch_agent_time_model_inflation") == pytest.approx(2.0)
+        assert agent_metric(http_port, "fairbatch_agent_time_model_mean_abs_error_ratio") == pytest.approx(1.0)
+        assert agent_metric(http_port, "fairbatch_agent_time_model_margin_ratio") == pytest.approx(2.0)
 
-        # exact steps: the EWMA (alpha 0.5) comes down, and the model with it
+        # an exact step: the margin is the p95 of the ratios [1, 2] = 1.95, and the model with it
         assert exporter.send(step_record(time.time() * 1000.0, 100, 1000, 21.0, 2))
         await asyncio.sleep(0.2)
-        assert agent_metric(http_port, "fairbatch_agent_time_model_residual") == pytest.approx(0.5)
-        assert agent_metric(http_port, "fairbatch_agent_time_model_inflation") == pytest.approx(1.5)
+        assert agent_metric(http_port, "fairbatch_agent_time_model_mean_abs_error_ratio") == pytest.approx(0.5)
+        assert agent_metric(http_port, "fairbatch_agent_time_model_margin_ratio") == pytest.approx(1.95)
         assert agent_metric(http_port, 'fairbatch_agent_plugin_records_total{kind="step"}') == 2.0
         assert exporter.dropped == 0
         stream.cancel()

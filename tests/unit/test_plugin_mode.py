@@ -27,6 +27,7 @@ import math
 
 import pytest
 
+from replica_agent.policy.calibration import CalibratorConfig
 from replica_agent.agent import Agent, AgentConfig
 from replica_agent.clock import Clock
 from replica_agent.engine_metrics import EngineMetrics
@@ -121,7 +122,9 @@ def make_agent(proxy_tracking: bool = True) -> Agent:
     cfg = AgentConfig(
         replica_id="r", time_model=TM, slo_classes=(CLS,), default_slo_class="interactive", margin_frac=0.1,
         kv_capacity_tokens=100_000, metrics_stale_ms=10**9, plugin_mode=True, plugin_stale_ms=300.0,
-        proxy_tracking=proxy_tracking, residual_alpha=0.5, residual_threshold=0.15,
+        proxy_tracking=proxy_tracking,
+        # a prior so strong the point model stays at TM: the plan is TM x the margin, the p95 of the ratios
+        calibration=CalibratorConfig(prior_weight=1e12, min_samples=1, window=8, initial_margin=1.0),
     )
     return Agent(cfg, Clock(1.0), lease_id_prefix="t")
 
@@ -159,23 +162,32 @@ def test_agent_fallback_to_proxy_state(proxy_tracking: bool) -> None:
     assert agent.compute_budget(1500.0).classes["interactive"].pab_tokens == 2306
 
 
-def test_agent_residuals_inflate_model_and_consume_leases() -> None:
+def _coefs(tm: TimeModel) -> tuple[float, ...]:
+    return (tm.a_ms, tm.b_ms_per_new_token, tm.c_ms_per_context_token, tm.d_ms_per_decode, tm.e_ms_per_chunk_prefix)
+
+
+def test_agent_learned_margin_and_consume_leases() -> None:
     agent = make_agent(proxy_tracking=False)
     agent.on_engine_metrics(EngineMetrics(num_running=0, num_waiting=0, kv_usage=0.0), [], "", now_ms=0.0)
-    assert math.isnan(agent.metrics.time_model_residual._value.get())
-    assert agent.metrics.time_model_inflation._value.get() == 1.0
-    # predicted with the agent's model: 10 + 0.1 * 100 + 0.001 * 1000 = 21 ms; measured 42 -> error 1.0
+    assert math.isnan(agent.metrics.time_model_abs_error._value.get())
+    assert agent.calibrator.margin() == 1.0
+    # predicted with the agent's model: 10 + 0.1 * 100 + 0.001 * 1000 = 21 ms; measured 42 -> ratio 2.0
     agent.on_plugin_datagram(json.dumps(step_record(0.0, 100, 1000, 42.0, 2)).encode(), now_ms=0.0)
-    assert agent.metrics.time_model_residual._value.get() == pytest.approx(1.0)
-    assert agent.metrics.time_model_inflation._value.get() == pytest.approx(2.0)
-    assert agent.time_model() == TimeModel(20.0, 0.2, 0.002)
+    assert agent.calibrator.mean_abs_rel_error() == pytest.approx(1.0)
+    assert agent.calibrator.margin() == pytest.approx(2.0)
+    assert _coefs(agent.time_model()) == pytest.approx(_coefs(TimeModel(20.0, 0.2, 0.002)), abs=1e-9)
     agent.on_plugin_datagram(json.dumps(hand_record()).encode(), now_ms=10.0)
     b = agent.compute_budget(10.0).classes["interactive"]
     assert b.pab_ms == pytest.approx(278.928) and b.pab_tokens == 1294
-    # exact again: the EWMA halves (alpha 0.5) -> 0.5 -> inflation 1.5; then 0.25 -> 1.25; 0.125 -> 1
-    for expected in (1.5, 1.25, 1.0):
+    # exact steps: p95 of [1, 2] = 1.95, of [1, 1, 2] = 1.9, of [1, 1, 1, 2] = 1.85 (linear interpolation)
+    for expected in (1.95, 1.9, 1.85):
         agent.on_plugin_datagram(json.dumps(step_record(0.0, 100, 1000, 21.0, 2)).encode(), now_ms=10.0)
-        assert agent.metrics.time_model_inflation._value.get() == pytest.approx(expected)
+        assert agent.calibrator.margin() == pytest.approx(expected)
+    for _ in range(5):  # the slow step leaves the 8-step window: margin 1, the plan is TM again
+        agent.on_plugin_datagram(json.dumps(step_record(0.0, 100, 1000, 21.0, 2)).encode(), now_ms=10.0)
+    assert agent.calibrator.margin() == 1.0
+    assert _coefs(agent.time_model()) == pytest.approx(_coefs(TM), abs=1e-9)
+    assert agent.metrics.time_model_steps.labels("plugin")._value.get() == 9.0
     # a lease counts until its request shows up in the engine's record (--no-proxy)
     res = agent.reserve("interactive", 100, None, "W", 20.0)
     assert res.granted and len(agent.leases) == 1

@@ -1,0 +1,53 @@
+"""Proxy mode's step-time observations, read from the token gaps it relays (pure).
+
+A proxy sees no engine step, only when each stream's tokens arrive. In a step that holds no prefill,
+every running decode gets one token (vLLM schedules its running requests first, and a batch of
+decodes alone never exhausts the token budget), so the gap between two tokens of one stream is one
+decode-only step: its features are the decodes tracked at that time (``num_decodes`` sequences of
+one new token each, reading their summed context), and its time is the gap. The proxy takes a
+sample only when no request was in prefill anywhere in the gap (a prefill chunk would ride in the
+same steps and its size is unknown here), and gives each of the ``k`` streams' samples of a step
+weight ``1/k``, so a step counts once.
+
+What it cannot see: a decode the engine left out of a step (a FairBatching plugin's non-urgent
+decode, a preempted request) makes a gap of two steps; such a sample over-states the step time, so
+the learned model errs on the slow, conservative side. Replicas with the plugin use plugin mode,
+which reads the engine's own step times instead.
+"""
+
+from __future__ import annotations
+
+from replica_agent.policy.time_model import StepFeatures
+
+
+def decode_step_sample(
+    prev_token_ms: float | None,
+    now_ms: float,
+    tokens: int,
+    num_decodes: int,
+    decode_context_tokens: int,
+    prefill_idle_since_ms: float | None,
+) -> tuple[StepFeatures, float, float] | None:
+    """One decode-only step observed from a stream's token gap, or None when the gap is not one.
+
+    Args:
+        prev_token_ms: time of the stream's previous token (ms), None before its first.
+        now_ms: time of this chunk (ms).
+        tokens: tokens the chunk carries (>= 1; a chunk of k tokens spans k steps).
+        num_decodes: decodes tracked now (this stream included).
+        decode_context_tokens: their summed context (prompt + tokens out).
+        prefill_idle_since_ms: since when no tracked request has been in prefill (ms); None while one is.
+
+    Returns:
+        (features, step time in ms, weight in (0, 1]) or None.
+    """
+    if prev_token_ms is None or tokens < 1 or num_decodes < 1 or prefill_idle_since_ms is None:
+        return None
+    if prefill_idle_since_ms > prev_token_ms:  # a prefill ran during part of the gap
+        return None
+    gap = now_ms - prev_token_ms
+    if not gap > 0:
+        return None
+    ctx = max(0, decode_context_tokens)
+    f = StepFeatures(num_decodes, ctx, ctx, num_decodes, num_decodes, 0, num_decodes)
+    return f, gap / tokens, 1.0 / num_decodes
