@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from loadgen.sim.engine_time import EngineTimeModel, load_engine_time_model
 from loadgen.traces import arrival_granularity_ms
 from replica_agent.profiles import ServeBatchDefaults, load_profile, vllm_serve_batch_defaults
 
@@ -35,3 +36,20 @@ def resolve_engine_and_trace_args(args: argparse.Namespace, variant: str = "all_
     if args.arrival_spread_ms is None:
         args.arrival_spread_ms = arrival_granularity_ms(args.trace)
     return serve
+
+
+def add_engine_time_arg(p: argparse.ArgumentParser) -> None:
+    """Add ``--engine-time-model FILE|policy`` (default None: the profile's shipped file)."""
+    p.add_argument("--engine-time-model", metavar="FILE|policy", default=None,
+                   help="the simulated engine's own step time: a JSON file (docs/engine-time-model.md), a shipped "
+                        "profile name, or 'policy' = the policy's time model (an oracle engine); default: the "
+                        "profile's shipped file loadgen/data/engine_time/<profile>.json, 'policy' when it has none")  # fmt: skip
+
+
+def resolve_engine_time(args: argparse.Namespace) -> EngineTimeModel | None:
+    """The engine time model of ``args.engine_time_model`` for ``args.profile`` (None = the policy's model).
+
+    Raises:
+        ValueError, FileNotFoundError: see :func:`loadgen.sim.engine_time.load_engine_time_model`.
+    """
+    return load_engine_time_model(args.engine_time_model, args.profile)

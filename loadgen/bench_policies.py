@@ -38,7 +38,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from loadgen.sim.engine import EngineConfig, SimEngine
-from loadgen.bench_args import add_engine_and_trace_args, resolve_engine_and_trace_args
+from loadgen.sim.engine_time import EngineTimeModel, describe_engine, engine_label
+from loadgen.bench_args import (
+    add_engine_and_trace_args,
+    add_engine_time_arg,
+    resolve_engine_and_trace_args,
+    resolve_engine_time,
+)
 from loadgen.sim.virtual import LivelockError, VirtualRequest, run_virtual
 from loadgen.stats import OK, REJECTED, RequestRecord, Slo, figures
 from loadgen.traces import TraceRequest, load_trace, resolve_trace, spread_arrivals
@@ -61,6 +67,7 @@ class BenchSetup:
         duration_s: measured window after rate scaling (simulated s).
         max_num_batched_tokens, max_num_seqs, block_size, max_model_len: engine settings.
         token_budget: vllm-default's token budget (None -> max_num_batched_tokens).
+        engine_time: the engine's own step time (None: the profile's time model, which the policy also uses).
     """
 
     trace: tuple[TraceRequest, ...]
@@ -75,6 +82,7 @@ class BenchSetup:
     block_size: int
     max_model_len: int
     token_budget: int | None
+    engine_time: EngineTimeModel | None = None
 
 
 def run_point(setup: BenchSetup, policy: str, rate_rps: float, tpot_from_first_token: bool = True) -> dict[str, Any]:
@@ -96,6 +104,7 @@ def run_point(setup: BenchSetup, policy: str, rate_rps: float, tpot_from_first_t
         max_num_batched_tokens=setup.max_num_batched_tokens,
         max_num_seqs=setup.max_num_seqs,
         max_model_len=setup.max_model_len,
+        engine_time=setup.engine_time,
     )
     pcfg = PolicyConfig(setup.ttft_ms, setup.tpot_ms, setup.token_budget, tpot_from_first_token)
     engine = SimEngine(cfg, make_policy(policy, pcfg))
@@ -231,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what a met SLO means for capacity: TTFT and TPOT targets (DESIGN section 2, default) or "
                         "every token inside the seed's deadline envelope")  # fmt: skip
     add_engine_and_trace_args(p)
+    add_engine_time_arg(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival spread")
     p.add_argument("--trace-start-s", type=float, default=0.0,
                    help="start the window at this trace time (native s): skips a gap in the trace's start "
@@ -250,6 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep, write bench.json (and the plot), print a table. Returns the exit code."""
     args = build_parser().parse_args(argv)
     serve = resolve_engine_and_trace_args(args, args.variant)
+    engine_time = resolve_engine_time(args)
     spread_ms = args.arrival_spread_ms
     full = spread_arrivals(load_trace(resolve_trace(args.trace)), spread_ms, args.seed)
     start_ms = args.trace_start_s * 1000.0
@@ -263,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rates = sorted(args.rates) if args.rates else [round(native * f, 3) for f in (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)]
     setup = BenchSetup(kept, native, args.profile, args.variant, args.ttft_ms, args.tpot_ms, args.duration_s,
                        args.max_num_batched_tokens, args.max_num_seqs, args.block_size, args.max_model_len,
-                       args.token_budget)  # fmt: skip
+                       args.token_budget, engine_time)  # fmt: skip
     anchored = not args.seed_envelope
     t0 = time.perf_counter()
     results = _run_all([(setup, p, r, anchored) for p in args.policies for r in rates], args.jobs)
@@ -299,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "fairbatching_tpot_from_first_token": anchored,
                    "vllm_serve_defaults": {"max_num_batched_tokens": serve.max_num_batched_tokens,
                                            "max_num_seqs": serve.max_num_seqs}},
+        "engine_time_model": describe_engine(engine_time),
         "arrival_spread_ms": spread_ms,
         "trace_start_s": args.trace_start_s,
         "seed": args.seed,  # fmt: skip
@@ -310,7 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         json.dump(result, f, indent=1)
     if args.plot:
         plot(result, args.plot)
-    print(f"{args.trace}: TTFT {args.ttft_ms:g} ms, TPOT {args.tpot_ms:g} ms, window {args.duration_s:g} s")
+    print(f"{args.trace}: TTFT {args.ttft_ms:g} ms, TPOT {args.tpot_ms:g} ms, window {args.duration_s:g} s; "
+          f"engine step time {engine_label(engine_time)}")
     print(f"{'policy':<14} {'capacity':>9} {'x base':>7} {'TTFT p99 @base cap':>19} {'attain @base cap':>17}")
     for name, pol in policies.items():
         at = pol.get("at_default_capacity") or {}

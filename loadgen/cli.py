@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--scenario", metavar="FILE",
                     help="run a multi-tenant fairness scenario instead (loadgen/scenarios/*.yaml; its own flags: "
                          "--out, --keep-logs, --max-wall-s)")
+    dp.add_argument("--engine-time-model", metavar="FILE|policy", default=None,
+                    help="the simulated engines' own step time: a JSON file (docs/engine-time-model.md), a shipped "
+                         "profile name, or 'policy' = the profile's time model the agents plan with (default: the "
+                         "profile's shipped file, loadgen/data/engine_time/<profile>.json)")
     dp.add_argument("--keep-logs", metavar="DIR", help="keep the children's logs and the router YAML in DIR")
     dp.add_argument("--startup-timeout-s", type=_positive, default=60.0,
                     help="wall seconds to wait for each /health (default: %(default)s)")

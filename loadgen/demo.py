@@ -27,6 +27,7 @@ from loadgen.procs import ProcessGroup, free_port, script
 from loadgen.replay import ReplayConfig, TenantSpec
 from loadgen.report import default_console, replay_to_report
 from loadgen.stats import Slo
+from loadgen.sim.engine_time import POLICY, describe_engine, engine_label, load_engine_time_model
 from loadgen.traces import load_trace, resolve_trace, select
 
 DEMO_TENANTS: tuple[tuple[str, int], ...] = (("acme", 3), ("beta", 1))
@@ -54,6 +55,8 @@ class DemoOptions:
         max_wall_s: wall-clock limit of the replay.
         request_timeout_s: per-request limit (simulated s).
         progress: progress bar on stderr.
+        engine_time_model: the simulated engines' own step time (``--engine-time-model``): a JSON file, a
+            shipped profile name or ``policy``; None = the profile's shipped file (loadgen/data/engine_time/).
     """
 
     replicas: int = 4
@@ -72,6 +75,7 @@ class DemoOptions:
     max_wall_s: float = 900.0
     request_timeout_s: float = 600.0
     progress: bool = True
+    engine_time_model: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +136,13 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
     console = console or default_console()
     if opts.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {opts.replicas}")
+    engine_time = load_engine_time_model(opts.engine_time_model, opts.profile)
+    if engine_time is None:
+        engine_time_flag = POLICY
+    elif engine_time.name.startswith("shipped:"):
+        engine_time_flag = engine_time.name.removeprefix("shipped:")
+    else:
+        engine_time_flag = str(Path(engine_time.name).resolve())
     trace_path = resolve_trace(opts.trace)
     reqs = select(load_trace(trace_path), opts.duration_s, opts.rate_scale, opts.start_s)
     if not reqs:
@@ -158,7 +169,8 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
                     f"engine-{r.replica_id}",
                     script("fairbatch-loadgen")
                     + ["sim-engine", "--host", "127.0.0.1", "--port", str(r.engine_port), "--profile", opts.profile,
-                       "--time-scale", scale, "--seed", str(opts.seed + i)],
+                       "--time-scale", scale, "--seed", str(opts.seed + i),
+                       "--engine-time-model", engine_time_flag],
                 )
                 for i, r in enumerate(replicas)
             ]
@@ -188,7 +200,8 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
             status.update("waiting for the router")
             group.wait_http_ok(router, f"http://127.0.0.1:{router_port}/health", opts.startup_timeout_s)
         console.print(
-            f"fleet up: {opts.replicas} x ({opts.profile} engine + agent), router on 127.0.0.1:{router_port}, "
+            f"fleet up: {opts.replicas} x ({opts.profile} engine + agent; engine step time "
+            f"{engine_label(engine_time)}), router on 127.0.0.1:{router_port}, "
             f"time scale {opts.time_scale}; replaying {len(reqs)} requests "
             f"({opts.duration_s:g} s of {opts.trace} at rate x{opts.rate_scale:g}); arrivals span about "
             f"{max(r.arrival_ms for r in reqs) / 1000.0 * opts.time_scale:.0f} wall s, then the last requests finish"
@@ -212,6 +225,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
             "target": "router",
             "endpoint": "completions",
             "fleet": {"replicas": opts.replicas, "profile": opts.profile},
+            "engine_time_model": describe_engine(engine_time),
             "tenants": {name: w for name, w in DEMO_TENANTS},
             "slo_source": "demo",
         }
@@ -251,6 +265,7 @@ def main_from_args(args: Any) -> int:
         max_wall_s=args.max_wall_s,
         request_timeout_s=args.request_timeout_s,
         progress=not args.no_progress,
+        engine_time_model=getattr(args, "engine_time_model", None),
     )
     def on_sigterm(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # unwinds through run_demo's finally, which stops the fleet

@@ -55,9 +55,15 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.bench_args import add_engine_and_trace_args, resolve_engine_and_trace_args
+from loadgen.bench_args import (
+    add_engine_and_trace_args,
+    add_engine_time_arg,
+    resolve_engine_and_trace_args,
+    resolve_engine_time,
+)
 from loadgen.bench_policies import capacity
 from loadgen.fleet.sim import POLICIES, FleetConfig, FleetRequest, run_fleet
+from loadgen.sim.engine_time import EngineTimeModel, describe_engine, engine_label
 from loadgen.stats import Slo, figures, per_tenant
 from loadgen.traces import TraceRequest, load_trace, resolve_trace, spread_arrivals
 from replica_agent.policy.time_model import TimeModel
@@ -179,6 +185,7 @@ class Setup:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     window_offset: float = 0.0
+    engine_time: EngineTimeModel | None = None
 
 
 def fleet_config(setup: Setup, policy: str) -> FleetConfig:
@@ -192,6 +199,7 @@ def fleet_config(setup: Setup, policy: str) -> FleetConfig:
         max_queue_ms=2.0 * setup.ttft_ms, tenant_weights=tuple((t, 1.0) for t, _ in TENANTS),
         max_model_len=setup.max_model_len, drain_ms=setup.drain_s * 1000.0, seed=setup.seed,
         max_num_batched_tokens=setup.max_num_batched_tokens, max_num_seqs=setup.max_num_seqs,
+        engine_time=setup.engine_time,
     )  # fmt: skip
 
 
@@ -332,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-leases", action="store_true", help="pab routers forward without Reserve (double-spend demo)")
     p.add_argument("--max-model-len", type=int, default=32768)
     add_engine_and_trace_args(p)
+    add_engine_time_arg(p)
     p.add_argument("--seed", type=int, default=0, help="tenant draw, push phases, power-of-two choices, arrival spread")
     p.add_argument("--window-offset", type=float, default=0.0,
                    help="shift every interleaved trace window by this fraction of span/N, in [0, 1): other trace "
@@ -347,6 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep, write fleet.json (and the plot), print the table. Returns the exit code."""
     args = build_parser().parse_args(argv)
     serve = resolve_engine_and_trace_args(args)
+    engine_time = resolve_engine_time(args)
     spread_ms = args.arrival_spread_ms
     full = spread_arrivals(load_trace(resolve_trace(args.trace)), spread_ms, args.seed)
     kept = tuple(r for r in full if max(1, r.prompt_tokens) + max(1, r.output_tokens) <= args.max_model_len)
@@ -362,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = Setup(kept, native, args.replicas, args.profile, args.ttft_ms, args.tpot_ms, args.duration_s,
                   args.drain_s, args.routers, args.push_period_ms, args.net_delay_ms, args.queue, cap_tokens,
                   not args.no_leases, args.max_model_len, args.seed, max_tokens, max_seqs,
-                  args.window_offset)  # fmt: skip
+                  args.window_offset, engine_time)  # fmt: skip
     t0 = time.perf_counter()
     jobs = [(setup, p, tuple(rates)) for p in args.policies]
     if args.jobs > 1:
@@ -386,6 +396,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.trace, args.replicas, args.profile, args.seed, args.window_offset
         ):
             raise SystemExit(f"--merge: {args.out} is a run of another trace, fleet size, profile, seed or window offset")
+        if old.get("engine_time_model", {"name": "policy"}) != describe_engine(engine_time):
+            raise SystemExit(f"--merge: {args.out} was run with another engine time model "
+                             f"({old.get('engine_time_model', {'name': 'policy'})['name']})")
         for name, pol in old["policies"].items():
             if name not in policies:
                 policies[name] = pol
@@ -425,6 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "requests_in_trace": len(full), "requests_dropped_over_max_model_len": len(full) - len(kept),
         "time_model": {"a_ms": prof.time_model.a_ms, "b_ms_per_new_token": prof.time_model.b_ms_per_new_token,
                        "c_ms_per_context_token": prof.time_model.c_ms_per_context_token},
+        "engine_time_model": describe_engine(engine_time),
         "kv_capacity_tokens": prof.kv_capacity_tokens,
         "analytic_bound": {"rps": round(bound.rps, 3), "per_replica_rps": round(bound.per_replica_rps, 4),
                            "iteration_ms": round(bound.iteration_ms, 2), "limit": bound.limit,
@@ -437,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         plot(result, args.plot)
     print(f"{args.trace}, {args.replicas} x {args.profile}, TTFT {args.ttft_ms:g} / TPOT {args.tpot_ms:g} ms; "
-          f"analytic bound {bound.rps:.1f} req/s ({bound.limit}-limited)")  # fmt: skip
+          f"analytic bound {bound.rps:.1f} req/s ({bound.limit}-limited); engine step time {engine_label(engine_time)}")  # fmt: skip
     print("capacity = highest rate with SLO attainment >= 0.9, on the rate label and on the offered rate "
           "(requests in the window / window)")
     print(f"{'policy':<18} {'capacity':>9} {'offered':>9} {'of bound':>9} {'x RR':>6} {'x best':>7}")

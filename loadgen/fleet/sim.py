@@ -64,6 +64,7 @@ from typing import Any
 
 from loadgen.fleet.baselines import BASELINE_POLICIES, MetricsSample, RouterLoad, fleet_registry
 from loadgen.sim.engine import EngineConfig, RequestStatus, SimEngine, StepResult
+from loadgen.sim.engine_time import EngineTimeModel
 from loadgen.stats import FAILED, OK, REJECTED, RequestRecord
 from replica_agent.policy.batching import PolicyConfig, make_policy
 from replica_agent.policy.leases import LeaseTable
@@ -146,6 +147,8 @@ class FleetConfig:
         block_size, max_num_batched_tokens, max_num_seqs, max_model_len: engine settings.
         drain_ms: simulated time after the last arrival before unfinished requests are cut.
         seed: RNG seed.
+        engine_time: every replica's own step time (loadgen/sim/engine_time.py; replica i draws noise
+            stream i); None: the replicas step at ``time_model``, the model the policies plan with.
     """
 
     policy: str
@@ -175,6 +178,7 @@ class FleetConfig:
     max_model_len: int = 32768
     drain_ms: float = 60_000.0
     seed: int = 0
+    engine_time: EngineTimeModel | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -500,10 +504,10 @@ class FleetSim:
         self.slo = SloClass(SLO_CLASS, cfg.ttft_ms, cfg.tpot_ms)
         batching = POLICIES[cfg.policy][1]
         ecfg = EngineConfig(cfg.time_model, cfg.kv_capacity_tokens // cfg.block_size, cfg.block_size,
-                            cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len)  # fmt: skip
+                            cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len, cfg.engine_time)  # fmt: skip
         pcfg = PolicyConfig(cfg.ttft_ms, cfg.tpot_ms)
         self.replicas = [
-            _Replica(f"r{i}", SimEngine(ecfg, make_policy(batching, pcfg)), LeaseTable(1 << 20, f"r{i}"))
+            _Replica(f"r{i}", SimEngine(ecfg, make_policy(batching, pcfg), noise_stream=i), LeaseTable(1 << 20, f"r{i}"))
             for i in range(cfg.replicas)
         ]
         self.index_of = {r.rid: i for i, r in enumerate(self.replicas)}

@@ -8,9 +8,13 @@ its slots, preempts by recompute the most recently arrived running request (its 
 request itself was the victim (then the pass goes on with the next running request). A *waiting* request that cannot get slots ends admission for the
 step, and no waiting request is admitted in a step that preempted (both as in vLLM).
 
-Step time is the batch-time model (seed 000, ``replica_agent/policy/time_model.py``):
-``duration_ms = a + b * new_tokens + c * context_tokens``, with ``context_tokens`` the tokens in
-the KV cache before the step summed over the batch (each request's ``computed_tokens``).
+Step time: each step is described by its :class:`~replica_agent.policy.time_model.StepFeatures`
+(per sequence i: ``chunk_i`` = tokens it computes now, ``prefix_i`` = its ``computed_tokens`` before
+the step). With ``EngineConfig.engine_time`` set (loadgen/sim/engine_time.py, docs/engine-time-model.md)
+``duration_ms`` is that model's step time, its seeded noise drawn per step (stream ``noise_stream`` of
+the engine); without it (``--engine-time-model policy``) the step time is the policy's batch-time model
+``config.time_model.step_ms(features)`` (seed 000: ``a + b * new_tokens + c * context_tokens``, plus
+``e * sum chunk_i * prefix_i`` when e > 0), so the policy plans with the engine's own model (an oracle).
 
 Outputs: the step that completes a request's prefill samples its first token; every later step
 that includes it (a decode) samples one more; it finishes when ``tokens_out == max_tokens``.
@@ -23,10 +27,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from loadgen.sim.kv_cache import KVCacheManager, blocks_for_tokens
 from replica_agent.policy.batching import Batch, BatchingPolicy, SchedRequest, SchedState, VllmDefaultPolicy
-from replica_agent.policy.time_model import TimeModel
+from replica_agent.policy.time_model import StepFeatures, TimeModel
+
+if TYPE_CHECKING:
+    from loadgen.sim.engine_time import EngineTimeModel
 
 
 class RequestStatus(Enum):
@@ -60,12 +68,14 @@ class EngineConfig:
     """Static engine settings (vLLM's scheduler and cache config).
 
     Attributes:
-        time_model: batch-time model (ms).
+        time_model: batch-time model (ms): the policy's default model, and the step time when
+            ``engine_time`` is None.
         num_gpu_blocks: KV-cache blocks (blocks), > 0.
         block_size: tokens per KV block, > 0.
         max_num_batched_tokens: token cap of one iteration (tokens), > 0.
         max_num_seqs: cap on running requests, > 0.
         max_model_len: cap on prompt + output tokens of one request (tokens), > 0.
+        engine_time: the engine's own step time (loadgen/sim/engine_time.py), None = ``time_model``.
     """
 
     time_model: TimeModel
@@ -74,6 +84,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     max_model_len: int = 32768
+    engine_time: EngineTimeModel | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -129,11 +140,13 @@ class StepResult:
 
     Attributes:
         start_ms: ``now_ms`` passed to :meth:`SimEngine.step` (simulated ms).
-        duration_ms: predicted iteration time (ms); 0 for an empty batch.
+        duration_ms: the iteration's (measured) time (ms); 0 for an empty batch.
         batch: the executed batch (the policy's proposal less what KV could not hold).
         context_tokens: tokens in KV before the step, summed over the batch (tokens).
         outputs: one entry per request that sampled a token, in batch order.
         preempted: ids preempted during this step, in preemption order.
+        features: the step's token counts (new, context, sum chunk*prefix, sum chunk^2, sequences),
+            the inputs of every time model; None for an empty batch.
     """
 
     start_ms: float
@@ -142,6 +155,7 @@ class StepResult:
     context_tokens: int
     outputs: list[RequestOutput] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    features: StepFeatures | None = None
 
     @property
     def end_ms(self) -> float:
@@ -155,6 +169,7 @@ class SimEngine:
     Args:
         config: engine settings.
         policy: batch-formation policy (default :class:`VllmDefaultPolicy`).
+        noise_stream: stream of ``config.engine_time``'s noise (engines of one fleet use distinct streams).
 
     Attributes:
         policy_time_model: the time model the *policy* is given (default ``config.time_model``);
@@ -162,8 +177,9 @@ class SimEngine:
             durations keep following ``config.time_model``.
     """
 
-    def __init__(self, config: EngineConfig, policy: BatchingPolicy | None = None) -> None:
+    def __init__(self, config: EngineConfig, policy: BatchingPolicy | None = None, noise_stream: int = 0) -> None:
         self.config = config
+        self._engine_time = config.engine_time.sampler(noise_stream) if config.engine_time is not None else None
         self.policy: BatchingPolicy = policy if policy is not None else VllmDefaultPolicy()
         self.policy_time_model: TimeModel = config.time_model
         self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size)
@@ -355,14 +371,21 @@ class SimEngine:
                 accepted.append((req, n))
 
         batch = Batch()
-        context_tokens = 0
+        context_tokens = cross = sq = 0
         for req, n in accepted:
             batch.add(req.request_id, n)
-            context_tokens += req.computed_tokens
+            prefix = req.computed_tokens
+            context_tokens += prefix
+            cross += n * prefix
+            sq += n * n
         if not accepted:
             return StepResult(now_ms, 0.0, batch, 0, preempted=preempted)
 
-        duration_ms = cfg.time_model.batch_ms(batch.num_new_tokens, context_tokens)
+        features = StepFeatures(batch.num_new_tokens, context_tokens, cross, sq, len(accepted))
+        if self._engine_time is not None:
+            duration_ms = self._engine_time.step_ms(features)
+        else:
+            duration_ms = cfg.time_model.step_ms(features)
         end_ms = now_ms + duration_ms
         counters = self.counters
         counters.num_steps += 1
@@ -392,4 +415,4 @@ class SimEngine:
             outputs.append(out)
         if any_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
-        return StepResult(now_ms, duration_ms, batch, context_tokens, outputs, preempted)
+        return StepResult(now_ms, duration_ms, batch, context_tokens, outputs, preempted, features)

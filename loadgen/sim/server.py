@@ -45,6 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from loadgen.sim.engine import EngineConfig, SimEngine, StepResult
+from loadgen.sim.engine_time import POLICY, engine_label, load_engine_time_model
 from loadgen.sim.step_log import write_step
 from loadgen.sim.tokenizer import OUTPUT_TOKEN_TEXT, count_tokens, render_chat
 from replica_agent.aio import stop_task, wait_event
@@ -95,6 +96,9 @@ class SimServerConfig:
         default_ttft_ms, default_tpot_ms: SLO (ms) of requests without ``x-fairbatch-ttft-ms`` /
             ``x-fairbatch-tpot-ms`` headers (the replica agent sets them from the request's class).
         step_log: path of a per-step JSONL log (loadgen/sim/step_log.py), None = off.
+        engine_time_model: the engine's own step time (loadgen/sim/engine_time.py): a JSON file, a
+            shipped profile name, ``policy`` (step time = the profile's time model, the default here), or
+            None = the profile's shipped file (``policy`` when it has none).
     """
 
     host: str = "127.0.0.1"
@@ -114,6 +118,7 @@ class SimServerConfig:
     default_ttft_ms: float = 1000.0
     default_tpot_ms: float = 100.0
     step_log: str | None = None
+    engine_time_model: str | None = POLICY
 
 
 class RequestError(Exception):
@@ -230,6 +235,8 @@ class SimServer:
         self.model_name = config.served_model_name or profile.name
         batch = vllm_serve_batch_defaults(profile.gpu).resolve(config.max_num_batched_tokens, config.max_num_seqs)
         self.clock = Clock(config.time_scale)
+        self.engine_time = load_engine_time_model(config.engine_time_model, profile.name)
+        log.info("engine step time: %s", engine_label(self.engine_time))
         self.engine = SimEngine(
             EngineConfig(
                 time_model=profile.time_model,
@@ -238,8 +245,10 @@ class SimServer:
                 max_num_batched_tokens=batch.max_num_batched_tokens,
                 max_num_seqs=batch.max_num_seqs,
                 max_model_len=config.max_model_len,
+                engine_time=self.engine_time,
             ),
             make_policy(config.policy, PolicyConfig(config.default_ttft_ms, config.default_tpot_ms)),
+            noise_stream=config.seed,
         )
         self._step_log: TextIO | None = None
         self._rng = random.Random(config.seed)
@@ -710,13 +719,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="default: the profile name")
     parser.add_argument("--policy", default=d.policy, choices=sorted(POLICIES),
                         help="batch-formation policy (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=d.seed, help="seed of generated request ids (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=d.seed,
+                        help="seed of generated request ids, and the noise stream of --engine-time-model (default: %(default)s)")
     parser.add_argument("--log-level", default=d.log_level, help="DEBUG logs each request's trace context and SLO (default: %(default)s)")
     parser.add_argument("--default-ttft-ms", type=float, default=d.default_ttft_ms,
                         help="TTFT target of requests without an x-fairbatch-ttft-ms header")  # fmt: skip
     parser.add_argument("--default-tpot-ms", type=float, default=d.default_tpot_ms,
                         help="TPOT target of requests without an x-fairbatch-tpot-ms header")  # fmt: skip
-    parser.add_argument("--step-log", default=None, help="append one JSON line per step here (for calibrate)")
+    parser.add_argument("--step-log", default=None,
+                        help="append one JSON line per step here: its features and measured time (for calibrate)")
+    parser.add_argument("--engine-time-model", default=d.engine_time_model, metavar="FILE|policy",
+                        help="the engine's own step time: a JSON file (docs/engine-time-model.md), a shipped profile "
+                             "name (loadgen/data/engine_time/), or 'policy' = the profile's time model, which the "
+                             "policies also plan with (default: %(default)s)")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> SimServerConfig:
@@ -739,6 +754,7 @@ def config_from_args(args: argparse.Namespace) -> SimServerConfig:
         default_ttft_ms=args.default_ttft_ms,
         default_tpot_ms=args.default_tpot_ms,
         step_log=args.step_log,
+        engine_time_model=args.engine_time_model,
     )
 
 
@@ -751,7 +767,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(config.log_level)
     try:
         SimServer(config)  # fail fast on a bad profile or setting, before binding the port
-    except (KeyError, ValueError) as e:
+    except (KeyError, ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     run(serve(config))
     return 0

@@ -1,9 +1,11 @@
 """Per-step log of an engine: one JSON line per executed iteration (input of ``fairbatch-agent calibrate``).
 
 Line format (JSONL): ``{"start_ms": float, "new_tokens": int, "context_tokens": int,
-"measured_ms": float, "batch_size": int}``: simulated start time, tokens computed, tokens in KV
-before the step summed over the batch (the time model's inputs, seed 000 / time_model.py), the
-step's duration in ms, and the number of requests in it. ``fairbatch-agent calibrate`` also reads
+"measured_ms": float, "batch_size": int, "chunk_prefix_tokens": int, "chunk_sq_tokens": int}``:
+simulated start time, tokens computed, tokens in KV before the step summed over the batch (the time
+model's inputs, seed 000 / time_model.py), the step's duration in ms, the number of requests in it,
+and the rest of the step's :class:`~replica_agent.policy.time_model.StepFeatures` (sum over the batch
+of chunk_i * prefix_i and of chunk_i^2; ``batch_size`` is its ``num_seqs``). ``fairbatch-agent calibrate`` also reads
 CSV with a header naming at least ``new_tokens,context_tokens,measured_ms``.
 """
 
@@ -23,6 +25,8 @@ def step_record(result: StepResult) -> dict[str, float | int]:
         "context_tokens": result.context_tokens,
         "measured_ms": round(result.duration_ms, 6),
         "batch_size": len(result.batch),
+        "chunk_prefix_tokens": f.chunk_prefix_tokens if (f := result.features) is not None else 0,
+        "chunk_sq_tokens": f.chunk_sq_tokens if f is not None else 0,
     }
 
 

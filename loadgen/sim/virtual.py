@@ -175,7 +175,7 @@ def run_virtual(
         if step_log is not None:
             write_step(step_log, result)
         if residuals is not None:
-            residuals.observe(base_model.batch_ms(result.batch.num_new_tokens, result.context_tokens),
+            residuals.observe(base_model.step_ms(result.features),
                               result.duration_ms)  # fmt: skip
             engine.policy_time_model = residuals.inflate(base_model)
         t = end

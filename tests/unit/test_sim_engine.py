@@ -225,3 +225,43 @@ def test_config_validation() -> None:
         EngineConfig(TM, num_gpu_blocks=0)
     with pytest.raises(ValueError):
         EngineConfig(TM, num_gpu_blocks=10, max_num_seqs=0)
+
+
+def test_engine_time_model_sets_duration_and_features_policy_keeps_its_model() -> None:
+    """With an EngineTimeModel the step takes its time; StepResult.features describes the step; the
+    policy still plans with config.time_model (TM)."""
+    from loadgen.sim.engine_time import EngineTimeModel
+    from replica_agent.policy.time_model import StepFeatures
+
+    etm = EngineTimeModel(a_ms=5.0, b_ms=0.2, c_ms=0.01, d_ms=1.0, e_ms=1e-4, f_ms=1e-5)
+    eng = SimEngine(EngineConfig(TM, 1000, 16, 503, 256, 32768, engine_time=etm))
+    for rid, p in (("d1", 100), ("d2", 200), ("d3", 300)):
+        eng.add_request(rid, p, max_tokens=10, arrival_ms=0.0)
+    s1 = eng.step(0.0)  # d1 100, d2 200, d3 203 (chunked), all with prefix 0
+    assert s1.features == StepFeatures(503, 0, 0, 100**2 + 200**2 + 203**2, 3)
+    # 5 + 0.2 * 503 (100.6) + 1.0 * 3 + 1e-5 * (10000 + 40000 + 41209 = 91209 -> 0.91209) = 109.51209
+    assert s1.duration_ms == pytest.approx(109.51209)
+    s2 = eng.step(s1.end_ms)  # decodes d1 (ctx 100), d2 (ctx 200); d3's last 97 over its 203 prefix
+    # chunk*prefix: 100 + 200 + 97 * 203 (19691) = 19991; chunk^2: 1 + 1 + 9409 = 9411
+    assert s2.features == StepFeatures(99, 503, 19991, 9411, 3)
+    # 5 + 0.2 * 99 (19.8) + 0.01 * 503 (5.03) + 3 + 1e-4 * 19991 (1.9991) + 1e-5 * 9411 (0.09411) = 34.92321
+    assert s2.duration_ms == pytest.approx(34.92321)
+    assert eng.policy_time_model is TM
+
+
+def test_policy_engine_time_is_the_time_model_and_noise_streams_differ() -> None:
+    from loadgen.sim.engine_time import EngineTimeModel
+
+    eng = make(tokens=503)
+    eng.add_request("a", 300, max_tokens=2, arrival_ms=0.0)
+    s = eng.step(0.0)
+    assert s.duration_ms == pytest.approx(TM.step_ms(s.features))  # 10 + 0.1 * 300 = 40
+    assert s.duration_ms == pytest.approx(40.0)
+    noisy = EngineTimeModel(a_ms=10.0, b_ms=0.1, noise_sigma=0.1, seed=1)
+    times = []
+    for stream in (0, 0, 1):
+        e = SimEngine(EngineConfig(TM, 1000, 16, 503, 256, 32768, engine_time=noisy), noise_stream=stream)
+        e.add_request("a", 300, max_tokens=2, arrival_ms=0.0)
+        times.append(e.step(0.0).duration_ms)
+    assert times[0] == times[1] != times[2]  # reproducible per (seed, stream); streams independent
+    assert 40.0 * 0.6 < times[0] < 40.0 / 0.6
