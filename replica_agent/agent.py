@@ -382,7 +382,7 @@ class Agent:
         self.on_plugin_record(rec, self.clock.now_ms() if now_ms is None else now_ms)
 
     def on_plugin_record(self, rec: dict, now_ms: float) -> None:
-        """A parsed record: a state record replaces PAB's inputs, a step record feeds the residuals."""
+        """A parsed record: a state record replaces PAB's inputs, a step record teaches the online time model."""
         if record_kind(rec) == "step":
             self.metrics.plugin_records.labels("step").inc()
             self._on_step_record(rec)

@@ -37,12 +37,10 @@ its proxy-mode state, says so in ``status_detail`` ("plugin export stale ..."), 
 ``fairbatch_agent_plugin_fallbacks``. With ``--no-proxy`` the agent tracks no request itself, so a
 stale export also makes it unhealthy (routers stop sending it work).
 
-Live residuals (seed 000, replica_agent/policy/residuals.py): each step record is predicted with
-the agent's configured a, b, c and compared with ``measured_ms``; the
-:class:`~replica_agent.policy.residuals.ResidualTracker` EWMA feeds the metrics
-``fairbatch_agent_time_model_residual`` and ``fairbatch_agent_time_model_inflation``, and once the
-mean relative error exceeds the threshold PAB (agent and router, through the snapshot's
-coefficients) uses the inflated, conservative a, b, c.
+Online time model (replica_agent/policy/calibration.py): each step record (new tokens, context
+tokens, chunk x prefix, decodes, ``measured_ms``) teaches the agent's
+:class:`~replica_agent.policy.calibration.OnlineTimeModel`; PAB (agent and router, through the
+snapshot's coefficients) plans with its conservative model, the fit times the learned margin.
 """
 
 from __future__ import annotations
@@ -122,7 +120,7 @@ def replica_state_from_record(
     Args:
         rec: a state record.
         now_ms: now on the plugin's clock (unix ms).
-        time_model: a, b, c PAB uses (the agent's, inflated when residuals say so).
+        time_model: the model PAB uses (the agent's online fit x its margin).
         margin_frac: H = ttft * (1 - margin_frac).
         lease_prompts: prompt tokens of active leases whose request the record does not list.
 

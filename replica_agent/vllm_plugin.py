@@ -370,7 +370,7 @@ class FairBatchingScheduler(Scheduler):
             if ms > 0:
                 rec = step_record(t_end_sched * 1000.0, f.new_tokens, f.context_tokens, ms, f.num_seqs,
                                   f.prefill_chunk_prefix_tokens, f.num_decodes)  # fmt: skip
-                if self.fb_export is not None:  # plugin mode: the agent's live residuals
+                if self.fb_export is not None:  # plugin mode: the agent's online time model
                     self.fb_export.send(rec)
                 if self.fb_step_log is not None:
                     line = {k: v for k, v in rec.items() if k not in ("v", "kind")}

@@ -173,7 +173,7 @@ class SimEngine:
 
     Attributes:
         policy_time_model: the time model the *policy* is given (default ``config.time_model``);
-            a caller may swap in a mis-calibrated or inflated one (residuals.py) while step
+            a caller may swap in a mis-calibrated or learned one (policy/calibration.py) while step
             durations keep following ``config.time_model``.
     """
 
@@ -371,17 +371,13 @@ class SimEngine:
                 accepted.append((req, n))
 
         batch = Batch()
-        context_tokens = cross = sq = 0
         for req, n in accepted:
             batch.add(req.request_id, n)
-            prefix = req.computed_tokens
-            context_tokens += prefix
-            cross += n * prefix
-            sq += n * n
         if not accepted:
             return StepResult(now_ms, 0.0, batch, 0, preempted=preempted)
 
-        features = StepFeatures(batch.num_new_tokens, context_tokens, cross, sq, len(accepted))
+        features = StepFeatures.from_items([(n, req.computed_tokens) for req, n in accepted])
+        context_tokens = features.context_tokens
         if self._engine_time is not None:
             duration_ms = self._engine_time.step_ms(features)
         else:

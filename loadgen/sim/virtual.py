@@ -12,8 +12,9 @@ ends; time jumps from one to the next:
 The result is every request's token times (simulated ms, same origin as the arrivals), so TTFT,
 TPOT and SLO attainment follow exactly (DESIGN section 2). Requests the engine refuses
 (``add_request`` raises: longer than max_model_len or the KV cache) are recorded with
-``rejected`` set and no tokens. Optional: a per-step log (step_log.py) and a residual tracker
-that re-inflates the policy's time model after every step (residuals.py).
+``rejected`` set and no tokens. Optional: a per-step log (step_log.py) and an online time model
+(replica_agent/policy/calibration.py) that learns from every step and gives the policy its
+conservative model for the next one, as the agent and the vLLM plugin do.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import TextIO
 
 from loadgen.sim.engine import SimEngine
 from loadgen.sim.step_log import write_step
-from replica_agent.policy.residuals import ResidualTracker
+from replica_agent.policy.calibration import OnlineTimeModel
 from replica_agent.policy.time_model import TimeModel
 
 
@@ -83,14 +84,14 @@ class VirtualRun:
         end_ms: time the last step ended (simulated ms).
         steps: non-empty steps run.
         preemptions: preemptions by recompute.
-        residuals: the residual tracker, when one was used.
+        calibrator: the online time model, when one was used.
     """
 
     records: list[VirtualRecord]
     end_ms: float
     steps: int
     preemptions: int
-    residuals: ResidualTracker | None = None
+    calibrator: OnlineTimeModel | None = None
 
 
 class LivelockError(RuntimeError):
@@ -101,7 +102,7 @@ def run_virtual(
     requests: Sequence[VirtualRequest],
     engine: SimEngine,
     step_log: TextIO | None = None,
-    residuals: ResidualTracker | None = None,
+    calibrator: OnlineTimeModel | None = None,
     policy_time_model: TimeModel | None = None,
     max_steps_without_token: int = 100_000,
 ) -> VirtualRun:
@@ -111,8 +112,8 @@ def run_virtual(
         requests: arrivals (any order; replayed by arrival time, ties in input order).
         engine: a fresh engine (its policy decides the batches).
         step_log: where to write one JSON line per step (step_log.py), optional.
-        residuals: fed (predicted by the policy's model, measured) every step; the policy is then
-            given ``residuals.inflate(policy_time_model)``.
+        calibrator: fed every step's features and duration; the policy is then given
+            ``calibrator.conservative()`` (its prior should be ``policy_time_model``).
         policy_time_model: the model the policy believes (default: the engine's own).
         max_steps_without_token: steps in a row without any token (first or decode) after which the
             run is declared a livelock. A prefill finishing emits its first token, so a healthy run
@@ -174,9 +175,8 @@ def run_virtual(
             by_id[out.request_id].token_times_ms.append(end)
         if step_log is not None:
             write_step(step_log, result)
-        if residuals is not None:
-            residuals.observe(base_model.step_ms(result.features),
-                              result.duration_ms)  # fmt: skip
-            engine.policy_time_model = residuals.inflate(base_model)
+        if calibrator is not None and result.features is not None:
+            calibrator.observe(result.features, result.duration_ms)
+            engine.policy_time_model = calibrator.conservative()
         t = end
-    return VirtualRun(records, t, steps, engine.counters.num_preemptions, residuals)
+    return VirtualRun(records, t, steps, engine.counters.num_preemptions, calibrator)

@@ -1,4 +1,4 @@
-"""Plugin mode, pure parts: export record -> PAB inputs, staleness rule, residuals in the agent.
+"""Plugin mode, pure parts: export record -> PAB inputs, staleness rule, the learned margin in the agent.
 
 The record is built by replica_agent/plugin_export.py's ``state_record`` (the plugin's own code).
 
