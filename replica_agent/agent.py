@@ -32,7 +32,8 @@ from replica_agent.engine_metrics import EngineMetrics
 from replica_agent.policy.leases import Lease, LeaseTable, LeaseTableFull
 from replica_agent.plugin_mode import PLUGIN, STALE, export_mode, lease_matches, parse_record, record_kind
 from replica_agent.plugin_mode import replica_state_from_record
-from replica_agent.policy.pab import ClassBudget, PendingPrefill, ReplicaState, SloClass, admits, compute_budgets
+from replica_agent.policy.pab import ClassBudget, PendingPrefill, ReplicaState, SloClass, compute_budgets
+from replica_agent.policy.reserve import reserve_decision
 from replica_agent.policy.preemption import account_preempted
 from replica_agent.policy.calibration import TERMS, CalibratorConfig, OnlineTimeModel
 from replica_agent.policy.step_estimate import decode_step_sample
@@ -580,13 +581,8 @@ class Agent:
             state = self.replica_state(now_ms)
             view = self.compute_budget(now_ms, state)
             budget = view.classes[slo_class]
-            if not view.healthy:
-                reason = "unhealthy"
-            elif self.max_prompt_tokens and prompt_tokens > self.max_prompt_tokens:
-                reason = "prompt-too-long"
-            elif not (fit := admits(prompt_tokens, state, cls, waited_ms))[0]:
-                reason = "kv-full" if prompt_tokens > fit[1].kv_limited_tokens else "no-budget"
-            else:
+            reason = reserve_decision(prompt_tokens, state, cls, waited_ms, view.healthy, self.max_prompt_tokens)[0]
+            if not reason:
                 try:
                     lease_id = self.leases.grant(
                         prompt_tokens, slo_class, max_tokens, now_ms, self.config.lease_ttl_ms, request_id

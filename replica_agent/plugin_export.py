@@ -36,6 +36,7 @@ import stat
 from collections.abc import Mapping
 from typing import IO, Any
 
+from replica_agent.policy.engine_state import is_decode, next_token_deadline
 from replica_agent.policy.time_model import TimeModel
 
 RECORD_VERSION = 1
@@ -91,10 +92,8 @@ def step_deadline(
     now_ms: float, arrival_ms: float, tokens_out: int, ttft_ms: float, tpot_ms: float,
     first_token_ms: float | None,
 ) -> tuple[float, float]:
-    """(deadline_ms, slack_ms) of the next token: arrival + ttft + tpot * out, and first + tpot * out once known."""
-    deadline = arrival_ms + ttft_ms + tpot_ms * tokens_out
-    if first_token_ms is not None:
-        deadline = min(deadline, first_token_ms + tpot_ms * tokens_out)
+    """(deadline_ms, slack_ms) of the next token (replica_agent/policy/engine_state.py next_token_deadline)."""
+    deadline = next_token_deadline(arrival_ms, ttft_ms, tpot_ms, tokens_out, first_token_ms)
     return deadline, deadline - now_ms
 
 
@@ -121,7 +120,7 @@ def state_record(
             ttft = r.ttft_ms or default_ttft_ms
             tpot = r.tpot_ms or default_tpot_ms
             deadline, slack = step_deadline(now_ms, r.arrival_ms, r.tokens_out, ttft, tpot, r.first_token_ms)
-            decode = running and r.tokens_out > 0 and r.remaining_tokens == 1
+            decode = is_decode(r, running)
             if decode:
                 min_slack = min(min_slack, slack)
                 min_tpot = min(min_tpot, tpot)

@@ -6,14 +6,17 @@ by events on one heap:
 
 - replicas: :class:`~loadgen.sim.engine.SimEngine` with a batching policy from
   ``replica_agent.policy.batching.make_policy`` (``vllm-default`` or ``fairbatching``); step time
-  from the profile's time model. Each replica's agent runs in *plugin mode*: PAB inputs
+  from ``engine_time`` (the engine's own model, loadgen/sim/engine_time.py) or, without it, the
+  profile's time model. Each replica's agent runs in *plugin mode*: PAB inputs
   (:class:`~replica_agent.policy.pab.ReplicaState`) are built from the engine's exact request
-  state (decodes: ``tokens_out >= 1`` with next-token deadline ``arrival + ttft + tokens_out *
-  tpot``, DESIGN section 4; in-flight prefills: ``tokens_out == 0`` with their computed prompt
-  tokens; free KV: free blocks * block size) plus the agent's
-  :class:`~replica_agent.policy.leases.LeaseTable`; budgets by ``pab.class_budget``; Reserve
-  grants a lease only when ``pab.admits`` with the request's age ``waited_ms = now - arrival at
-  the router`` (as ``replica_agent.agent.Agent.reserve``; pab.py "Aged requests").
+  state by the rule the plugin export uses (replica_agent/policy/engine_state.py ``pab_inputs``:
+  the next-token deadline, which requests are decodes) plus the agent's
+  :class:`~replica_agent.policy.leases.LeaseTable`; budgets by ``pab.class_budget``; Reserve by
+  the agent's own decision (replica_agent/policy/reserve.py ``reserve_decision``) with the
+  request's age ``waited_ms = now - arrival at the router``. With ``online_time_model`` (the
+  default) each replica learns its step times as the agent and the plugin do
+  (replica_agent/policy/calibration.py: every step's features and duration), and its policy, PAB
+  and snapshots plan with the learned conservative model.
 - routers (``pab`` kind): each copy has its own :class:`router.budgets.BudgetBook` (fed by
   delayed snapshots), the ``pab`` placement policy of :func:`router.placement.default_registry`,
   a :class:`router.fair_queue.FairQueue` (or FIFO) and the real
@@ -63,21 +66,22 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from loadgen.fleet.baselines import BASELINE_POLICIES, MetricsSample, RouterLoad, fleet_registry
-from loadgen.sim.engine import EngineConfig, RequestStatus, SimEngine, StepResult
+from loadgen.sim.engine import EngineConfig, SimEngine, StepResult
 from loadgen.sim.engine_time import EngineTimeModel
 from loadgen.stats import FAILED, OK, REJECTED, RequestRecord
 from replica_agent.policy.batching import PolicyConfig, make_policy
+from replica_agent.policy.calibration import CalibratorConfig, OnlineTimeModel
+from replica_agent.policy.engine_state import pab_inputs
 from replica_agent.policy.leases import LeaseTable
 from replica_agent.policy.pab import (
     ClassBudget,
-    DecodeState,
     PendingPrefill,
     ReplicaState,
     SloClass,
     admits,
     class_budget,
-    fits,
 )
+from replica_agent.policy.reserve import reserve_decision
 from replica_agent.policy.time_model import TimeModel
 from router.admission_queue import Dispatcher, FifoQueue, QueueFull, QueueTimeout, WaitingRequest
 from router.budgets import BudgetBook
@@ -149,6 +153,9 @@ class FleetConfig:
         seed: RNG seed.
         engine_time: every replica's own step time (loadgen/sim/engine_time.py; replica i draws noise
             stream i); None: the replicas step at ``time_model``, the model the policies plan with.
+        online_time_model: each replica learns its step times from ``time_model`` on (module
+            docstring); False: policies and PAB keep ``time_model`` fixed.
+        calibration: the online time model's settings.
     """
 
     policy: str
@@ -179,6 +186,8 @@ class FleetConfig:
     drain_ms: float = 60_000.0
     seed: int = 0
     engine_time: EngineTimeModel | None = None
+    online_time_model: bool = True
+    calibration: CalibratorConfig = field(default_factory=lambda: CalibratorConfig(refit_every=8))
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -289,6 +298,7 @@ class _Replica:
     rid: str
     engine: SimEngine
     leases: LeaseTable
+    calibrator: OnlineTimeModel | None = None
     stepping: bool = False
     result: StepResult | None = None
     seq: int = 0
@@ -315,21 +325,15 @@ def _drive(coro: Any) -> Any:
 
 
 def replica_state(engine: SimEngine, leases: LeaseTable, now_ms: float, margin_frac: float,
-                  extra_prefill_tokens: int = 0) -> ReplicaState:  # fmt: skip
-    """PAB inputs in plugin mode: the engine's exact requests plus active leases (module docstring).
+                  extra_prefill_tokens: int = 0, default_ttft_ms: float = 1000.0,
+                  default_tpot_ms: float = 100.0) -> ReplicaState:  # fmt: skip
+    """PAB inputs in plugin mode: the engine's exact requests by the plugin export's rule
+    (replica_agent/policy/engine_state.py) plus active leases (module docstring).
 
-    ``extra_prefill_tokens`` adds one more pending prompt (a lease being granted) when > 0.
+    ``extra_prefill_tokens`` adds one more pending prompt (a lease being granted) when > 0; the
+    defaults are the targets of requests that carry none (the fleet's requests all carry theirs).
     """
-    decodes: list[DecodeState] = []
-    prefills: list[PendingPrefill] = []
-    for r in engine.requests.values():
-        # as the plugin exports (replica_agent/plugin_export.py): a decode is running with one token to
-        # compute; a preempted request (waiting again, computed_tokens reset) recomputes its context first
-        if r.status is RequestStatus.RUNNING and r.tokens_out >= 1 and r.remaining_tokens == 1:
-            decodes.append(DecodeState(r.arrival_ms + r.ttft_ms + r.tokens_out * r.tpot_ms,  # type: ignore[operator]
-                                       r.tpot_ms, r.prompt_tokens + r.tokens_out, r.tokens_out, r.max_tokens))  # type: ignore[arg-type]  # fmt: skip
-        else:
-            prefills.append(PendingPrefill(r.num_tokens, min(r.num_tokens, r.computed_tokens)))
+    decodes, prefills = pab_inputs(engine.running, engine.waiting, default_ttft_ms, default_tpot_ms)
     for lease in leases.active():
         prefills.append(PendingPrefill(lease.prompt_tokens))
     if extra_prefill_tokens > 0:
@@ -507,7 +511,8 @@ class FleetSim:
                             cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len, cfg.engine_time)  # fmt: skip
         pcfg = PolicyConfig(cfg.ttft_ms, cfg.tpot_ms)
         self.replicas = [
-            _Replica(f"r{i}", SimEngine(ecfg, make_policy(batching, pcfg), noise_stream=i), LeaseTable(1 << 20, f"r{i}"))
+            _Replica(f"r{i}", SimEngine(ecfg, make_policy(batching, pcfg), noise_stream=i), LeaseTable(1 << 20, f"r{i}"),
+                     OnlineTimeModel(cfg.time_model, cfg.calibration) if cfg.online_time_model else None)
             for i in range(cfg.replicas)
         ]
         self.index_of = {r.rid: i for i, r in enumerate(self.replicas)}
@@ -542,12 +547,10 @@ class FleetSim:
             self.stats.grants += 1
             return True, "", None
         state = replica_state(rep.engine, rep.leases, now_ms, cfg.margin_frac)
-        before = class_budget(state, self.slo)
-        if waited_ms:  # aged: exact rule over the horizon minus waited_ms
-            ok = admits(prompt_tokens, state, self.slo, waited_ms)[0]
-        else:  # the same as admits(..., 0), without computing the budget twice
-            ok = fits(prompt_tokens, before, rep.engine.policy_time_model)
-        if not ok:
+        reason, fit_budget = reserve_decision(prompt_tokens, state, self.slo, waited_ms, True, cfg.max_model_len)
+        # the answer carries the fresh-arrival budget: the fit's own when the request has not waited
+        before = fit_budget if not waited_ms and fit_budget is not None else class_budget(state, self.slo)
+        if reason:
             self.stats.refusals += 1
             return False, "", before
         self.stats.grants += 1
@@ -625,6 +628,10 @@ class FleetSim:
         assert result is not None
         rep.stepping = False
         rep.result = None
+        cal = rep.calibrator
+        if cal is not None and result.features is not None:  # the agent and the plugin learn every step
+            cal.observe(result.features, result.duration_ms)
+            rep.engine.policy_time_model = cal.conservative()
         d = self.cfg.net_delay_ms
         for out in result.outputs:
             idx = int(out.request_id)

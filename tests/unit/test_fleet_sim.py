@@ -222,3 +222,40 @@ def test_replica_state_counts_a_preempted_request_as_a_recompute_prefill() -> No
     assert [(d.context_tokens, d.tokens_out) for d in st.decodes] == [(10, 2)]
     assert st.prefills == [PendingPrefill(9, 0)]
     assert st.kv_free_tokens == 4  # a holds 3 blocks of 4, one block free
+
+
+def test_simulated_agent_pab_equals_the_real_plugin_path() -> None:
+    """One engine state (16 requests with 4 different SLOs, 6 steps of FairBatching): the fleet
+    simulation's PAB inputs equal what the real path computes from the plugin's export record
+    (plugin_export.state_record -> plugin_mode.replica_state_from_record), budget for budget."""
+    from replica_agent.plugin_export import state_record
+    from replica_agent.plugin_mode import replica_state_from_record
+    from replica_agent.policy.batching import PolicyConfig, SchedState, make_policy
+    from replica_agent.policy.pab import SloClass, class_budget
+
+    eng = SimEngine(EngineConfig(TM, 4000, 16, 2048, 256, 32768), make_policy("fairbatching", PolicyConfig(1000, 100)))
+    slos = [(300.0, 30.0), (1000.0, 100.0), (2000.0, 50.0), (500.0, 200.0)]
+    for i in range(16):
+        ttft, tpot = slos[i % 4]
+        eng.add_request(f"q{i}", 200 + 300 * i, max_tokens=40, arrival_ms=5.0 * i, ttft_ms=ttft, tpot_ms=tpot)
+    t = 80.0
+    for _ in range(6):
+        t = eng.step(t).end_ms
+    assert eng.num_running > 0 and any(r.first_token_ms is not None for r in eng.running)
+    leases = LeaseTable(8, "x")
+    leases.grant(500, "interactive", None, t, 5000.0)
+    sim = replica_state(eng, leases, t, 0.1)
+    state = SchedState(t, list(eng.running), list(eng.waiting), 2048, 256, eng.kv.free_blocks, 16, TM)
+    rec = state_record(7, t, None, state, None, {}, 0, 0, None, 4000, 16, 1000.0, 100.0, TM, 0)
+    real = replica_state_from_record(rec, t, TM, 0.1, [500])
+    assert len(sim.decodes) == len(real.decodes) > 0 and len(sim.prefills) == len(real.prefills) > 1
+    for a, b in zip(sim.decodes, real.decodes, strict=True):  # the record rounds deadlines to 1 us
+        assert a.next_deadline_ms == pytest.approx(b.next_deadline_ms, abs=1e-3)
+        assert (a.tpot_ms, a.context_tokens, a.tokens_out, a.max_tokens) == (b.tpot_ms, b.context_tokens,
+                                                                             b.tokens_out, b.max_tokens)
+    assert list(sim.prefills) == list(real.prefills) and sim.kv_free_tokens == real.kv_free_tokens
+    for ttft, tpot in slos:
+        cls = SloClass("c", ttft, tpot)
+        bs, br = class_budget(sim, cls), class_budget(real, cls)
+        assert bs.pab_ms == pytest.approx(br.pab_ms, abs=1e-6) and bs.pab_tokens == br.pab_tokens
+        assert bs.decode_iterations == br.decode_iterations

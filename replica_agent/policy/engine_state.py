@@ -1,0 +1,62 @@
+"""PAB inputs from an engine's own request state: the one rule the plugin export, plugin mode and
+the fleet simulation share (pure).
+
+The vLLM scheduler plugin exports each step's requests (replica_agent/plugin_export.py
+``state_record``) and the agent turns them back into PAB inputs (replica_agent/plugin_mode.py);
+the fleet simulation (loadgen/fleet/sim.py) reads its simulated engines directly. All three call
+:func:`next_token_deadline` and :func:`is_decode` here, so none can drift from the others (the
+fleet simulation once used ``arrival + ttft + n x tpot`` alone, 14 % more PAB on one 16-request
+state than the real path).
+
+- Deadline of the next token (the design's envelope, section 2): ``arrival + ttft + tpot * n``
+  with ``n`` = tokens out, and, once the first token exists, no later than ``first + tpot * n``:
+  SLO attainment judges TPOT from the first token, so TTFT slack left over at the first token is
+  not spendable on decodes (replica_agent/policy/batching.py, FairBatchingPolicy).
+- A decode is a running request with its first token and one token to compute; every other
+  request (waiting, chunked prefill, preempted and recomputing) is a pending prefill of its whole
+  context (prompt + tokens out) with its computed tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from replica_agent.policy.batching import SchedRequest
+from replica_agent.policy.pab import DecodeState, PendingPrefill
+
+
+def next_token_deadline(arrival_ms: float, ttft_ms: float, tpot_ms: float, tokens_out: int,
+                        first_token_ms: float | None) -> float:  # fmt: skip
+    """Deadline (ms) of token ``tokens_out`` (0-based: the next one): module docstring."""
+    deadline = arrival_ms + ttft_ms + tpot_ms * tokens_out
+    if first_token_ms is not None:
+        deadline = min(deadline, first_token_ms + tpot_ms * tokens_out)
+    return deadline
+
+
+def is_decode(r: SchedRequest, running: bool) -> bool:
+    """Whether ``r`` counts as a decode for PAB (running, first token out, one token to compute)."""
+    return running and r.tokens_out > 0 and r.remaining_tokens == 1
+
+
+def pab_inputs(running: Iterable[SchedRequest], waiting: Iterable[SchedRequest], default_ttft_ms: float,
+               default_tpot_ms: float) -> tuple[list[DecodeState], list[PendingPrefill]]:  # fmt: skip
+    """Decodes and pending prefills of an engine's requests (module docstring).
+
+    Args:
+        running, waiting: the engine's queues.
+        default_ttft_ms, default_tpot_ms: targets of requests that carry none (ms).
+    """
+    decodes: list[DecodeState] = []
+    prefills: list[PendingPrefill] = []
+    for is_running, group in ((True, running), (False, waiting)):
+        for r in group:
+            ctx = r.prompt_tokens + r.tokens_out
+            if is_decode(r, is_running):
+                tpot = r.tpot_ms or default_tpot_ms
+                dl = next_token_deadline(r.arrival_ms, r.ttft_ms or default_ttft_ms, tpot, r.tokens_out,
+                                         r.first_token_ms)  # fmt: skip
+                decodes.append(DecodeState(dl, tpot, ctx, r.tokens_out, r.max_tokens))
+            else:
+                prefills.append(PendingPrefill(ctx, min(ctx, r.computed_tokens)))
+    return decodes, prefills
