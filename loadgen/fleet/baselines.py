@@ -19,6 +19,9 @@ router: the engine's own waiting queue absorbs bursts, as in front of plain vLLM
 
 - ``round-robin``: replicas in turn, one router-local counter.
 - ``least-outstanding``: fewest router-local outstanding requests; ties broken by a seeded RNG.
+- ``least-outstanding-tokens``: fewest router-local outstanding tokens (prompt + requested output
+  tokens of the requests in flight there, what a router knows before the engine answers); ties
+  by a seeded RNG. Long prompts weigh what they cost, which request counts miss.
 - ``power-of-two``: two replicas drawn at random (seeded), the one with the shorter engine queue
   (running + waiting requests, scraped) wins (Mitzenmacher, "The Power of Two Choices in
   Randomized Load Balancing", 2001; vllm-router / SGLang gateway ``power_of_two``).
@@ -50,7 +53,8 @@ from router.placement import (
     default_registry,
 )
 
-BASELINE_POLICIES = ("round-robin", "least-outstanding", "power-of-two", "llm-d-scorer", "static-queue-cap")
+BASELINE_POLICIES = ("round-robin", "least-outstanding", "least-outstanding-tokens", "power-of-two", "llm-d-scorer",
+                     "static-queue-cap")  # fmt: skip
 """Names of the baseline placement policies in :func:`fleet_registry`."""
 
 
@@ -79,11 +83,19 @@ class RouterLoad:
         outstanding: replica id -> requests this router sent there and has not seen finish.
         scraped: replica id -> latest scraped metrics.
         version: bumped on every scrape delivery (scorers cache per version).
+        outstanding_tokens: replica id -> prompt + requested output tokens of those requests.
     """
 
     outstanding: dict[str, int] = field(default_factory=dict)
     scraped: dict[str, MetricsSample] = field(default_factory=dict)
     version: int = 0
+    outstanding_tokens: dict[str, int] = field(default_factory=dict)
+
+    def add(self, replica_id: str, tokens: int) -> None:
+        """One request (of ``tokens`` prompt + output tokens) sent to ``replica_id`` (``tokens`` < 0:
+        one finished or refused there)."""
+        self.outstanding[replica_id] = self.outstanding.get(replica_id, 0) + (1 if tokens >= 0 else -1)
+        self.outstanding_tokens[replica_id] = self.outstanding_tokens.get(replica_id, 0) + tokens
 
 
 # ---------------------------------------------------------------- scorers
@@ -98,6 +110,17 @@ class LeastOutstandingScorer:
 
     def score(self, request: PlacementRequest, replica: ReplicaView) -> float:
         return -float(self.load.outstanding.get(replica.replica_id, 0))
+
+
+@dataclass(slots=True)
+class LeastOutstandingTokensScorer:
+    """``-outstanding tokens``: fewer router-local in-flight tokens is better."""
+
+    load: RouterLoad
+    name: str = "least-outstanding-tokens"
+
+    def score(self, request: PlacementRequest, replica: ReplicaView) -> float:
+        return -float(self.load.outstanding_tokens.get(replica.replica_id, 0))
 
 
 @dataclass(slots=True)
@@ -204,6 +227,7 @@ def fleet_registry() -> PlacementRegistry:
     reg.scorers.update(
         {
             "least-outstanding": LeastOutstandingScorer,  # type: ignore[dict-item]
+            "least-outstanding-tokens": LeastOutstandingTokensScorer,  # type: ignore[dict-item]
             "engine-queue": EngineQueueScorer,  # type: ignore[dict-item]
             "llm-d-queue": LlmdQueueScorer,  # type: ignore[dict-item]
             "kv-usage": KvUsageScorer,  # type: ignore[dict-item]
@@ -217,6 +241,11 @@ def fleet_registry() -> PlacementRegistry:
     def least_outstanding(load: RouterLoad, seed: int | None = None) -> PlacementPolicy:
         return PlacementPolicy(
             _base_filters(), [(LeastOutstandingScorer(load), 1.0)], HighestScorePicker(seed=seed)  # type: ignore[arg-type]
+        )
+
+    def least_outstanding_tokens(load: RouterLoad, seed: int | None = None) -> PlacementPolicy:
+        return PlacementPolicy(
+            _base_filters(), [(LeastOutstandingTokensScorer(load), 1.0)], HighestScorePicker(seed=seed)  # type: ignore[arg-type]
         )
 
     def power_of_two(load: RouterLoad, seed: int | None = None) -> PlacementPolicy:
@@ -233,6 +262,7 @@ def fleet_registry() -> PlacementRegistry:
         {
             "round-robin": round_robin,
             "least-outstanding": least_outstanding,
+            "least-outstanding-tokens": least_outstanding_tokens,
             "power-of-two": power_of_two,
             "llm-d-scorer": llmd,
             "static-queue-cap": least_outstanding,

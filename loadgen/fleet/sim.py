@@ -94,10 +94,20 @@ POLICIES: dict[str, tuple[str, str]] = {
     "power-of-two": ("direct", "vllm-default"),
     "llm-d-scorer": ("direct", "vllm-default"),
     "static-queue-cap": ("queue-cap", "vllm-default"),
+    "least-outstanding-tokens": ("direct", "vllm-default"),
+    "least-outstanding+fairbatching": ("direct", "fairbatching"),
+    "static-queue-cap+fairbatching": ("queue-cap", "fairbatching"),
     "pab": ("pab", "vllm-default"),
     "pab+fairbatching": ("pab", "fairbatching"),
 }
-"""Fleet policy name -> (router kind, replica batching policy)."""
+"""Fleet policy name -> (router kind, replica batching policy). ``X+fairbatching`` for a baseline
+router X: the same placement in front of FairBatching replicas (what an operator who installed the
+scheduler plugin but kept their router would run)."""
+
+
+def placement_name(policy: str) -> str:
+    """The placement policy of a fleet policy: ``least-outstanding+fairbatching`` -> ``least-outstanding``."""
+    return policy.removesuffix("+fairbatching") if POLICIES[policy][0] != "pab" else "pab"
 
 MAX_RESERVE_CANDIDATES = DEFAULT_MAX_CANDIDATES  # Reserve calls per placement (as router/server.py)
 """Reserve calls (or forwards for static-queue-cap) per placement, as router/server.py."""
@@ -368,7 +378,7 @@ class _Router:
                 self.queue = FifoQueue(cfg.queue_max_requests, cfg.queue_max_tokens)
             self.dispatcher: Dispatcher[_Grant] = Dispatcher(self.queue, self.clock, self._admit, self._orphan)  # type: ignore[arg-type]
         else:
-            self.policy = reg.build(cfg.policy, load=self.load, seed=seed)
+            self.policy = reg.build(placement_name(cfg.policy), load=self.load, seed=seed)
             tm = cfg.time_model
             self.static_views = [ReplicaView(rid, True, True, tm, {}, cfg.max_model_len) for rid in self.ids]
 
@@ -492,7 +502,7 @@ class _Router:
             sim.reject(idx, result.reason or "no-replica")
             return
         cands = [sim.index_of[c] for c in result.candidates[:MAX_RESERVE_CANDIDATES]]
-        self.load.outstanding[sim.replicas[cands[0]].rid] += 1
+        self.load.add(sim.replicas[cands[0]].rid, req.prompt_tokens + req.output_tokens)
         sim.push_event(self.clock.t + sim.cfg.net_delay_ms, _FORWARD, idx, tuple(cands))
 
 
@@ -588,9 +598,9 @@ class FleetSim:
         router = self.routers[st.router]
         if kind == "queue-cap" and self._queued_tokens(rep.engine) + req.prompt_tokens > self.cfg.queue_cap_tokens \
                 and rep.engine.has_work():  # fmt: skip
-            router.load.outstanding[rep.rid] -= 1
+            router.load.add(rep.rid, -(req.prompt_tokens + req.output_tokens))
             if len(cands) > 1:  # 429 back to the router (d), next candidate (d)
-                router.load.outstanding[self.replicas[cands[1]].rid] += 1
+                router.load.add(self.replicas[cands[1]].rid, req.prompt_tokens + req.output_tokens)
                 self.push_event(t + 2 * self.cfg.net_delay_ms, _FORWARD, idx, cands[1:])
             else:
                 self.reject(idx, "queue-cap")
@@ -641,7 +651,8 @@ class FleetSim:
                 st.outcome = OK
                 router = self.routers[st.router]
                 if router.kind != "pab":
-                    router.load.outstanding[rep.rid] -= 1
+                    req = self.requests[idx]
+                    router.load.add(rep.rid, -(req.prompt_tokens + req.output_tokens))
         self._start_step(ri, t)
 
     def _on_push(self, t: float, ri: int) -> None:

@@ -259,3 +259,26 @@ def test_simulated_agent_pab_equals_the_real_plugin_path() -> None:
         bs, br = class_budget(sim, cls), class_budget(real, cls)
         assert bs.pab_ms == pytest.approx(br.pab_ms, abs=1e-6) and bs.pab_tokens == br.pab_tokens
         assert bs.decode_iterations == br.decode_iterations
+
+
+def test_least_outstanding_tokens_weighs_prompts() -> None:
+    # r0 holds one 10k-token request, r1 three 100-token ones: by count r0 wins, by tokens r1
+    load = RouterLoad({}, {})
+    load.add("r0", 10_000)
+    for _ in range(3):
+        load.add("r1", 100)
+    views = [ReplicaView(rid, True, True, TM, {}, 32768) for rid in ("r0", "r1")]
+    reg = fleet_registry()
+    assert reg.build("least-outstanding", load=load, seed=0).place(PlacementRequest("i", 50), views).candidates[0] == "r0"
+    assert reg.build("least-outstanding-tokens", load=load, seed=0).place(PlacementRequest("i", 50), views).candidates == ("r1", "r0")
+    load.add("r1", -100)  # one finished
+    assert (load.outstanding["r1"], load.outstanding_tokens["r1"]) == (2, 200)
+
+
+def test_baseline_router_in_front_of_fairbatching_replicas() -> None:
+    # least-outstanding+fairbatching: the same placement as least-outstanding, replicas batch by FairBatching
+    reqs = [FleetRequest(i * 1000.0, 100, 2) for i in range(4)]
+    sim = FleetSim(cfg("least-outstanding+fairbatching"), reqs)
+    assert all(r.engine.policy.name == "fairbatching" for r in sim.replicas)
+    res = sim.run()
+    assert all(r.outcome == "ok" for r in res.records)
