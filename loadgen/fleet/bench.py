@@ -68,7 +68,7 @@ from loadgen.bench_args import (
     resolve_engine_time,
 )
 from loadgen.bench_policies import capacity
-from loadgen.fleet.bound import SteadyBound, engine_model_of, steady_state_bound
+from loadgen.fleet.bound import SteadyBound, steady_state_bound
 from loadgen.fleet.sim import POLICIES, FleetConfig, FleetRequest, run_fleet
 from loadgen.sim.engine_time import EngineTimeModel, describe_engine, engine_label
 from loadgen.stats import Slo, figures, per_tenant
@@ -384,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            max_seqs, max_tokens)  # fmt: skip
     steady = steady_state_bound(
         [r.prompt_tokens for r in kept], [r.output_tokens for r in kept],
-        engine_time if engine_time is not None else engine_model_of(prof.time_model),
+        engine_time if engine_time is not None else prof.time_model,
         args.ttft_ms, args.tpot_ms, args.replicas, prof.kv_capacity_tokens, max_seqs, max_tokens, 0.9,
     )  # fmt: skip
     rates = sorted(args.rates) if args.rates else [round(bound.rps * f, 2) for f in DEFAULT_FRACTIONS]

@@ -80,21 +80,51 @@ class SteadyBound:
     infeasible: int
 
 
-def engine_model_of(tm: TimeModel) -> EngineTimeModel:
-    """The policy's linear TimeModel as an engine model (``--engine-time-model policy``): a, b, c, e; d = f = 0."""
-    return EngineTimeModel(tm.a_ms, tm.b_ms_per_new_token, tm.c_ms_per_context_token, 0.0,
-                           tm.e_ms_per_chunk_prefix, 0.0, name="policy")  # fmt: skip
+@dataclass(frozen=True, slots=True)
+class WorkModel:
+    """Step-time coefficients as the bound uses them (ms; module docstring), from either kind of model.
+
+    A step costs ``a + b*new + c*context + d*seqs + e*sum_prefill chunk*prefix + e_dec*sum_decodes context
+    + f*sum chunk^2 + d_dec*decodes``, times noise of mean ``mean_factor``.
+
+    Attributes:
+        a, b, c, d, e, f: as in :class:`~loadgen.sim.engine_time.EngineTimeModel` (``e`` over prefill chunks).
+        e_dec: the chunk x prefix coefficient over decodes (a decode's product is its context).
+        d_dec: cost of a decode beyond ``b`` (ms per decode; the policy TimeModel's ``d_ms_per_decode``).
+        mean_factor: mean of the noise factor, ``exp(sigma^2 / 2)``.
+    """
+
+    a: float
+    b: float
+    c: float
+    d: float = 0.0
+    e: float = 0.0
+    f: float = 0.0
+    e_dec: float = 0.0
+    d_dec: float = 0.0
+    mean_factor: float = 1.0
+
+    @classmethod
+    def of(cls, model: EngineTimeModel | TimeModel) -> WorkModel:
+        """From the engine's model (its ``e`` and ``d`` apply to every sequence) or a policy TimeModel
+        (``--engine-time-model policy``: ``e`` over prefill chunks only, ``d_ms_per_decode`` per decode where
+        the TimeModel has one; no noise)."""
+        if isinstance(model, EngineTimeModel):
+            return cls(model.a_ms, model.b_ms, model.c_ms, model.d_ms, model.e_ms, model.f_ms, model.e_ms, 0.0,
+                       math.exp(model.noise_sigma**2 / 2.0))  # fmt: skip
+        return cls(model.a_ms, model.b_ms_per_new_token, model.c_ms_per_context_token, 0.0,
+                   model.e_ms_per_chunk_prefix, 0.0, 0.0, float(getattr(model, "d_ms_per_decode", 0.0)))  # fmt: skip
 
 
 def request_work_ms(
-    prompt_tokens: np.ndarray, output_tokens: np.ndarray, model: EngineTimeModel, step_ms: float, ttft_ms: float,
+    prompt_tokens: np.ndarray, output_tokens: np.ndarray, model: EngineTimeModel | TimeModel, step_ms: float, ttft_ms: float,
     max_num_batched_tokens: int,
 ) -> np.ndarray:
     """``W_i(T)`` of the module docstring for every request (ms; ``inf`` where no chunk count meets the TTFT).
 
     Args:
         prompt_tokens, output_tokens: shape (n,), each >= 1.
-        model: the engine's step-time model.
+        model: the engine's step-time model, or the policy's TimeModel (:meth:`WorkModel.of`).
         step_ms: step length T (ms), > 0.
         ttft_ms: TTFT target (ms).
         max_num_batched_tokens: tokens per step at most (M).
@@ -108,8 +138,9 @@ def request_work_ms(
         raise ValueError(f"step_ms must be > 0, got {step_ms}")
     if p.size and (p.min() < 1 or o.min() < 1):
         raise ValueError("prompt and output tokens must be >= 1")
-    a, b, c, d, e, f = model.a_ms, model.b_ms, model.c_ms, model.d_ms, model.e_ms, model.f_ms
-    dec = (o - 1) * (b + d + f) + (c + e) * ((o - 1) * p + (o - 1) * (o - 2) / 2)
+    w = WorkModel.of(model)
+    b, c, d, e, f = w.b, w.c, w.d, w.e, w.f
+    dec = (o - 1) * (b + d + f + w.d_dec) + (c + w.e_dec) * ((o - 1) * p + (o - 1) * (o - 2) / 2)
     k_lo = np.ceil(p / max_num_batched_tokens)
     k_hi = np.minimum(p, math.floor(ttft_ms / step_ms + 1e-9))
     g = f - e / 2.0
@@ -132,15 +163,14 @@ def request_work_ms(
     for kc in cands:
         kk = np.clip(kc, k_lo, np.maximum(k_lo, k_hi))
         best = np.minimum(best, prefill(np.maximum(kk, 1.0)))
-    mean_factor = math.exp(model.noise_sigma**2 / 2.0)
-    work = mean_factor * (dec + best)
+    work = w.mean_factor * (dec + best)
     return np.where(k_hi >= k_lo, work, np.inf)
 
 
 def steady_state_bound(
     prompt_tokens: Sequence[int],
     output_tokens: Sequence[int],
-    model: EngineTimeModel,
+    model: EngineTimeModel | TimeModel,
     ttft_ms: float,
     tpot_ms: float,
     replicas: int,
@@ -154,7 +184,7 @@ def steady_state_bound(
 
     Args:
         prompt_tokens, output_tokens: the trace's requests, shape (n,), n >= 1 (values < 1 are taken as 1).
-        model: the engine's step-time model (:func:`engine_model_of` for a policy TimeModel).
+        model: the engine's step-time model, or the policy's TimeModel for ``--engine-time-model policy``.
         ttft_ms, tpot_ms: the SLO (ms).
         replicas: fleet size N.
         kv_capacity_tokens, max_num_seqs, max_num_batched_tokens: engine limits per replica.
@@ -171,8 +201,8 @@ def steady_state_bound(
         raise ValueError("steady_state_bound needs at least one request")
     if not 0.0 < served_frac <= 1.0:
         raise ValueError(f"served_frac must be in (0, 1], got {served_frac}")
-    m = math.exp(model.noise_sigma**2 / 2.0)
-    a = m * model.a_ms
+    wm = WorkModel.of(model)
+    a = wm.mean_factor * wm.a
     if steps_ms is None:
         if tpot_ms <= a:
             raise ValueError(f"tpot_ms {tpot_ms} is not above the step's fixed cost {a:.3f} ms")

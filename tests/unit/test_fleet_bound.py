@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from loadgen.fleet.bound import engine_model_of, request_work_ms, steady_state_bound
+from loadgen.fleet.bound import WorkModel, request_work_ms, steady_state_bound
 from loadgen.sim.engine_time import EngineTimeModel
 from replica_agent.policy.time_model import TimeModel
 
@@ -66,8 +66,17 @@ def test_bound_ttft_chunk_limit_and_kv_limit() -> None:
 
 
 def test_policy_time_model_adaptor_and_errors() -> None:
-    em = engine_model_of(TimeModel(9.86, 0.0727, 7.94e-5))
-    assert (em.a_ms, em.b_ms, em.c_ms, em.d_ms, em.e_ms, em.f_ms) == (9.86, 0.0727, 7.94e-5, 0.0, 0.0, 0.0)
+    # A policy TimeModel: e over prefill chunks only, no f, no noise. TimeModel(a 10, b 0.1, c 0, e 0.001),
+    # request (P 100, O 11) at T = 50: g = f - e/2 = -0.0005 < 0, so one chunk is cheapest (no chunk x prefix):
+    # prefill 0.1 * 100 (10) + 0.001 * 100^2 / 2 (5) - 0.0005 * 100^2 (5) = 10; decodes 10 * 0.1 = 1, and no e
+    # on decodes (c = 0) -> W = 11.
+    wm = WorkModel.of(TimeModel(9.86, 0.0727, 7.94e-5))
+    assert (wm.a, wm.b, wm.c, wm.d, wm.e, wm.f, wm.e_dec, wm.d_dec, wm.mean_factor) == (
+        9.86, 0.0727, 7.94e-5, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
+    w = request_work_ms(np.array([100]), np.array([11]), TimeModel(10.0, 0.1, 0.0, 0.001), 50.0, 100.0, 10_000)
+    assert w == pytest.approx([11.0])
+    wn = WorkModel.of(EngineTimeModel(a_ms=1.0, b_ms=0.1, e_ms=0.002, noise_sigma=0.2))
+    assert (wn.e, wn.e_dec) == (0.002, 0.002) and wn.mean_factor == pytest.approx(math.exp(0.02))
     with pytest.raises(ValueError):
         steady_state_bound([], [], M, 100.0, 50.0, 1, BIG)
     with pytest.raises(ValueError):
