@@ -6,6 +6,10 @@ SLO attainment (TTFT <= ttft_ms and TPOT <= tpot_ms, TPOT = (last - first token)
 DESIGN section 2; loadgen/stats.py), TTFT and TPOT p50/p99, throughput and goodput (SLO-meeting
 requests and their output tokens per second of the window).
 
+Engine step time: ``--engine-time-model`` (default: the profile's shipped file, loadgen/data/engine_time/;
+``policy`` = the profile's linear model, which the policies always plan with); the JSON names it
+(``engine_time_model``, docs/engine-time-model.md).
+
 Rates: the trace's arrival times are divided by ``rate / native_rate`` (native_rate = requests /
 trace span), then the first ``--duration-s`` seconds are kept; every kept request runs to
 completion. Requests whose prompt + output exceed ``--max-model-len`` are dropped before the

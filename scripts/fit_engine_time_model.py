@@ -338,11 +338,18 @@ def fit_pair(name: str) -> dict:
     by_kind = {k: {"n": int((kinds == k).sum()), "mean_rel_err": float(rel[kinds == k].mean()),
                    "max_rel_err": float(rel[kinds == k].max())} for k in KINDS if (kinds == k).any()}  # fmt: skip
     by_kind["all"] = {"n": int(rel.size), "mean_rel_err": float(rel.mean()), "max_rel_err": float(rel.max())}
+    lin = _linear_policy_model(name)
+    lin_pred = np.array([lin.step_ms(StepFeatures.from_items([(1, x) for x in d] + list(c))) for _, d, c in batches])
+    lin_rel = (lin_pred - y) / y
+    linear_by_kind = {k: {"mean_signed_rel_err": float(lin_rel[kinds == k].mean()),
+                          "mean_rel_err": float(np.abs(lin_rel[kinds == k]).mean()),
+                          "min_rel_err": float(lin_rel[kinds == k].min())} for k in KINDS if (kinds == k).any()}  # fmt: skip
+    linear_by_kind["all"] = {"mean_signed_rel_err": float(lin_rel.mean()), "mean_rel_err": float(np.abs(lin_rel).mean()),
+                             "min_rel_err": float(lin_rel.min())}  # fmt: skip
     sigma, noise_info = step_noise_sigma(cm)
     spots = spot_values(cm)
     spot_fit = [sum(float(features(*_split(st)) @ coef) for st in steps) for _, steps in SPOT_BATCHES]
     spots_clamped = spot_values(ComponentModel(cm.pair, extrapolate_all_reduce=False))
-    lin = _linear_policy_model(name)
     spot_linear = [sum(lin.step_ms(StepFeatures.from_items(st)) for st in steps) for _, steps in SPOT_BATCHES]
     model = {k: float(f"{v:.6g}") for k, v in zip(("a_ms", "b_ms", "c_ms", "d_ms", "e_ms", "f_ms"), coef, strict=True)}
     return {
@@ -359,7 +366,7 @@ def fit_pair(name: str) -> dict:
             "noise": {"sigma_from": "Vidur mlp.csv per-op std/median over repeated runs, layers of a step correlated",
                       **noise_info},
         },
-        "report": {"spots_component": spots, "spots_fit": spot_fit, "spots_clamped": spots_clamped,
+        "report": {"linear_by_kind": linear_by_kind, "spots_component": spots, "spots_fit": spot_fit, "spots_clamped": spots_clamped,
                    "spots_linear": spot_linear},
     }
 
@@ -384,6 +391,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               + f", noise_sigma={res['noise_sigma']} ({m['noise']})")  # fmt: skip
         for k, v in m["error_by_kind"].items():
             print(f"   {k:<12} n={v['n']:<5} mean {100 * v['mean_rel_err']:5.1f} %  max {100 * v['max_rel_err']:5.1f} %")
+        for k, v in rep["linear_by_kind"].items():
+            print(f"   linear policy model vs component, {k:<12} mean {100 * v['mean_signed_rel_err']:+5.1f} %  "
+                  f"|mean| {100 * v['mean_rel_err']:5.1f} %  worst under-prediction {100 * v['min_rel_err']:+5.1f} %")
         print(f"   {'spot':<44} {'component':>9} {'fit':>8} {'linear':>8} {'AR clamped':>10}  reference")
         for i, (spot, _) in enumerate(SPOT_BATCHES):
             comp, fit, clamped = rep["spots_component"][i], rep["spots_fit"][i], rep["spots_clamped"][i]

@@ -266,3 +266,19 @@ def test_policy_engine_time_is_the_time_model_and_noise_streams_differ() -> None
         times.append(e.step(0.0).duration_ms)
     assert times[0] == times[1] != times[2]  # reproducible per (seed, stream); streams independent
     assert 40.0 * 0.6 < times[0] < 40.0 / 0.6
+
+
+def test_step_log_record_carries_the_features() -> None:
+    from loadgen.sim.step_log import step_record
+
+    eng = make(tokens=503)
+    eng.add_request("a", 300, max_tokens=3, arrival_ms=0.0)
+    eng.add_request("b", 400, max_tokens=3, arrival_ms=0.0)
+    s1 = eng.step(0.0)  # a 300, b chunked to 203
+    s2 = eng.step(s1.end_ms)  # a decodes at context 300; b's last 197 over its 203 prefix
+    rec = step_record(s2)
+    # chunk*prefix = 300 + 197 * 203 (39991) = 40291; chunk^2 = 1 + 38809 = 38810
+    assert rec["new_tokens"] == 198 and rec["context_tokens"] == 503 and rec["batch_size"] == 2
+    assert (rec["chunk_prefix_tokens"], rec["chunk_sq_tokens"]) == (40291, 38810)
+    # 10 + 0.1 * 198 + 0.001 * 503 = 30.303 ms
+    assert rec["measured_ms"] == pytest.approx(30.303)

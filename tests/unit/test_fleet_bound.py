@@ -1,0 +1,83 @@
+"""Steady-state bound that lets the costliest 10 % miss (loadgen/fleet/bound.py), worked by hand.
+
+Engine model in every case: a = 10, b = 0.1, c = 0, d = 0, e = 0.001, f = 0.002 ms (no noise), so
+g = f - e/2 = 0.0015 and a prefill of P tokens in K chunks costs b P + e P^2/2 + g P^2/K ms; a decode
+reading context x costs b + f + e x = 0.102 + 0.001 x ms. TTFT 100 ms, TPOT 50 ms.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from loadgen.fleet.bound import WorkModel, request_work_ms, steady_state_bound
+from loadgen.sim.engine_time import EngineTimeModel
+from replica_agent.policy.time_model import TimeModel
+
+M = EngineTimeModel(a_ms=10.0, b_ms=0.1, e_ms=0.001, f_ms=0.002)
+BIG = 10**12  # KV, sequences: never binding here
+
+
+def test_request_work_hand_worked() -> None:
+    # T = 50: K <= floor(100 / 50) = 2 chunks.
+    # A (P 100, O 11): prefill K = 2: 0.1*100 (10) + 0.001*100^2/2 (5) + 0.0015*100^2/2 (7.5) = 22.5;
+    #   10 decodes: 10 * 0.102 (1.02) + 0.001 * (10*100 + 10*9/2 = 1045) (1.045) -> W = 24.565
+    # B (P 1000, O 1): 100 + 500 + 0.0015 * 10^6 / 2 (750) = 1350
+    w = request_work_ms(np.array([100, 1000]), np.array([11, 1]), M, 50.0, 100.0, 10_000)
+    assert w == pytest.approx([24.565, 1350.0])
+    # T = 25: K <= 4: A's prefill 10 + 5 + 15/4 (3.75) = 18.75 -> 20.815; B: 100 + 500 + 375 = 975
+    w = request_work_ms(np.array([100, 1000]), np.array([11, 1]), M, 25.0, 100.0, 10_000)
+    assert w == pytest.approx([20.815, 975.0])
+    # 400 tokens per step at most: B needs K >= ceil(1000 / 400) = 3 > 2 allowed at T = 50 -> cannot meet TTFT
+    w = request_work_ms(np.array([100, 1000]), np.array([11, 1]), M, 50.0, 100.0, 400)
+    assert w[0] == pytest.approx(24.565) and math.isinf(w[1])
+
+
+def test_bound_lets_the_costliest_tenth_miss() -> None:
+    p, o = [100] * 9 + [1000], [11] * 9 + [1]
+    # q = 0.9: ceil(0.9 * 10) = 9 served, the 9 A's. T = 50: 1000 (1 - 10/50) = 800 GPU-ms/s for work;
+    # served work per request of the trace = 9 * 24.565 / 10 = 22.1085 -> 800 / 22.1085 = 36.1851 req/s per replica.
+    # T = 25: 600 / (9 * 20.815 / 10 = 18.7335) = 32.0282: T = 50 is the better step length.
+    b = steady_state_bound(p, o, M, 100.0, 50.0, 2, BIG, BIG, 10_000, 0.9, steps_ms=[25.0, 50.0])
+    assert b.per_replica_rps == pytest.approx(800 / 22.1085)
+    assert b.rps == pytest.approx(2 * 800 / 22.1085)  # 72.370 for 2 replicas
+    assert (b.iteration_ms, b.limit, b.infeasible) == (50.0, "time", 0)
+    assert b.mean_work_ms == pytest.approx(24.565)
+    # q = 1 charges B too: (9 * 24.565 + 1350) / 10 = 157.1085 -> 800 / 157.1085 = 5.0920 at T = 50;
+    # T = 25: 600 / ((9 * 20.815 + 975) / 10 = 116.2335) = 5.1620: with B served, shorter steps win.
+    b1 = steady_state_bound(p, o, M, 100.0, 50.0, 2, BIG, BIG, 10_000, 1.0, steps_ms=[25.0, 50.0])
+    assert b1.per_replica_rps == pytest.approx(600 / 116.2335) and b1.iteration_ms == 25.0
+
+
+def test_bound_ttft_chunk_limit_and_kv_limit() -> None:
+    # 8 A's, 2 B's, 400 tokens per step. T = 50: both B's infeasible, only 8 < 9 can be served -> no bound at 50.
+    # T = 25: B in K = 4 chunks (>= 3): 975. Served: 8 A's + 1 B = 8 * 20.815 + 975 = 1141.52 -> /10 = 114.152;
+    # 600 / 114.152 = 5.25615 per replica.
+    p, o = [100] * 8 + [1000] * 2, [11] * 8 + [1] * 2
+    b = steady_state_bound(p, o, M, 100.0, 50.0, 1, BIG, BIG, 400, 0.9, steps_ms=[25.0, 50.0])
+    assert b.per_replica_rps == pytest.approx(600 / 114.152) and b.iteration_ms == 25.0
+    # KV: A holds sum_{j=0}^{10} (100 + j) = 1155 token-steps, B 1000; the 9 smallest: 2 * 1000 + 7 * 1155
+    # = 10085 -> /10 = 1008.5. With kv = 100 tokens at T = 25: 1000 * 100 / (1008.5 * 25) = 3.9663 < 5.256
+    # (time) -> kv-limited.
+    b = steady_state_bound(p, o, M, 100.0, 50.0, 1, 100, BIG, 400, 0.9, steps_ms=[25.0])
+    assert b.limit == "kv" and b.per_replica_rps == pytest.approx(1000 * 100 / (1008.5 * 25))
+
+
+def test_policy_time_model_adaptor_and_errors() -> None:
+    # A policy TimeModel: e over prefill chunks only, no f, no noise. TimeModel(a 10, b 0.1, c 0, e 0.001),
+    # request (P 100, O 11) at T = 50: g = f - e/2 = -0.0005 < 0, so one chunk is cheapest (no chunk x prefix):
+    # prefill 0.1 * 100 (10) + 0.001 * 100^2 / 2 (5) - 0.0005 * 100^2 (5) = 10; decodes 10 * 0.1 = 1, and no e
+    # on decodes (c = 0) -> W = 11.
+    wm = WorkModel.of(TimeModel(9.86, 0.0727, 7.94e-5))
+    assert (wm.a, wm.b, wm.c, wm.d, wm.e, wm.f, wm.e_dec, wm.d_dec, wm.mean_factor) == (
+        9.86, 0.0727, 7.94e-5, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
+    w = request_work_ms(np.array([100]), np.array([11]), TimeModel(10.0, 0.1, 0.0, 0.001), 50.0, 100.0, 10_000)
+    assert w == pytest.approx([11.0])
+    wn = WorkModel.of(EngineTimeModel(a_ms=1.0, b_ms=0.1, e_ms=0.002, noise_sigma=0.2))
+    assert (wn.e, wn.e_dec) == (0.002, 0.002) and wn.mean_factor == pytest.approx(math.exp(0.02))
+    with pytest.raises(ValueError):
+        steady_state_bound([], [], M, 100.0, 50.0, 1, BIG)
+    with pytest.raises(ValueError):
+        steady_state_bound([1], [1], M, 100.0, 50.0, 1, BIG, served_frac=0.0)
