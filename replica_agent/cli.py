@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "port serves /metrics and /health only)")
     s.add_argument("--time-model-forgetting", type=float, default=0.995,
                    help="online time model: weight of a step seen k steps ago is this^k (memory 1/(1-x) steps)")
-    s.add_argument("--time-model-margin-quantile", type=float, default=0.95,
+    s.add_argument("--time-model-margin-quantile", type=float, default=0.97,
                    help="plan with the point model x this quantile of measured/predicted step time (always on)")
     s.add_argument("--time-model-max-margin", type=float, default=2.0, help="cap of the planning margin")
     s.add_argument("--time-model-initial-margin", type=float, default=1.0,

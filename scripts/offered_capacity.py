@@ -34,7 +34,7 @@ def main() -> int:
             rows = [r for r in pol.get("rows", []) if "requests" in r]
             if not rows:
                 continue
-            cap, bound = capacity(offered_rows(rows, d["duration_s"]), 0.9)
+            cap, bound = capacity(offered_rows(rows, d["duration_s"] - d.get("warmup_s", 0.0)), 0.9)
             run[name] = {"label_capacity_rps": pol["capacity_rps"], "offered_capacity_rps": round(cap, 2),
                          "offered_bound": bound}
         rr = run.get("round-robin")

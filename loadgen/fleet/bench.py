@@ -71,7 +71,7 @@ from loadgen.bench_policies import capacity
 from loadgen.fleet.bound import SteadyBound, steady_state_bound
 from loadgen.fleet.sim import POLICIES, FleetConfig, FleetRequest, run_fleet
 from loadgen.sim.engine_time import EngineTimeModel, describe_engine, engine_label
-from loadgen.stats import Slo, figures, per_tenant
+from loadgen.stats import Slo, figures, meets_slo, per_tenant
 from loadgen.traces import TraceRequest, load_trace, resolve_trace, spread_arrivals
 from replica_agent.policy.time_model import TimeModel
 from replica_agent.profiles import load_profile
@@ -82,7 +82,8 @@ DEFAULT_FRACTIONS = (0.4, 0.55, 0.7, 0.8, 0.9, 1.0, 1.1)
 TENANTS = (("t0", 0.4), ("t1", 0.3), ("t2", 0.2), ("t3", 0.1))
 """Tenant names and their shares of the requests."""
 
-BASELINES = ("round-robin", "least-outstanding", "power-of-two", "llm-d-scorer", "static-queue-cap")
+BASELINES = ("round-robin", "least-outstanding", "least-outstanding-tokens", "power-of-two", "llm-d-scorer",
+             "static-queue-cap", "least-outstanding+fairbatching", "static-queue-cap+fairbatching")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +202,7 @@ class Setup:
     max_num_seqs: int = 256
     window_offset: float = 0.0
     engine_time: EngineTimeModel | None = None
+    warmup_s: float = 0.0
 
 
 def fleet_config(setup: Setup, policy: str) -> FleetConfig:
@@ -229,16 +231,25 @@ def run_point(setup: Setup, policy: str, rate_rps: float) -> dict[str, Any]:
     res = run_fleet(fleet_config(setup, policy), reqs)
     slo = Slo(setup.ttft_ms, setup.tpot_ms)
     slos = {t: slo for t, _ in TENANTS}
-    fig = figures(res.records, slos, setup.duration_s)
-    tenants = {t: f.slo_attainment for t, f in per_tenant(res.records, slos, setup.duration_s).items()}
+    # steady state: requests that arrived during the warm-up run (they load the fleet) but are not counted
+    records = [r for r in res.records if r.arrival_ms >= setup.warmup_s * 1000.0]
+    window_s = setup.duration_s - setup.warmup_s
+    fig = figures(records, slos, window_s)
+    tenants = {t: f.slo_attainment for t, f in per_tenant(records, slos, window_s).items()}
     st = res.stats
-    n = max(1, len(res.records))
-    ok = [r for r in res.records if r.outcome == "ok"]
+    n = max(1, len(records))
+    ok = [r for r in records if r.outcome == "ok"]
+    tokens = [r.prompt_tokens + (r.expected_output_tokens or r.output_tokens) for r in records]
+    met_tokens = sum(t for r, t in zip(records, tokens, strict=True) if meets_slo(r, slo))
     return {
         "rate_rps": round(rate_rps, 3),
-        "requests": len(res.records),
-        "offered_rps": round(len(res.records) / setup.duration_s, 3),
+        "requests": len(records),
+        "offered_rps": round(len(records) / window_s, 3),
+        "warmup_s": setup.warmup_s,
         "slo_attainment": fig.slo_attainment,
+        "token_slo_attainment": met_tokens / max(1, sum(tokens)),
+        "late_step_frac": st.late_steps / max(1, st.steps),
+        "time_model_mean_abs_error": st.time_model_mean_abs_error,
         "ttft_miss_frac": sum(1 for r in ok if (r.ttft_ms or 0) > setup.ttft_ms) / n,
         "tpot_miss_frac": sum(1 for r in ok if (t := r.tpot_ms) is not None and t > setup.tpot_ms) / n,
         "goodput_rps": fig.goodput_rps,
@@ -284,7 +295,9 @@ def sweep(setup: Setup, policy: str, rates: Sequence[float], target: float = 0.9
         row = run_point(setup, policy, rate)
         rows.append(row)
         print(f"  {policy:<18} {rate:8.2f} req/s (offered {row['offered_rps']:.2f})  "
-              f"attainment {row['slo_attainment']:.3f}  "
+              f"attainment {row['slo_attainment']:.3f} (tokens {row['token_slo_attainment']:.3f})  "
+              f"TPOT p99 {row['tpot_p99_ms'] or 0:.1f} ms  late steps {100 * row['late_step_frac']:.1f} %  "
+              f"model err {100 * row['time_model_mean_abs_error']:.1f} %  "
               f"wall {row['wall_s']:.1f}s", file=sys.stderr, flush=True)  # fmt: skip
         if (row["slo_attainment"] or 0.0) < target:
             below += 1
@@ -348,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     p.add_argument("--duration-s", type=float, default=60.0, help="arrival window (simulated s)")
     p.add_argument("--drain-s", type=float, default=60.0, help="time after the window before unfinished = failed")
+    p.add_argument("--warmup-s", type=float, default=0.0,
+                   help="requests arriving in the first this many seconds load the fleet but are not counted "
+                        "(steady state: the window measured is [warmup, duration])")
     p.add_argument("--queue", choices=("fair", "fifo"), default="fair", help="admission queue of the pab routers")
     p.add_argument("--queue-cap-tokens", type=int, default=None,
                    help="static-queue-cap bound (tokens); default: the prompt tokens one replica prefills "
@@ -392,7 +408,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = Setup(kept, native, args.replicas, args.profile, args.ttft_ms, args.tpot_ms, args.duration_s,
                   args.drain_s, args.routers, args.push_period_ms, args.net_delay_ms, args.queue, cap_tokens,
                   not args.no_leases, args.max_model_len, args.seed, max_tokens, max_seqs,
-                  args.window_offset, engine_time)  # fmt: skip
+                  args.window_offset, engine_time, args.warmup_s)  # fmt: skip
+    if not 0.0 <= args.warmup_s < args.duration_s:
+        raise SystemExit("bench-fleet: --warmup-s must be in [0, --duration-s)")
     t0 = time.perf_counter()
     jobs = [(setup, p, tuple(rates)) for p in args.policies]
     if args.jobs > 1:
@@ -432,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   "rows": merged}  # fmt: skip
         policies = {n: policies[n] for n in POLICIES if n in policies}
         rates = sorted(set(rates) | set(old.get("rates", [])))
-    offered_by_policy = {n: offered_rows([r for r in pol["rows"] if "requests" in r], args.duration_s)
+    offered_by_policy = {n: offered_rows([r for r in pol["rows"] if "requests" in r], args.duration_s - args.warmup_s)
                          for n, pol in policies.items()}
     for name, pol in policies.items():
         off = offered_by_policy[name]
@@ -448,7 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pol["x_best_baseline"] = round(pol["capacity_rps"] / base_caps[best_name], 3) if best_name and base_caps[best_name] else None
     result = {
         "trace": args.trace, "profile": args.profile, "replicas": args.replicas, "routers": args.routers,
-        "ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "duration_s": args.duration_s, "drain_s": args.drain_s,
+        "ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "duration_s": args.duration_s, "warmup_s": args.warmup_s, "drain_s": args.drain_s,
         "push_period_ms": args.push_period_ms, "net_delay_ms": args.net_delay_ms, "queue": args.queue,
         "leases": not args.no_leases, "static_queue_cap_tokens": cap_tokens, "seed": args.seed,
         "window_offset": args.window_offset,

@@ -226,6 +226,10 @@ class FleetStats:
         preemptions: preemptions by recompute, all replicas.
         steps: engine steps, all replicas.
         end_ms: simulated time of the last event processed.
+        late_steps: steps that ran longer than the time the policy planned for them (the model in
+            force when the batch was formed, its margin included).
+        time_model_mean_abs_error: mean over replicas of the online model's mean |measured /
+            predicted - 1| over its last window at the end (NaN without the online model).
     """
 
     grants: int = 0
@@ -239,6 +243,8 @@ class FleetStats:
     preemptions: int = 0
     steps: int = 0
     end_ms: float = 0.0
+    late_steps: int = 0
+    time_model_mean_abs_error: float = float("nan")
 
 
 @dataclass(slots=True)
@@ -638,6 +644,8 @@ class FleetSim:
         assert result is not None
         rep.stepping = False
         rep.result = None
+        if result.features is not None and result.duration_ms > rep.engine.policy_time_model.step_ms(result.features):
+            self.stats.late_steps += 1
         cal = rep.calibrator
         if cal is not None and result.features is not None:  # the agent and the plugin learn every step
             cal.observe(result.features, result.duration_ms)
@@ -730,6 +738,10 @@ class FleetSim:
                 (self._on_push if ev == _PUSH else self._on_scrape)(t, a)
         self.stats.end_ms = t
         self.stats.preemptions = sum(r.engine.counters.num_preemptions for r in self.replicas)
+        errs = [e for r in self.replicas if r.calibrator is not None
+                and (e := r.calibrator.mean_abs_rel_error()) == e]  # fmt: skip
+        if errs:
+            self.stats.time_model_mean_abs_error = sum(errs) / len(errs)
         records = []
         for req, st in zip(self.requests, self.states):
             outcome, reason = st.outcome, st.reason

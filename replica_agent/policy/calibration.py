@@ -37,7 +37,7 @@ model (a one-step-ahead, out-of-sample error). ``margin = clamp(quantile_q(r ove
 window steps), 1, max_margin)``; until ``min_samples`` steps are seen it is ``initial_margin``.
 The planning model is the point model with every coefficient times ``margin``
 (:meth:`OnlineTimeModel.conservative`), so a step of the shape just seen runs longer than planned
-in about ``1 - q`` of the cases. ``q = 0.95`` by default: issue 12 asks for fewer than 5 % of steps
+in about ``1 - q`` of the cases. ``q = 0.97`` by default: issue 12 asks for fewer than 5 % of steps
 longer than planned.
 """
 
@@ -76,7 +76,7 @@ class CalibratorConfig:
 
     forgetting: float = 0.995
     prior_weight: float = 5.0
-    margin_quantile: float = 0.95
+    margin_quantile: float = 0.97
     window: int = 256
     min_samples: int = 16
     initial_margin: float = 1.0

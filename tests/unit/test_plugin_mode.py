@@ -124,7 +124,8 @@ def make_agent(proxy_tracking: bool = True) -> Agent:
         kv_capacity_tokens=100_000, metrics_stale_ms=10**9, plugin_mode=True, plugin_stale_ms=300.0,
         proxy_tracking=proxy_tracking,
         # a prior so strong the point model stays at TM: the plan is TM x the margin, the p95 of the ratios
-        calibration=CalibratorConfig(prior_weight=1e12, min_samples=1, window=8, initial_margin=1.0),
+        calibration=CalibratorConfig(prior_weight=1e12, min_samples=1, window=8, initial_margin=1.0,
+                                     margin_quantile=0.95),
     )
     return Agent(cfg, Clock(1.0), lease_id_prefix="t")
 
