@@ -49,7 +49,7 @@ _FORWARDED_HEADERS = ("authorization", "accept")
 
 
 def _ceil_bytes_tokens(text: str) -> int:
-    return math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN)
+    return math.ceil(len(text.encode("utf-8", "surrogatepass")) / BYTES_PER_TOKEN)
 
 
 def with_slo_xargs(body: Mapping[str, Any], ttft_ms: float, tpot_ms: float) -> dict[str, Any]:

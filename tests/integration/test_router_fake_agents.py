@@ -280,7 +280,9 @@ async def test_routes_to_most_headroom_with_headers(fleet: Fleet) -> None:
     assert resp.headers["x-request-id"] == "req-123"
     assert (await resp.json())["replica"] == "r1"
     hit = fleet.upstreams["r1"].hits[0]
-    assert hit["x-request-id"] == "req-123"
+    # the agent and the engine get the router's own id (the client's is only echoed back)
+    assert hit["x-request-id"] != "req-123" and len(hit["x-request-id"]) == 32
+    assert fleet.admission["r1"].reserves[0].request_id == hit["x-request-id"]
     assert hit["x-fairbatch-lease"] == "r1-lease-1"
     assert hit["x-fairbatch-slo-class"] == "interactive"
     assert hit["x-fairbatch-tenant"] == "acme"
