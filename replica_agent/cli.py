@@ -40,6 +40,7 @@ from replica_agent.policy.pab import SloClass
 from replica_agent.policy.time_model import TimeModel
 from replica_agent.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile
 from replica_agent.proxy import Proxy, ProxyConfig, make_session
+from replica_agent.http_guard import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, make_runner
 from replica_agent.runtime import hold_grpc_aio, run, setup_logging
 from replica_agent.telemetry import make_tracer
 
@@ -132,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--time-scale", type=float, default=1.0, help="wall ms per simulated ms")
     s.add_argument("--otlp-endpoint", default=None, help="OTLP/gRPC collector for spans (off by default)")
     s.add_argument("--max-connections", type=int, default=1024, help="bound of pooled upstream connections")
+    s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body in bytes (default 4 MiB); a larger Content-Length is refused with 413")
+    s.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="wall seconds a request body may take to arrive (default 10), else 408")
     s.add_argument("--slo-in-body", action="store_true",
                    help="also pass each request's SLO to vLLM as vllm_xargs {fairbatch_ttft_ms, fairbatch_tpot_ms} "
                         "(for the FairBatching scheduler plugin; re-encodes the request body)")
@@ -226,7 +231,8 @@ async def serve(args: argparse.Namespace) -> None:
     clock = Clock(args.time_scale)
     agent = Agent(config_from_args(args), clock, lease_id_prefix=uuid.uuid4().hex[:12])
     proxy_cfg = ProxyConfig(engine_url=args.engine_url, max_connections=args.max_connections,
-                            slo_in_body=args.slo_in_body)
+                            slo_in_body=args.slo_in_body, max_body_bytes=args.max_body_bytes,
+                            body_timeout_s=args.body_timeout_s)
     session = make_session(proxy_cfg)
     tracer = make_tracer("fairbatch-agent", args.otlp_endpoint)
     proxy = Proxy(agent, proxy_cfg, session, tracer)
@@ -236,7 +242,9 @@ async def serve(args: argparse.Namespace) -> None:
         app.router.add_get("/metrics", proxy.metrics)
     else:
         app = proxy.app()
-    runner = web.AppRunner(app, access_log=None)
+    # handler cancellation: a client that leaves cancels its handler, which closes the upstream request,
+    # so the engine aborts it at once (in prefill too)
+    runner = make_runner(app)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.http_port)
     await site.start()

@@ -14,8 +14,10 @@ now - queued), ``x-fairbatch-tenant`` (logs/spans only), ``traceparent``/``trace
 span is created and injected upstream). Upstream, the agent adds ``x-fairbatch-ttft-ms`` and
 ``x-fairbatch-tpot-ms``: the SLO of the request's class, for deadline-aware engine policies.
 
-Failure handling: client disconnect -> upstream response closed (the engine aborts) and the request
-dropped from the tracker; engine failure mid-stream -> ``data: {"error": {...}}`` then
+Failure handling: client disconnect (the server runs with handler cancellation,
+:func:`replica_agent.http_guard.make_runner`) -> the handler is cancelled wherever it waits, the upstream
+request or response closed (the engine aborts, also before its first byte) and the request dropped
+from the tracker; engine failure mid-stream -> ``data: {"error": {...}}`` then
 ``data: [DONE]`` and the request dropped; upstream 4xx/5xx before streaming -> status and body
 relayed.
 """
@@ -26,7 +28,6 @@ import asyncio
 import json
 import logging
 import math
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,17 @@ from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from replica_agent.agent import Agent
+from replica_agent.api_schema import ApiError, validate_request
+from replica_agent.http_guard import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    REQUEST_ID,
+    api_error_response,
+    client_request_id,
+    error_middleware,
+    new_request_id,
+    read_body,
+)
 from replica_agent.telemetry import extract_context, inject_context
 from replica_agent.tracker import TrackerFull
 
@@ -173,7 +185,9 @@ class ProxyConfig:
             kept-alive one before answering (aiohttp ``ServerDisconnectedError`` or ``ClientOSError``
             "Can not write request body"; never for a refused connection). Real vLLM does this under
             load: 13 of 62 requests of 32 topped-up streams on one CPU replica failed so.
-        max_body_bytes: bound on request bodies.
+        max_body_bytes: bound on request bodies (bytes): a larger ``Content-Length`` is refused with 413
+            before reading.
+        body_timeout_s: wall seconds a request body may take to arrive (else 408).
         slo_in_body: also pass the request's SLO in the body as vLLM's ``vllm_xargs``
             (``{"fairbatch_ttft_ms", "fairbatch_tpot_ms"}``), which vLLM hands to the scheduler as
             ``SamplingParams.extra_args``: needed by the FairBatching scheduler plugin
@@ -188,7 +202,8 @@ class ProxyConfig:
     health_timeout_s: float = 2.0
     keepalive_timeout_s: float = 4.0
     stale_retries: int = 2
-    max_body_bytes: int = 64 * 1024 * 1024
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     slo_in_body: bool = False
 
 
@@ -226,7 +241,7 @@ class Proxy:
 
     def app(self) -> web.Application:
         """The aiohttp application with all routes."""
-        app = web.Application(client_max_size=self._cfg.max_body_bytes)
+        app = web.Application(client_max_size=self._cfg.max_body_bytes + 1, middlewares=[error_middleware("agent")])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -286,24 +301,23 @@ class Proxy:
         return f"{request_id}#{self._key_counter}"
 
     async def _generate(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            return error_json(400, "request body is not valid JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return error_json(400, "request body must be a JSON object", "invalid_request_error")
         hdrs = request.headers
-        request_id = hdrs.get("x-request-id") or uuid.uuid4().hex
+        request_id = client_request_id(hdrs.get("x-request-id")) or new_request_id()
+        request[REQUEST_ID] = request_id
+        try:
+            raw = await read_body(request, self._cfg.max_body_bytes, self._cfg.body_timeout_s)
+            valid = validate_request(raw, chat, self._agent.max_prompt_tokens)
+        except ApiError as exc:
+            return api_error_response(exc, {"x-request-id": request_id})
+        body = valid.body
         try:
             queued_ms = max(0.0, float(hdrs.get("x-fairbatch-queued-ms", "0")))
         except ValueError:
             queued_ms = 0.0
         if not math.isfinite(queued_ms):
             queued_ms = 0.0
-        max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-        max_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None
-        stream = bool(body.get("stream"))
+        max_tokens = valid.max_tokens
+        stream = valid.stream
         agent = self._agent
         key = self._tracker_key(request_id)
         up_headers = self._fwd_headers(request)
@@ -350,6 +364,11 @@ class Proxy:
                     )
                 span.set_attribute("fairbatch.outcome", outcome)
                 return resp
+            except asyncio.CancelledError:
+                # the client left (aiohttp cancelled the handler): the upstream request was closed on the
+                # way out, so the engine aborts it, in prefill as well as in decode
+                outcome = "client_disconnect"
+                raise
             finally:
                 done = agent.request_done(key, agent.clock.now_ms(), outcome)
                 if done is not None and outcome != "ok":

@@ -28,6 +28,7 @@ from aiohttp import web
 
 from replica_agent.clock import Clock
 from replica_agent.aio import wait_event
+from replica_agent.http_guard import make_runner
 from replica_agent.runtime import hold_grpc_aio, run, setup_logging
 from router.config import ConfigError, RouterConfig, load_config
 from router.server import Router
@@ -101,7 +102,7 @@ async def serve(
     reload ``config_path`` on SIGHUP or when it changes."""
     router = Router(config, clock, router_id)
     app = router.build_app()
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=drain_s, access_log=None)
+    runner = make_runner(app, shutdown_timeout=drain_s)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()
