@@ -25,6 +25,7 @@ from multidict import CIMultiDict
 
 from proto import admission_pb2, admission_pb2_grpc
 from replica_agent.clock import Clock
+from replica_agent.http_guard import make_runner
 from router.config import RouterConfig, hash_api_key
 from router.server import Router
 
@@ -221,7 +222,7 @@ class Fleet:
         })
         self.router = Router(config, Clock(1.0), "test-router")
         self.router.budgets._silence_s = silence_s
-        runner = web.AppRunner(self.router.build_app(), handler_cancellation=True)
+        runner = make_runner(self.router.build_app())
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
