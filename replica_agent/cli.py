@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body in bytes (default 4 MiB); a larger Content-Length is refused with 413")
     s.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
                    help="wall seconds a request body may take to arrive (default 10), else 408")
+    s.add_argument("--stall-timeout-s", type=float, default=None,
+                   help="wall seconds without a byte from the engine before a request is given up as stalled "
+                        "(default: per SLO class, max(1 s, 4 x ttft + 20 x tpot) in simulated time)")
     s.add_argument("--slo-in-body", action="store_true",
                    help="also pass each request's SLO to vLLM as vllm_xargs {fairbatch_ttft_ms, fairbatch_tpot_ms} "
                         "(for the FairBatching scheduler plugin; re-encodes the request body)")
@@ -232,7 +235,7 @@ async def serve(args: argparse.Namespace) -> None:
     agent = Agent(config_from_args(args), clock, lease_id_prefix=uuid.uuid4().hex[:12])
     proxy_cfg = ProxyConfig(engine_url=args.engine_url, max_connections=args.max_connections,
                             slo_in_body=args.slo_in_body, max_body_bytes=args.max_body_bytes,
-                            body_timeout_s=args.body_timeout_s)
+                            body_timeout_s=args.body_timeout_s, stall_timeout_s=args.stall_timeout_s)
     session = make_session(proxy_cfg)
     tracer = make_tracer("fairbatch-agent", args.otlp_endpoint)
     proxy = Proxy(agent, proxy_cfg, session, tracer)

@@ -188,6 +188,11 @@ class ProxyConfig:
         max_body_bytes: bound on request bodies (bytes): a larger ``Content-Length`` is refused with 413
             before reading.
         body_timeout_s: wall seconds a request body may take to arrive (else 408).
+        stall_timeout_s: wall seconds without a byte from the engine (response headers, then between
+            chunks) after which the request is given up as stalled; None = from the request's SLO class,
+            :func:`default_stall_ms` (converted with the agent's clock). A stall ends a stream with the SSE
+            error event, answers a non-stream request 502 (the router retries it elsewhere: nothing was
+            sent), and marks the agent unhealthy until the engine's /metrics answers again.
         slo_in_body: also pass the request's SLO in the body as vLLM's ``vllm_xargs``
             (``{"fairbatch_ttft_ms", "fairbatch_tpot_ms"}``), which vLLM hands to the scheduler as
             ``SamplingParams.extra_args``: needed by the FairBatching scheduler plugin
@@ -205,6 +210,40 @@ class ProxyConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     slo_in_body: bool = False
+    stall_timeout_s: float | None = None
+
+
+STALL_MIN_MS = 1000.0
+
+
+def default_stall_ms(ttft_ms: float, tpot_ms: float) -> float:
+    """Stall timeout of an SLO class (simulated ms): ``max(1000, 4 * ttft_ms + 20 * tpot_ms)``; for
+    TTFT 500 ms / TPOT 50 ms: 3000 ms, four first-token targets plus twenty token gaps of silence."""
+    return max(STALL_MIN_MS, 4.0 * ttft_ms + 20.0 * tpot_ms)
+
+
+class EngineStalled(Exception):
+    """No byte from the engine within the stall timeout.
+
+    Attributes:
+        timeout_s: the timeout that passed (wall seconds).
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"engine sent nothing for {timeout_s:g} s")
+        self.timeout_s = timeout_s
+
+
+async def _next_chunk(it: Any, stall_s: float) -> bytes:
+    """The next upstream chunk; StopAsyncIteration at the end.
+
+    Raises:
+        EngineStalled: nothing arrived within ``stall_s`` wall seconds.
+    """
+    try:
+        return await asyncio.wait_for(it.__anext__(), stall_s)
+    except TimeoutError:
+        raise EngineStalled(stall_s) from None
 
 
 def make_session(config: ProxyConfig) -> aiohttp.ClientSession:
@@ -350,17 +389,19 @@ class Proxy:
             if self._cfg.slo_in_body:
                 body = with_slo_xargs(body, tracked.envelope.ttft_ms, tracked.envelope.tpot_ms)
                 raw = json.dumps(body).encode()
+            stall_s = self._cfg.stall_timeout_s or agent.clock.to_wall_s(
+                default_stall_ms(tracked.envelope.ttft_ms, tracked.envelope.tpot_ms))
             outcome = "aborted"
             try:
                 if stream:
-                    resp, outcome = await self._relay_stream(request, path, raw, up_headers, key, request_id)
+                    resp, outcome = await self._relay_stream(request, path, raw, up_headers, key, request_id, stall_s)
                 else:
                     up_body = dict(body)
                     up_body["stream"] = True
                     opts = up_body.get("stream_options")
                     up_body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
                     resp, outcome = await self._relay_assembled(
-                        request, path, json.dumps(up_body).encode(), up_headers, key, request_id, chat
+                        request, path, json.dumps(up_body).encode(), up_headers, key, request_id, chat, stall_s
                     )
                 span.set_attribute("fairbatch.outcome", outcome)
                 return resp
@@ -375,12 +416,19 @@ class Proxy:
                     log.info("request %s ended: %s", request_id, outcome)
 
     async def _open_upstream(
-        self, path: str, data: bytes, headers: dict[str, str]
+        self, path: str, data: bytes, headers: dict[str, str], stall_s: float | None = None
     ) -> aiohttp.ClientResponse | web.Response:
         resent = 0
         while True:
             try:
-                return await self._session.post(self._base + path, data=data, headers=headers)
+                if stall_s is None:
+                    return await self._session.post(self._base + path, data=data, headers=headers)
+                try:
+                    return await asyncio.wait_for(
+                        self._session.post(self._base + path, data=data, headers=headers), stall_s)
+                except TimeoutError:
+                    self._stalled(EngineStalled(stall_s))
+                    return error_json(502, f"engine stalled: no response within {stall_s:g} s")
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
                 # the engine closed a kept-alive connection as the request went out: nothing was
                 # answered, so send it again (a new connection, or another pooled one)
@@ -391,6 +439,11 @@ class Proxy:
                          type(e).__name__, e)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 return self._unreachable(e)
+
+    def _stalled(self, e: EngineStalled) -> None:
+        """Mark the engine unhealthy (until its /metrics answers again) and log the stall."""
+        log.warning("engine %s stalled: %s; agent unhealthy until the engine answers again", self._base, e)
+        self._agent.engine_stalled(str(e))
 
     def _unreachable(self, e: BaseException) -> web.Response:
         """502 ``engine unreachable: <exception type>``, and the exception in the log."""
@@ -407,10 +460,11 @@ class Proxy:
         )
 
     async def _relay_stream(
-        self, request: web.Request, path: str, raw: bytes, headers: dict[str, str], key: str, request_id: str
+        self, request: web.Request, path: str, raw: bytes, headers: dict[str, str], key: str, request_id: str,
+        stall_s: float,
     ) -> tuple[web.StreamResponse, str]:
         agent = self._agent
-        up = await self._open_upstream(path, raw, headers)
+        up = await self._open_upstream(path, raw, headers, stall_s)
         if isinstance(up, web.Response):
             return up, "upstream_unreachable"
         clean = False
@@ -432,8 +486,12 @@ class Proxy:
             it = up.content.iter_any().__aiter__()
             while True:
                 try:
-                    chunk = await it.__anext__()
+                    chunk = await _next_chunk(it, stall_s)
                 except StopAsyncIteration:
+                    break
+                except EngineStalled as e:
+                    self._stalled(e)
+                    upstream_error = f"engine stalled: no byte for {e.timeout_s:g} s"
                     break
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                     upstream_error = f"engine stream failed: {type(e).__name__}"
@@ -480,9 +538,10 @@ class Proxy:
         key: str,
         request_id: str,
         chat: bool,
+        stall_s: float,
     ) -> tuple[web.StreamResponse, str]:
         agent = self._agent
-        up = await self._open_upstream(path, data, headers)
+        up = await self._open_upstream(path, data, headers, stall_s)
         if isinstance(up, web.Response):
             return up, "upstream_unreachable"
         clean = False
@@ -500,9 +559,12 @@ class Proxy:
             it = up.content.iter_any().__aiter__()
             while True:
                 try:
-                    chunk = await it.__anext__()
+                    chunk = await _next_chunk(it, stall_s)
                 except StopAsyncIteration:
                     break
+                except EngineStalled as e:  # nothing sent to the client yet: 502, the router retries elsewhere
+                    self._stalled(e)
+                    return error_json(502, f"engine stalled: no byte for {e.timeout_s:g} s"), "upstream_stalled"
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                     return error_json(502, f"engine stream failed: {type(e).__name__}"), "upstream_error"
                 transport = request.transport
