@@ -12,9 +12,11 @@ import json
 from urllib.parse import urlsplit
 
 import pytest
+import redis.asyncio
 
 from tests.integration.test_router_fake_agents import Fleet
 from tests.integration.test_router_tenants import KEYS, PROMPT, InProcess
+from tests.redis_fixture import RedisServer, redis_clean, redis_server  # noqa: F401
 
 ACME = {"acme": {"weight": 1, "slo_class": "interactive"}}
 
@@ -219,3 +221,32 @@ async def test_full_queue_is_refused_before_the_body_is_read(fleet: InProcess) -
     assert status == 429 and doc["error"]["code"] == "queue-full"
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
+
+
+@pytest.mark.redis
+async def test_a_repeated_request_id_does_not_bypass_max_concurrency_in_redis(fleet: InProcess,
+                                                                              redis_clean: RedisServer) -> None:
+    # the same through the shared ledger (the Lua acquire keys the slot by the router-made id)
+    await fleet.start({"r0": 400.0}, {"acme": {"weight": 1, "slo_class": "interactive", "max_concurrency": 4}},
+                      modes={"r0": "slow"}, redis_url=redis_clean.url, ledger={"key_prefix": "hard"})
+    router = fleet.router
+    assert router is not None and not router.ledger.degraded
+    client = redis.asyncio.Redis.from_url(redis_clean.url)
+    try:
+        resps = await asyncio.gather(*(fleet.post("acme", stream=True, headers={"x-request-id": "same-id"})
+                                       for _ in range(12)))
+        statuses = sorted(r.status for r in resps)
+        try:
+            assert statuses == [200] * 4 + [429] * 8
+            assert len(fleet.replicas.upstreams["r0"].hits) == 4
+            assert await client.zcard("hard:conc:acme") == 4
+        finally:
+            for r in resps:
+                r.close()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 3.0
+        while loop.time() < end and await client.zcard("hard:conc:acme"):
+            await asyncio.sleep(0.02)
+        assert await client.zcard("hard:conc:acme") == 0  # every slot released
+    finally:
+        await client.aclose()
