@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import uuid
@@ -212,12 +213,19 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     )
 
 
-async def _fetch_max_model_len(agent: Agent, session: aiohttp.ClientSession, engine_url: str) -> None:
+AGENT_TOKEN_ENV = "FAIRBATCH_AGENT_TOKEN"  # shared secret with the routers (HTTP header and gRPC metadata)
+ENGINE_API_KEY_ENV = "FAIRBATCH_ENGINE_API_KEY"  # sent to the engine as a bearer key (vLLM --api-key)
+
+
+async def _fetch_max_model_len(
+    agent: Agent, session: aiohttp.ClientSession, engine_url: str, api_key: str | None = None
+) -> None:
     """Read ``max_model_len`` from the engine's /v1/models (retries every second until it answers)."""
     url = engine_url.rstrip("/") + "/v1/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     while True:
         try:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+            async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
                 if resp.status == 200:
                     data = await resp.json()
                     models = data.get("data") or []
@@ -235,7 +243,9 @@ async def serve(args: argparse.Namespace) -> None:
     agent = Agent(config_from_args(args), clock, lease_id_prefix=uuid.uuid4().hex[:12])
     proxy_cfg = ProxyConfig(engine_url=args.engine_url, max_connections=args.max_connections,
                             slo_in_body=args.slo_in_body, max_body_bytes=args.max_body_bytes,
-                            body_timeout_s=args.body_timeout_s, stall_timeout_s=args.stall_timeout_s)
+                            body_timeout_s=args.body_timeout_s, stall_timeout_s=args.stall_timeout_s,
+                            agent_token=os.environ.get(AGENT_TOKEN_ENV) or None,
+                            engine_api_key=os.environ.get(ENGINE_API_KEY_ENV) or None)
     session = make_session(proxy_cfg)
     tracer = make_tracer("fairbatch-agent", args.otlp_endpoint)
     proxy = Proxy(agent, proxy_cfg, session, tracer)
@@ -255,7 +265,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.plugin_export:
         reader = PluginExportReader(parse_export_target(args.plugin_export), agent.on_plugin_datagram)
         await reader.start()
-    grpc_server, grpc_port = await start_grpc_server(agent, args.host, args.grpc_port)
+    grpc_server, grpc_port = await start_grpc_server(agent, args.host, args.grpc_port, proxy_cfg.agent_token)
     scrape_timeout_s = max(0.5, clock.to_wall_s(agent.config.stale_after_ms))
     scraper = MetricsScraper(
         session, args.engine_url, clock, agent.config.metrics_interval_ms, agent.on_engine_metrics,
@@ -264,7 +274,7 @@ async def serve(args: argparse.Namespace) -> None:
     tasks = [
         asyncio.create_task(scraper.run(), name="metrics-scraper"),
         asyncio.create_task(expire_leases_loop(agent), name="lease-expiry"),
-        asyncio.create_task(_fetch_max_model_len(agent, session, args.engine_url), name="max-model-len"),
+        asyncio.create_task(_fetch_max_model_len(agent, session, args.engine_url, proxy_cfg.engine_api_key), name="max-model-len"),
     ]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

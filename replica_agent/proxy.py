@@ -25,6 +25,7 @@ relayed.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import math
@@ -193,6 +194,10 @@ class ProxyConfig:
             :func:`default_stall_ms` (converted with the agent's clock). A stall ends a stream with the SSE
             error event, answers a non-stream request 502 (the router retries it elsewhere: nothing was
             sent), and marks the agent unhealthy until the engine's /metrics answers again.
+        agent_token: shared secret of router and agent: when set, ``POST /v1/*`` and ``GET /v1/models``
+            need the header ``x-fairbatch-token`` with it (else 401); /health and /metrics stay open.
+        engine_api_key: sent to the engine as ``Authorization: Bearer <key>`` (vLLM ``--api-key``),
+            replacing any the client sent; None = the client's Authorization is forwarded.
         slo_in_body: also pass the request's SLO in the body as vLLM's ``vllm_xargs``
             (``{"fairbatch_ttft_ms", "fairbatch_tpot_ms"}``), which vLLM hands to the scheduler as
             ``SamplingParams.extra_args``: needed by the FairBatching scheduler plugin
@@ -211,6 +216,8 @@ class ProxyConfig:
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     slo_in_body: bool = False
     stall_timeout_s: float | None = None
+    agent_token: str | None = field(default=None, repr=False)
+    engine_api_key: str | None = field(default=None, repr=False)
 
 
 STALL_MIN_MS = 1000.0
@@ -289,8 +296,24 @@ class Proxy:
         return app
 
     # ---- simple endpoints ----------------------------------------------------------------
+    def _token_refusal(self, request: web.Request) -> web.Response | None:
+        """401 when an agent token is configured and the request does not carry it, else None."""
+        token = self._cfg.agent_token
+        if not token:
+            return None
+        presented = request.headers.get("x-fairbatch-token", "")
+        if hmac.compare_digest(presented.encode("utf-8", "surrogateescape"), token.encode()):
+            return None
+        return web.json_response({"error": {"message": "Missing or wrong x-fairbatch-token (this agent takes "
+                                                       "requests from its routers only).",
+                                            "type": "invalid_request_error", "param": None, "code": "invalid_token"}},
+                                 status=401)
+
     async def models(self, request: web.Request) -> web.Response:
         """Relay GET /v1/models (status and body unchanged)."""
+        refused = self._token_refusal(request)
+        if refused is not None:
+            return refused
         try:
             async with self._session.get(self._base + "/v1/models", headers=self._fwd_headers(request)) as up:
                 body = await up.read()
@@ -328,6 +351,9 @@ class Proxy:
 
     def _fwd_headers(self, request: web.Request) -> dict[str, str]:
         headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
+        if self._cfg.engine_api_key:
+            headers.pop("authorization", None)
+            headers["Authorization"] = f"Bearer {self._cfg.engine_api_key}"
         rid = request.headers.get("x-request-id")
         if rid:
             headers["x-request-id"] = rid
@@ -343,6 +369,9 @@ class Proxy:
         hdrs = request.headers
         request_id = client_request_id(hdrs.get("x-request-id")) or new_request_id()
         request[REQUEST_ID] = request_id
+        refused = self._token_refusal(request)
+        if refused is not None:
+            return refused
         try:
             raw = await read_body(request, self._cfg.max_body_bytes, self._cfg.body_timeout_s)
             valid = validate_request(raw, chat, self._agent.max_prompt_tokens)

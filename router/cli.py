@@ -100,7 +100,7 @@ async def serve(
 ) -> None:
     """Run the router until SIGTERM/SIGINT, then drain (bounded by ``drain_s`` wall seconds);
     reload ``config_path`` on SIGHUP or when it changes."""
-    router = Router(config, clock, router_id)
+    router = Router(config, clock, router_id, agent_token=os.environ.get(AGENT_TOKEN_ENV) or None)
     app = router.build_app()
     runner = make_runner(app, shutdown_timeout=drain_s)
     await runner.setup()
@@ -133,6 +133,9 @@ async def serve(
             watcher.cancel()
         await runner.cleanup()
         log.info("stopped")
+
+
+AGENT_TOKEN_ENV = "FAIRBATCH_AGENT_TOKEN"  # shared secret with the agents (from a Secret in the chart)
 
 
 def main(argv: list[str] | None = None) -> int:

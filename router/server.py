@@ -219,6 +219,8 @@ class Router:
         max_relay_tries: replicas tried when one fails before its first byte.
         discovery: source of the replica set (default: built from ``config.discovery``; None
             there for ``static``, the ``replicas`` list).
+        agent_token: shared secret the agents require (``x-fairbatch-token`` on gRPC metadata and on
+            the HTTP hop); None = none (``FAIRBATCH_AGENT_TOKEN`` in the CLI).
     """
 
     def __init__(
@@ -230,7 +232,9 @@ class Router:
         seed: int | None = None,
         max_relay_tries: int = MAX_RELAY_TRIES,
         discovery: DiscoverySource | None = None,
+        agent_token: str | None = None,
     ) -> None:
+        self._agent_token = agent_token
         self.config = config
         self.clock = clock or Clock(1.0)
         self.router_id = router_id
@@ -254,7 +258,8 @@ class Router:
         )
         self.book.add_listener(self.dispatcher.wake)
         self.budgets = BudgetClient(
-            config.replicas, self.book, self.clock, router_id, config.admission.reserve_timeout_ms
+            config.replicas, self.book, self.clock, router_id, config.admission.reserve_timeout_ms,
+            agent_token=agent_token,
         )
         self.relay = Relay()
         self.metrics = RouterMetrics()
@@ -818,6 +823,8 @@ class Router:
             "x-fairbatch-tenant": principal.tenant,
             "x-fairbatch-queued-ms": f"{queued_ms:.3f}",
         }
+        if self._agent_token:
+            headers["x-fairbatch-token"] = self._agent_token
         response_headers = {"x-request-id": request.get(REQUEST_ID) or request_id, "x-fairbatch-replica": grant.replica_id}
         with self.tracer.start_as_current_span("router.relay", kind=trace.SpanKind.CLIENT) as span:
             span.set_attribute("fairbatch.replica", grant.replica_id)
@@ -849,7 +856,9 @@ class Router:
             return web.json_response(data)
         for replica in list(self.replicas.values()):
             try:
-                async with self.relay.session.get(replica.http_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)) as up:
+                hdrs = {"x-fairbatch-token": self._agent_token} if self._agent_token else None
+                async with self.relay.session.get(replica.http_url + "/v1/models", headers=hdrs,
+                                                  timeout=aiohttp.ClientTimeout(total=2.0)) as up:
                     if up.status == 200:
                         return web.Response(
                             body=await up.read(), headers={"Content-Type": up.headers.get("Content-Type", "application/json")}
