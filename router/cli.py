@@ -106,6 +106,12 @@ async def serve(
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()
+    metrics_runner = None
+    if config.http.metrics_port is not None:
+        metrics_runner = make_runner(router.build_metrics_app())
+        await metrics_runner.setup()
+        await web.TCPSite(metrics_runner, host, config.http.metrics_port).start()
+        log.info("metrics and detailed health on http://%s:%d", host, config.http.metrics_port)
     log.info("fairbatch-router %s listening on http://%s:%d (%s, time scale %g)",
              router_id, host, port,
              f"{len(config.replicas)} replicas" if config.discovery.mode == "static"
@@ -132,6 +138,8 @@ async def serve(
         if watcher is not None:
             watcher.cancel()
         await runner.cleanup()
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
         log.info("stopped")
 
 

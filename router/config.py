@@ -193,10 +193,14 @@ class HttpConfig(_Strict):
         max_body_bytes: largest request body (bytes, >= 1024); a larger ``Content-Length`` is refused
             with 413 before the body is read, a chunked body when it grows past it.
         body_timeout_s: wall seconds a request body may take to arrive (> 0), else 408.
+        metrics_port: when set, ``/metrics`` and the detailed ``/health`` (replica ids) are served only on
+            this port (for Prometheus and operators); the public port then has no ``/metrics`` and its
+            ``/health`` says only ``status``. None = both on the public port (a restart applies a change).
     """
 
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     body_timeout_s: float = Field(default=10.0, gt=0)
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
 
 
 class TelemetryConfig(_Strict):

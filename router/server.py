@@ -284,11 +284,22 @@ class Router:
         app.router.add_post("/v1/completions", self.handle_completions)
         app.router.add_post("/v1/chat/completions", self.handle_chat)
         app.router.add_get("/v1/models", self.handle_models)
-        app.router.add_get("/health", self.handle_health)
-        app.router.add_get("/metrics", self.handle_metrics)
+        if self.config.http.metrics_port is None:
+            app.router.add_get("/health", self.handle_health)
+            app.router.add_get("/metrics", self.handle_metrics)
+        else:  # names (replicas, tenants) only on the metrics port
+            app.router.add_get("/health", self.handle_public_health)
         app.on_response_prepare.append(self._on_response_prepare)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    def build_metrics_app(self) -> web.Application:
+        """The application of ``http.metrics_port``: ``/metrics`` and the detailed ``/health`` (no
+        lifecycle hooks: the main application starts and stops the router)."""
+        app = web.Application(middlewares=[openai_http_errors])
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/metrics", self.handle_metrics)
         return app
 
     async def start(self) -> None:
@@ -877,6 +888,12 @@ class Router:
             {"status": "ok" if usable else "degraded", "replicas": len(views), "replicas_usable": usable,
              "queue_depth": len(self.queue)}
         )
+
+    async def handle_public_health(self, request: web.Request) -> web.Response:
+        """GET /health on the public port when a metrics port is configured: 200 with ``status`` only
+        (``ok`` or ``degraded``), no replica ids or counts."""
+        usable = any(v.healthy and v.fresh for v in self.book.views())
+        return web.json_response({"status": "ok" if usable else "degraded"})
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         """GET /metrics (Prometheus text format)."""

@@ -50,18 +50,22 @@ async def test_no_key_prompt_or_traceback_in_router_and_agent_logs(tmp_path: Pat
     try:
         replica = await reps.add("r0", 400.0)
         cfg_path = tmp_path / "fairbatch.yaml"
-        cfg_path.write_text(yaml.safe_dump(config_dict([replica], {"acme": {"weight": 1, "slo_class": "interactive"}})))
-        rport, aport, gport, dead = free_port(), free_port(), free_port(), free_port()
+        rport, aport, gport, dead, mport = free_port(), free_port(), free_port(), free_port(), free_port()
+        cfg_path.write_text(yaml.safe_dump(config_dict([replica], {"acme": {"weight": 1, "slo_class": "interactive"}},
+                                                       http={"metrics_port": mport})))
         router = group.start("router", script("fairbatch-router") + [
             "--config", str(cfg_path), "--port", str(rport), "--log-level", "DEBUG"])
         agent = group.start("agent", script("fairbatch-agent") + [
             "serve", "--engine-url", f"http://127.0.0.1:{dead}", "--http-port", str(aport), "--grpc-port", str(gport),
             "--replica-id", "a0", "--log-level", "DEBUG"])
         rurl, aurl = f"http://127.0.0.1:{rport}", f"http://127.0.0.1:{aport}"
+        murl = f"http://127.0.0.1:{mport}"
         group.wait_http_ok(router, rurl + "/health")
+        group.wait_http_ok(router, murl + "/metrics")  # the router process serves its metrics port
         group.wait_http_ok(agent, aurl + "/metrics")
         async with aiohttp.ClientSession() as s:
-            await wait_fresh(s, rurl, 1)
+            await wait_fresh(s, murl, 1)
+            assert (await s.get(rurl + "/metrics")).status == 404
             answers = []
             for url in (rurl, aurl):
                 for req in malformed_requests():

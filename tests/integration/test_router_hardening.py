@@ -250,3 +250,27 @@ async def test_a_repeated_request_id_does_not_bypass_max_concurrency_in_redis(fl
         assert await client.zcard("hard:conc:acme") == 0  # every slot released
     finally:
         await client.aclose()
+
+
+async def test_metrics_port_keeps_names_off_the_public_port(fleet: InProcess) -> None:
+    await fleet.start({"r0": 400.0}, ACME, http={"metrics_port": 1})  # the port number is the CLI's business
+    router = fleet.router
+    assert router is not None
+    from aiohttp import web
+
+    from replica_agent.http_guard import make_runner
+
+    runner = make_runner(router.build_metrics_app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    murl = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        assert (await fleet.post("acme")).status == 200
+        public = await fleet.session.get(fleet.url + "/metrics")
+        assert public.status == 404 and (await public.json())["error"]["code"] == 404
+        assert await (await fleet.session.get(fleet.url + "/health")).json() == {"status": "ok"}
+        text = await (await fleet.session.get(murl + "/metrics")).text()
+        assert 'tenant="acme"' in text and 'replica="r0"' in text
+        assert (await (await fleet.session.get(murl + "/health")).json())["replicas_usable"] == ["r0"]
+    finally:
+        await runner.cleanup()
