@@ -65,7 +65,7 @@ from router.budgets import BudgetBook
 from router.config import ConfigError, ReplicaConfig, RouterConfig, load_config
 from router.discovery import DiscoverySource, build_discovery, diff_replicas
 from router.fair_queue import FairQueue, TenantShare
-from router.ledger import Ledger, Refusal, TenantLimits, build_ledger
+from router.ledger import CONCURRENCY_RETRY_MS, Ledger, Refusal, TenantLimits, build_ledger
 from router.placement import (
     DEFAULT_MAX_CANDIDATES,
     PlacementPolicy,
@@ -671,6 +671,11 @@ class Router:
         if len(self.queue) >= self.queue.max_requests:
             # decided from the headers alone: a new request would wait behind a full queue
             return "queue_full", throttled("queue-full", "The router's admission queue is full; retry later.")
+        limits = self.limits.get(principal.tenant, TenantLimits())
+        if await self.ledger.at_concurrency(principal.tenant, limits):  # also known before the body
+            return "tenant_concurrency", throttled(
+                "tenant-concurrency", f"Tenant {principal.tenant!r} is over its concurrency limit; retry later.",
+                math.ceil(self.clock.to_wall_s(CONCURRENCY_RETRY_MS)))
         http = self.config.http
         raw = await read_body(request, http.max_body_bytes, http.body_timeout_s)
         views = self.book.views()
@@ -706,7 +711,6 @@ class Router:
             if cap > 0:
                 prompt_tokens = min(prompt_tokens, cap)
 
-        limits = self.limits.get(principal.tenant, TenantLimits())
         quota = await self.ledger.acquire(
             principal.tenant, request_id, limits, prompt_tokens + self._decode_estimate(max_tokens)
         )

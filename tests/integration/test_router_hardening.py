@@ -274,3 +274,15 @@ async def test_metrics_port_keeps_names_off_the_public_port(fleet: InProcess) ->
         assert (await (await fleet.session.get(murl + "/health")).json())["replicas_usable"] == ["r0"]
     finally:
         await runner.cleanup()
+
+
+async def test_a_tenant_at_its_concurrency_cap_is_refused_before_the_body_is_read(fleet: InProcess) -> None:
+    await fleet.start({"r0": 400.0}, {"acme": {"weight": 1, "slo_class": "interactive", "max_concurrency": 1}},
+                      modes={"r0": "slow"})
+    first = await fleet.post("acme", stream=True)
+    assert first.status == 200
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEYS["acme"].encode()
+            + b"\r\nContent-Length: 1000\r\n\r\n")  # no body follows
+    status, doc = status_and_json(await raw_http(fleet.url, head, read_timeout_s=2.0))
+    assert status == 429 and doc["error"]["code"] == "tenant-concurrency"
+    first.close()
