@@ -76,6 +76,26 @@ def parse_coefficients(text: str) -> TimeModel:
         raise argparse.ArgumentTypeError(f"expected A,B,C with a >= 0, b > 0, c >= 0; got {text!r}: {e}") from e
 
 
+def load_stall_timeouts(path: Path) -> dict[str, float]:
+    """``slo_classes.<name>.stall_timeout_ms`` (simulated ms) of a router YAML, for the classes that set one.
+
+    Raises:
+        ValueError: a value that is not a positive number.
+        OSError: when the file cannot be read.
+    """
+    data = yaml.safe_load(path.read_text())
+    classes = data.get("slo_classes") if isinstance(data, dict) else None
+    out: dict[str, float] = {}
+    for name, spec in (classes or {}).items():
+        value = spec.get("stall_timeout_ms") if isinstance(spec, dict) else None
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ValueError(f"{path}: slo_classes.{name}.stall_timeout_ms must be a positive number")
+        out[str(name)] = float(value)
+    return out
+
+
 def load_slo_classes(path: Path) -> list[SloClass]:
     """The ``slo_classes`` mapping of a router YAML (only ttft_ms and tpot_ms are read).
 
@@ -244,6 +264,7 @@ async def serve(args: argparse.Namespace) -> None:
     proxy_cfg = ProxyConfig(engine_url=args.engine_url, max_connections=args.max_connections,
                             slo_in_body=args.slo_in_body, max_body_bytes=args.max_body_bytes,
                             body_timeout_s=args.body_timeout_s, stall_timeout_s=args.stall_timeout_s,
+                            class_stall_ms=tuple(load_stall_timeouts(args.config).items()) if args.config else (),
                             agent_token=os.environ.get(AGENT_TOKEN_ENV) or None,
                             engine_api_key=os.environ.get(ENGINE_API_KEY_ENV) or None)
     session = make_session(proxy_cfg)

@@ -194,6 +194,8 @@ class ProxyConfig:
             :func:`default_stall_ms` (converted with the agent's clock). A stall ends a stream with the SSE
             error event, answers a non-stream request 502 (the router retries it elsewhere: nothing was
             sent), and marks the agent unhealthy until the engine's /metrics answers again.
+        class_stall_ms: ``(class, stall timeout in simulated ms)`` pairs from the classes'
+            ``stall_timeout_ms`` in the router YAML; used when ``stall_timeout_s`` is None.
         agent_token: shared secret of router and agent: when set, ``POST /v1/*`` and ``GET /v1/models``
             need the header ``x-fairbatch-token`` with it (else 401); /health and /metrics stay open.
         engine_api_key: sent to the engine as ``Authorization: Bearer <key>`` (vLLM ``--api-key``),
@@ -216,6 +218,7 @@ class ProxyConfig:
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     slo_in_body: bool = False
     stall_timeout_s: float | None = None
+    class_stall_ms: tuple[tuple[str, float], ...] = ()
     agent_token: str | None = field(default=None, repr=False)
     engine_api_key: str | None = field(default=None, repr=False)
 
@@ -419,7 +422,8 @@ class Proxy:
                 body = with_slo_xargs(body, tracked.envelope.ttft_ms, tracked.envelope.tpot_ms)
                 raw = json.dumps(body).encode()
             stall_s = self._cfg.stall_timeout_s or agent.clock.to_wall_s(
-                default_stall_ms(tracked.envelope.ttft_ms, tracked.envelope.tpot_ms))
+                dict(self._cfg.class_stall_ms).get(tracked.slo_class)
+                or default_stall_ms(tracked.envelope.ttft_ms, tracked.envelope.tpot_ms))
             outcome = "aborted"
             try:
                 if stream:

@@ -68,6 +68,8 @@ class SloClassConfig(_Strict):
         priority: band, 0 = most urgent (>= 0).
         sheddable: may be rejected early when its deadline cannot be met.
         max_queue_ms: longest wait in the router queue before a 429 queue-timeout (simulated ms, > 0).
+        stall_timeout_ms: silence from the engine (simulated ms) after which the agent gives up a request
+            of this class as stalled; None = ``max(1000, 4 * ttft_ms + 20 * tpot_ms)``. Read by the agents.
     """
 
     ttft_ms: float = Field(gt=0)
@@ -75,6 +77,7 @@ class SloClassConfig(_Strict):
     priority: int = Field(default=0, ge=0)
     sheddable: bool = False
     max_queue_ms: float = Field(default=30000.0, gt=0)
+    stall_timeout_ms: float | None = Field(default=None, gt=0)
 
 
 class TenantConfig(_Strict):

@@ -186,3 +186,19 @@ async def test_frozen_engine_ends_streams_within_the_stall_timeout_and_marks_the
             assert setup.agent.health(setup.agent.clock.now_ms())[0]  # healthy again once the engine answers
         print(f"frozen engine, stall timeout 0.5 s: stream ended in {ended_s * 1000:.0f} ms, non-stream answered "
               f"502 in {nonstream_s * 1000:.0f} ms, unhealthy until SIGCONT")
+
+
+def test_stall_timeouts_per_class_come_from_the_router_yaml(tmp_path) -> None:
+    from replica_agent.cli import load_stall_timeouts
+    from router.config import parse_config
+
+    text = ("slo_classes:\n  interactive: {ttft_ms: 500, tpot_ms: 50, stall_timeout_ms: 1500}\n"
+            "  batch: {ttft_ms: 20000, tpot_ms: 200}\n"
+            "replicas: [{id: r0, http_url: 'http://127.0.0.1:1', grpc_target: '127.0.0.1:2'}]\n")
+    path = tmp_path / "fairbatch.yaml"
+    path.write_text(text)
+    assert parse_config(text).slo_classes["interactive"].stall_timeout_ms == 1500  # the router accepts the field
+    assert load_stall_timeouts(path) == {"interactive": 1500.0}  # batch: the default, max(1000, 80000 + 4000)
+    path.write_text(text.replace("1500", "-1"))
+    with pytest.raises(ValueError, match="stall_timeout_ms must be a positive number"):
+        load_stall_timeouts(path)
