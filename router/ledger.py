@@ -72,7 +72,8 @@ class Ticket:
 
     Attributes:
         tenant: tenant name.
-        request_id: request id (the concurrency slot's member).
+        request_id: the router-made request id (the concurrency slot's member, locally and in Redis);
+            never the client's x-request-id, so a repeated client id cannot share one slot.
         backend: ``local`` or ``redis`` (where the slot was taken).
     """
 
