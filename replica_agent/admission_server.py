@@ -11,8 +11,10 @@ and a push follows at once.
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -123,8 +125,46 @@ async def expire_leases_loop(agent: Agent) -> None:
         agent.expire_leases(agent.clock.now_ms())
 
 
-async def start_grpc_server(agent: Agent, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+TOKEN_METADATA = "x-fairbatch-token"
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call whose ``x-fairbatch-token`` metadata is not the shared token (UNAUTHENTICATED).
+
+    Args:
+        token: the shared secret (compared in constant time).
+    """
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+        async def deny_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong x-fairbatch-token")
+
+        async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong x-fairbatch-token")
+            yield  # pragma: no cover - a generator: the stream handler's shape
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny_unary)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        presented = ""
+        for key, value in details.invocation_metadata or ():
+            if key == TOKEN_METADATA:
+                presented = value if isinstance(value, str) else value.decode("utf-8", "replace")
+        if hmac.compare_digest(presented.encode("utf-8", "surrogatepass"), self._token):
+            return await continuation(details)
+        log.warning("gRPC %s refused: missing or wrong x-fairbatch-token", details.method)
+        return self._deny_stream if details.method.endswith("/WatchBudget") else self._deny_unary
+
+
+async def start_grpc_server(
+    agent: Agent, host: str, port: int, token: str | None = None
+) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server with :class:`AdmissionService` on ``host:port`` (0 = any free port).
+
+    ``token``: when set, every call must carry it as ``x-fairbatch-token`` metadata (:class:`TokenInterceptor`).
 
     Returns:
         (server, bound port).
@@ -132,7 +172,8 @@ async def start_grpc_server(agent: Agent, host: str, port: int) -> tuple[grpc.ai
     Raises:
         RuntimeError: if the port cannot be bound.
     """
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+                             interceptors=[TokenInterceptor(token)] if token else None)
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(AdmissionService(agent), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

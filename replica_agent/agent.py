@@ -321,6 +321,14 @@ class Agent:
         if material:
             self.notify()
 
+    def engine_stalled(self, detail: str) -> None:
+        """The proxy saw the engine stall (no byte within the stall timeout): unhealthy from now until the
+        next successful /metrics scrape (:meth:`on_engine_metrics` clears it); the budget is pushed at once."""
+        was_healthy = self._healthy(self.clock.now_ms())
+        self._engine.error = detail
+        if was_healthy:
+            self.notify()
+
     def _healthy(self, now_ms: float) -> bool:
         ev = self._engine
         return ev.ok_ms is not None and not ev.error and now_ms - ev.ok_ms <= self.config.stale_after_ms

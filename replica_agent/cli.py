@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import uuid
@@ -41,6 +42,7 @@ from replica_agent.policy.calibration import CalibratorConfig
 from replica_agent.policy.time_model import TimeModel
 from replica_agent.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile
 from replica_agent.proxy import Proxy, ProxyConfig, make_session
+from replica_agent.http_guard import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, make_runner
 from replica_agent.runtime import hold_grpc_aio, run, setup_logging
 from replica_agent.telemetry import make_tracer
 
@@ -73,6 +75,26 @@ def parse_coefficients(text: str) -> TimeModel:
         return TimeModel(a, b, c)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"expected A,B,C with a >= 0, b > 0, c >= 0; got {text!r}: {e}") from e
+
+
+def load_stall_timeouts(path: Path) -> dict[str, float]:
+    """``slo_classes.<name>.stall_timeout_ms`` (simulated ms) of a router YAML, for the classes that set one.
+
+    Raises:
+        ValueError: a value that is not a positive number.
+        OSError: when the file cannot be read.
+    """
+    data = yaml.safe_load(path.read_text())
+    classes = data.get("slo_classes") if isinstance(data, dict) else None
+    out: dict[str, float] = {}
+    for name, spec in (classes or {}).items():
+        value = spec.get("stall_timeout_ms") if isinstance(spec, dict) else None
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ValueError(f"{path}: slo_classes.{name}.stall_timeout_ms must be a positive number")
+        out[str(name)] = float(value)
+    return out
 
 
 def load_slo_classes(path: Path) -> list[SloClass]:
@@ -133,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--time-scale", type=float, default=1.0, help="wall ms per simulated ms")
     s.add_argument("--otlp-endpoint", default=None, help="OTLP/gRPC collector for spans (off by default)")
     s.add_argument("--max-connections", type=int, default=1024, help="bound of pooled upstream connections")
+    s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body in bytes (default 4 MiB); a larger Content-Length is refused with 413")
+    s.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="wall seconds a request body may take to arrive (default 10), else 408")
+    s.add_argument("--stall-timeout-s", type=float, default=None,
+                   help="wall seconds without a byte from the engine before a request is given up as stalled "
+                        "(default: per SLO class, max(1 s, 4 x ttft + 20 x tpot) in simulated time)")
     s.add_argument("--slo-in-body", action="store_true",
                    help="also pass each request's SLO to vLLM as vllm_xargs {fairbatch_ttft_ms, fairbatch_tpot_ms} "
                         "(for the FairBatching scheduler plugin; re-encodes the request body)")
@@ -217,12 +246,19 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     )
 
 
-async def _fetch_max_model_len(agent: Agent, session: aiohttp.ClientSession, engine_url: str) -> None:
+AGENT_TOKEN_ENV = "FAIRBATCH_AGENT_TOKEN"  # shared secret with the routers (HTTP header and gRPC metadata)
+ENGINE_API_KEY_ENV = "FAIRBATCH_ENGINE_API_KEY"  # sent to the engine as a bearer key (vLLM --api-key)
+
+
+async def _fetch_max_model_len(
+    agent: Agent, session: aiohttp.ClientSession, engine_url: str, api_key: str | None = None
+) -> None:
     """Read ``max_model_len`` from the engine's /v1/models (retries every second until it answers)."""
     url = engine_url.rstrip("/") + "/v1/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     while True:
         try:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+            async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
                 if resp.status == 200:
                     data = await resp.json()
                     models = data.get("data") or []
@@ -239,7 +275,11 @@ async def serve(args: argparse.Namespace) -> None:
     clock = Clock(args.time_scale)
     agent = Agent(config_from_args(args), clock, lease_id_prefix=uuid.uuid4().hex[:12])
     proxy_cfg = ProxyConfig(engine_url=args.engine_url, max_connections=args.max_connections,
-                            slo_in_body=args.slo_in_body)
+                            slo_in_body=args.slo_in_body, max_body_bytes=args.max_body_bytes,
+                            body_timeout_s=args.body_timeout_s, stall_timeout_s=args.stall_timeout_s,
+                            class_stall_ms=tuple(load_stall_timeouts(args.config).items()) if args.config else (),
+                            agent_token=os.environ.get(AGENT_TOKEN_ENV) or None,
+                            engine_api_key=os.environ.get(ENGINE_API_KEY_ENV) or None)
     session = make_session(proxy_cfg)
     tracer = make_tracer("fairbatch-agent", args.otlp_endpoint)
     proxy = Proxy(agent, proxy_cfg, session, tracer)
@@ -249,7 +289,9 @@ async def serve(args: argparse.Namespace) -> None:
         app.router.add_get("/metrics", proxy.metrics)
     else:
         app = proxy.app()
-    runner = web.AppRunner(app, access_log=None)
+    # handler cancellation: a client that leaves cancels its handler, which closes the upstream request,
+    # so the engine aborts it at once (in prefill too)
+    runner = make_runner(app)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.http_port)
     await site.start()
@@ -257,7 +299,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.plugin_export:
         reader = PluginExportReader(parse_export_target(args.plugin_export), agent.on_plugin_datagram)
         await reader.start()
-    grpc_server, grpc_port = await start_grpc_server(agent, args.host, args.grpc_port)
+    grpc_server, grpc_port = await start_grpc_server(agent, args.host, args.grpc_port, proxy_cfg.agent_token)
     scrape_timeout_s = max(0.5, clock.to_wall_s(agent.config.stale_after_ms))
     scraper = MetricsScraper(
         session, args.engine_url, clock, agent.config.metrics_interval_ms, agent.on_engine_metrics,
@@ -266,7 +308,7 @@ async def serve(args: argparse.Namespace) -> None:
     tasks = [
         asyncio.create_task(scraper.run(), name="metrics-scraper"),
         asyncio.create_task(expire_leases_loop(agent), name="lease-expiry"),
-        asyncio.create_task(_fetch_max_model_len(agent, session, args.engine_url), name="max-model-len"),
+        asyncio.create_task(_fetch_max_model_len(agent, session, args.engine_url, proxy_cfg.engine_api_key), name="max-model-len"),
     ]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

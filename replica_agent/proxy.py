@@ -14,8 +14,10 @@ now - queued), ``x-fairbatch-tenant`` (logs/spans only), ``traceparent``/``trace
 span is created and injected upstream). Upstream, the agent adds ``x-fairbatch-ttft-ms`` and
 ``x-fairbatch-tpot-ms``: the SLO of the request's class, for deadline-aware engine policies.
 
-Failure handling: client disconnect -> upstream response closed (the engine aborts) and the request
-dropped from the tracker; engine failure mid-stream -> ``data: {"error": {...}}`` then
+Failure handling: client disconnect (the server runs with handler cancellation,
+:func:`replica_agent.http_guard.make_runner`) -> the handler is cancelled wherever it waits, the upstream
+request or response closed (the engine aborts, also before its first byte) and the request dropped
+from the tracker; engine failure mid-stream -> ``data: {"error": {...}}`` then
 ``data: [DONE]`` and the request dropped; upstream 4xx/5xx before streaming -> status and body
 relayed.
 """
@@ -23,10 +25,10 @@ relayed.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import math
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +39,17 @@ from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from replica_agent.agent import Agent
+from replica_agent.api_schema import ApiError, validate_request
+from replica_agent.http_guard import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    REQUEST_ID,
+    api_error_response,
+    client_request_id,
+    error_middleware,
+    new_request_id,
+    read_body,
+)
 from replica_agent.telemetry import extract_context, inject_context
 from replica_agent.tracker import TrackerFull
 
@@ -49,7 +62,7 @@ _FORWARDED_HEADERS = ("authorization", "accept")
 
 
 def _ceil_bytes_tokens(text: str) -> int:
-    return math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN)
+    return math.ceil(len(text.encode("utf-8", "surrogatepass")) / BYTES_PER_TOKEN)
 
 
 def with_slo_xargs(body: Mapping[str, Any], ttft_ms: float, tpot_ms: float) -> dict[str, Any]:
@@ -173,7 +186,20 @@ class ProxyConfig:
             kept-alive one before answering (aiohttp ``ServerDisconnectedError`` or ``ClientOSError``
             "Can not write request body"; never for a refused connection). Real vLLM does this under
             load: 13 of 62 requests of 32 topped-up streams on one CPU replica failed so.
-        max_body_bytes: bound on request bodies.
+        max_body_bytes: bound on request bodies (bytes): a larger ``Content-Length`` is refused with 413
+            before reading.
+        body_timeout_s: wall seconds a request body may take to arrive (else 408).
+        stall_timeout_s: wall seconds without a byte from the engine (response headers, then between
+            chunks) after which the request is given up as stalled; None = from the request's SLO class,
+            :func:`default_stall_ms` (converted with the agent's clock). A stall ends a stream with the SSE
+            error event, answers a non-stream request 502 (the router retries it elsewhere: nothing was
+            sent), and marks the agent unhealthy until the engine's /metrics answers again.
+        class_stall_ms: ``(class, stall timeout in simulated ms)`` pairs from the classes'
+            ``stall_timeout_ms`` in the router YAML; used when ``stall_timeout_s`` is None.
+        agent_token: shared secret of router and agent: when set, ``POST /v1/*`` and ``GET /v1/models``
+            need the header ``x-fairbatch-token`` with it (else 401); /health and /metrics stay open.
+        engine_api_key: sent to the engine as ``Authorization: Bearer <key>`` (vLLM ``--api-key``),
+            replacing any the client sent; None = the client's Authorization is forwarded.
         slo_in_body: also pass the request's SLO in the body as vLLM's ``vllm_xargs``
             (``{"fairbatch_ttft_ms", "fairbatch_tpot_ms"}``), which vLLM hands to the scheduler as
             ``SamplingParams.extra_args``: needed by the FairBatching scheduler plugin
@@ -188,8 +214,46 @@ class ProxyConfig:
     health_timeout_s: float = 2.0
     keepalive_timeout_s: float = 4.0
     stale_retries: int = 2
-    max_body_bytes: int = 64 * 1024 * 1024
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     slo_in_body: bool = False
+    stall_timeout_s: float | None = None
+    class_stall_ms: tuple[tuple[str, float], ...] = ()
+    agent_token: str | None = field(default=None, repr=False)
+    engine_api_key: str | None = field(default=None, repr=False)
+
+
+STALL_MIN_MS = 1000.0
+
+
+def default_stall_ms(ttft_ms: float, tpot_ms: float) -> float:
+    """Stall timeout of an SLO class (simulated ms): ``max(1000, 4 * ttft_ms + 20 * tpot_ms)``; for
+    TTFT 500 ms / TPOT 50 ms: 3000 ms, four first-token targets plus twenty token gaps of silence."""
+    return max(STALL_MIN_MS, 4.0 * ttft_ms + 20.0 * tpot_ms)
+
+
+class EngineStalled(Exception):
+    """No byte from the engine within the stall timeout.
+
+    Attributes:
+        timeout_s: the timeout that passed (wall seconds).
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"engine sent nothing for {timeout_s:g} s")
+        self.timeout_s = timeout_s
+
+
+async def _next_chunk(it: Any, stall_s: float) -> bytes:
+    """The next upstream chunk; StopAsyncIteration at the end.
+
+    Raises:
+        EngineStalled: nothing arrived within ``stall_s`` wall seconds.
+    """
+    try:
+        return await asyncio.wait_for(it.__anext__(), stall_s)
+    except TimeoutError:
+        raise EngineStalled(stall_s) from None
 
 
 def make_session(config: ProxyConfig) -> aiohttp.ClientSession:
@@ -226,7 +290,7 @@ class Proxy:
 
     def app(self) -> web.Application:
         """The aiohttp application with all routes."""
-        app = web.Application(client_max_size=self._cfg.max_body_bytes)
+        app = web.Application(client_max_size=self._cfg.max_body_bytes + 1, middlewares=[error_middleware("agent")])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -235,8 +299,24 @@ class Proxy:
         return app
 
     # ---- simple endpoints ----------------------------------------------------------------
+    def _token_refusal(self, request: web.Request) -> web.Response | None:
+        """401 when an agent token is configured and the request does not carry it, else None."""
+        token = self._cfg.agent_token
+        if not token:
+            return None
+        presented = request.headers.get("x-fairbatch-token", "")
+        if hmac.compare_digest(presented.encode("utf-8", "surrogateescape"), token.encode()):
+            return None
+        return web.json_response({"error": {"message": "Missing or wrong x-fairbatch-token (this agent takes "
+                                                       "requests from its routers only).",
+                                            "type": "invalid_request_error", "param": None, "code": "invalid_token"}},
+                                 status=401)
+
     async def models(self, request: web.Request) -> web.Response:
         """Relay GET /v1/models (status and body unchanged)."""
+        refused = self._token_refusal(request)
+        if refused is not None:
+            return refused
         try:
             async with self._session.get(self._base + "/v1/models", headers=self._fwd_headers(request)) as up:
                 body = await up.read()
@@ -274,6 +354,9 @@ class Proxy:
 
     def _fwd_headers(self, request: web.Request) -> dict[str, str]:
         headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
+        if self._cfg.engine_api_key:
+            headers.pop("authorization", None)
+            headers["Authorization"] = f"Bearer {self._cfg.engine_api_key}"
         rid = request.headers.get("x-request-id")
         if rid:
             headers["x-request-id"] = rid
@@ -286,24 +369,26 @@ class Proxy:
         return f"{request_id}#{self._key_counter}"
 
     async def _generate(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            return error_json(400, "request body is not valid JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return error_json(400, "request body must be a JSON object", "invalid_request_error")
         hdrs = request.headers
-        request_id = hdrs.get("x-request-id") or uuid.uuid4().hex
+        request_id = client_request_id(hdrs.get("x-request-id")) or new_request_id()
+        request[REQUEST_ID] = request_id
+        refused = self._token_refusal(request)
+        if refused is not None:
+            return refused
+        try:
+            raw = await read_body(request, self._cfg.max_body_bytes, self._cfg.body_timeout_s)
+            valid = validate_request(raw, chat, self._agent.max_prompt_tokens)
+        except ApiError as exc:
+            return api_error_response(exc, {"x-request-id": request_id})
+        body = valid.body
         try:
             queued_ms = max(0.0, float(hdrs.get("x-fairbatch-queued-ms", "0")))
         except ValueError:
             queued_ms = 0.0
         if not math.isfinite(queued_ms):
             queued_ms = 0.0
-        max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-        max_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None
-        stream = bool(body.get("stream"))
+        max_tokens = valid.max_tokens
+        stream = valid.stream
         agent = self._agent
         key = self._tracker_key(request_id)
         up_headers = self._fwd_headers(request)
@@ -336,32 +421,47 @@ class Proxy:
             if self._cfg.slo_in_body:
                 body = with_slo_xargs(body, tracked.envelope.ttft_ms, tracked.envelope.tpot_ms)
                 raw = json.dumps(body).encode()
+            stall_s = self._cfg.stall_timeout_s or agent.clock.to_wall_s(
+                dict(self._cfg.class_stall_ms).get(tracked.slo_class)
+                or default_stall_ms(tracked.envelope.ttft_ms, tracked.envelope.tpot_ms))
             outcome = "aborted"
             try:
                 if stream:
-                    resp, outcome = await self._relay_stream(request, path, raw, up_headers, key, request_id)
+                    resp, outcome = await self._relay_stream(request, path, raw, up_headers, key, request_id, stall_s)
                 else:
                     up_body = dict(body)
                     up_body["stream"] = True
                     opts = up_body.get("stream_options")
                     up_body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
                     resp, outcome = await self._relay_assembled(
-                        request, path, json.dumps(up_body).encode(), up_headers, key, request_id, chat
+                        request, path, json.dumps(up_body).encode(), up_headers, key, request_id, chat, stall_s
                     )
                 span.set_attribute("fairbatch.outcome", outcome)
                 return resp
+            except asyncio.CancelledError:
+                # the client left (aiohttp cancelled the handler): the upstream request was closed on the
+                # way out, so the engine aborts it, in prefill as well as in decode
+                outcome = "client_disconnect"
+                raise
             finally:
                 done = agent.request_done(key, agent.clock.now_ms(), outcome)
                 if done is not None and outcome != "ok":
                     log.info("request %s ended: %s", request_id, outcome)
 
     async def _open_upstream(
-        self, path: str, data: bytes, headers: dict[str, str]
+        self, path: str, data: bytes, headers: dict[str, str], stall_s: float | None = None
     ) -> aiohttp.ClientResponse | web.Response:
         resent = 0
         while True:
             try:
-                return await self._session.post(self._base + path, data=data, headers=headers)
+                if stall_s is None:
+                    return await self._session.post(self._base + path, data=data, headers=headers)
+                try:
+                    return await asyncio.wait_for(
+                        self._session.post(self._base + path, data=data, headers=headers), stall_s)
+                except TimeoutError:
+                    self._stalled(EngineStalled(stall_s))
+                    return error_json(502, f"engine stalled: no response within {stall_s:g} s")
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
                 # the engine closed a kept-alive connection as the request went out: nothing was
                 # answered, so send it again (a new connection, or another pooled one)
@@ -372,6 +472,11 @@ class Proxy:
                          type(e).__name__, e)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 return self._unreachable(e)
+
+    def _stalled(self, e: EngineStalled) -> None:
+        """Mark the engine unhealthy (until its /metrics answers again) and log the stall."""
+        log.warning("engine %s stalled: %s; agent unhealthy until the engine answers again", self._base, e)
+        self._agent.engine_stalled(str(e))
 
     def _unreachable(self, e: BaseException) -> web.Response:
         """502 ``engine unreachable: <exception type>``, and the exception in the log."""
@@ -388,10 +493,11 @@ class Proxy:
         )
 
     async def _relay_stream(
-        self, request: web.Request, path: str, raw: bytes, headers: dict[str, str], key: str, request_id: str
+        self, request: web.Request, path: str, raw: bytes, headers: dict[str, str], key: str, request_id: str,
+        stall_s: float,
     ) -> tuple[web.StreamResponse, str]:
         agent = self._agent
-        up = await self._open_upstream(path, raw, headers)
+        up = await self._open_upstream(path, raw, headers, stall_s)
         if isinstance(up, web.Response):
             return up, "upstream_unreachable"
         clean = False
@@ -413,8 +519,12 @@ class Proxy:
             it = up.content.iter_any().__aiter__()
             while True:
                 try:
-                    chunk = await it.__anext__()
+                    chunk = await _next_chunk(it, stall_s)
                 except StopAsyncIteration:
+                    break
+                except EngineStalled as e:
+                    self._stalled(e)
+                    upstream_error = f"engine stalled: no byte for {e.timeout_s:g} s"
                     break
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                     upstream_error = f"engine stream failed: {type(e).__name__}"
@@ -461,9 +571,10 @@ class Proxy:
         key: str,
         request_id: str,
         chat: bool,
+        stall_s: float,
     ) -> tuple[web.StreamResponse, str]:
         agent = self._agent
-        up = await self._open_upstream(path, data, headers)
+        up = await self._open_upstream(path, data, headers, stall_s)
         if isinstance(up, web.Response):
             return up, "upstream_unreachable"
         clean = False
@@ -481,9 +592,12 @@ class Proxy:
             it = up.content.iter_any().__aiter__()
             while True:
                 try:
-                    chunk = await it.__anext__()
+                    chunk = await _next_chunk(it, stall_s)
                 except StopAsyncIteration:
                     break
+                except EngineStalled as e:  # nothing sent to the client yet: 502, the router retries elsewhere
+                    self._stalled(e)
+                    return error_json(502, f"engine stalled: no byte for {e.timeout_s:g} s"), "upstream_stalled"
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                     return error_json(502, f"engine stream failed: {type(e).__name__}"), "upstream_error"
                 transport = request.transport

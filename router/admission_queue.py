@@ -13,6 +13,11 @@
 The dispatcher tries the entries in queue order on every budget update and every release. A head
 that fits nowhere does not block the requests behind it for ever: later entries that fit may pass
 it, at most ``max_bypass`` times per head, then the dispatcher holds until the head fits.
+
+No entry can block the dispatcher: an entry whose ``admit`` raises (a bug, or a request the
+placement or the Reserve cannot represent) is removed at once and its future fails with
+:class:`PlacementFailed` (the router answers 503 ``placement-error``); the pass goes on with the
+entries behind it.
 """
 
 from __future__ import annotations
@@ -58,12 +63,24 @@ class QueueTimeout(Exception):
         self.reason = reason
 
 
+class PlacementFailed(Exception):
+    """Placing this request raised; it was removed from the queue and is answered, never retried.
+
+    Attributes:
+        reason: the exception class name (no request content).
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"placement failed: {reason}")
+        self.reason = reason
+
+
 @dataclass(slots=True, eq=False)
 class WaitingRequest:
     """One queued request (compared and hashed by identity).
 
     Attributes:
-        request_id: x-request-id.
+        request_id: the router-made request id (never the client's x-request-id).
         tenant: tenant name.
         slo_class: SLO class name.
         prompt_tokens: estimated prompt tokens.
@@ -228,6 +245,7 @@ class DispatchStats:
 
     admitted: int = 0
     expired: int = 0
+    failed: int = 0
     held: bool = False
 
 
@@ -238,7 +256,8 @@ class Dispatcher(Generic[G]):
     Args:
         queue: the admission queue.
         clock: router clock (simulated ms).
-        admit: async ``entry -> grant | None`` (placement + Reserve; None when nothing fits).
+        admit: async ``entry -> grant | None`` (placement + Reserve; None when nothing fits); when it
+            raises, the entry is removed and its future fails with :class:`PlacementFailed`.
         release_orphan: async ``grant -> None`` for a grant whose waiter left meanwhile.
         max_bypass: later entries admitted past a head that fits nowhere, per head, before holding.
         max_scan: entries tried per pass (bounds the work of one wake-up).
@@ -299,7 +318,18 @@ class Dispatcher(Generic[G]):
             scanned += 1
             if scanned > self.max_scan:
                 break
-            grant = await self.admit(entry)
+            try:
+                grant = await self.admit(entry)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - this entry only: answer it, drop it, go on
+                log.error("dispatch: placing request %s raised %s; answered and removed from the queue",
+                          entry.request_id, type(exc).__name__, exc_info=exc)
+                self.queue.remove(entry)
+                if not entry.future.done():
+                    entry.future.set_exception(PlacementFailed(type(exc).__name__))
+                stats.failed += 1
+                continue
             if grant is None:
                 if blocked_head is None:
                     blocked_head = entry

@@ -27,6 +27,8 @@ from router.config import ReplicaConfig
 
 log = logging.getLogger(__name__)
 
+TOKEN_METADATA = "x-fairbatch-token"  # router <-> agent shared secret (gRPC metadata and HTTP header)
+
 BACKOFF_START_S = 0.05
 BACKOFF_CAP_S = 2.0
 RELEASE_TIMEOUT_S = 1.0
@@ -69,6 +71,8 @@ class BudgetClient:
         router_id: sent in WatchBudget and Reserve (logs only).
         reserve_timeout_ms: Reserve deadline (simulated ms).
         silence_s: wall seconds without any snapshot after which a stream is reopened.
+        agent_token: shared secret sent as ``x-fairbatch-token`` gRPC metadata on every call (the agents
+            refuse calls without it when they have one); None = none sent.
     """
 
     def __init__(
@@ -79,7 +83,9 @@ class BudgetClient:
         router_id: str,
         reserve_timeout_ms: float,
         silence_s: float = 10.0,
+        agent_token: str | None = None,
     ) -> None:
+        self._metadata = ((TOKEN_METADATA, agent_token),) if agent_token else None
         self._book = book
         self._clock = clock
         self._router_id = router_id
@@ -171,7 +177,7 @@ class BudgetClient:
         me = asyncio.current_task()
         down_since: float | None = None  # loop time of the first failure of the current outage
         while self._tasks.get(replica_id) is me:  # ends once the replica is removed (or replaced)
-            call = stub.WatchBudget(request)
+            call = stub.WatchBudget(request, metadata=self._metadata)
             self._calls[replica_id] = call
             silent = [False]
 
@@ -246,7 +252,7 @@ class BudgetClient:
             waited_ms=float(waited_ms),
         )
         try:
-            resp = await stub.Reserve(req, timeout=self._reserve_timeout_s)
+            resp = await stub.Reserve(req, timeout=self._reserve_timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             reason = "timeout" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "unavailable"
             return ReserveResult(False, reason=reason)
@@ -272,7 +278,8 @@ class BudgetClient:
             return False
         try:
             resp = await stub.Release(
-                admission_pb2.ReleaseRequest(lease_id=lease_id, reason=reason), timeout=RELEASE_TIMEOUT_S
+                admission_pb2.ReleaseRequest(lease_id=lease_id, reason=reason), timeout=RELEASE_TIMEOUT_S,
+                metadata=self._metadata,
             )
         except grpc.aio.AioRpcError as exc:
             log.warning("release %s on %s failed: %s", lease_id, replica_id, exc.code().name)

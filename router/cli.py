@@ -28,6 +28,7 @@ from aiohttp import web
 
 from replica_agent.clock import Clock
 from replica_agent.aio import wait_event
+from replica_agent.http_guard import make_runner
 from replica_agent.runtime import hold_grpc_aio, run, setup_logging
 from router.config import ConfigError, RouterConfig, load_config
 from router.server import Router
@@ -99,12 +100,18 @@ async def serve(
 ) -> None:
     """Run the router until SIGTERM/SIGINT, then drain (bounded by ``drain_s`` wall seconds);
     reload ``config_path`` on SIGHUP or when it changes."""
-    router = Router(config, clock, router_id)
+    router = Router(config, clock, router_id, agent_token=os.environ.get(AGENT_TOKEN_ENV) or None)
     app = router.build_app()
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=drain_s, access_log=None)
+    runner = make_runner(app, shutdown_timeout=drain_s)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()
+    metrics_runner = None
+    if config.http.metrics_port is not None:
+        metrics_runner = make_runner(router.build_metrics_app())
+        await metrics_runner.setup()
+        await web.TCPSite(metrics_runner, host, config.http.metrics_port).start()
+        log.info("metrics and detailed health on http://%s:%d", host, config.http.metrics_port)
     log.info("fairbatch-router %s listening on http://%s:%d (%s, time scale %g)",
              router_id, host, port,
              f"{len(config.replicas)} replicas" if config.discovery.mode == "static"
@@ -131,7 +138,12 @@ async def serve(
         if watcher is not None:
             watcher.cancel()
         await runner.cleanup()
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
         log.info("stopped")
+
+
+AGENT_TOKEN_ENV = "FAIRBATCH_AGENT_TOKEN"  # shared secret with the agents (from a Secret in the chart)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ Schema (docs/architecture.md, section "Router"; DESIGN.md section 6)::
     discovery: {mode: static}          # or kubernetes / dns: replicas found at run time (router/discovery.py)
     queue: {max_requests: 1024, max_tokens: 4000000, max_bypass: 8}
     admission: {bytes_per_token: 4.0, reserve_timeout_ms: 200, estimate_refuse_factor: 2.0}
+    http: {max_body_bytes: 4194304, body_timeout_s: 10}
     telemetry: {otlp_endpoint: null, service_name: fairbatch-router}
     auth: {trusted_header: x-tenant, trusted_networks: ["10.0.0.0/8"]}   # optional gateway identity
     fairness: {w_prefill: 1.0, w_decode: 2.0, default_max_tokens: 256, counter_sync_ms: 100}
@@ -67,6 +68,8 @@ class SloClassConfig(_Strict):
         priority: band, 0 = most urgent (>= 0).
         sheddable: may be rejected early when its deadline cannot be met.
         max_queue_ms: longest wait in the router queue before a 429 queue-timeout (simulated ms, > 0).
+        stall_timeout_ms: silence from the engine (simulated ms) after which the agent gives up a request
+            of this class as stalled; None = ``max(1000, 4 * ttft_ms + 20 * tpot_ms)``. Read by the agents.
     """
 
     ttft_ms: float = Field(gt=0)
@@ -74,6 +77,7 @@ class SloClassConfig(_Strict):
     priority: int = Field(default=0, ge=0)
     sheddable: bool = False
     max_queue_ms: float = Field(default=30000.0, gt=0)
+    stall_timeout_ms: float | None = Field(default=None, gt=0)
 
 
 class TenantConfig(_Strict):
@@ -185,6 +189,23 @@ class AdmissionConfig(_Strict):
     reserve_timeout_ms: float = Field(default=200.0, gt=0)
 
 
+class HttpConfig(_Strict):
+    """Bounds of the HTTP front door.
+
+    Attributes:
+        max_body_bytes: largest request body (bytes, >= 1024); a larger ``Content-Length`` is refused
+            with 413 before the body is read, a chunked body when it grows past it.
+        body_timeout_s: wall seconds a request body may take to arrive (> 0), else 408.
+        metrics_port: when set, ``/metrics`` and the detailed ``/health`` (replica ids) are served only on
+            this port (for Prometheus and operators); the public port then has no ``/metrics`` and its
+            ``/health`` says only ``status``. None = both on the public port (a restart applies a change).
+    """
+
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    body_timeout_s: float = Field(default=10.0, gt=0)
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
+
+
 class TelemetryConfig(_Strict):
     """OpenTelemetry export.
 
@@ -268,6 +289,7 @@ class RouterConfig(_Strict):
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     queue: QueueConfig = Field(default_factory=QueueConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    http: HttpConfig = Field(default_factory=HttpConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     fairness: FairnessConfig = Field(default_factory=FairnessConfig)
@@ -322,8 +344,16 @@ class RouterConfig(_Strict):
 
 
 def hash_api_key(key: str) -> str:
-    """sha256 hex digest (64 lower-case hex characters) of an API key, as stored in ``api_keys``."""
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+    """sha256 hex digest (64 lower-case hex characters) of an API key, as stored in ``api_keys``.
+
+    A key read from a header that held non-UTF-8 bytes (aiohttp decodes them to lone surrogates) is
+    hashed over the bytes the client sent (``surrogateescape``); it never raises.
+    """
+    try:
+        data = key.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate no byte decodes to (not from a header): any stable bytes do
+        data = key.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(data).hexdigest()
 
 
 def _dotted(loc: tuple[str | int, ...]) -> str:

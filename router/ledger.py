@@ -72,7 +72,8 @@ class Ticket:
 
     Attributes:
         tenant: tenant name.
-        request_id: request id (the concurrency slot's member).
+        request_id: the router-made request id (the concurrency slot's member, locally and in Redis);
+            never the client's x-request-id, so a repeated client id cannot share one slot.
         backend: ``local`` or ``redis`` (where the slot was taken).
     """
 
@@ -155,6 +156,15 @@ class LocalLedger:
         if st is not None:
             st.in_flight.pop(request_id, None)
 
+    def at_concurrency(self, tenant: str, limits: TenantLimits, now_ms: float) -> bool:
+        """True when an acquire now would be refused ``tenant-concurrency`` (a read: nothing taken or dropped)."""
+        if not limits.max_concurrency:
+            return False
+        st = self._tenants.get(tenant)
+        if st is None:
+            return False
+        return sum(1 for exp in st.in_flight.values() if exp > now_ms) >= limits.max_concurrency
+
     def in_flight(self, tenant: str) -> int:
         """Slots held by ``tenant`` (expired ones included until the next acquire)."""
         st = self._tenants.get(tenant)
@@ -186,6 +196,7 @@ class Ledger(Protocol):
     async def close(self) -> None: ...
     async def acquire(self, tenant: str, request_id: str, limits: TenantLimits, tokens: int) -> Ticket | Refusal: ...
     async def release(self, ticket: Ticket) -> None: ...
+    async def at_concurrency(self, tenant: str, limits: TenantLimits) -> bool: ...
     async def add_service(self, tenant: str, delta: float) -> None: ...
     async def lift(self, tenant: str, floor: float) -> None: ...
     async def counters(self) -> dict[str, float]: ...
@@ -222,6 +233,10 @@ class InProcessLedger:
     async def release(self, ticket: Ticket) -> None:
         """Free the ticket's concurrency slot."""
         self.local.release(ticket.tenant, ticket.request_id)
+
+    async def at_concurrency(self, tenant: str, limits: TenantLimits) -> bool:
+        """True when the tenant holds ``max_concurrency`` slots now (a peek, before the body is read)."""
+        return self.local.at_concurrency(tenant, limits, self.clock.now_ms())
 
     async def add_service(self, tenant: str, delta: float) -> None:
         """VTC counter += delta."""
@@ -431,6 +446,13 @@ class RedisLedger:
             await self._call(self._client.zrem(self._key("conc", ticket.tenant), ticket.request_id))
         except self._errors as exc:
             self._fail(exc)
+
+    async def at_concurrency(self, tenant: str, limits: TenantLimits) -> bool:
+        """The local peek while degraded; False otherwise (the shared count is decided by the acquire
+        script, one round trip later, once the body is read)."""
+        if self.degraded:
+            return await self.local.at_concurrency(tenant, limits)
+        return False
 
     async def add_service(self, tenant: str, delta: float) -> None:
         """Shared VTC counter += delta (local while degraded)."""

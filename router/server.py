@@ -35,7 +35,6 @@ import json
 import logging
 import math
 import time
-import uuid
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -47,16 +46,26 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from replica_agent.aio import stop_task, within
+from replica_agent.api_schema import ApiError, validate_request
 from replica_agent.clock import Clock
+from replica_agent.http_guard import (
+    REQUEST_ID,
+    api_error_response,
+    client_request_id,
+    error_middleware,
+    json_error,
+    new_request_id,
+    read_body,
+)
 from replica_agent.telemetry import extract_context, inject_context, make_tracer
-from router.admission_queue import Dispatcher, QueueFull, QueueTimeout, WaitingRequest
+from router.admission_queue import Dispatcher, PlacementFailed, QueueFull, QueueTimeout, WaitingRequest
 from router.auth import ApiKeyAuthenticator, Principal
 from router.budget_client import BudgetClient
 from router.budgets import BudgetBook
 from router.config import ConfigError, ReplicaConfig, RouterConfig, load_config
 from router.discovery import DiscoverySource, build_discovery, diff_replicas
 from router.fair_queue import FairQueue, TenantShare
-from router.ledger import Ledger, Refusal, TenantLimits, build_ledger
+from router.ledger import CONCURRENCY_RETRY_MS, Ledger, Refusal, TenantLimits, build_ledger
 from router.placement import (
     DEFAULT_MAX_CANDIDATES,
     PlacementPolicy,
@@ -73,7 +82,6 @@ log = logging.getLogger(__name__)
 MAX_RELAY_TRIES = 2          # replicas tried per request when one fails before its first byte
 MAX_RESERVE_CANDIDATES = DEFAULT_MAX_CANDIDATES  # Reserve calls per placement before giving up for this pass
 RETRY_AFTER_S = 1
-_REQUEST_ID_KEY = web.RequestKey("fairbatch_request_id", str)
 _ROUTER_KEY = web.AppKey("fairbatch_router", object)
 
 
@@ -183,8 +191,7 @@ def openai_error(
     headers: dict[str, str] | None = None,
 ) -> web.Response:
     """An OpenAI-format error response ``{"error": {"message", "type", "param", "code"}}``."""
-    body = json.dumps({"error": {"message": message, "type": err_type, "param": param, "code": code}})
-    return web.Response(status=status, text=body, content_type="application/json", headers=headers)
+    return json_error(status, message, err_type, code, param, headers)
 
 
 def throttled(reason: str, message: str, retry_after_s: int = RETRY_AFTER_S) -> web.Response:
@@ -195,20 +202,9 @@ def throttled(reason: str, message: str, retry_after_s: int = RETRY_AFTER_S) -> 
     )
 
 
-@web.middleware
-async def openai_http_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """aiohttp's own HTTP errors (404 unknown path, 405 wrong method, 413 body over
-    ``client_max_size``) as OpenAI-format JSON, like every other error of the router."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        text = exc.text or ""
-        if not text or text.startswith(f"{exc.status}:"):  # aiohttp's default body, e.g. "404: Not Found"
-            text = f"{exc.reason}: {request.method} {request.path}"
-        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        return openai_error(exc.status, text, code=exc.status, headers=headers)
+openai_http_errors = error_middleware("router")
+"""aiohttp's own HTTP errors (404, 405, 413), :class:`ApiError` refusals and our own bugs (500 with the
+request id) as OpenAI-format JSON, like every other answer of the router."""
 
 
 class Router:
@@ -223,6 +219,8 @@ class Router:
         max_relay_tries: replicas tried when one fails before its first byte.
         discovery: source of the replica set (default: built from ``config.discovery``; None
             there for ``static``, the ``replicas`` list).
+        agent_token: shared secret the agents require (``x-fairbatch-token`` on gRPC metadata and on
+            the HTTP hop); None = none (``FAIRBATCH_AGENT_TOKEN`` in the CLI).
     """
 
     def __init__(
@@ -234,7 +232,9 @@ class Router:
         seed: int | None = None,
         max_relay_tries: int = MAX_RELAY_TRIES,
         discovery: DiscoverySource | None = None,
+        agent_token: str | None = None,
     ) -> None:
+        self._agent_token = agent_token
         self.config = config
         self.clock = clock or Clock(1.0)
         self.router_id = router_id
@@ -258,7 +258,8 @@ class Router:
         )
         self.book.add_listener(self.dispatcher.wake)
         self.budgets = BudgetClient(
-            config.replicas, self.book, self.clock, router_id, config.admission.reserve_timeout_ms
+            config.replicas, self.book, self.clock, router_id, config.admission.reserve_timeout_ms,
+            agent_token=agent_token,
         )
         self.relay = Relay()
         self.metrics = RouterMetrics()
@@ -278,16 +279,27 @@ class Router:
 
     def build_app(self) -> web.Application:
         """The aiohttp application (routes, lifecycle hooks, response headers)."""
-        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[openai_http_errors])
+        app = web.Application(client_max_size=self.config.http.max_body_bytes + 1, middlewares=[openai_http_errors])
         app[_ROUTER_KEY] = self
         app.router.add_post("/v1/completions", self.handle_completions)
         app.router.add_post("/v1/chat/completions", self.handle_chat)
         app.router.add_get("/v1/models", self.handle_models)
-        app.router.add_get("/health", self.handle_health)
-        app.router.add_get("/metrics", self.handle_metrics)
+        if self.config.http.metrics_port is None:
+            app.router.add_get("/health", self.handle_health)
+            app.router.add_get("/metrics", self.handle_metrics)
+        else:  # names (replicas, tenants) only on the metrics port
+            app.router.add_get("/health", self.handle_public_health)
         app.on_response_prepare.append(self._on_response_prepare)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    def build_metrics_app(self) -> web.Application:
+        """The application of ``http.metrics_port``: ``/metrics`` and the detailed ``/health`` (no
+        lifecycle hooks: the main application starts and stops the router)."""
+        app = web.Application(middlewares=[openai_http_errors])
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/metrics", self.handle_metrics)
         return app
 
     async def start(self) -> None:
@@ -468,7 +480,7 @@ class Router:
 
     async def _on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
         if "x-request-id" not in response.headers:
-            rid = request.get(_REQUEST_ID_KEY) or request.headers.get("x-request-id") or uuid.uuid4().hex
+            rid = request.get(REQUEST_ID) or client_request_id(request.headers.get("x-request-id")) or new_request_id()
             response.headers["x-request-id"] = rid
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
@@ -535,14 +547,19 @@ class Router:
             QueueFull: the queue is at its bound.
             QueueTimeout: ``max_queue_ms`` of the class passed while waiting.
             NoReplica: every replica already failed for this request.
+            PlacementFailed: placement or Reserve raised for this request (at once or in the dispatcher).
         """
         if exclude and not self.replicas.keys() - exclude:
             raise NoReplica()
         if len(self.queue) == 0:
             with self.tracer.start_as_current_span("router.placement") as span:
-                grant = await self._place_and_reserve(
-                    principal.slo_class, prompt_tokens, max_tokens, request_id, exclude, arrival_ms
-                )
+                try:
+                    grant = await self._place_and_reserve(
+                        principal.slo_class, prompt_tokens, max_tokens, request_id, exclude, arrival_ms
+                    )
+                except Exception as exc:  # noqa: BLE001 - one request's failure answers that request only
+                    log.error("request %s: placement failed: %s", request_id, type(exc).__name__, exc_info=exc)
+                    raise PlacementFailed(type(exc).__name__) from None
                 span.set_attribute("fairbatch.replica", grant.replica_id if grant else "")
             if grant is not None:
                 self._charge(principal.tenant, prompt_tokens, self._decode_estimate(max_tokens))
@@ -613,13 +630,18 @@ class Router:
 
     async def _handle_generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrival_ms = self.clock.now_ms()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        request[_REQUEST_ID_KEY] = request_id
+        # The router's own id keys the quota slot, the queue entry, the lease and the agent's and engine's
+        # request; the client's x-request-id (when well-formed) is only echoed back and logged.
+        request_id = new_request_id()
+        client_id = client_request_id(request.headers.get("x-request-id"))
+        request[REQUEST_ID] = client_id or request_id
         parent = extract_context(request.headers) if "traceparent" in request.headers else None
         with self.tracer.start_as_current_span(
             "router.request", context=parent, kind=trace.SpanKind.SERVER
         ) as span:
             span.set_attribute("fairbatch.request_id", request_id)
+            if client_id is not None:
+                span.set_attribute("fairbatch.client_request_id", client_id)
             principal = self.auth.identify(request.headers, request.remote)
             if principal is None:
                 self.metrics.requests.labels("unknown", "unknown", "unauthorized").inc()
@@ -628,6 +650,8 @@ class Router:
             span.set_attribute("fairbatch.slo_class", principal.slo_class)
             try:
                 outcome, response = await self._serve(request, principal, chat, request_id, arrival_ms)
+            except ApiError as exc:  # the body: too large, too slow, not valid (4xx in OpenAI's format)
+                outcome, response = "bad_request", api_error_response(exc)
             except asyncio.CancelledError:  # client went away (queued or mid-relay); leases already freed
                 self.metrics.requests.labels(principal.tenant, principal.slo_class, "client_disconnect").inc()
                 raise
@@ -638,22 +662,30 @@ class Router:
     async def _serve(
         self, request: web.Request, principal: Principal, chat: bool, request_id: str, arrival_ms: float
     ) -> tuple[str, web.StreamResponse]:
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            return "bad_request", openai_error(400, f"Malformed JSON body: {exc}", code="invalid_json")
-        if not isinstance(body, dict):
-            return "bad_request", openai_error(400, "The JSON body must be an object.", code="invalid_json")
-        if not isinstance(body.get("model"), str) or not body["model"]:
-            return "bad_request", openai_error(400, "'model' is required.", param="model")
+        """Body, validation, prompt estimate, quota, then placement (:meth:`_serve_placed`).
+
+        Raises:
+            ApiError: the body is too large (413), too slow (408), compressed (415) or not a valid
+                request (400); the caller answers it.
+        """
+        if len(self.queue) >= self.queue.max_requests:
+            # decided from the headers alone: a new request would wait behind a full queue
+            return "queue_full", throttled("queue-full", "The router's admission queue is full; retry later.")
+        limits = self.limits.get(principal.tenant, TenantLimits())
+        if await self.ledger.at_concurrency(principal.tenant, limits):  # also known before the body
+            return "tenant_concurrency", throttled(
+                "tenant-concurrency", f"Tenant {principal.tenant!r} is over its concurrency limit; retry later.",
+                math.ceil(self.clock.to_wall_s(CONCURRENCY_RETRY_MS)))
+        http = self.config.http
+        raw = await read_body(request, http.max_body_bytes, http.body_timeout_s)
+        views = self.book.views()
+        valid = validate_request(raw, chat, largest_max_prompt(views))
+        body = valid.body
         try:
             prompt_tokens = estimate_prompt_tokens(body, chat, self.config.admission.bytes_per_token)
         except PromptError as exc:
             return "bad_request", openai_error(400, str(exc), param="messages" if chat else "prompt")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_tokens = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else 0
-        views = self.book.views()
+        max_tokens = valid.max_tokens or 0
         if prompt_is_exact(body, chat):
             if prompt_exceeds_every_replica(prompt_tokens, views):
                 return "bad_request", openai_error(
@@ -679,7 +711,6 @@ class Router:
             if cap > 0:
                 prompt_tokens = min(prompt_tokens, cap)
 
-        limits = self.limits.get(principal.tenant, TenantLimits())
         quota = await self.ledger.acquire(
             principal.tenant, request_id, limits, prompt_tokens + self._decode_estimate(max_tokens)
         )
@@ -693,7 +724,7 @@ class Router:
             )
         try:
             return await self._serve_placed(request, principal, raw, request_id, arrival_ms, prompt_tokens, max_tokens,
-                                            bool(body.get("stream")))
+                                            valid.stream)
         finally:
             self._spawn(self.ledger.release(quota))
 
@@ -739,6 +770,11 @@ class Router:
                 )
             except NoReplica:
                 break
+            except PlacementFailed as exc:  # placement raised for this request: answered, never retried
+                return "placement_error", openai_error(
+                    503, f"The request could not be placed ({exc.reason}).", "service_unavailable", "placement-error",
+                    headers={"Retry-After": str(RETRY_AFTER_S), "x-fairbatch-reason": "placement-error"},
+                )
             outcome = await self._forward(request, principal, grant, raw, request_id, arrival_ms)
             if outcome.kind == "ok":
                 self.budgets.forget(grant.lease_id)
@@ -802,7 +838,9 @@ class Router:
             "x-fairbatch-tenant": principal.tenant,
             "x-fairbatch-queued-ms": f"{queued_ms:.3f}",
         }
-        response_headers = {"x-request-id": request_id, "x-fairbatch-replica": grant.replica_id}
+        if self._agent_token:
+            headers["x-fairbatch-token"] = self._agent_token
+        response_headers = {"x-request-id": request.get(REQUEST_ID) or request_id, "x-fairbatch-replica": grant.replica_id}
         with self.tracer.start_as_current_span("router.relay", kind=trace.SpanKind.CLIENT) as span:
             span.set_attribute("fairbatch.replica", grant.replica_id)
             inject_context(headers)
@@ -833,7 +871,9 @@ class Router:
             return web.json_response(data)
         for replica in list(self.replicas.values()):
             try:
-                async with self.relay.session.get(replica.http_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)) as up:
+                hdrs = {"x-fairbatch-token": self._agent_token} if self._agent_token else None
+                async with self.relay.session.get(replica.http_url + "/v1/models", headers=hdrs,
+                                                  timeout=aiohttp.ClientTimeout(total=2.0)) as up:
                     if up.status == 200:
                         return web.Response(
                             body=await up.read(), headers={"Content-Type": up.headers.get("Content-Type", "application/json")}
@@ -852,6 +892,12 @@ class Router:
             {"status": "ok" if usable else "degraded", "replicas": len(views), "replicas_usable": usable,
              "queue_depth": len(self.queue)}
         )
+
+    async def handle_public_health(self, request: web.Request) -> web.Response:
+        """GET /health on the public port when a metrics port is configured: 200 with ``status`` only
+        (``ok`` or ``degraded``), no replica ids or counts."""
+        usable = any(v.healthy and v.fresh for v in self.book.views())
+        return web.json_response({"status": "ok" if usable else "degraded"})
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         """GET /metrics (Prometheus text format)."""

@@ -22,10 +22,14 @@ class PromptError(ValueError):
 
 
 def text_tokens(text: str, bytes_per_token: float) -> int:
-    """ceil(UTF-8 bytes / bytes_per_token) tokens for ``text`` (0 for an empty string)."""
+    """ceil(UTF-8 bytes / bytes_per_token) tokens for ``text`` (0 for an empty string).
+
+    Never raises: a lone surrogate (refused earlier by :mod:`replica_agent.api_schema`) counts its
+    3 bytes (``surrogatepass``).
+    """
     if not text:
         return 0
-    return math.ceil(len(text.encode("utf-8")) / bytes_per_token)
+    return math.ceil(len(text.encode("utf-8", "surrogatepass")) / bytes_per_token)
 
 
 def _is_token_ids(value: list[Any]) -> bool:

@@ -159,6 +159,7 @@ def test_default_values_render_the_whole_stack(helm: Path) -> None:
         [
             ("ConfigMap", "fb-fairbatch-config"),
             ("Deployment", "fb-fairbatch-router"),
+            ("NetworkPolicy", "fb-fairbatch-agents"),
             ("PodDisruptionBudget", "fb-fairbatch-router"),
             ("Role", "fb-fairbatch-router-discovery"),
             ("RoleBinding", "fb-fairbatch-router-discovery"),
@@ -568,3 +569,43 @@ def test_discovery_mistakes_fail_with_a_readable_message(helm: Path) -> None:
     assert proc.returncode != 0 and "router.discovery.service is set but router.discovery.mode is static" in proc.stderr
     proc = _run(helm, "template", RELEASE, str(CHART), "--set", "config.discovery.mode=dns")
     assert proc.returncode != 0 and "Additional property discovery is not allowed" in proc.stderr  # the schema
+
+
+# ---------------------------------------------------------------------- exposure (issue 14)
+
+
+def test_replicas_take_connections_only_from_the_router_and_prometheus(helm: Path) -> None:
+    objs = render(helm)
+    svc = one(objs, "Service", "fb-fairbatch-agents")
+    assert {p["name"] for p in svc["spec"]["ports"]} == {"http", "grpc"}  # the engine port is not published
+    pol = one(objs, "NetworkPolicy", "fb-fairbatch-agents")
+    assert pol["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "replica"
+    assert pol["spec"]["policyTypes"] == ["Ingress"]
+    router_rule, prom_rule = pol["spec"]["ingress"]
+    assert router_rule["from"] == [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "fairbatch", "app.kubernetes.io/instance": "fb",
+        "app.kubernetes.io/component": "router"}}}]
+    assert [p["port"] for p in router_rule["ports"]] == ["http", "grpc"]
+    assert prom_rule["from"][0]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    assert [p["port"] for p in prom_rule["ports"]] == ["http", "engine"]
+    assert not by_kind(render(helm, set_=("networkPolicy.enabled=false",)), "NetworkPolicy")
+
+
+def test_agent_token_and_engine_key_come_from_secrets(helm: Path) -> None:
+    objs = render(helm, set_=("security.agentTokenSecret.name=agent-token",
+                              "security.engineApiKeySecret.name=engine-key"))
+
+    def env(c: dict[str, Any]) -> dict[str, Any]:
+        return {e["name"]: e.get("valueFrom", e.get("value")) for e in c.get("env", [])}
+
+    router = container(one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"], "router")
+    assert env(router)["FAIRBATCH_AGENT_TOKEN"] == {"secretKeyRef": {"name": "agent-token", "key": "token"}}
+    pod = one(objs, "StatefulSet")["spec"]["template"]["spec"]
+    agent, vllm = env(container(pod, "agent")), env(container(pod, "vllm"))
+    assert agent["FAIRBATCH_AGENT_TOKEN"] == {"secretKeyRef": {"name": "agent-token", "key": "token"}}
+    assert agent["FAIRBATCH_ENGINE_API_KEY"] == {"secretKeyRef": {"name": "engine-key", "key": "api-key"}}
+    assert vllm["VLLM_API_KEY"] == {"secretKeyRef": {"name": "engine-key", "key": "api-key"}}
+    plain = render(helm)  # none configured: no such variables
+    pod = one(plain, "StatefulSet")["spec"]["template"]["spec"]
+    assert "FAIRBATCH_AGENT_TOKEN" not in env(container(pod, "agent")) and "VLLM_API_KEY" not in env(container(pod, "vllm"))
+

@@ -24,6 +24,7 @@ from loadgen.procs import ProcessGroup, free_port, script
 from loadgen.sim.tokenizer import make_prompt
 from replica_agent.agent import Agent, AgentConfig
 from replica_agent.clock import Clock
+from replica_agent.http_guard import make_runner
 from replica_agent.engine_metrics import MetricsScraper, parse_engine_metrics
 from replica_agent.policy.pab import SloClass
 from replica_agent.profiles import load_profile
@@ -95,7 +96,7 @@ async def agent_proxy(engine):
     pcfg = ProxyConfig(engine_url=engine)
     session = make_session(pcfg)
     proxy = Proxy(agent, pcfg, session, make_tracer("fairbatch-agent-test"))
-    runner = web.AppRunner(proxy.app())
+    runner = make_runner(proxy.app())
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -253,7 +254,7 @@ async def bare_proxy(pcfg: ProxyConfig, scale: float) -> AsyncIterator[tuple[Age
     )
     agent = Agent(cfg, Clock(scale))
     session = make_session(pcfg)
-    runner = web.AppRunner(Proxy(agent, pcfg, session, make_tracer("t")).app())
+    runner = make_runner(Proxy(agent, pcfg, session, make_tracer("t")).app())
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()

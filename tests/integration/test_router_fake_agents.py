@@ -25,6 +25,7 @@ from multidict import CIMultiDict
 
 from proto import admission_pb2, admission_pb2_grpc
 from replica_agent.clock import Clock
+from replica_agent.http_guard import make_runner
 from router.config import RouterConfig, hash_api_key
 from router.server import Router
 
@@ -221,7 +222,7 @@ class Fleet:
         })
         self.router = Router(config, Clock(1.0), "test-router")
         self.router.budgets._silence_s = silence_s
-        runner = web.AppRunner(self.router.build_app(), handler_cancellation=True)
+        runner = make_runner(self.router.build_app())
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -280,7 +281,9 @@ async def test_routes_to_most_headroom_with_headers(fleet: Fleet) -> None:
     assert resp.headers["x-request-id"] == "req-123"
     assert (await resp.json())["replica"] == "r1"
     hit = fleet.upstreams["r1"].hits[0]
-    assert hit["x-request-id"] == "req-123"
+    # the agent and the engine get the router's own id (the client's is only echoed back)
+    assert hit["x-request-id"] != "req-123" and len(hit["x-request-id"]) == 32
+    assert fleet.admission["r1"].reserves[0].request_id == hit["x-request-id"]
     assert hit["x-fairbatch-lease"] == "r1-lease-1"
     assert hit["x-fairbatch-slo-class"] == "interactive"
     assert hit["x-fairbatch-tenant"] == "acme"

@@ -22,6 +22,7 @@ from aiohttp import web
 from loadgen.procs import ProcessGroup, free_port, script
 from proto import admission_pb2_grpc
 from replica_agent.clock import Clock
+from replica_agent.http_guard import make_runner
 from router.config import RouterConfig, hash_api_key
 from router.server import Router
 from tests.integration.test_router_fake_agents import FakeAdmission, FakeUpstream
@@ -93,7 +94,7 @@ class InProcess:
                     **extra: object) -> None:
         reps = [await self.replicas.add(rid, pab, (modes or {}).get(rid, "ok")) for rid, pab in pabs.items()]
         self.router = Router(RouterConfig.model_validate(config_dict(reps, tenants, **extra)), Clock(1.0), "t")
-        self.runner = web.AppRunner(self.router.build_app(), handler_cancellation=True)
+        self.runner = make_runner(self.router.build_app())
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
         self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"

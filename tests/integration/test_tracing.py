@@ -69,8 +69,8 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
 
 
 def engine_traceparents(log_path: Path, request_id: str) -> list[str]:
-    """``traceparent`` values the simulated engine logged for request ``request_id``."""
-    pat = re.compile(rf"request (?:cmpl|chatcmpl)-{re.escape(request_id)}(?:#\d+)? traceparent (\S+)")
+    """``traceparent`` values the simulated engine logged for requests whose id matches the regex ``request_id``."""
+    pat = re.compile(rf"request (?:cmpl|chatcmpl)-{request_id}(?:#\d+)? traceparent (\S+)")
     return [m.group(1) for m in pat.finditer(log_path.read_text(errors="replace"))]
 
 
@@ -121,13 +121,16 @@ async def test_trace_context_flows_router_agent_engine(tmp_path: Path, monkeypat
 
         # The engine received a traceparent of the same trace, whose parent is the agent's span.
         log_path = fleet.children["engine0"].log_path  # type: ignore[attr-defined]
-        tps = engine_traceparents(log_path, "trace-1")
-        assert tps, f"engine logged no traceparent for trace-1:\n{log_path.read_text()[-2000:]}"
+        # the engine sees the router's own request ids (the client's x-request-id is only echoed), so the
+        # two requests are told apart by their order: trace-1 was sent first
+        in_order = engine_traceparents(log_path, r"[0-9a-f]{32}")
+        assert len(in_order) == 2, f"engine logged no traceparent for trace-1:\n{log_path.read_text()[-2000:]}"
+        tps = in_order[:1]
         version, tp_trace, tp_parent, flags = tps[-1].split("-")
         assert (version, tp_trace, tp_parent, flags) == ("00", trace_id, agent_span.span_id, "01")
 
         # Request without a client traceparent: the router's span is a root, the rest of the chain follows it.
-        tps2 = engine_traceparents(log_path, "trace-2")
+        tps2 = in_order[1:]
         assert tps2 and tps2[-1] != "-"
         trace2 = tps2[-1].split("-")[1]
         spans2 = await collector.wait_for(trace2, {"router.request", "router.relay", "agent.relay"})

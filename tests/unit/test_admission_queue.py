@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from router.admission_queue import Dispatcher, FifoQueue, QueueFull, QueueTimeout, WaitingRequest
+from router.admission_queue import Dispatcher, FifoQueue, PlacementFailed, QueueFull, QueueTimeout, WaitingRequest
 
 
 @dataclass
@@ -184,3 +184,38 @@ async def test_run_wakes_on_wake() -> None:
     d.wake()
     assert await asyncio.wait_for(e.future, 1.0) == "lease-a"
     task.cancel()
+
+
+async def test_a_poison_entry_is_answered_and_removed_and_never_blocks_the_ones_around_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # good, poison, good, good: the poison's placement raises (as Reserve did for max_tokens 2**63) on
+    # every try; it must fail once, leave the queue, and the three good ones go in the same pass
+    clock = FakeClock()
+    q = FifoQueue(10, 1000)
+    entries = [entry("g0"), entry("poison"), entry("g1"), entry("g2")]
+    for e in entries:
+        q.push(e)
+    tried: list[str] = []
+
+    async def admit(e: WaitingRequest) -> str | None:
+        tried.append(e.request_id)
+        if e.request_id == "poison":
+            raise ValueError("Value out of range: 9223372036854775808")
+        return f"lease-{e.request_id}"
+
+    async def release(grant: str) -> None:
+        raise AssertionError("no orphan here")
+
+    d: Dispatcher[str] = Dispatcher(queue=q, clock=clock, admit=admit, release_orphan=release)  # type: ignore[arg-type]
+    stats = await d.dispatch_once()
+    assert (stats.admitted, stats.failed, stats.held) == (3, 1, False)
+    assert tried == ["g0", "poison", "g1", "g2"]
+    assert [e.future.result() for e in (entries[0], entries[2], entries[3])] == ["lease-g0", "lease-g1", "lease-g2"]
+    with pytest.raises(PlacementFailed) as err:
+        entries[1].future.result()
+    assert err.value.reason == "ValueError"
+    assert len(q) == 0
+    stats = await d.dispatch_once()  # nothing left to fail again
+    assert (stats.admitted, stats.failed) == (0, 0) and tried == ["g0", "poison", "g1", "g2"]
+    assert sum("placing request poison raised ValueError" in r.getMessage() for r in caplog.records) == 1

@@ -135,3 +135,14 @@ def test_cli_broken_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture
     path = write(tmp_path, text)
     assert cli_main(["--config", str(path)]) == 2
     assert "fairbatch.yaml:6: tenants.acme.weight: Input should be greater than 0" in capsys.readouterr().err
+
+
+def test_hash_api_key_of_a_header_with_non_utf8_bytes_never_raises() -> None:
+    import hashlib
+
+    from router.config import hash_api_key
+
+    # aiohttp decodes header bytes b"\xff\xfe" to the lone surrogates \udcff\udcfe (surrogateescape)
+    assert hash_api_key("sk-\udcff\udcfe") == hashlib.sha256(b"sk-\xff\xfe").hexdigest()
+    assert len(hash_api_key("\ud800")) == 64  # a surrogate no byte decodes to: still a digest, no exception
+    assert hash_api_key("test") == "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"

@@ -92,3 +92,16 @@ async def test_in_process_backend_uses_the_clock() -> None:
     await led.lift("b", 2.0)
     assert await led.counters() == {"a": 3.0, "b": 2.0}
     assert not led.degraded
+
+
+def test_at_concurrency_is_a_read_that_counts_live_slots_only() -> None:
+    led = LocalLedger(concurrency_ttl_ms=1000.0)
+    lim = TenantLimits(max_concurrency=2)
+    assert not led.at_concurrency("t", lim, 0.0)  # never seen
+    assert led.acquire("t", "a", lim, 1, 0.0) is None
+    assert not led.at_concurrency("t", lim, 10.0)
+    assert led.acquire("t", "b", lim, 1, 500.0) is None
+    assert led.at_concurrency("t", lim, 600.0)  # 2 of 2
+    assert led.in_flight("t") == 2  # the peek took nothing
+    assert not led.at_concurrency("t", lim, 1000.0)  # "a" expired at 0 + 1000: one live slot
+    assert not led.at_concurrency("t", TenantLimits(), 600.0)  # no cap

@@ -1,0 +1,148 @@
+"""What both HTTP servers (router and agent) do the same way at their edge (aiohttp).
+
+- :func:`make_runner`: the ``AppRunner`` settings both use: handler cancellation (a handler is
+  cancelled when its client leaves, so an abandoned request frees its reservation and the engine
+  aborts it at once), no request-body decompression (a ``Content-Encoding`` body is refused with 415
+  instead of being inflated, and a body that is not what its header says cannot make aiohttp raise
+  while draining it), no access log.
+- :func:`read_body`: the body of a request, bounded: 413 from ``Content-Length`` before a byte is
+  read, 413 when a chunked body grows past the bound, 408 when it does not arrive within the
+  timeout, 415 for a ``Content-Encoding`` other than ``identity``, 400 when the connection breaks.
+- :func:`error_middleware`: every error answer is OpenAI's JSON ``{"error": {...}}``: aiohttp's own
+  HTTP errors (404, 405, 413) and :class:`~replica_agent.api_schema.ApiError`; any other exception is
+  our own bug and becomes a 500 in the same JSON with the request id (logged with its traceback,
+  which carries no request content).
+
+Request id: a handler stores the id it answers with under :data:`REQUEST_ID` so that the middleware
+and the response headers carry it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
+
+from replica_agent.api_schema import ApiError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT_S = 10.0
+REQUEST_ID = web.RequestKey("fairbatch_request_id", str)
+_CLIENT_ID = re.compile(r"[\x21-\x7e]{1,128}")
+
+
+def make_runner(app: web.Application, **kwargs: Any) -> web.AppRunner:
+    """``web.AppRunner(app, handler_cancellation=True, auto_decompress=False, access_log=None, **kwargs)``."""
+    opts: dict[str, Any] = {"handler_cancellation": True, "auto_decompress": False, "access_log": None}
+    opts.update(kwargs)
+    return web.AppRunner(app, **opts)
+
+
+def client_request_id(value: str | None) -> str | None:
+    """The client's ``x-request-id`` when it is 1-128 printable ASCII characters without spaces, else None
+    (never echoed into a header or a log line otherwise)."""
+    if value and _CLIENT_ID.fullmatch(value):
+        return value
+    return None
+
+
+def new_request_id() -> str:
+    """A fresh id (uuid4 hex, 32 characters)."""
+    return uuid.uuid4().hex
+
+
+async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
+    """The whole request body, bounded in size and time.
+
+    Args:
+        request: the aiohttp request (its ``client_max_size`` should be >= ``max_bytes``).
+        max_bytes: largest body accepted (bytes).
+        timeout_s: wall seconds the whole body may take to arrive.
+
+    Raises:
+        ApiError: 413 ``body_too_large`` (by ``Content-Length`` before reading, or while reading a
+            chunked body), 415 ``unsupported_content_encoding``, 408 ``body_timeout``, 400
+            ``body_incomplete`` when the body breaks off.
+    """
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ApiError(415, "Content-Encoding is not supported; send the JSON body uncompressed.", None,
+                       "unsupported_content_encoding")
+    length = request.content_length
+    if length is not None and length > max_bytes:
+        raise ApiError(413, f"The body ({length} bytes) is larger than the limit of {max_bytes} bytes.", None,
+                       "body_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                chunk = await request.content.readany()
+                if not chunk:
+                    break
+                size += len(chunk)
+                if size > max_bytes:
+                    raise ApiError(413, f"The body is larger than the limit of {max_bytes} bytes.", None,
+                                   "body_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"The body did not arrive within {timeout_s:g} s.", None, "body_timeout") from None
+    except (RequestPayloadError, HttpProcessingError, ConnectionError, OSError) as exc:
+        raise ApiError(400, f"The body could not be read ({type(exc).__name__}).", None, "body_incomplete") from None
+    return b"".join(chunks)
+
+
+def json_error(status: int, message: str, err_type: str, code: Any, param: str | None = None,
+               headers: dict[str, str] | None = None) -> web.Response:
+    """An OpenAI-format error response ``{"error": {"message", "type", "param", "code"}}``."""
+    body = json.dumps({"error": {"message": message, "type": err_type, "param": param, "code": code}})
+    return web.Response(status=status, text=body, content_type="application/json", headers=headers)
+
+
+def api_error_response(exc: ApiError, headers: dict[str, str] | None = None) -> web.Response:
+    """The response for an :class:`ApiError`."""
+    return json_error(exc.status, exc.message, exc.err_type, exc.code, exc.param, headers)
+
+
+def error_middleware(name: str) -> Callable[[web.Request, Any], Awaitable[web.StreamResponse]]:
+    """The middleware that makes every error answer OpenAI JSON (see the module docstring).
+
+    Args:
+        name: the server's name in the 500 message and log (``router``, ``agent``).
+    """
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            text = exc.text or ""
+            if not text or text.startswith(f"{exc.status}:"):  # aiohttp's default body, e.g. "404: Not Found"
+                text = f"{exc.reason}: {request.method} {request.path}"
+            headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+            return json_error(exc.status, text, "invalid_request_error", exc.status, headers=headers)
+        except ApiError as exc:
+            return api_error_response(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - our own bug: answer JSON, log it once
+            rid = request.get(REQUEST_ID) or new_request_id()
+            request[REQUEST_ID] = rid
+            log.error("%s: internal error on %s %s (request %s): %s", name, request.method, request.path, rid,
+                      type(exc).__name__, exc_info=exc)
+            return json_error(500, f"Internal error in the {name} (request id {rid}).", "internal_error", 500,
+                              headers={"x-request-id": rid})
+
+    return middleware

@@ -1,0 +1,204 @@
+"""The agent's proxy under hostile input, abandoned requests and a frozen engine (issue 14), against the
+real simulated engine process on loopback.
+
+- bad bodies: 4xx in OpenAI's error JSON, nothing tracked;
+- a client leaving during prefill: the engine stops the request at once (the agent's server runs with
+  handler cancellation, replica_agent/http_guard.make_runner), where it used to run the whole prefill;
+- a frozen engine (SIGSTOP): a stream ends with the SSE error event within the stall timeout, a
+  non-stream request gets 502 (retryable at the router: nothing was sent), the agent is unhealthy until
+  the engine answers again (SIGCONT).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+import pytest
+
+from loadgen.procs import Child, ProcessGroup, free_port
+from loadgen.sim.tokenizer import make_prompt
+from replica_agent.agent import Agent, AgentConfig
+from replica_agent.clock import Clock
+from replica_agent.engine_metrics import MetricsScraper, parse_engine_metrics
+from replica_agent.http_guard import make_runner
+from replica_agent.policy.pab import SloClass
+from replica_agent.profiles import load_profile
+from replica_agent.proxy import Proxy, ProxyConfig, default_stall_ms, make_session
+from replica_agent.telemetry import make_tracer
+from tests.integration.test_router_hardening import BAD_BODIES, post_bytes, raw_http, status_and_json
+
+MODEL = "llama-3-8b-a100"
+
+
+@dataclass
+class Setup:
+    agent: Agent
+    url: str
+    engine_url: str
+    engine: Child
+
+
+async def start(tmp_path, scale: float, stall_timeout_s: float | None = None) -> AsyncIterator[Setup]:
+    with ProcessGroup(tmp_path / "logs") as group:
+        port = free_port()
+        engine = group.start("sim-engine", [sys.executable, "-m", "loadgen.sim.server", "--port", str(port),
+                                            "--time-scale", str(scale), "--profile", MODEL])
+        engine_url = f"http://127.0.0.1:{port}"
+        group.wait_http_ok(engine, engine_url + "/health", timeout_s=30)
+        profile = load_profile(MODEL)
+        cfg = AgentConfig(
+            replica_id="r0", time_model=profile.time_model,
+            slo_classes=(SloClass("interactive", 500.0, 50.0),), default_slo_class="interactive",
+            profile_kv_capacity_tokens=profile.kv_capacity_tokens, metrics_interval_ms=50.0,
+        )
+        clock = Clock(scale)
+        agent = Agent(cfg, clock, lease_id_prefix="t")
+        pcfg = ProxyConfig(engine_url=engine_url, stall_timeout_s=stall_timeout_s)
+        session = make_session(pcfg)
+        runner = make_runner(Proxy(agent, pcfg, session, make_tracer("t")).app())
+        await runner.setup()
+        aport = free_port()
+        from aiohttp import web
+
+        await web.TCPSite(runner, "127.0.0.1", aport).start()
+        scraper = asyncio.create_task(MetricsScraper(
+            session, engine_url, clock, cfg.metrics_interval_ms, agent.on_engine_metrics, timeout_s=0.3).run())
+        try:
+            yield Setup(agent, f"http://127.0.0.1:{aport}", engine_url, engine)
+        finally:
+            if engine.popen.poll() is None:
+                os.kill(engine.popen.pid, signal.SIGCONT)
+            scraper.cancel()
+            await asyncio.gather(scraper, return_exceptions=True)
+            await runner.cleanup()
+            await session.close()
+
+
+@pytest.fixture
+async def fast(tmp_path):
+    async for s in start(tmp_path, 0.05):
+        yield s
+
+
+async def engine_load(s: aiohttp.ClientSession, engine_url: str) -> int:
+    async with s.get(engine_url + "/metrics") as resp:
+        m, _ = parse_engine_metrics(await resp.text())
+    return m.num_running + m.num_waiting
+
+
+async def test_bad_bodies_are_4xx_json_and_nothing_is_tracked(fast: Setup) -> None:
+    for name, body in BAD_BODIES.items():
+        if name == "max-tokens-over-context" and not fast.agent.max_prompt_tokens:
+            continue  # the agent learns the context length from the engine's /v1/models (the CLI does)
+        path = b"/v1/chat/completions" if "chat" in name else b"/v1/completions"
+        status, doc = status_and_json(await raw_http(fast.url, post_bytes(body, path=path)))
+        assert status == 400, name
+        assert set(doc["error"]) == {"message", "type", "param", "code"}, name
+    status, doc = status_and_json(await raw_http(fast.url, post_bytes(b'{"model": "m", "prompt": "x"}',
+                                                                     extra=b"Content-Encoding: gzip\r\n")))
+    assert status == 415
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50000000\r\n\r\n"
+    status, doc = status_and_json(await raw_http(fast.url, head))
+    assert status == 413 and doc["error"]["code"] == "body_too_large"
+    assert len(fast.agent.tracker) == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_client_leaving_in_prefill_stops_the_engine_at_once(tmp_path, stream: bool) -> None:
+    # real time (scale 1): a 16,000-token prompt takes the engine 8 chunked steps of 2,048 tokens, about 1 s of
+    # prefill; the client leaves 100 ms in. Before handler cancellation the engine ran the whole prefill.
+    async for setup in start(tmp_path, 1.0):
+        body = {"model": MODEL, "prompt": make_prompt(16_000), "max_tokens": 8, "stream": stream}
+        loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession() as s:
+            # a stream's headers come at once (the engine sends them before the prefill), a non-stream answer
+            # only at the end: the client leaves by closing the response, or by cancelling the wait for it
+            task = asyncio.create_task(s.post(setup.url + "/v1/completions", json=body))
+            end = loop.time() + 2.0
+            while await engine_load(s, setup.engine_url) == 0 and loop.time() < end:
+                await asyncio.sleep(0.005)
+            assert await engine_load(s, setup.engine_url) == 1  # in prefill (no first token for ~1 s)
+            await asyncio.sleep(0.1)
+            if stream:
+                resp = await task
+                assert resp.status == 200
+                resp.close()  # the client leaves: its connection is closed
+            else:
+                assert not task.done()
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            t0 = loop.time()
+            while await engine_load(s, setup.engine_url) and loop.time() < t0 + 3.0:
+                await asyncio.sleep(0.005)
+            stopped_s = loop.time() - t0
+            assert await engine_load(s, setup.engine_url) == 0
+            assert len(setup.agent.tracker) == 0
+        print(f"prefill abort ({'stream' if stream else 'non-stream'}): engine empty {stopped_s * 1000:.0f} ms "
+              "after the client left 100 ms into a ~1 s prefill")
+        assert stopped_s < 0.5  # against ~0.9 s of prefill left had it run to the end
+
+
+async def test_frozen_engine_ends_streams_within_the_stall_timeout_and_marks_the_agent_unhealthy(tmp_path) -> None:
+    assert default_stall_ms(500.0, 50.0) == 3000.0 and default_stall_ms(100.0, 10.0) == 1000.0
+    async for setup in start(tmp_path, 0.05, stall_timeout_s=0.5):
+        loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession() as s:
+            end = loop.time() + 3.0
+            while not setup.agent.health(setup.agent.clock.now_ms())[0] and loop.time() < end:
+                await asyncio.sleep(0.02)
+            assert setup.agent.health(setup.agent.clock.now_ms())[0]
+            resp = await s.post(setup.url + "/v1/completions",
+                                json={"model": MODEL, "prompt": make_prompt(20), "max_tokens": 30_000, "stream": True})
+            assert resp.status == 200
+            got = b""
+            while got.count(b"data: ") < 3:
+                got += await resp.content.readany()
+            os.kill(setup.engine.popen.pid, signal.SIGSTOP)  # frozen, connections open
+            t0 = loop.time()
+            rest = await asyncio.wait_for(resp.read(), 5.0)
+            ended_s = loop.time() - t0
+            events = [e for e in (got + rest).split(b"\n\n") if e]
+            assert events[-1] == b"data: [DONE]"
+            err = json.loads(events[-2][len(b"data: "):])["error"]
+            assert err["message"] == "engine stalled: no byte for 0.5 s"
+            assert 0.4 <= ended_s < 2.0, ended_s
+            healthy, detail = setup.agent.health(setup.agent.clock.now_ms())
+            assert not healthy
+            # a non-stream request: no byte sent, so 502 (the router retries it on another replica)
+            t1 = loop.time()
+            async with s.post(setup.url + "/v1/completions",
+                              json={"model": MODEL, "prompt": make_prompt(20), "max_tokens": 4}) as r:
+                assert r.status == 502
+                assert (await r.json())["error"]["message"] == "engine stalled: no response within 0.5 s"
+            nonstream_s = loop.time() - t1
+            assert len(setup.agent.tracker) == 0
+            os.kill(setup.engine.popen.pid, signal.SIGCONT)
+            end = loop.time() + 5.0
+            while not setup.agent.health(setup.agent.clock.now_ms())[0] and loop.time() < end:
+                await asyncio.sleep(0.02)
+            assert setup.agent.health(setup.agent.clock.now_ms())[0]  # healthy again once the engine answers
+        print(f"frozen engine, stall timeout 0.5 s: stream ended in {ended_s * 1000:.0f} ms, non-stream answered "
+              f"502 in {nonstream_s * 1000:.0f} ms, unhealthy until SIGCONT")
+
+
+def test_stall_timeouts_per_class_come_from_the_router_yaml(tmp_path) -> None:
+    from replica_agent.cli import load_stall_timeouts
+    from router.config import parse_config
+
+    text = ("slo_classes:\n  interactive: {ttft_ms: 500, tpot_ms: 50, stall_timeout_ms: 1500}\n"
+            "  batch: {ttft_ms: 20000, tpot_ms: 200}\n"
+            "replicas: [{id: r0, http_url: 'http://127.0.0.1:1', grpc_target: '127.0.0.1:2'}]\n")
+    path = tmp_path / "fairbatch.yaml"
+    path.write_text(text)
+    assert parse_config(text).slo_classes["interactive"].stall_timeout_ms == 1500  # the router accepts the field
+    assert load_stall_timeouts(path) == {"interactive": 1500.0}  # batch: the default, max(1000, 80000 + 4000)
+    path.write_text(text.replace("1500", "-1"))
+    with pytest.raises(ValueError, match="stall_timeout_ms must be a positive number"):
+        load_stall_timeouts(path)
