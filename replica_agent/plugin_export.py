@@ -21,7 +21,7 @@ Export format (one JSON object per datagram or line, ``"v": 1``):
   out, ``mt`` max tokens, ``arr`` arrival, ``ft`` first-token time, ``dl`` next-token deadline,
   ``sl`` slack (unix ms / ms), ``ttft``, ``tpot`` (ms), ``n`` tokens scheduled this step; KV
   ``kv_free_blocks``, ``kv_total_blocks``, ``block_size``; ``new_tokens``, ``context_tokens``,
-  ``predicted_ms`` (the plugin's model), ``dropped`` (records the exporter dropped so far);
+  ``predicted_ms`` and ``tm`` (the model the plugin plans with, ``[a, b, c, e, d]``: its online fit x margin), ``dropped`` (records the exporter dropped so far);
 - step record (``"kind": "step"``), sent from ``update_from_output()`` once a step has run: the
   step-log fields ``start_ms``, ``new_tokens``, ``context_tokens``, ``measured_ms``, ``batch_size``.
 """
@@ -144,6 +144,8 @@ def state_record(
         "scheduled": dict(sched), "exact": exact,
         "new_tokens": new_tokens, "context_tokens": ctx,
         "predicted_ms": round(time_model.batch_ms(new_tokens, ctx), 3) if new_tokens else 0.0,
+        "tm": [time_model.a_ms, time_model.b_ms_per_new_token, time_model.c_ms_per_context_token,
+               time_model.e_ms_per_chunk_prefix, time_model.d_ms_per_decode],
         "reqs": reqs, "dropped": dropped,
     }
 
