@@ -247,13 +247,28 @@ class EngineStalled(Exception):
 async def _next_chunk(it: Any, stall_s: float) -> bytes:
     """The next upstream chunk; StopAsyncIteration at the end.
 
+    The silence is measured in four slices of ``stall_s / 4``; a slice that lasted more than twice
+    its length counts as two: the agent itself did not run then (SIGSTOP, a blocked loop, a starved
+    machine), which says nothing about the engine. Without this, an agent resumed after 12 s paused
+    ended its healthy streams as stalled before reading the bytes waiting on their sockets (seen in
+    the real-vLLM kill test). ``it`` must survive a cancelled ``__anext__`` (aiohttp's
+    ``iter_any()`` does: the bytes stay buffered). A chunk within the first slice costs one
+    ``wait_for``, as before.
+
     Raises:
-        EngineStalled: nothing arrived within ``stall_s`` wall seconds.
+        EngineStalled: nothing arrived within ``stall_s`` wall seconds of the agent running.
     """
-    try:
-        return await asyncio.wait_for(it.__anext__(), stall_s)
-    except TimeoutError:
-        raise EngineStalled(stall_s) from None
+    loop = asyncio.get_running_loop()
+    slice_s = stall_s / 4.0
+    silent = 0.0
+    while True:
+        t0 = loop.time()
+        try:
+            return await asyncio.wait_for(it.__anext__(), slice_s)
+        except TimeoutError:
+            silent += min(loop.time() - t0, 2.0 * slice_s)
+            if silent >= stall_s - 1e-9:
+                raise EngineStalled(stall_s) from None
 
 
 def make_session(config: ProxyConfig) -> aiohttp.ClientSession:

@@ -840,7 +840,10 @@ class Router:
         }
         if self._agent_token:
             headers["x-fairbatch-token"] = self._agent_token
-        response_headers = {"x-request-id": request.get(REQUEST_ID) or request_id, "x-fairbatch-replica": grant.replica_id}
+        # x-fairbatch-request-id: the router's own id, the one the agent and the engine log (the client's
+        # x-request-id is only echoed), so a client can find its request in the replica's logs
+        response_headers = {"x-request-id": request.get(REQUEST_ID) or request_id, "x-fairbatch-replica": grant.replica_id,
+                            "x-fairbatch-request-id": request_id}  # fmt: skip
         with self.tracer.start_as_current_span("router.relay", kind=trace.SpanKind.CLIENT) as span:
             span.set_attribute("fairbatch.replica", grant.replica_id)
             inject_context(headers)

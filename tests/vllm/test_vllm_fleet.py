@@ -181,14 +181,15 @@ async def test_requests_through_router(vllm_fleet: VllmFleet) -> None:
             assert resp.status == 200, await resp.text()
             assert resp.headers["x-request-id"] == rid
             replica = resp.headers["x-fairbatch-replica"]
+            engine_rid = resp.headers["x-fairbatch-request-id"]  # the router's own id travels, not the client's
             data = await resp.json()
         assert data["object"] == "text_completion"
         assert data["usage"]["completion_tokens"] == 12
         assert data["usage"]["prompt_tokens"] == expected_prompt_tokens
         assert data["choices"][0]["finish_reason"] == "length"
-        # the engine used our id: its request log names it
+        # the engine used the router's id (the one the response names): its request log names it
         log = engine_log(fleet.replica(replica))
-        assert rid in log, f"request id {rid} not in vLLM {replica}'s log"
+        assert engine_rid in log and rid not in log, f"request id {engine_rid} not in vLLM {replica}'s log"
 
         # stream completion with usage; token count from usage (one chunk may hold several tokens)
         rid2 = "vllmtest-" + uuid.uuid4().hex[:12]
@@ -272,6 +273,7 @@ async def test_client_disconnect_aborts_vllm_request(vllm_fleet: VllmFleet) -> N
             resp = await s.post(fleet.router_url + "/v1/completions", json=body, headers=auth(fleet, request_id=rid))
             assert resp.status == 200, await resp.text()
             victim = fleet.replica(resp.headers["x-fairbatch-replica"])
+            rid = resp.headers["x-fairbatch-request-id"]  # the id vLLM logs
             assert await resp.content.readany(), "stream ended early"
             resp.close()  # client goes away mid-stream
         # the abort must stop it well before max_tokens
