@@ -199,6 +199,7 @@ async def test_requests_through_router(vllm_fleet: VllmFleet) -> None:
             assert resp.status == 200, await resp.text()
             assert resp.headers["Content-Type"].startswith("text/event-stream")
             assert resp.headers["x-request-id"] == rid2
+            engine_rid2 = resp.headers["x-fairbatch-request-id"]
             events = sse_events(await resp.read())
         assert events[-1] == "[DONE]"
         chunks = [e for e in events[:-1] if e.get("choices")]
@@ -206,7 +207,7 @@ async def test_requests_through_router(vllm_fleet: VllmFleet) -> None:
         assert usage and usage[-1]["completion_tokens"] == 24
         assert usage[-1]["prompt_tokens"] == expected_prompt_tokens
         assert 1 <= len(chunks) <= 25
-        assert all(c["id"].endswith(rid2) for c in chunks), chunks[0]["id"]
+        assert all(c["id"].endswith(engine_rid2) for c in chunks), chunks[0]["id"]  # vLLM's id: cmpl-<router id>
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
         # token-id prompt (ids inside the 900-token vocabulary): prompt_tokens exact
