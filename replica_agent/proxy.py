@@ -5,10 +5,11 @@ engine; serves ``GET /health`` (200 when the engine's /health answers 200, else 
 ``GET /metrics`` (the agent's own registry, ``fairbatch_agent_*``).
 
 Stream requests: the engine's bytes go to the client unchanged as they arrive; each SSE event is
-parsed on the side to timestamp tokens (one token per chunk with non-empty ``text`` or
-``delta.content``; the final ``usage`` corrects the counts). Non-stream requests go upstream with
-``stream: true`` and ``stream_options.include_usage: true`` and are re-assembled into vLLM's
-non-stream JSON. Headers honoured (docs/architecture.md "Agent"): ``x-request-id`` (forwarded),
+parsed on the side to timestamp tokens (every choice of the chunk, whatever field carries the
+token: replica_agent/openai_stream.py; the final ``usage`` corrects the counts). Non-stream
+requests go upstream unchanged (still non-stream) and the engine's answer goes back byte for byte;
+the agent tracks them in prefill until the answer arrives and reads ``usage`` from it
+(docs/architecture.md "Non-stream requests" says why, with the measured cost). Headers honoured (docs/architecture.md "Agent"): ``x-request-id`` (forwarded),
 ``x-fairbatch-lease`` (consumed), ``x-fairbatch-slo-class``, ``x-fairbatch-queued-ms`` (arrival =
 now - queued), ``x-fairbatch-tenant`` (logs/spans only), ``traceparent``/``tracestate`` (a child
 span is created and injected upstream). Upstream, the agent adds ``x-fairbatch-ttft-ms`` and
@@ -37,6 +38,7 @@ from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from replica_agent.agent import Agent
+from replica_agent.openai_stream import generated_tokens, requested_choices, usage_counts
 from replica_agent.telemetry import extract_context, inject_context
 from replica_agent.tracker import TrackerFull
 
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 BYTES_PER_TOKEN = 4
 CHAT_TOKENS_PER_MESSAGE = 4
 _DONE_EVENT = b"data: [DONE]\n\n"
+_DISCONNECT_POLL_S = 0.05
 _FORWARDED_HEADERS = ("authorization", "accept")
 
 
@@ -138,15 +141,9 @@ class SseParser:
 
 
 def content_tokens(event: Mapping[str, Any]) -> int:
-    """1 when the chunk's first choice carries non-empty ``text`` or ``delta.content``, else 0."""
-    choices = event.get("choices")
-    if not choices:
-        return 0
-    ch = choices[0]
-    if ch.get("text"):
-        return 1
-    delta = ch.get("delta")
-    return 1 if isinstance(delta, Mapping) and delta.get("content") else 0
+    """Generated tokens in one parsed SSE chunk, every choice and field counted
+    (:func:`replica_agent.openai_stream.generated_tokens`; kept under its old name)."""
+    return generated_tokens(event)
 
 
 def error_json(status: int, message: str, err_type: str = "upstream_error") -> web.Response:
@@ -303,6 +300,8 @@ class Proxy:
             queued_ms = 0.0
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
         max_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None
+        if max_tokens is not None:
+            max_tokens *= requested_choices(body)  # n sequences, each up to max_tokens
         stream = bool(body.get("stream"))
         agent = self._agent
         key = self._tracker_key(request_id)
@@ -341,13 +340,7 @@ class Proxy:
                 if stream:
                     resp, outcome = await self._relay_stream(request, path, raw, up_headers, key, request_id)
                 else:
-                    up_body = dict(body)
-                    up_body["stream"] = True
-                    opts = up_body.get("stream_options")
-                    up_body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
-                    resp, outcome = await self._relay_assembled(
-                        request, path, json.dumps(up_body).encode(), up_headers, key, request_id, chat
-                    )
+                    resp, outcome = await self._relay_whole(request, path, raw, up_headers, key, request_id)
                 span.set_attribute("fairbatch.outcome", outcome)
                 return resp
             finally:
@@ -425,12 +418,12 @@ class Proxy:
                 except (ConnectionError, aiohttp.ClientConnectionResetError, OSError):
                     return resp, "client_disconnect"
                 for event in parser.feed(chunk):
-                    n = content_tokens(event)
+                    n = generated_tokens(event)
                     if n:
                         agent.request_tokens(key, now, n)
-                    usage = event.get("usage")
-                    if isinstance(usage, dict):
-                        agent.request_usage(key, usage.get("prompt_tokens"), usage.get("completion_tokens"))
+                    counts = usage_counts(event)
+                    if counts is not None:
+                        agent.request_usage(key, *counts)
                     if "error" in event and not upstream_error:
                         upstream_error = "engine sent an error event"
             if parser.done and not upstream_error:
@@ -452,97 +445,53 @@ class Proxy:
             else:
                 up.close()  # drops the connection: the engine sees the disconnect and aborts
 
-    async def _relay_assembled(
-        self,
-        request: web.Request,
-        path: str,
-        data: bytes,
-        headers: dict[str, str],
-        key: str,
-        request_id: str,
-        chat: bool,
+    async def _relay_whole(
+        self, request: web.Request, path: str, raw: bytes, headers: dict[str, str], key: str, request_id: str
     ) -> tuple[web.StreamResponse, str]:
-        agent = self._agent
-        up = await self._open_upstream(path, data, headers)
+        """Relay a non-stream request unchanged and the engine's answer byte for byte.
+
+        The request stays in prefill in the tracker until the answer arrives (the engine sends
+        nothing before it is done); then ``usage`` from the answer corrects its counts and the
+        caller finishes it. While waiting, the client's connection is checked every
+        ``_DISCONNECT_POLL_S`` wall seconds: a client gone closes the upstream connection, so the
+        engine aborts the request, and the outcome is ``client_disconnect``.
+        """
+        up = await self._open_upstream(path, raw, headers)
         if isinstance(up, web.Response):
             return up, "upstream_unreachable"
         clean = False
         try:
-            if up.status != 200:
-                clean = True
-                return await self._relay_error_status(up, request_id), "upstream_error"
-            parser = SseParser()
-            head: dict[str, Any] = {}
-            texts: list[str] = []
-            finish_reason: Any = None
-            stop_reason: Any = None
-            usage: dict[str, Any] | None = None
-            error: Any = None
-            it = up.content.iter_any().__aiter__()
-            while True:
-                try:
-                    chunk = await it.__anext__()
-                except StopAsyncIteration:
-                    break
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                    return error_json(502, f"engine stream failed: {type(e).__name__}"), "upstream_error"
-                transport = request.transport
-                if transport is None or transport.is_closing():
-                    return web.Response(status=499), "client_disconnect"
-                now = agent.clock.now_ms()
-                for event in parser.feed(chunk):
-                    if "error" in event:
-                        error = event["error"]
-                        continue
-                    if not head:
-                        head = {k: event.get(k) for k in ("id", "created", "model")}
-                    choices = event.get("choices") or []
-                    if choices:
-                        ch = choices[0]
-                        piece = ch.get("text") if not chat else (ch.get("delta") or {}).get("content")
-                        if piece:
-                            texts.append(piece)
-                            agent.request_tokens(key, now, 1)
-                        if ch.get("finish_reason") is not None:
-                            finish_reason = ch.get("finish_reason")
-                            stop_reason = ch.get("stop_reason")
-                    if isinstance(event.get("usage"), dict):
-                        usage = event["usage"]
-                        agent.request_usage(key, usage.get("prompt_tokens"), usage.get("completion_tokens"))
-            if error is not None or not parser.done:
-                msg = error.get("message") if isinstance(error, dict) else "engine stream ended without [DONE]"
-                return error_json(502, f"engine failed: {msg}"), "upstream_error"
+            read = asyncio.ensure_future(up.read())
+            try:
+                while True:
+                    done, _ = await asyncio.wait({read}, timeout=_DISCONNECT_POLL_S)
+                    if done:
+                        break
+                    transport = request.transport
+                    if transport is None or transport.is_closing():
+                        return web.Response(status=499), "client_disconnect"
+                body = read.result()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                return error_json(502, f"engine answer failed: {type(e).__name__}"), "upstream_error"
+            finally:
+                if not read.done():
+                    read.cancel()
+                    await asyncio.gather(read, return_exceptions=True)
             clean = True
-            text = "".join(texts)
-            if chat:
-                choice = {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": finish_reason,
-                    "stop_reason": stop_reason,
-                }
-                obj = "chat.completion"
-            else:
-                choice = {
-                    "index": 0,
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": finish_reason,
-                    "stop_reason": stop_reason,
-                }
-                obj = "text_completion"
-            out = {
-                "id": head.get("id"),
-                "object": obj,
-                "created": head.get("created"),
-                "model": head.get("model"),
-                "choices": [choice],
-                "usage": usage,
-            }
-            return web.json_response(out, headers={"x-request-id": request_id}), "ok"
+            resp_headers = {"Content-Type": up.headers.get("Content-Type", "application/json"), "x-request-id": request_id}
+            if up.status != 200:
+                return web.Response(status=up.status, body=body, headers=resp_headers), "upstream_error"
+            try:
+                answer = json.loads(body)
+            except ValueError:
+                answer = None
+            if isinstance(answer, dict):
+                counts = usage_counts(answer)
+                if counts is not None:
+                    self._agent.request_usage(key, *counts)
+            return web.Response(status=200, body=body, headers=resp_headers), "ok"
         finally:
             if clean:
                 up.release()
             else:
-                up.close()
+                up.close()  # drops the connection: the engine sees the disconnect and aborts
