@@ -10,7 +10,7 @@ sim tokenizer's 4-bytes-per-token count holds for every output) plus an EOS toke
 ``p(VOCAB[r]) = 0.99 * 0.9**r / sum_j 0.9**j`` (rank r = 0 is ``" tok"``), ``p(EOS) = 0.01``.
 
 - Greedy (no ``seed``, or ``temperature == 0``): every token is ``" tok"`` (the argmax; EOS is
-  never the argmax), so a request without a seed writes ``" tok" * max_tokens`` as before, and
+  never the argmax; under a mask, the best unmasked word), so a request without a seed writes ``" tok" * max_tokens`` as before, and
   every choice of ``n > 1`` is the same (as vLLM's greedy choices are).
 - Sampled (``seed`` s, temperature != 0): choice i draws from the distribution with
   ``random.Random(f"{s}/{i}")``: reproducible for the same (seed, n), different across choices.
@@ -338,6 +338,12 @@ def _sampled(rng: random.Random, masked: set[int]) -> Token:
             return tok
 
 
+def _argmax(masked: set[int]) -> Token:
+    """The most likely vocabulary word whose id is not masked (greedy decoding under a mask)."""
+    r = next(r for r in range(len(VOCAB)) if VOCAB_ID_BASE + r not in masked)
+    return Token(VOCAB_ID_BASE + r, VOCAB[r], VOCAB_LOGPROBS[r], _TOP)
+
+
 def _forced(piece: str) -> Token:
     return Token(token_id(piece), piece, FORCED_LOGPROB, ((piece, FORCED_LOGPROB), *_FORCED_TOP))
 
@@ -382,7 +388,7 @@ def generate_choice(sp: Sampling, index: int) -> ChoiceOutput:
             else:
                 tok = _EOS_FORCED
         elif sp.greedy:
-            tok = _GREEDY
+            tok = _GREEDY if _GREEDY.id not in masked else _argmax(masked)
         else:
             tok = _sampled(rng, masked)
         out.tokens.append(tok)
