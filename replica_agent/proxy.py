@@ -451,45 +451,57 @@ class Proxy:
         """Relay a non-stream request unchanged and the engine's answer byte for byte.
 
         The request stays in prefill in the tracker until the answer arrives (the engine sends
-        nothing before it is done); then ``usage`` from the answer corrects its counts and the
-        caller finishes it. While waiting, the client's connection is checked every
-        ``_DISCONNECT_POLL_S`` wall seconds: a client gone closes the upstream connection, so the
-        engine aborts the request, and the outcome is ``client_disconnect``.
+        nothing, not even its headers, before it is done); then ``usage`` from the answer corrects
+        its counts and the caller finishes it. While waiting, the client's connection is checked
+        every ``_DISCONNECT_POLL_S`` wall seconds: a client gone cancels the upstream exchange,
+        which closes its connection, so the engine aborts the request; outcome ``client_disconnect``.
         """
+        exchange = asyncio.ensure_future(self._whole_exchange(path, raw, headers))
+        try:
+            while True:
+                done, _ = await asyncio.wait({exchange}, timeout=_DISCONNECT_POLL_S)
+                if done:
+                    break
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    return web.Response(status=499), "client_disconnect"
+        finally:
+            if not exchange.done():
+                exchange.cancel()
+                await asyncio.gather(exchange, return_exceptions=True)
+        result = exchange.result()
+        if isinstance(result[0], web.Response):
+            return result  # type: ignore[return-value]
+        status, content_type, body = result
+        resp_headers = {"Content-Type": content_type, "x-request-id": request_id}
+        if status != 200:
+            return web.Response(status=status, body=body, headers=resp_headers), "upstream_error"
+        try:
+            answer = json.loads(body)
+        except ValueError:
+            answer = None
+        if isinstance(answer, dict):
+            counts = usage_counts(answer)
+            if counts is not None:
+                self._agent.request_usage(key, *counts)
+        return web.Response(status=200, body=body, headers=resp_headers), "ok"
+
+    async def _whole_exchange(
+        self, path: str, raw: bytes, headers: dict[str, str]
+    ) -> tuple[int, str, bytes] | tuple[web.Response, str]:
+        """POST upstream and read the whole answer: (status, content type, body), or (a 502
+        response, outcome). Cancelled, it closes the upstream connection (the engine aborts)."""
         up = await self._open_upstream(path, raw, headers)
         if isinstance(up, web.Response):
             return up, "upstream_unreachable"
         clean = False
         try:
-            read = asyncio.ensure_future(up.read())
-            try:
-                while True:
-                    done, _ = await asyncio.wait({read}, timeout=_DISCONNECT_POLL_S)
-                    if done:
-                        break
-                    transport = request.transport
-                    if transport is None or transport.is_closing():
-                        return web.Response(status=499), "client_disconnect"
-                body = read.result()
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                return error_json(502, f"engine answer failed: {type(e).__name__}"), "upstream_error"
-            finally:
-                if not read.done():
-                    read.cancel()
-                    await asyncio.gather(read, return_exceptions=True)
+            body = await up.read()
             clean = True
-            resp_headers = {"Content-Type": up.headers.get("Content-Type", "application/json"), "x-request-id": request_id}
-            if up.status != 200:
-                return web.Response(status=up.status, body=body, headers=resp_headers), "upstream_error"
-            try:
-                answer = json.loads(body)
-            except ValueError:
-                answer = None
-            if isinstance(answer, dict):
-                counts = usage_counts(answer)
-                if counts is not None:
-                    self._agent.request_usage(key, *counts)
-            return web.Response(status=200, body=body, headers=resp_headers), "ok"
+            return up.status, up.headers.get("Content-Type", "application/json"), body
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            log.warning("engine %s answer failed: %s: %s", self._base, type(e).__name__, e)
+            return error_json(502, f"engine answer failed: {type(e).__name__}"), "upstream_error"
         finally:
             if clean:
                 up.release()
