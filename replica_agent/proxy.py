@@ -38,6 +38,7 @@ from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from replica_agent.agent import Agent
+from replica_agent.openai_errors import map_engine_error
 from replica_agent.openai_stream import generated_tokens, requested_choices, usage_counts
 from replica_agent.telemetry import extract_context, inject_context
 from replica_agent.tracker import TrackerFull
@@ -227,6 +228,8 @@ class Proxy:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.utility)
+        app.router.add_post("/detokenize", self.utility)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         return app
@@ -237,6 +240,22 @@ class Proxy:
         try:
             async with self._session.get(self._base + "/v1/models", headers=self._fwd_headers(request)) as up:
                 body = await up.read()
+                return web.Response(
+                    status=up.status, body=body, headers={"Content-Type": up.headers.get("Content-Type", "application/json")}
+                )
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            return self._unreachable(e)
+
+    async def utility(self, request: web.Request) -> web.Response:
+        """Relay POST /tokenize and /detokenize (no forward pass, so not tracked): status kept,
+        error bodies in fairbatch's vocabulary."""
+        raw = await request.read()
+        headers = {**self._fwd_headers(request), "Content-Type": "application/json"}
+        try:
+            async with self._session.post(self._base + request.path, data=raw, headers=headers) as up:
+                body = await up.read()
+                if up.status >= 400:
+                    body = map_engine_error(up.status, body)
                 return web.Response(
                     status=up.status, body=body, headers={"Content-Type": up.headers.get("Content-Type", "application/json")}
                 )
@@ -373,7 +392,8 @@ class Proxy:
 
     @staticmethod
     async def _relay_error_status(up: aiohttp.ClientResponse, request_id: str) -> web.Response:
-        body = await up.read()
+        """The engine's error answer, its body in fairbatch's error vocabulary (replica_agent/openai_errors.py)."""
+        body = map_engine_error(up.status, await up.read())
         return web.Response(
             status=up.status,
             body=body,
@@ -475,6 +495,7 @@ class Proxy:
         status, content_type, body = result
         resp_headers = {"Content-Type": content_type, "x-request-id": request_id}
         if status != 200:
+            body = map_engine_error(status, body)  # one error vocabulary (replica_agent/openai_errors.py)
             return web.Response(status=status, body=body, headers=resp_headers), "upstream_error"
         try:
             answer = json.loads(body)

@@ -47,8 +47,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from loadgen.sim.engine import EngineConfig, SimEngine, StepResult
 from loadgen.sim.engine_time import POLICY, engine_label, load_engine_time_model
 from loadgen.sim.step_log import write_step
-from loadgen.sim.sampling import (ChoiceOutput, Sampling, SamplingError, chat_logprob_entry, completion_logprobs,
-                                  generate, parse_sampling)
+from loadgen.sim.sampling import (EOS_ID, VOCAB, VOCAB_ID_BASE, ChoiceOutput, Sampling, SamplingError,
+                                  chat_logprob_entry, completion_logprobs, generate, parse_sampling, token_id)
 from loadgen.sim.tokenizer import OUTPUT_TOKEN_TEXT, count_tokens, render_chat
 from replica_agent.aio import stop_task, wait_event
 from replica_agent.clock import Clock
@@ -807,6 +807,47 @@ class SimServer:
                 "permission": []}  # fmt: skip
         return web.Response(text=_JSON.encode({"object": "list", "data": [card]}), content_type="application/json")
 
+    async def handle_tokenize(self, request: web.Request) -> web.Response:
+        """POST /tokenize in vLLM's shape: ``{"count", "max_model_len", "tokens", "token_strs"}``; the
+        text (``prompt``, or ``messages`` rendered as for chat) cut in 4-byte pieces (sampling.token_id)."""
+        try:
+            body = await self._read_json(request)
+            if isinstance(body.get("messages"), list):
+                try:
+                    text = render_chat(body["messages"])
+                except (ValueError, AttributeError) as e:
+                    raise RequestError(f"invalid 'messages': {e}", param="messages") from None
+            elif isinstance(body.get("prompt"), str):
+                text = body["prompt"]
+            else:
+                raise RequestError("'prompt' (a string) or 'messages' is required", param="prompt")
+        except RequestError as e:
+            return error_response(e.message, e.status, e.param)
+        data = text.encode("utf-8")
+        ids = [token_id(data[i : i + 4].decode("utf-8", errors="replace")) for i in range(0, len(data), 4)]
+        out = {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids, "token_strs": None}
+        return web.Response(text=_JSON.encode(out), content_type="application/json")
+
+    async def handle_detokenize(self, request: web.Request) -> web.Response:
+        """POST /detokenize: ``{"prompt": text}`` of vocabulary ids (sampling.VOCAB; EOS = "");
+        other ids are 400 (the sim's piece ids are hashes, not invertible)."""
+        try:
+            body = await self._read_json(request)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+                raise RequestError("'tokens' must be a list of integers", param="tokens")
+            pieces = []
+            for t in tokens:
+                if t == EOS_ID:
+                    pieces.append("")
+                elif VOCAB_ID_BASE <= t < VOCAB_ID_BASE + len(VOCAB):
+                    pieces.append(VOCAB[t - VOCAB_ID_BASE])
+                else:
+                    raise RequestError(f"token id {t} is out of vocabulary", param="tokens")
+        except RequestError as e:
+            return error_response(e.message, e.status, e.param)
+        return web.Response(text=_JSON.encode({"prompt": "".join(pieces)}), content_type="application/json")
+
     async def handle_metrics(self, request: web.Request) -> web.Response:
         """GET /metrics: Prometheus text from this server's own registry."""
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -851,6 +892,8 @@ def build_app(config: SimServerConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", sim.handle_chat)
     app.router.add_get("/health", sim.handle_health)
     app.router.add_get("/v1/models", sim.handle_models)
+    app.router.add_post("/tokenize", sim.handle_tokenize)
+    app.router.add_post("/detokenize", sim.handle_detokenize)
     app.router.add_get("/metrics", sim.handle_metrics)
     return app
 
