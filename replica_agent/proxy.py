@@ -1,7 +1,8 @@
 """aiohttp reverse proxy in front of the engine (proxy mode of the replica agent).
 
-Relays ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``GET /v1/models`` to the
-engine; serves ``GET /health`` (200 when the engine's /health answers 200, else 503) and
+Relays ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``POST /tokenize`` and ``POST /detokenize`` to the engine (error bodies in fairbatch's vocabulary,
+replica_agent/openai_errors.py); serves ``GET /health`` (200 when the engine's /health answers 200, else 503) and
 ``GET /metrics`` (the agent's own registry, ``fairbatch_agent_*``).
 
 Stream requests: the engine's bytes go to the client unchanged as they arrive; each SSE event is

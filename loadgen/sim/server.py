@@ -20,6 +20,12 @@ client's handler writes every pending token at once (one SSE event per token, as
 unless it is overloaded). Client disconnect (a failed write, the handler cancelled by aiohttp, or
 the transport gone) aborts the request in the engine, which frees its KV blocks at once.
 
+Sampling parameters (``n``, ``seed``, ``stop``, ``stop_token_ids``, ``min_tokens``, ``ignore_eos``,
+``logprobs``/``top_logprobs``, ``response_format``, a forced function in ``tool_choice``) are
+decided by :mod:`loadgen.sim.sampling` when the request arrives: each choice is one engine sequence
+exactly as long as its output. A request without any of them keeps the legacy fast path
+(``" tok"`` per token, pre-encoded chunk templates).
+
 Formats follow vLLM 0.x's OpenAI server (``vllm/entrypoints/openai/serving_completion.py``,
 ``serving_chat.py``); metric names follow vLLM 0.32 (see docs/architecture.md).
 
