@@ -2,15 +2,16 @@
 
 Relays ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``POST /tokenize`` and ``POST /detokenize`` to the engine (error bodies in fairbatch's vocabulary,
-replica_agent/openai_errors.py); serves ``GET /health`` (200 when the engine's /health answers 200, else 503) and
-``GET /metrics`` (the agent's own registry, ``fairbatch_agent_*``).
+replica_agent/openai_errors.py); serves ``GET /health`` (200 when the engine's /health answers
+200, else 503) and ``GET /metrics`` (the agent's own registry, ``fairbatch_agent_*``).
 
 Stream requests: the engine's bytes go to the client unchanged as they arrive; each SSE event is
 parsed on the side to timestamp tokens (every choice of the chunk, whatever field carries the
 token: replica_agent/openai_stream.py; the final ``usage`` corrects the counts). Non-stream
 requests go upstream unchanged (still non-stream) and the engine's answer goes back byte for byte;
 the agent tracks them in prefill until the answer arrives and reads ``usage`` from it
-(docs/architecture.md "Non-stream requests" says why, with the measured cost). Headers honoured (docs/architecture.md "Agent"): ``x-request-id`` (forwarded),
+(docs/architecture.md "Non-stream requests" says why, with the measured cost). Headers honoured
+(docs/architecture.md "Agent"): ``x-request-id`` (forwarded),
 ``x-fairbatch-lease`` (consumed), ``x-fairbatch-slo-class``, ``x-fairbatch-queued-ms`` (arrival =
 now - queued), ``x-fairbatch-tenant`` (logs/spans only), ``traceparent``/``tracestate`` (a child
 span is created and injected upstream). Upstream, the agent adds ``x-fairbatch-ttft-ms`` and
@@ -319,6 +320,8 @@ class Proxy:
         if not math.isfinite(queued_ms):
             queued_ms = 0.0
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+        if chat and body.get("max_completion_tokens") is not None:  # vLLM: it wins over max_tokens
+            max_tokens = body["max_completion_tokens"]
         max_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None
         if max_tokens is not None:
             max_tokens *= requested_choices(body)  # n sequences, each up to max_tokens
