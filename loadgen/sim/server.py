@@ -717,8 +717,10 @@ class SimServer:
 
     def _sampled_chunk(
         self, head: dict[str, Any], sp: Sampling, out: ChoiceOutput, j: int, chat: bool, tool_ids: list[str],
+        offset: int = 0,
     ) -> dict[str, Any]:  # fmt: skip
-        """The stream chunk of token ``j`` of choice ``out`` (vLLM: one choice per chunk)."""
+        """The stream chunk of token ``j`` of choice ``out`` (vLLM: one choice per chunk); ``offset`` =
+        characters of the choice's tokens before j (completions ``logprobs.text_offset``)."""
         tok = out.tokens[j]
         delta_text = out.deltas[j]
         last = j == len(out.tokens) - 1
@@ -738,7 +740,6 @@ class SimServer:
                 choice["finish_reason"] = "tool_calls" if sp.tool_name else out.finish_reason
                 choice["stop_reason"] = out.stop_reason
         else:
-            offset = sum(len(t.text) for t in out.tokens[:j])
             logprobs = None if sp.logprobs is None else completion_logprobs([tok], sp.logprobs, offset)
             choice = {"index": out.index, "text": delta_text, "logprobs": logprobs,
                       "finish_reason": out.finish_reason if last else None,
@@ -765,6 +766,7 @@ class SimServer:
         )
         await resp.prepare(request)
         sent = [0] * sp.n
+        offsets = [0] * sp.n
         started = False
         try:
             while True:
@@ -785,7 +787,8 @@ class SimServer:
                                                               "logprobs": None, "finish_reason": None}]})  # fmt: skip
                     started = started or k > 0
                     for j in range(sent[i], min(sent[i] + k, len(outputs[i].tokens))):
-                        data += enc(self._sampled_chunk(head, sp, outputs[i], j, chat, tool_ids))
+                        data += enc(self._sampled_chunk(head, sp, outputs[i], j, chat, tool_ids, offsets[i]))
+                        offsets[i] += len(outputs[i].tokens[j].text)
                     sent[i] += k
                 if data:
                     if request.transport is None:
