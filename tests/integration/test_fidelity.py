@@ -10,6 +10,7 @@ user would. Besides equality, a few answers are checked against values worked ou
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import aiohttp
@@ -144,6 +145,14 @@ async def test_hand_worked_answers(fleet) -> None:
         args = json.loads(msg["tool_calls"][0]["function"]["arguments"])
         assert set(args) == {"city", "unit", "days"} and args["unit"] in ("c", "f") and isinstance(args["days"], int)
         assert out["choices"][0]["finish_reason"] == "stop"
+        # greedy stream with logprobs=1: one chunk per token, offsets 0, 4, 8; top-1 = " tok" = ln p(rank 0)
+        events = await ask(s, url, h, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3,
+                                                          "logprobs": 1, "stream": True})  # fmt: skip
+        chunks = [e["choices"][0] for e in events[:-1]]
+        assert [c["logprobs"]["text_offset"] for c in chunks] == [[0], [4], [8]]
+        assert [c["text"] for c in chunks] == [" tok"] * 3 and chunks[-1]["finish_reason"] == "length"
+        p0 = 0.99 * 1 / sum(0.9**r for r in range(64))
+        assert chunks[0]["logprobs"]["top_logprobs"] == [{" tok": pytest.approx(math.log(p0))}]
 
 
 def _client(url: str, key: str) -> openai.OpenAI:
