@@ -48,6 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from replica_agent.aio import stop_task, within
 from replica_agent.clock import Clock
+from replica_agent.openai_stream import requested_choices
 from replica_agent.telemetry import extract_context, inject_context, make_tracer
 from router.admission_queue import Dispatcher, QueueFull, QueueTimeout, WaitingRequest
 from router.auth import ApiKeyAuthenticator, Principal
@@ -664,6 +665,7 @@ class Router:
             return "bad_request", openai_error(400, str(exc), param="messages" if chat else "prompt")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         max_tokens = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else 0
+        max_tokens *= requested_choices(body)  # n > 1: n sequences decode, each up to max_tokens
         views = self.book.views()
         if prompt_is_exact(body, chat):
             if prompt_exceeds_every_replica(prompt_tokens, views):
