@@ -329,6 +329,13 @@ class Agent:
         if was_healthy:
             self.notify()
 
+    def engine_silent_ms(self, now_ms: float | None = None) -> float | None:
+        """Simulated ms since the engine last answered a /metrics scrape (None before the first answer)."""
+        ok = self._engine.ok_ms
+        if ok is None:
+            return None
+        return (self.clock.now_ms() if now_ms is None else now_ms) - ok
+
     def _healthy(self, now_ms: float) -> bool:
         ev = self._engine
         return ev.ok_ms is not None and not ev.error and now_ms - ev.ok_ms <= self.config.stale_after_ms

@@ -1,14 +1,17 @@
 """aiohttp reverse proxy in front of the engine (proxy mode of the replica agent).
 
-Relays ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``GET /v1/models`` to the
-engine; serves ``GET /health`` (200 when the engine's /health answers 200, else 503) and
-``GET /metrics`` (the agent's own registry, ``fairbatch_agent_*``).
+Relays ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``POST /tokenize`` and ``POST /detokenize`` to the engine (error bodies in fairbatch's vocabulary,
+replica_agent/openai_errors.py); serves ``GET /health`` (200 when the engine's /health answers
+200, else 503) and ``GET /metrics`` (the agent's own registry, ``fairbatch_agent_*``).
 
 Stream requests: the engine's bytes go to the client unchanged as they arrive; each SSE event is
-parsed on the side to timestamp tokens (one token per chunk with non-empty ``text`` or
-``delta.content``; the final ``usage`` corrects the counts). Non-stream requests go upstream with
-``stream: true`` and ``stream_options.include_usage: true`` and are re-assembled into vLLM's
-non-stream JSON. Headers honoured (docs/architecture.md "Agent"): ``x-request-id`` (forwarded),
+parsed on the side to timestamp tokens (every choice of the chunk, whatever field carries the
+token: replica_agent/openai_stream.py; the final ``usage`` corrects the counts). Non-stream
+requests go upstream unchanged (still non-stream) and the engine's answer goes back byte for byte;
+the agent tracks them in prefill until the answer arrives and reads ``usage`` from it
+(docs/architecture.md "Non-stream requests" says why, with the measured cost). Headers honoured
+(docs/architecture.md "Agent"): ``x-request-id`` (forwarded),
 ``x-fairbatch-lease`` (consumed), ``x-fairbatch-slo-class``, ``x-fairbatch-queued-ms`` (arrival =
 now - queued), ``x-fairbatch-tenant`` (logs/spans only), ``traceparent``/``tracestate`` (a child
 span is created and injected upstream). Upstream, the agent adds ``x-fairbatch-ttft-ms`` and
@@ -50,6 +53,8 @@ from replica_agent.http_guard import (
     new_request_id,
     read_body,
 )
+from replica_agent.openai_errors import map_engine_error
+from replica_agent.openai_stream import generated_tokens, requested_choices, usage_counts
 from replica_agent.telemetry import extract_context, inject_context
 from replica_agent.tracker import TrackerFull
 
@@ -58,6 +63,7 @@ log = logging.getLogger(__name__)
 BYTES_PER_TOKEN = 4
 CHAT_TOKENS_PER_MESSAGE = 4
 _DONE_EVENT = b"data: [DONE]\n\n"
+_DISCONNECT_POLL_S = 0.05
 _FORWARDED_HEADERS = ("authorization", "accept")
 
 
@@ -151,15 +157,9 @@ class SseParser:
 
 
 def content_tokens(event: Mapping[str, Any]) -> int:
-    """1 when the chunk's first choice carries non-empty ``text`` or ``delta.content``, else 0."""
-    choices = event.get("choices")
-    if not choices:
-        return 0
-    ch = choices[0]
-    if ch.get("text"):
-        return 1
-    delta = ch.get("delta")
-    return 1 if isinstance(delta, Mapping) and delta.get("content") else 0
+    """Generated tokens in one parsed SSE chunk, every choice and field counted
+    (:func:`replica_agent.openai_stream.generated_tokens`; kept under its old name)."""
+    return generated_tokens(event)
 
 
 def error_json(status: int, message: str, err_type: str = "upstream_error") -> web.Response:
@@ -309,6 +309,8 @@ class Proxy:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.utility)
+        app.router.add_post("/detokenize", self.utility)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         return app
@@ -335,6 +337,25 @@ class Proxy:
         try:
             async with self._session.get(self._base + "/v1/models", headers=self._fwd_headers(request)) as up:
                 body = await up.read()
+                return web.Response(
+                    status=up.status, body=body, headers={"Content-Type": up.headers.get("Content-Type", "application/json")}
+                )
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            return self._unreachable(e)
+
+    async def utility(self, request: web.Request) -> web.Response:
+        """Relay POST /tokenize and /detokenize (no forward pass, so not tracked): status kept,
+        error bodies in fairbatch's vocabulary."""
+        refused = self._token_refusal(request)
+        if refused is not None:
+            return refused
+        raw = await read_body(request, self._cfg.max_body_bytes, self._cfg.body_timeout_s)
+        headers = {**self._fwd_headers(request), "Content-Type": "application/json"}
+        try:
+            async with self._session.post(self._base + request.path, data=raw, headers=headers) as up:
+                body = await up.read()
+                if up.status >= 400:
+                    body = map_engine_error(up.status, body)
                 return web.Response(
                     status=up.status, body=body, headers={"Content-Type": up.headers.get("Content-Type", "application/json")}
                 )
@@ -402,7 +423,9 @@ class Proxy:
             queued_ms = 0.0
         if not math.isfinite(queued_ms):
             queued_ms = 0.0
-        max_tokens = valid.max_tokens
+        max_tokens = valid.max_tokens  # max_completion_tokens wins over max_tokens (vLLM; api_schema.py)
+        if max_tokens is not None:
+            max_tokens *= requested_choices(body)  # n sequences, each up to max_tokens
         stream = valid.stream
         agent = self._agent
         key = self._tracker_key(request_id)
@@ -444,13 +467,7 @@ class Proxy:
                 if stream:
                     resp, outcome = await self._relay_stream(request, path, raw, up_headers, key, request_id, stall_s)
                 else:
-                    up_body = dict(body)
-                    up_body["stream"] = True
-                    opts = up_body.get("stream_options")
-                    up_body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
-                    resp, outcome = await self._relay_assembled(
-                        request, path, json.dumps(up_body).encode(), up_headers, key, request_id, chat, stall_s
-                    )
+                    resp, outcome = await self._relay_whole(request, path, raw, up_headers, key, request_id, stall_s)
                 span.set_attribute("fairbatch.outcome", outcome)
                 return resp
             except asyncio.CancelledError:
@@ -500,7 +517,8 @@ class Proxy:
 
     @staticmethod
     async def _relay_error_status(up: aiohttp.ClientResponse, request_id: str) -> web.Response:
-        body = await up.read()
+        """The engine's error answer, its body in fairbatch's error vocabulary (replica_agent/openai_errors.py)."""
+        body = map_engine_error(up.status, await up.read())
         return web.Response(
             status=up.status,
             body=body,
@@ -550,12 +568,12 @@ class Proxy:
                 except (ConnectionError, aiohttp.ClientConnectionResetError, OSError):
                     return resp, "client_disconnect"
                 for event in parser.feed(chunk):
-                    n = content_tokens(event)
+                    n = generated_tokens(event)
                     if n:
                         agent.request_tokens(key, now, n)
-                    usage = event.get("usage")
-                    if isinstance(usage, dict):
-                        agent.request_usage(key, usage.get("prompt_tokens"), usage.get("completion_tokens"))
+                    counts = usage_counts(event)
+                    if counts is not None:
+                        agent.request_usage(key, *counts)
                     if "error" in event and not upstream_error:
                         upstream_error = "engine sent an error event"
             if parser.done and not upstream_error:
@@ -577,101 +595,75 @@ class Proxy:
             else:
                 up.close()  # drops the connection: the engine sees the disconnect and aborts
 
-    async def _relay_assembled(
-        self,
-        request: web.Request,
-        path: str,
-        data: bytes,
-        headers: dict[str, str],
-        key: str,
-        request_id: str,
-        chat: bool,
-        stall_s: float,
+    async def _relay_whole(
+        self, request: web.Request, path: str, raw: bytes, headers: dict[str, str], key: str, request_id: str,
+        stall_s: float | None = None,
     ) -> tuple[web.StreamResponse, str]:
-        agent = self._agent
-        up = await self._open_upstream(path, data, headers, stall_s)
+        """Relay a non-stream request unchanged and the engine's answer byte for byte.
+
+        The request stays in prefill in the tracker until the answer arrives (the engine sends
+        nothing, not even its headers, before it is done); then ``usage`` from the answer corrects
+        its counts and the caller finishes it. While waiting, the client's connection is checked
+        every ``_DISCONNECT_POLL_S`` wall seconds: a client gone cancels the upstream exchange,
+        which closes its connection, so the engine aborts the request; outcome ``client_disconnect``.
+        A whole answer sends no byte until it is done, so a stall is read from the engine itself: its
+        /metrics unanswered for ``stall_s`` wall seconds (the scraper's last success) ends the wait
+        with 502 ``engine stalled`` before anything reached the client, and the router retries the
+        request on another replica.
+        """
+        exchange = asyncio.ensure_future(self._whole_exchange(path, raw, headers))
+        try:
+            while True:
+                done, _ = await asyncio.wait({exchange}, timeout=_DISCONNECT_POLL_S)
+                if done:
+                    break
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    return web.Response(status=499), "client_disconnect"
+                silent_ms = self._agent.engine_silent_ms()
+                if stall_s is not None and silent_ms is not None and self._agent.clock.to_wall_s(silent_ms) > stall_s:
+                    self._stalled(EngineStalled(stall_s))
+                    return error_json(502, f"engine stalled: no answer to /metrics for {stall_s:g} s"), "upstream_stalled"
+        finally:
+            if not exchange.done():
+                exchange.cancel()
+                await asyncio.gather(exchange, return_exceptions=True)
+        result = exchange.result()
+        if isinstance(result[0], web.Response):
+            return result  # type: ignore[return-value]
+        status, content_type, body = result
+        resp_headers = {"Content-Type": content_type, "x-request-id": request_id}
+        if status != 200:
+            body = map_engine_error(status, body)  # one error vocabulary (replica_agent/openai_errors.py)
+            return web.Response(status=status, body=body, headers=resp_headers), "upstream_error"
+        try:
+            answer = json.loads(body)
+        except ValueError:
+            answer = None
+        if isinstance(answer, dict):
+            counts = usage_counts(answer)
+            if counts is not None:
+                self._agent.request_usage(key, *counts)
+        return web.Response(status=200, body=body, headers=resp_headers), "ok"
+
+    async def _whole_exchange(
+        self, path: str, raw: bytes, headers: dict[str, str]
+    ) -> tuple[int, str, bytes] | tuple[web.Response, str]:
+        """POST upstream and read the whole answer: (status, content type, body), or (a 502
+        response, outcome). Cancelled, it closes the upstream connection (the engine aborts)."""
+        up = await self._open_upstream(path, raw, headers)
         if isinstance(up, web.Response):
             return up, "upstream_unreachable"
         clean = False
         try:
-            if up.status != 200:
-                clean = True
-                return await self._relay_error_status(up, request_id), "upstream_error"
-            parser = SseParser()
-            head: dict[str, Any] = {}
-            texts: list[str] = []
-            finish_reason: Any = None
-            stop_reason: Any = None
-            usage: dict[str, Any] | None = None
-            error: Any = None
-            it = up.content.iter_any().__aiter__()
-            while True:
-                try:
-                    chunk = await _next_chunk(it, stall_s)
-                except StopAsyncIteration:
-                    break
-                except EngineStalled as e:  # nothing sent to the client yet: 502, the router retries elsewhere
-                    self._stalled(e)
-                    return error_json(502, f"engine stalled: no byte for {e.timeout_s:g} s"), "upstream_stalled"
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                    return error_json(502, f"engine stream failed: {type(e).__name__}"), "upstream_error"
-                transport = request.transport
-                if transport is None or transport.is_closing():
-                    return web.Response(status=499), "client_disconnect"
-                now = agent.clock.now_ms()
-                for event in parser.feed(chunk):
-                    if "error" in event:
-                        error = event["error"]
-                        continue
-                    if not head:
-                        head = {k: event.get(k) for k in ("id", "created", "model")}
-                    choices = event.get("choices") or []
-                    if choices:
-                        ch = choices[0]
-                        piece = ch.get("text") if not chat else (ch.get("delta") or {}).get("content")
-                        if piece:
-                            texts.append(piece)
-                            agent.request_tokens(key, now, 1)
-                        if ch.get("finish_reason") is not None:
-                            finish_reason = ch.get("finish_reason")
-                            stop_reason = ch.get("stop_reason")
-                    if isinstance(event.get("usage"), dict):
-                        usage = event["usage"]
-                        agent.request_usage(key, usage.get("prompt_tokens"), usage.get("completion_tokens"))
-            if error is not None or not parser.done:
-                msg = error.get("message") if isinstance(error, dict) else "engine stream ended without [DONE]"
-                return error_json(502, f"engine failed: {msg}"), "upstream_error"
+            body = await up.read()
             clean = True
-            text = "".join(texts)
-            if chat:
-                choice = {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": finish_reason,
-                    "stop_reason": stop_reason,
-                }
-                obj = "chat.completion"
-            else:
-                choice = {
-                    "index": 0,
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": finish_reason,
-                    "stop_reason": stop_reason,
-                }
-                obj = "text_completion"
-            out = {
-                "id": head.get("id"),
-                "object": obj,
-                "created": head.get("created"),
-                "model": head.get("model"),
-                "choices": [choice],
-                "usage": usage,
-            }
-            return web.json_response(out, headers={"x-request-id": request_id}), "ok"
+            return up.status, up.headers.get("Content-Type", "application/json"), body
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            log.warning("engine %s answer failed: %s: %s", self._base, type(e).__name__, e)
+            return error_json(502, f"engine answer failed: {type(e).__name__}"), "upstream_error"
         finally:
             if clean:
                 up.release()
             else:
-                up.close()
+                up.close()  # drops the connection: the engine sees the disconnect and aborts

@@ -57,6 +57,7 @@ from replica_agent.http_guard import (
     new_request_id,
     read_body,
 )
+from replica_agent.openai_stream import requested_choices
 from replica_agent.telemetry import extract_context, inject_context, make_tracer
 from router.admission_queue import Dispatcher, PlacementFailed, QueueFull, QueueTimeout, WaitingRequest
 from router.auth import ApiKeyAuthenticator, Principal
@@ -66,6 +67,7 @@ from router.config import ConfigError, ReplicaConfig, RouterConfig, load_config
 from router.discovery import DiscoverySource, build_discovery, diff_replicas
 from router.fair_queue import FairQueue, TenantShare
 from router.ledger import CONCURRENCY_RETRY_MS, Ledger, Refusal, TenantLimits, build_ledger
+from router.openai_surface import REFUSED_PATHS, RELAYED_PATHS, ModelCatalog, model_not_found, unsupported
 from router.placement import (
     DEFAULT_MAX_CANDIDATES,
     PlacementPolicy,
@@ -274,6 +276,9 @@ class Router:
         self.tracer = make_tracer(config.telemetry.service_name, config.telemetry.otlp_endpoint)
         self._background: set[asyncio.Task[Any]] = set()
         self._dispatch_task: asyncio.Task[None] | None = None
+        self.catalog = ModelCatalog(lambda: self.relay.session, lambda: [r.http_url for r in self.replicas.values()],
+                                    fallback_model=config.model,
+                                    headers={"x-fairbatch-token": agent_token} if agent_token else None)  # fmt: skip
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -284,6 +289,11 @@ class Router:
         app.router.add_post("/v1/completions", self.handle_completions)
         app.router.add_post("/v1/chat/completions", self.handle_chat)
         app.router.add_get("/v1/models", self.handle_models)
+        app.router.add_get("/v1/models/{model_id}", self.handle_model)
+        for path in RELAYED_PATHS:
+            app.router.add_post(path, self.handle_utility)
+        for path in REFUSED_PATHS:
+            app.router.add_route("*", path, self.handle_unsupported)
         if self.config.http.metrics_port is None:
             app.router.add_get("/health", self.handle_health)
             app.router.add_get("/metrics", self.handle_metrics)
@@ -681,11 +691,16 @@ class Router:
         views = self.book.views()
         valid = validate_request(raw, chat, largest_max_prompt(views))
         body = valid.body
+        if not isinstance(body.get("model"), str) or not body["model"]:
+            return "bad_request", openai_error(400, "'model' is required.", param="model")
+        served = await self.catalog.served()  # before any quota or lease
+        if served is not None and body["model"] not in served:
+            return "bad_request", model_not_found(body["model"], served)
         try:
             prompt_tokens = estimate_prompt_tokens(body, chat, self.config.admission.bytes_per_token)
         except PromptError as exc:
             return "bad_request", openai_error(400, str(exc), param="messages" if chat else "prompt")
-        max_tokens = valid.max_tokens or 0
+        max_tokens = (valid.max_tokens or 0) * requested_choices(body)  # n > 1: n sequences decode, each up to max_tokens
         if prompt_is_exact(body, chat):
             if prompt_exceeds_every_replica(prompt_tokens, views):
                 return "bad_request", openai_error(
@@ -865,25 +880,44 @@ class Router:
         return outcome
 
     async def handle_models(self, request: web.Request) -> web.Response:
-        """GET /v1/models: the configured model name, else the first replica that answers."""
-        if self.config.model:
-            data = {
-                "object": "list",
-                "data": [{"id": self.config.model, "object": "model", "created": 0, "owned_by": "fairbatch"}],
-            }
-            return web.json_response(data)
-        for replica in list(self.replicas.values()):
+        """GET /v1/models: the replicas' own model cards (router/openai_surface.py)."""
+        return await self.catalog.list_response()
+
+    async def handle_model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id}: one card, or 404 ``model_not_found``."""
+        return await self.catalog.model_response(request.match_info["model_id"])
+
+    async def handle_unsupported(self, request: web.Request) -> web.Response:
+        """An OpenAI path the router refuses: 404 naming what is supported."""
+        return unsupported(request.method, request.path)
+
+    async def handle_utility(self, request: web.Request) -> web.Response:
+        """POST /tokenize, /detokenize: tenant auth, then relayed to a healthy replica (no lease:
+        the engine runs no forward pass for them)."""
+        principal = self.auth.identify(request.headers, request.remote)
+        if principal is None:
+            return openai_error(401, self.auth.refusal(request.headers, request.remote), code="invalid_api_key")
+        try:
+            raw = await read_body(request, self.config.http.max_body_bytes, self.config.http.body_timeout_s)
+        except ApiError as exc:
+            return api_error_response(exc)
+        usable = [v.replica_id for v in self.book.views() if v.healthy and v.fresh and v.replica_id in self.replicas]
+        for rid in usable or list(self.replicas):
             try:
-                hdrs = {"x-fairbatch-token": self._agent_token} if self._agent_token else None
-                async with self.relay.session.get(replica.http_url + "/v1/models", headers=hdrs,
-                                                  timeout=aiohttp.ClientTimeout(total=2.0)) as up:
-                    if up.status == 200:
-                        return web.Response(
-                            body=await up.read(), headers={"Content-Type": up.headers.get("Content-Type", "application/json")}
-                        )
-            except Exception:  # noqa: BLE001 - try the next replica
+                async with self.relay.session.post(
+                    self.replicas[rid].http_url + request.path, data=raw,
+                    headers={"Content-Type": "application/json", "x-fairbatch-tenant": principal.tenant,
+                             **({"x-fairbatch-token": self._agent_token} if self._agent_token else {})},
+                    timeout=aiohttp.ClientTimeout(total=10.0),
+                ) as up:
+                    body = await up.read()
+                    if up.status in (502, 503, 504):
+                        continue
+                    return web.Response(status=up.status, body=body, headers={
+                        "Content-Type": up.headers.get("Content-Type", "application/json"), "x-fairbatch-replica": rid})
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 continue
-        return web.json_response({"object": "list", "data": []})
+        return openai_error(503, "No replica could serve the request.", "service_unavailable", "no-replica")
 
     async def handle_health(self, request: web.Request) -> web.Response:
         """GET /health: 200 while the process serves (liveness and readiness: a router with no usable

@@ -20,6 +20,12 @@ client's handler writes every pending token at once (one SSE event per token, as
 unless it is overloaded). Client disconnect (a failed write, the handler cancelled by aiohttp, or
 the transport gone) aborts the request in the engine, which frees its KV blocks at once.
 
+Sampling parameters (``n``, ``seed``, ``stop``, ``stop_token_ids``, ``min_tokens``, ``ignore_eos``,
+``logprobs``/``top_logprobs``, ``response_format``, a forced function in ``tool_choice``) are
+decided by :mod:`loadgen.sim.sampling` when the request arrives: each choice is one engine sequence
+exactly as long as its output. A request without any of them keeps the legacy fast path
+(``" tok"`` per token, pre-encoded chunk templates).
+
 Formats follow vLLM 0.x's OpenAI server (``vllm/entrypoints/openai/serving_completion.py``,
 ``serving_chat.py``); metric names follow vLLM 0.32 (see docs/architecture.md).
 
@@ -47,6 +53,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from loadgen.sim.engine import EngineConfig, SimEngine, StepResult
 from loadgen.sim.engine_time import POLICY, engine_label, load_engine_time_model
 from loadgen.sim.step_log import write_step
+from loadgen.sim.sampling import (EOS_ID, VOCAB, VOCAB_ID_BASE, ChoiceOutput, Sampling, SamplingError,
+                                  chat_logprob_entry, completion_logprobs, generate, parse_sampling, token_id)
 from loadgen.sim.tokenizer import OUTPUT_TOKEN_TEXT, count_tokens, render_chat
 from replica_agent.aio import stop_task, wait_event
 from replica_agent.clock import Clock
@@ -170,6 +178,7 @@ class _Parsed:
     include_usage: bool
     ttft_ms: float | None = None  # from vllm_xargs.fairbatch_ttft_ms (as the vLLM plugin reads it)
     tpot_ms: float | None = None
+    sampling: Sampling = field(default_factory=Sampling)  # n, seed, stop, logprobs, ... (loadgen/sim/sampling.py)
 
 
 class _EngineCollector:
@@ -387,9 +396,6 @@ class SimServer:
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise RequestError(f"The model `{model}` does not exist.", status=404, param="model")
-        n = body.get("n")
-        if n is not None and n != 1:
-            raise RequestError("only n = 1 is supported", param="n")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise RequestError("'stream' must be a boolean", param="stream")
@@ -408,7 +414,7 @@ class SimServer:
             )
         key = "max_tokens"
         max_tokens = body.get("max_tokens")
-        if max_tokens is None and chat and body.get("max_completion_tokens") is not None:
+        if chat and body.get("max_completion_tokens") is not None:  # vLLM: max_completion_tokens wins
             key, max_tokens = "max_completion_tokens", body["max_completion_tokens"]
         if max_tokens is None:
             max_tokens = min(default_max, limit - prompt_tokens)
@@ -425,8 +431,13 @@ class SimServer:
             )
         xargs = body.get("vllm_xargs")
         xargs = xargs if isinstance(xargs, dict) else {}
+        try:
+            sampling = parse_sampling(body, chat, max_tokens)
+        except SamplingError as e:
+            raise RequestError(str(e), param=e.param) from None
         return _Parsed(prompt_tokens, max_tokens, stream, include_usage,
-                       _positive_ms(xargs.get("fairbatch_ttft_ms")), _positive_ms(xargs.get("fairbatch_tpot_ms")))
+                       _positive_ms(xargs.get("fairbatch_ttft_ms")), _positive_ms(xargs.get("fairbatch_tpot_ms")),
+                       sampling)
 
     @staticmethod
     def _prompt_tokens(prompt: Any) -> int:
@@ -487,6 +498,9 @@ class SimServer:
         if log.isEnabledFor(logging.DEBUG):  # lets tests see the trace context and SLO that reached the engine
             log.debug("request %s traceparent %s slo %s/%s", engine_id, request.headers.get("traceparent", "-"),
                       ttft_ms, tpot_ms)
+        if not parsed.sampling.plain:
+            return await self._generate_sampled(request, parsed, chat, engine_id, response_id, base_id,
+                                                header_id, ttft_ms, tpot_ms)  # fmt: skip
         try:
             self.engine.add_request(
                 engine_id, parsed.prompt_tokens, parsed.max_tokens, self.clock.now_ms(), ttft_ms, tpot_ms
@@ -614,6 +628,183 @@ class SimServer:
         await resp.write_eof()
         return resp
 
+    # ---- requests with sampling parameters (n, seed, stop, logprobs, structured output, tools) ----
+
+    async def _generate_sampled(
+        self, request: web.Request, parsed: _Parsed, chat: bool, engine_id: str, response_id: str, base_id: str,
+        header_id: str | None, ttft_ms: float | None, tpot_ms: float | None,
+    ) -> web.StreamResponse:  # fmt: skip
+        """One engine sequence per choice, each as long as that choice's output (vLLM fans ``n``
+        out to n child requests the same way; the sim has no prefix cache, so each child
+        prefills the prompt). The handler waits on one event shared by the children's mailboxes."""
+        sp = parsed.sampling
+        outputs = generate(sp)
+        event = asyncio.Event()
+        ids = [engine_id if i == 0 else f"{engine_id}#c{i}" for i in range(sp.n)]
+        boxes = [_Mailbox(event=event) for _ in range(sp.n)]
+        added: list[str] = []
+        try:
+            for eid, out in zip(ids, outputs, strict=True):
+                self.engine.add_request(eid, parsed.prompt_tokens, len(out.tokens), self.clock.now_ms(), ttft_ms, tpot_ms)
+                added.append(eid)
+        except ValueError as e:
+            for eid in added:
+                self.engine.abort(eid)
+            return error_response(str(e), 400, request_id=header_id)
+        for eid, box in zip(ids, boxes, strict=True):
+            self._boxes[eid] = box
+        self._wake.set()
+        headers = {"X-Request-Id": base_id}
+        tool_ids = [f"chatcmpl-tool-{self._new_id()}" for _ in range(sp.n)] if sp.tool_name else []
+        try:
+            if parsed.stream:
+                return await self._stream_sampled(request, boxes, event, parsed, outputs, response_id, headers,
+                                                  chat, tool_ids)  # fmt: skip
+            return await self._whole_sampled(request, boxes, event, parsed, outputs, response_id, headers, chat,
+                                             tool_ids)  # fmt: skip
+        finally:
+            for eid, box in zip(ids, boxes, strict=True):
+                self._boxes.pop(eid, None)
+                if not box.finished and self.engine.abort(eid):
+                    log.info("aborted %s (client gone)", eid)
+
+    @staticmethod
+    def _usage(parsed: _Parsed, outputs: list[ChoiceOutput]) -> dict[str, int]:
+        """vLLM's usage: the prompt once, the completion tokens of every choice (EOS and stop tokens included)."""
+        n = sum(len(o.tokens) for o in outputs)
+        return {"prompt_tokens": parsed.prompt_tokens, "total_tokens": parsed.prompt_tokens + n, "completion_tokens": n}
+
+    async def _whole_sampled(
+        self, request: web.Request, boxes: list[_Mailbox], event: asyncio.Event, parsed: _Parsed,
+        outputs: list[ChoiceOutput], response_id: str, headers: dict[str, str], chat: bool, tool_ids: list[str],
+    ) -> web.StreamResponse:  # fmt: skip
+        """vLLM's non-stream answer (serving_chat / serving_completion full generators)."""
+        sp = parsed.sampling
+        while not all(b.finished for b in boxes):
+            await event.wait()
+            event.clear()
+            if any(b.error is not None for b in boxes):
+                return error_response(next(b.error for b in boxes if b.error is not None), 503)
+            if request.transport is None:
+                return web.Response(status=499)
+        choices: list[dict[str, Any]] = []
+        for out in outputs:
+            if chat:
+                if sp.tool_name:
+                    message: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": [
+                        {"id": tool_ids[out.index], "type": "function",
+                         "function": {"name": sp.tool_name, "arguments": out.text}}]}  # fmt: skip
+                else:
+                    message = {"role": "assistant", "content": out.text, "tool_calls": []}
+                logprobs = None if sp.logprobs is None else {
+                    "content": [chat_logprob_entry(t, sp.logprobs) for t in out.tokens]}  # fmt: skip
+                choices.append({"index": out.index, "message": message, "logprobs": logprobs,
+                                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})  # fmt: skip
+            else:
+                logprobs = None if sp.logprobs is None else completion_logprobs(out.tokens, sp.logprobs, 0)
+                choices.append({"index": out.index, "text": out.text, "logprobs": logprobs,
+                                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+                                "prompt_logprobs": None})  # fmt: skip
+        usage = {**self._usage(parsed, outputs), "prompt_tokens_details": None}
+        created = self.clock.unix_ms() // 1000
+        if chat:
+            body = {"id": response_id, "object": "chat.completion", "created": created, "model": self.model_name,
+                    "choices": choices, "usage": usage, "prompt_logprobs": None}  # fmt: skip
+        else:
+            body = {"id": response_id, "object": "text_completion", "created": created, "model": self.model_name,
+                    "choices": choices, "usage": usage}  # fmt: skip
+        return web.Response(text=_JSON.encode(body), content_type="application/json", headers=headers)
+
+    def _sampled_chunk(
+        self, head: dict[str, Any], sp: Sampling, out: ChoiceOutput, j: int, chat: bool, tool_ids: list[str],
+        offset: int = 0,
+    ) -> dict[str, Any]:  # fmt: skip
+        """The stream chunk of token ``j`` of choice ``out`` (vLLM: one choice per chunk); ``offset`` =
+        characters of the choice's tokens before j (completions ``logprobs.text_offset``)."""
+        tok = out.tokens[j]
+        delta_text = out.deltas[j]
+        last = j == len(out.tokens) - 1
+        if chat:
+            if sp.tool_name:
+                fn: dict[str, Any] = {"arguments": delta_text}
+                call: dict[str, Any] = {"index": out.index, "function": fn}
+                if j == 0:
+                    call = {"id": tool_ids[out.index], "type": "function", "index": out.index,
+                            "function": {"name": sp.tool_name, "arguments": delta_text}}  # fmt: skip
+                delta: dict[str, Any] = {"tool_calls": [call]}
+            else:
+                delta = {"content": delta_text}
+            logprobs = None if sp.logprobs is None else {"content": [chat_logprob_entry(tok, sp.logprobs)]}
+            choice: dict[str, Any] = {"index": out.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+            if last:
+                choice["finish_reason"] = "tool_calls" if sp.tool_name else out.finish_reason
+                choice["stop_reason"] = out.stop_reason
+        else:
+            logprobs = None if sp.logprobs is None else completion_logprobs([tok], sp.logprobs, offset)
+            choice = {"index": out.index, "text": delta_text, "logprobs": logprobs,
+                      "finish_reason": out.finish_reason if last else None,
+                      "stop_reason": out.stop_reason if last else None}  # fmt: skip
+        return {**head, "choices": [choice]}
+
+    async def _stream_sampled(
+        self, request: web.Request, boxes: list[_Mailbox], event: asyncio.Event, parsed: _Parsed,
+        outputs: list[ChoiceOutput], response_id: str, headers: dict[str, str], chat: bool, tool_ids: list[str],
+    ) -> web.StreamResponse:  # fmt: skip
+        """vLLM's stream: chat first sends a role chunk per choice; then each token of each choice is
+        one chunk (index = the choice) as the engine samples it; the last carries finish_reason and
+        stop_reason; then the usage chunk (``include_usage``) and ``[DONE]``."""
+        sp = parsed.sampling
+        created = self.clock.unix_ms() // 1000
+        head = {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": self.model_name}  # fmt: skip
+
+        def enc(obj: dict[str, Any]) -> bytes:
+            return b"data: " + _JSON.encode(obj).encode() + b"\n\n"
+
+        resp = web.StreamResponse(
+            headers={**headers, "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        sent = [0] * sp.n
+        offsets = [0] * sp.n
+        started = False
+        try:
+            while True:
+                await event.wait()
+                event.clear()
+                err = next((b.error for b in boxes if b.error is not None), None)
+                if err is not None:
+                    with contextlib.suppress(ConnectionError):
+                        await resp.write(enc({"error": {"message": err, "type": "InternalServerError",
+                                                        "param": None, "code": 503}}))  # fmt: skip
+                    return resp
+                data = bytearray()
+                for i, box in enumerate(boxes):
+                    k, box.pending = box.pending, 0
+                    if k and not started and chat:
+                        for c in range(sp.n):
+                            data += enc({**head, "choices": [{"index": c, "delta": {"role": "assistant", "content": ""},
+                                                              "logprobs": None, "finish_reason": None}]})  # fmt: skip
+                    started = started or k > 0
+                    for j in range(sent[i], min(sent[i] + k, len(outputs[i].tokens))):
+                        data += enc(self._sampled_chunk(head, sp, outputs[i], j, chat, tool_ids, offsets[i]))
+                        offsets[i] += len(outputs[i].tokens[j].text)
+                    sent[i] += k
+                if data:
+                    if request.transport is None:
+                        raise ConnectionResetError("client disconnected")
+                    await resp.write(bytes(data))
+                if all(b.finished for b in boxes):
+                    break
+            tail = _DONE
+            if parsed.include_usage:
+                tail = enc({**head, "choices": [], "usage": self._usage(parsed, outputs)}) + _DONE
+            await resp.write(tail)
+            await resp.write_eof()
+        except ConnectionError:
+            log.debug("client gone during the stream of %s", response_id)
+        return resp
+
     async def handle_health(self, request: web.Request) -> web.Response:
         """GET /health: 200, empty body."""
         return web.Response(status=200)
@@ -624,6 +815,47 @@ class SimServer:
                 "root": self.config.profile, "parent": None, "max_model_len": self.config.max_model_len,
                 "permission": []}  # fmt: skip
         return web.Response(text=_JSON.encode({"object": "list", "data": [card]}), content_type="application/json")
+
+    async def handle_tokenize(self, request: web.Request) -> web.Response:
+        """POST /tokenize in vLLM's shape: ``{"count", "max_model_len", "tokens", "token_strs"}``; the
+        text (``prompt``, or ``messages`` rendered as for chat) cut in 4-byte pieces (sampling.token_id)."""
+        try:
+            body = await self._read_json(request)
+            if isinstance(body.get("messages"), list):
+                try:
+                    text = render_chat(body["messages"])
+                except (ValueError, AttributeError) as e:
+                    raise RequestError(f"invalid 'messages': {e}", param="messages") from None
+            elif isinstance(body.get("prompt"), str):
+                text = body["prompt"]
+            else:
+                raise RequestError("'prompt' (a string) or 'messages' is required", param="prompt")
+        except RequestError as e:
+            return error_response(e.message, e.status, e.param)
+        data = text.encode("utf-8")
+        ids = [token_id(data[i : i + 4].decode("utf-8", errors="replace")) for i in range(0, len(data), 4)]
+        out = {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids, "token_strs": None}
+        return web.Response(text=_JSON.encode(out), content_type="application/json")
+
+    async def handle_detokenize(self, request: web.Request) -> web.Response:
+        """POST /detokenize: ``{"prompt": text}`` of vocabulary ids (sampling.VOCAB; EOS = "");
+        other ids are 400 (the sim's piece ids are hashes, not invertible)."""
+        try:
+            body = await self._read_json(request)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+                raise RequestError("'tokens' must be a list of integers", param="tokens")
+            pieces = []
+            for t in tokens:
+                if t == EOS_ID:
+                    pieces.append("")
+                elif VOCAB_ID_BASE <= t < VOCAB_ID_BASE + len(VOCAB):
+                    pieces.append(VOCAB[t - VOCAB_ID_BASE])
+                else:
+                    raise RequestError(f"token id {t} is out of vocabulary", param="tokens")
+        except RequestError as e:
+            return error_response(e.message, e.status, e.param)
+        return web.Response(text=_JSON.encode({"prompt": "".join(pieces)}), content_type="application/json")
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         """GET /metrics: Prometheus text from this server's own registry."""
@@ -669,6 +901,8 @@ def build_app(config: SimServerConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", sim.handle_chat)
     app.router.add_get("/health", sim.handle_health)
     app.router.add_get("/v1/models", sim.handle_models)
+    app.router.add_post("/tokenize", sim.handle_tokenize)
+    app.router.add_post("/detokenize", sim.handle_detokenize)
     app.router.add_get("/metrics", sim.handle_metrics)
     return app
 

@@ -43,7 +43,10 @@ class FakeEngine:
         self.auth.append(request.headers.get("Authorization"))
         if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
             return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
-        await request.read()
+        body = json.loads(await request.read())
+        if not body.get("stream"):  # a whole answer, as vLLM sends a non-stream request's
+            return web.json_response({"id": "c", "object": "text_completion", "choices": [
+                {"index": 0, "text": "ab", "finish_reason": "length"}], "usage": {"prompt_tokens": 1, "completion_tokens": 2}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for t in ("a", "b"):

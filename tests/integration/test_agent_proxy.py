@@ -153,25 +153,29 @@ async def test_stream_bytes_relayed_unchanged(agent_proxy, engine):
     assert len(agent.tracker) == 0
 
 
-async def test_non_stream_reassembled_with_usage(agent_proxy, engine):
-    _, url = agent_proxy
+async def test_non_stream_relayed_byte_for_byte(agent_proxy, engine):
+    """A non-stream request reaches the engine as non-stream; its answer comes back unchanged."""
+    agent, url = agent_proxy
     async with aiohttp.ClientSession() as s:
-        async with s.post(url + "/v1/completions", json=completion_body(6, False, prompt_tokens=12)) as r:
-            assert r.status == 200
-            out = await r.json()
-        assert out["object"] == "text_completion"
-        assert out["model"] == MODEL
-        assert out["choices"][0]["text"] == " tok" * 6
-        assert out["choices"][0]["finish_reason"] == "length"
-        assert out["usage"] == {"prompt_tokens": 12, "total_tokens": 18, "completion_tokens": 6}
-
-        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-        async with s.post(url + "/v1/chat/completions", json=chat) as r:
-            assert r.status == 200
-            out = await r.json()
+        for path, body in [
+            ("/v1/completions", completion_body(6, False, prompt_tokens=12)),
+            ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+        ]:
+            async with s.post(engine + path, json=body, headers={"x-request-id": "same-id"}) as r:
+                assert r.status == 200
+                direct = await r.read()
+            async with s.post(url + path, json=body, headers={"x-request-id": "same-id"}) as r:
+                assert r.status == 200
+                assert r.headers["Content-Type"].startswith("application/json")
+                relayed = await r.read()
+            assert _CREATED.sub(b"", relayed) == _CREATED.sub(b"", direct)
+        out = json.loads(relayed)
         assert out["object"] == "chat.completion"
-        assert out["choices"][0]["message"] == {"role": "assistant", "content": " tok" * 3}
-        assert out["usage"]["completion_tokens"] == 3
+        # the engine's own answer: " tok" x 3, usage with vLLM's prompt_tokens_details; "<|user|>\nhi\n<|assistant|>\n" = 27 bytes = 7 tokens
+        assert out["choices"][0]["message"] == {"role": "assistant", "content": " tok" * 3, "tool_calls": []}
+        assert out["usage"] == {"prompt_tokens": 7, "total_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": None}
+    assert [e for k, e in agent.events if k == "same-id"] == ["prefill", "done:ok"] * 2
+    assert len(agent.tracker) == 0
 
 
 async def test_tracker_sees_prefill_decode_done(agent_proxy, engine):

@@ -257,6 +257,57 @@ async def test_requests_through_router(vllm_fleet: VllmFleet) -> None:
     assert ok >= 6
 
 
+def _without_ids(obj: Any) -> Any:
+    """An answer less what differs between two sends of one request: ids and timestamps."""
+    if isinstance(obj, dict):
+        return {k: _without_ids(v) for k, v in obj.items() if k not in ("id", "created")}
+    if isinstance(obj, list):
+        return [_without_ids(v) for v in obj]
+    return obj
+
+
+FIDELITY_CASES = [
+    ("n", "/v1/completions", {"prompt": "the sea is", "n": 2, "max_tokens": 6, "seed": 3, "temperature": 1.0}),
+    ("logprobs", "/v1/completions", {"prompt": "the sea is", "logprobs": 2, "max_tokens": 5, "temperature": 0}),
+    ("n+logprobs", "/v1/completions", {"prompt": "the sea is", "n": 2, "logprobs": 2, "max_tokens": 4, "seed": 5}),
+    ("top_logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                              "top_logprobs": 2, "max_tokens": 5, "temperature": 0}),
+    ("stop", "/v1/completions", {"prompt": "the sea is", "stop": ["e", "a"], "max_tokens": 12, "temperature": 0}),
+    ("stop", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": ["e"],
+                                      "max_tokens": 12, "temperature": 0}),
+    ("seed", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2, "seed": 11,
+                                      "max_tokens": 8, "temperature": 0.9}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(("case", "path", "body"), FIDELITY_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(FIDELITY_CASES)])
+async def test_fidelity_router_equals_vllm(vllm_fleet: VllmFleet, case: str, path: str, body: dict, stream: bool) -> None:
+    """n, logprobs, stop, seed: router -> agent -> vLLM answers what that vLLM answers directly
+    (non-stream: equal JSON but for ids/timestamps; stream: the same chunks). Sent one at a time
+    to the replica the router chose, so both runs see a batch of one."""
+    req = {"model": MODEL, **body, "stream": stream}
+    if stream:
+        req["stream_options"] = {"include_usage": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(vllm_fleet.router_url + path, json=req, headers=auth(vllm_fleet)) as resp:
+            assert resp.status == 200, await resp.text()
+            replica = vllm_fleet.replica(resp.headers["x-fairbatch-replica"])
+            routed = await resp.read()
+        async with s.post(replica.engine_url + path, json=req) as resp:
+            assert resp.status == 200, await resp.text()
+            direct = await resp.read()
+    if stream:
+        a, b = [_without_ids(e) for e in sse_events(routed)], [_without_ids(e) for e in sse_events(direct)]
+    else:
+        a, b = _without_ids(json.loads(routed)), _without_ids(json.loads(direct))
+    assert a == b
+    if not stream:
+        assert [c["index"] for c in a["choices"]] == list(range(body.get("n", 1)))
+        if "logprobs" in body and path == "/v1/completions":
+            assert all(len(c["logprobs"]["tokens"]) >= 1 for c in a["choices"])
+
+
 async def test_client_disconnect_aborts_vllm_request(vllm_fleet: VllmFleet) -> None:
     """Closing the client's stream mid-generation stops vLLM generating (router -> agent -> engine abort).
 
