@@ -266,6 +266,37 @@ def _without_ids(obj: Any) -> Any:
     return obj
 
 
+def _merged_stream(events: list[Any]) -> dict[str, Any]:
+    """A stream as its content per choice: texts, logprobs and finish reasons joined in order, and the
+    usage. vLLM cuts a stream into chunks as its output loop runs (several tokens in one chunk when the
+    reader lags), and interleaves the choices of n > 1 as they come, so two sends of one request give
+    the same content in different chunks; the content is what must be equal."""
+    out: dict[str, Any] = {"choices": {}, "usage": None, "done": events[-1:] == ["[DONE]"]}
+    for e in events:
+        if not isinstance(e, dict):
+            continue
+        if e.get("usage"):
+            out["usage"] = e["usage"]
+        for c in e.get("choices") or ():
+            m = out["choices"].setdefault(c["index"], {"text": "", "role": None, "lp": [], "finish": None,
+                                                        "stop": None})  # fmt: skip
+            delta = c.get("delta")
+            if delta is not None:  # chat
+                m["text"] += delta.get("content") or ""
+                m["role"] = m["role"] or delta.get("role")
+                lp = c.get("logprobs")
+                m["lp"] += (lp or {}).get("content") or []
+            else:
+                m["text"] += c.get("text") or ""
+                lp = c.get("logprobs")
+                if lp:
+                    m["lp"] += list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], lp["text_offset"],
+                                        strict=True))  # fmt: skip
+            if c.get("finish_reason") is not None:
+                m["finish"], m["stop"] = c["finish_reason"], c.get("stop_reason")
+    return out
+
+
 FIDELITY_CASES = [
     ("n", "/v1/completions", {"prompt": "the sea is", "n": 2, "max_tokens": 6, "seed": 3, "temperature": 1.0}),
     ("logprobs", "/v1/completions", {"prompt": "the sea is", "logprobs": 2, "max_tokens": 5, "temperature": 0}),
@@ -284,7 +315,8 @@ FIDELITY_CASES = [
 @pytest.mark.parametrize(("case", "path", "body"), FIDELITY_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(FIDELITY_CASES)])
 async def test_fidelity_router_equals_vllm(vllm_fleet: VllmFleet, case: str, path: str, body: dict, stream: bool) -> None:
     """n, logprobs, stop, seed: router -> agent -> vLLM answers what that vLLM answers directly
-    (non-stream: equal JSON but for ids/timestamps; stream: the same chunks). Sent one at a time
+    (non-stream: equal JSON but for ids/timestamps; stream: the same content per choice, however vLLM
+    cut it into chunks, :func:`_merged_stream`). Sent one at a time
     to the replica the router chose, so both runs see a batch of one."""
     req = {"model": MODEL, **body, "stream": stream}
     if stream:
@@ -298,7 +330,8 @@ async def test_fidelity_router_equals_vllm(vllm_fleet: VllmFleet, case: str, pat
             assert resp.status == 200, await resp.text()
             direct = await resp.read()
     if stream:
-        a, b = [_without_ids(e) for e in sse_events(routed)], [_without_ids(e) for e in sse_events(direct)]
+        a, b = _merged_stream(sse_events(routed)), _merged_stream(sse_events(direct))
+        assert a["done"] and len(a["choices"]) == body.get("n", 1)
     else:
         a, b = _without_ids(json.loads(routed)), _without_ids(json.loads(direct))
     assert a == b
