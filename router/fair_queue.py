@@ -26,6 +26,16 @@ The router charges a request when it is dispatched (prompt tokens and ``max_toke
 ``default_max_tokens`` when unknown, as the decode estimate) and may correct the decode part at
 completion with :meth:`charge` of the difference (negative allowed).
 
+Aging (issue 18): an entry is aged once it has waited its class's ``ttft_ms`` at the router
+(``WaitingRequest.promote_at_ms`` = arrival + ttft_ms, set by the router; the first token is then
+late whatever happens). While a tenant of a less urgent band has an aged entry, the band caps
+above count its min_share as at least ``aging_floor_share`` (default 0.1), so a band of
+``min_share: 0`` tenants still gets that floor of the cost served while more urgent bands stay
+backlogged. Bound: from the moment an entry is aged, its band is picked at least whenever it has
+had less than ``aging_floor_share`` of the cost served since contention began, so it waits at most
+for about ``1 / aging_floor_share`` dispatches' cost of the urgent bands ahead of its own band's
+older entries, then for a replica to fit it (the dispatcher's holds bound that).
+
 Bounds: at most ``max_requests`` entries and ``max_tokens`` waiting prompt tokens (a single prompt
 larger than ``max_tokens`` is still accepted into an empty queue); every entry leaves at its
 ``deadline_ms`` (:meth:`expire`). The head-of-line bypass bound (a head that fits no replica may be
@@ -78,6 +88,8 @@ class FairQueue:
         w_prefill: cost per prompt token (>= 0).
         w_decode: cost per decode token (>= 0).
         default_max_tokens: decode tokens assumed when an entry's ``max_tokens`` is 0 (unknown).
+        aging_floor_share: min_share a less urgent band's tenant counts while one of its entries
+            is aged (module docstring, "Aging"), 0..1.
     """
 
     def __init__(
@@ -88,7 +100,12 @@ class FairQueue:
         w_prefill: float = 1.0,
         w_decode: float = 2.0,
         default_max_tokens: int = 256,
+        aging_floor_share: float = 0.1,
     ) -> None:
+        if not 0.0 <= aging_floor_share <= 1.0:
+            raise ValueError(f"aging_floor_share must be in [0, 1], got {aging_floor_share}")
+        self.aging_floor_share = aging_floor_share
+        self._aged: set[str] = set()
         self.max_requests = 1
         self.max_tokens = 1
         self.set_bounds(max_requests, max_tokens)
@@ -262,18 +279,27 @@ class FairQueue:
         values = [t.counter for t in self._tenants.values() if t.waiting and t.share.band == band]
         return min(values) if values else None
 
-    def ordered(self) -> Iterator[WaitingRequest]:
+    def ordered(self, now_ms: float | None = None) -> Iterator[WaitingRequest]:
         """Entries in dispatch order, as if each were served in turn (charged its dispatch cost).
 
+        ``now_ms`` (router clock, simulated ms) turns on aging (module docstring, "Aging"): a
+        tenant of a less urgent band with an entry whose ``promote_at_ms <= now_ms`` counts a
+        min_share of at least ``aging_floor_share``. None = no aging.
+
         A snapshot: removing entries while iterating is safe. Lazy: each step costs
-        O(bands + backlogged tenants), so a dispatcher that stops after a few pays for a few.
+        O(bands + backlogged tenants), so a dispatcher that stops after a few pays for a few
+        (plus one O(entries) walk to build the heads).
         """
         heads: dict[str, list[tuple[float, int, WaitingRequest]]] = {}
+        aged: set[str] = set()
         for name, t in self._tenants.items():
             if t.waiting:
                 live = [item for item in t.heap if item[2] in self._entries]
                 heapq.heapify(live)
                 heads[name] = live
+                if now_ms is not None and any(item[2].promote_at_ms <= now_ms for item in live):
+                    aged.add(name)
+        self._aged = aged
         counters = {name: self._tenants[name].counter for name in heads}
         served = dict(self._band_served)
         waiting: dict[int, int] = {}
@@ -307,6 +333,11 @@ class FairQueue:
                     served.clear()
             yield entry
 
+    def _min_share(self, name: str) -> float:
+        """The tenant's min_share, raised to ``aging_floor_share`` while it has an aged entry."""
+        share = self._tenants[name].share.min_share
+        return max(share, self.aging_floor_share) if name in self._aged else share
+
     def _pick_band(
         self, bands: list[int], served: Mapping[int, float], heads: Mapping[str, list[object]]
     ) -> int:
@@ -316,7 +347,7 @@ class FairQueue:
                 return band
             lower = set(bands[i + 1:])
             reserve = sum(
-                self._tenants[name].share.min_share for name in heads if self._tenants[name].share.band in lower
+                self._min_share(name) for name in heads if self._tenants[name].share.band in lower
             )
             cap = max(0.0, 1.0 - reserve)
             total = sum(served.get(b, 0.0) for b in bands[i:])

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from router.admission_queue import Dispatcher, QueueFull, WaitingRequest
+from router.admission_queue import Attempt, Dispatcher, QueueFull, WaitingRequest
 from router.fair_queue import FairQueue, TenantShare
 
 
@@ -152,7 +152,8 @@ async def test_expiry_and_remove_keep_accounts() -> None:
 
 
 async def test_bounded_bypass_then_hold() -> None:
-    """A head that fits nowhere is passed by at most max_bypass smaller requests, then the dispatcher holds."""
+    """A head that fits nowhere is passed by every request that fits until max_bypass passed it;
+    then its hold replica (the only one here) is kept for it and the rest behind it waits."""
     q = FairQueue(100, 10**9, {"A": TenantShare(), "B": TenantShare()})
     big = req("big", "A", prompt=5000)
     q.push(big)
@@ -170,8 +171,8 @@ async def test_bounded_bypass_then_hold() -> None:
 
     admitted: list[str] = []
 
-    async def admit(e: WaitingRequest) -> str | None:
-        if e.prompt_tokens > 1000:
+    async def admit(e: WaitingRequest, attempt: Attempt) -> str | None:
+        if e.prompt_tokens > 1000 or "r0" in attempt.avoid:
             return None
         admitted.append(e.request_id)
         return e.request_id
@@ -179,11 +180,14 @@ async def test_bounded_bypass_then_hold() -> None:
     async def orphan(g: str) -> None:
         pass
 
-    d: Dispatcher[str] = Dispatcher(queue=q, clock=Clk(), admit=admit, release_orphan=orphan, max_bypass=2)  # type: ignore[arg-type]
+    d: Dispatcher[str] = Dispatcher(queue=q, clock=Clk(), admit=admit, release_orphan=orphan, max_bypass=2,  # type: ignore[arg-type]
+                                    hold_for=lambda e: "r0")
     stats = await d.dispatch_once()
-    assert admitted == ["s0", "s1"] and stats.held and big.passed_by == 2
+    # one pass admits every small one that fits (work conservation), the hold follows
+    assert admitted == ["s0", "s1", "s2", "s3", "s4"] and stats.held and big.passed_by == 5
+    q.push(req("s5", "B", prompt=10))
     stats = await d.dispatch_once()
-    assert admitted == ["s0", "s1"] and stats.held  # holds budget for the head
+    assert admitted == ["s0", "s1", "s2", "s3", "s4"] and stats.held  # r0 is kept for the head
 
 
 async def test_merge_counters_and_reconfigure() -> None:
