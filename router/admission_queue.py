@@ -295,7 +295,8 @@ class Dispatcher(Generic[G]):
         release_orphan: async ``grant -> None`` for a grant whose waiter left meanwhile.
         max_bypass: entries admitted behind a blocked head (same band) before it gets a hold.
         max_scan: admit calls per pass (bounds the work of one wake-up); a pass cut there
-            schedules the next at once.
+            schedules the next at once, which starts at the first entry not tried and wraps
+            around, so successive passes reach every entry.
         idle_poll_s: wall seconds between passes when nothing wakes the dispatcher.
         hold_for: ``entry -> replica id | None``: the replica to hold for a starving head (None,
             or a callback answering None: no hold).
@@ -315,6 +316,7 @@ class Dispatcher(Generic[G]):
     max_entries: int = 4096
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _hold: tuple[WaitingRequest, str] | None = None
+    _resume: WaitingRequest | None = None  # first entry a truncated pass did not try
 
     @property
     def hold(self) -> tuple[WaitingRequest, str] | None:
@@ -365,6 +367,12 @@ class Dispatcher(Generic[G]):
             entries.append(entry)
             if len(entries) >= self.max_entries:
                 break
+        resume, self._resume = self._resume, None
+        if resume is not None:  # the previous pass was cut: start where it stopped, wrap around
+            for i, entry in enumerate(entries):
+                if entry is resume:
+                    entries = entries[i:] + entries[:i]
+                    break
         hold = self.hold
         # entries behind the holder in queue order may not use the held replica; entries ahead of
         # it (or all of them, when it lies beyond the entries looked at) may
@@ -394,6 +402,7 @@ class Dispatcher(Generic[G]):
                     continue
                 if stats.admit_calls >= self.max_scan:
                     stats.truncated = True
+                    self._resume = entry
                     break
                 stats.admit_calls += 1
                 grant = await self.admit(entry, Attempt(on_time_only=phase == 1, avoid=avoid))

@@ -220,6 +220,20 @@ async def test_max_scan_truncates_a_pass() -> None:
     assert not stats.truncated and admitted == ["e0", "e1", "e2", "e3", "e4"]
 
 
+async def test_truncated_passes_resume_where_they_stopped() -> None:
+    # 4 entries that fit nowhere (2 admit calls each), then one that fits; 3 calls per pass.
+    # Without resuming, every pass would retry the first two and never reach "ok".
+    q = FifoQueue(10, 1000)
+    for i in range(4):
+        q.push(entry(f"no{i}"))
+    q.push(entry("ok"))
+    d, admitted, _ = make_dispatcher(q, FakeClock(), fits={"ok"})
+    d.max_scan = 3
+    for _ in range(4):
+        await d.dispatch_once()
+    assert admitted == ["ok"]
+
+
 async def test_gone_waiter_removed_and_late_grant_released() -> None:
     q = FifoQueue(10, 1000)
     gone, late = entry("gone"), entry("late")
