@@ -274,13 +274,14 @@ class Dispatcher(Generic[G]):
     3. phase 2, queue order, the entries phase 1 left: the normal fit (``on_time_only=False``).
        A late request thus starts at once wherever a fresh arrival of its size could, behind the
        work that can still meet its deadline in the same pass;
-    4. the first entry that neither phase placed (the blocked head) counts the entries admitted
-       behind it (``passed_by``: +1 for its own band or a more urgent one, +``max_bypass`` for a
-       less urgent band). Holds: once ``passed_by >= max_bypass`` and no hold exists,
-       ``hold_for(head)`` names one replica (the one where it will fit soonest) that entries
-       BEHIND the head in queue order may no longer use until the head leaves the queue (placed,
-       expired or gone). Nothing else ever waits for the head: the other replicas keep serving
-       the queue, and entries ahead of the head keep the held replica too. At most one hold.
+    4. the first entry that phase 1 could not place (the blocked head) counts the entries admitted
+       behind it (``passed_by``, +1 each; +``max_bypass`` for a less urgent band). Holds: once
+       ``passed_by >= max_bypass``, or before a less urgent band's entry is tried behind it, and
+       while no hold exists, ``hold_for(head)`` names one replica (the one where it will fit
+       soonest) that entries BEHIND the head in queue order may no longer use until the head
+       leaves the queue (placed, also in phase 2 of the same pass, expired or gone). Nothing else
+       ever waits for the head: the other replicas keep serving the queue, and entries ahead of
+       the head keep the held replica too. At most one hold.
 
     ``skip_dominated``: with an ``admit`` that is a monotone placement (a prompt that does not fit
     makes every longer prompt of the same class, exclusions and avoid set not fit, and in phase 1
@@ -302,6 +303,10 @@ class Dispatcher(Generic[G]):
             or a callback answering None: no hold).
         skip_dominated: skip entries dominated by a failure of the same pass (see above).
         max_entries: entries looked at per pass (bounds the queue walk; the rest wait for the next).
+        shed: ``(entry, now_ms) -> bool`` asked, at the end of a pass, for each entry left blocked
+            whose ``expire_reason`` is ``slo-infeasible`` (a sheddable request): True = it can no
+            longer meet its first-token deadline, so it leaves now with ``QueueTimeout("slo-infeasible")``
+            instead of waiting to be refused at its deadline.
     """
 
     queue: AdmissionQueue
@@ -314,6 +319,7 @@ class Dispatcher(Generic[G]):
     hold_for: Callable[[WaitingRequest], str | None] | None = None
     skip_dominated: bool = False
     max_entries: int = 4096
+    shed: Callable[[WaitingRequest, float], bool] | None = None
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _hold: tuple[WaitingRequest, str] | None = None
     _resume: WaitingRequest | None = None  # first entry a truncated pass did not try
@@ -373,9 +379,9 @@ class Dispatcher(Generic[G]):
                 if entry is resume:
                     entries = entries[i:] + entries[:i]
                     break
-        hold = self.hold
         # entries behind the holder in queue order may not use the held replica; entries ahead of
         # it (or all of them, when it lies beyond the entries looked at) may
+        hold = self.hold
         holder_at = len(entries)
         if hold is not None:
             stats.held = True
@@ -383,22 +389,40 @@ class Dispatcher(Generic[G]):
                 if entry is hold[0]:
                     holder_at = i
                     break
-        held = frozenset((hold[1],)) if hold is not None else frozenset()
-        admitted_at: list[int] = []
+        head_at: int | None = None  # the first entry phase 1 could not place (the blocked head)
         failed: dict[tuple, list[tuple[int, float]]] = {}
         late: list[int] = []
         blocked: list[int] = []
+
+        def take_hold(i: int) -> None:
+            nonlocal hold, holder_at
+            if hold is None and self.hold_for is not None:
+                rid = self.hold_for(entries[i])
+                if rid is not None:
+                    hold = self._hold = (entries[i], rid)
+                    holder_at = i
+                    stats.held = True
+
         for phase, indices in ((1, range(len(entries))), (2, late)):
             failed.clear()
             for i in indices:
                 entry = entries[i]
-                avoid = held if i > holder_at else frozenset()
+                if hold is not None and hold[0].future.done():  # the holder was placed (or left)
+                    hold, self._hold, holder_at = None, None, len(entries)
+                if head_at is not None and entries[head_at].future.done():
+                    head_at = None
+                if (head_at is not None and i > head_at and entry.priority > entries[head_at].priority
+                        and hold is None):
+                    take_hold(head_at)  # a less urgent band never takes the replica the head waits for
+                avoid = frozenset((hold[1],)) if hold is not None and i > holder_at else frozenset()
                 key = (entry.slo_class, entry.exclude, avoid)
                 waited = entry.waited_ms(now)
                 if self.skip_dominated and any(
                     p <= entry.prompt_tokens and (phase == 2 or w <= waited) for p, w in failed.get(key, ())
                 ):
                     (late if phase == 1 else blocked).append(i)
+                    if head_at is None and phase == 1:
+                        head_at = i
                     continue
                 if stats.admit_calls >= self.max_scan:
                     stats.truncated = True
@@ -409,25 +433,29 @@ class Dispatcher(Generic[G]):
                 if grant is None:
                     failed.setdefault(key, []).append((entry.prompt_tokens, waited))
                     (late if phase == 1 else blocked).append(i)
+                    if head_at is None and phase == 1:
+                        head_at = i
                     continue
                 self.queue.remove(entry)
-                admitted_at.append(i)
                 if entry.future.done():
                     await self.release_orphan(grant)
                 else:
                     entry.future.set_result(grant)
                     stats.admitted += 1
+                if head_at is not None and i > head_at:
+                    head = entries[head_at]
+                    head.passed_by += self.max_bypass if entry.priority > head.priority else 1
+                    if head.passed_by >= self.max_bypass:
+                        take_hold(head_at)
             if stats.truncated:
                 break
-        if blocked:
-            head_at = min(blocked)
-            head = entries[head_at]
-            for i in admitted_at:
-                if i > head_at:
-                    head.passed_by += self.max_bypass if entries[i].priority > head.priority else 1
-            if hold is None and head.passed_by >= self.max_bypass and self.hold_for is not None:
-                rid = self.hold_for(head)
-                if rid is not None:
-                    self._hold = (head, rid)
-                    stats.held = True
+        if blocked and self.shed is not None:
+            for i in blocked:
+                entry = entries[i]
+                if entry.expire_reason == "slo-infeasible" and not entry.future.done() and self.shed(entry, now):
+                    self.queue.remove(entry)
+                    entry.future.set_exception(QueueTimeout("slo-infeasible"))
+                    stats.expired += 1
+        if self.hold is None:
+            stats.held = stats.held and hold is not None and not hold[0].future.done()
         return stats

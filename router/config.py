@@ -193,6 +193,11 @@ class AdmissionConfig(_Strict):
             (docs/architecture.md, "Start window", gives the measurements).
         step_tokens: tokens per engine step in that window (vLLM's max_num_batched_tokens: 2048
             on A100 defaults, 8192 on H100), >= 1.
+        contention_max_inflight: while requests of two tenants or more wait in the router's
+            fair queue, a replica that already runs this many of this router's requests takes no
+            more, so the weights decide who runs next (the engine serves its running requests
+            alike, so without it a closed loop that fits the engine splits 1:1 whatever the
+            weights). 0 = off. Default 32 (docs/architecture.md, "Start window", measurements).
     """
 
     bytes_per_token: float = Field(default=4.0, gt=0)
@@ -200,6 +205,7 @@ class AdmissionConfig(_Strict):
     reserve_timeout_ms: float = Field(default=200.0, gt=0)
     start_window_steps: float = Field(default=4.0, ge=0)
     step_tokens: int = Field(default=2048, ge=1)
+    contention_max_inflight: int = Field(default=32, ge=0)
 
 
 class PlacementConfig(_Strict):

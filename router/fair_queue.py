@@ -157,6 +157,10 @@ class FairQueue:
         """Prompt tokens waiting in bands at least as urgent as ``band`` (for the wait prediction)."""
         return sum(n for b, n in self._band_tokens.items() if b <= band)
 
+    def backlogged_tenants(self) -> int:
+        """How many tenants have requests waiting (2 or more = they contend)."""
+        return sum(1 for t in self._tenants.values() if t.waiting)
+
     def counter(self, tenant: str) -> float:
         """The tenant's virtual token counter (weighted tokens / weight)."""
         t = self._tenants.get(tenant)

@@ -31,6 +31,7 @@ request's lease is consumed by the agent. Times are simulated ms from the router
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import math
@@ -169,7 +170,7 @@ class RouterMetrics:
         self.replicas = Gauge("fairbatch_router_replicas", "Replicas known (static or discovered)", registry=r)
         self.replica_inflight = Gauge(
             "fairbatch_router_replica_inflight_requests",
-            "Requests this router is relaying to the replica now (granted a lease, response not finished)",
+            "Requests this router holds a lease for on the replica (granted, or being relayed), not yet ended",
             ["replica"], registry=r,
         )
         self.replica_queued = Gauge(
@@ -276,6 +277,7 @@ class Router:
             max_bypass=config.queue.max_bypass,
             hold_for=self._hold_for,
             skip_dominated=True,
+            shed=self._shed,
         )
         self.book.add_listener(self.dispatcher.wake)
         self.budgets = BudgetClient(
@@ -293,6 +295,8 @@ class Router:
         self._sync_task: asyncio.Task[None] | None = None
         self.tracer = make_tracer(config.telemetry.service_name, config.telemetry.otlp_endpoint)
         self._background: set[asyncio.Task[Any]] = set()
+        self._leased: dict[str, str] = {}  # lease id -> replica id, until the request ends
+        self._replica_load: collections.Counter[str] = collections.Counter()
         self._dispatch_task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -463,7 +467,19 @@ class Router:
     def _decode_estimate(self, max_tokens: int) -> int:
         return max_tokens if max_tokens > 0 else self.config.fairness.default_max_tokens
 
-    def predict(self, slo_class: str, band: int, prompt_tokens: int) -> tuple[float, float] | None:
+    def _shed(self, entry: WaitingRequest, now_ms: float) -> bool:
+        """A queued sheddable request that the dispatcher could not place: True when the prediction
+        (:meth:`predict`, its own tokens not counted as ahead of it) says it can no longer start in
+        time: ``now + wait + prefill > first-token deadline``."""
+        prediction = self.predict(entry.slo_class, entry.priority, entry.prompt_tokens, entry.prompt_tokens)
+        if prediction is None:
+            return False
+        wait_ms, prefill_ms = prediction
+        return now_ms + wait_ms + prefill_ms > entry.first_token_deadline_ms
+
+    def predict(
+        self, slo_class: str, band: int, prompt_tokens: int, own_tokens: int = 0
+    ) -> tuple[float, float] | None:
         """(predicted queue wait, predicted prefill) in simulated ms, or None without a usable replica.
 
         Per usable replica r (healthy, fresh, with a budget for the class): prefill_r = a + b*P;
@@ -472,8 +488,8 @@ class Router:
         replica's measured drain rate (:class:`router.drain.DrainEstimator` over its budget stream;
         1 ms/ms before it has two snapshots), so ``wait_r = deficit_r / rate_r`` (inf at rate 0).
         wait = min_r wait_r plus the prefill of the prompt tokens already waiting in bands as
-        urgent or more, drained at the fleet's summed rate (``b * tokens / sum_r rate_r``).
-        prefill = min_r prefill_r.
+        urgent or more (less ``own_tokens``, the request's own when it is queued already), drained
+        at the fleet's summed rate (``b * tokens / sum_r rate_r``). prefill = min_r prefill_r.
         """
         views = [
             v for v in self.book.views()
@@ -499,7 +515,7 @@ class Router:
             else:
                 avail = min(cb.pab_ms, cb.horizon_ms - cb.decode_reservation_ms - cb.inflight_reservation_ms)
             budget_wait = min(budget_wait, wait_for_budget_ms(p_ms - avail, rate))
-        tokens = self.queue.tokens_ahead(band)
+        tokens = max(0, self.queue.tokens_ahead(band) - own_tokens)
         ahead = 0.0 if tokens == 0 else (b * tokens / total_rate if total_rate > 0 else math.inf)
         return budget_wait + ahead, prefill
 
@@ -523,6 +539,7 @@ class Router:
 
     def _release(self, grant: Grant, reason: str) -> None:
         """Release ``grant`` in the background (never delays the response)."""
+        self._lease_done(grant)
         self._spawn(self.budgets.release(grant.lease_id, reason))
 
     async def _release_orphan(self, grant: Grant) -> None:
@@ -548,9 +565,10 @@ class Router:
         waited_ms = max(0.0, self.clock.now_ms() - arrival_ms)
         adm = self.config.admission
         t0 = time.perf_counter()
+        capped = self._contention_excluded()
         result = self.policy.place(
             PlacementRequest(
-                slo_class, prompt_tokens, exclude | attempt.avoid if attempt.avoid else exclude, waited_ms,
+                slo_class, prompt_tokens, exclude | attempt.avoid | capped, waited_ms,
                 on_time_only=attempt.on_time_only, window_steps=adm.start_window_steps, step_tokens=adm.step_tokens,
             ),
             self.book.views(),
@@ -565,8 +583,34 @@ class Router:
             )
             self.metrics.reserve_seconds.observe(time.perf_counter() - t1)
             if answer.granted:
-                return Grant(replica_id, answer.lease_id)
+                grant = Grant(replica_id, answer.lease_id)
+                self._leased[grant.lease_id] = replica_id
+                self._replica_load[replica_id] += 1
+                return grant
         return None
+
+    def _lease_done(self, grant: Grant) -> None:
+        """The request of ``grant`` ended (served, failed, released or gone): it no longer counts
+        in its replica's load. Idempotent."""
+        rid = self._leased.pop(grant.lease_id, None)
+        if rid is not None:
+            self._replica_load[rid] -= 1
+            if self._replica_load[rid] <= 0:
+                del self._replica_load[rid]
+
+    def replica_load(self, replica_id: str) -> int:
+        """Requests this router holds a lease for on the replica, not yet ended (granted, being relayed)."""
+        return self._replica_load.get(replica_id, 0)
+
+    def _contention_excluded(self) -> frozenset[str]:
+        """Replicas at the contention cap (``admission.contention_max_inflight``): while requests of
+        two tenants or more wait in the fair queue, a replica already running that many of this
+        router's requests takes no more, so the rest waits where the weights decide (issue 18,
+        docs/architecture.md "Start window"). Empty without contention or with the cap off (0)."""
+        cap = self.config.admission.contention_max_inflight
+        if cap <= 0 or self.queue.backlogged_tenants() < 2:
+            return frozenset()
+        return frozenset(rid for rid, n in self._replica_load.items() if n >= cap)
 
     async def _admit_waiting(self, entry: WaitingRequest, attempt: Attempt = Attempt()) -> Grant | None:
         return await self._place_and_reserve(
@@ -816,6 +860,7 @@ class Router:
             outcome = await self._forward(request, principal, grant, raw, request_id, arrival_ms)
             if outcome.kind == "ok":
                 self.budgets.forget(grant.lease_id)
+                self._lease_done(grant)
                 if not stream and isinstance(outcome.response, web.Response):
                     self._correct_decode(principal.tenant, outcome.response, decode_estimate)
                 return "ok", outcome.response  # type: ignore[return-value]
@@ -937,7 +982,7 @@ class Router:
         hold = self.dispatcher.hold
         for view in self.book.views(now):
             rid = view.replica_id
-            m.replica_inflight.labels(rid).set(len(self._inflight.get(rid, ())))
+            m.replica_inflight.labels(rid).set(self.replica_load(rid))
             stored = self.book.get(rid)
             waiting = stored.num_waiting if stored is not None and view.fresh else 0
             m.replica_queued.labels(rid).set(waiting + (1 if hold is not None and hold[1] == rid else 0))

@@ -16,8 +16,12 @@ produces exactly that many.
   not sheddable), 32 requests outstanding each (closed loop: each answered request is replaced),
   prompts 1000 tokens, 100 out, ``--weights-s`` of load. Token shares = prompt + completion tokens
   of the requests that ended while both tenants still had requests outstanding. Run with the
-  default start window (4 steps) and with the window off (``start_window_steps: 0``) to show what the
-  knob does. Target: shares within 0.05 of 0.75 / 0.25.
+  defaults (start window 4 steps, contention cap 32 per replica), with the cap off
+  (``contention_max_inflight: 0``) and with both off, to show what the knobs do and cost.
+  Target: shares within 0.05 of 0.75 / 0.25.
+- ``sizes``: as ``weights`` with equal weights, tenant A's prompts 4000 tokens, B's 500. Weighted
+  service = (prompt + 2 x completion tokens) / weight (the VTC cost). Target: A/B within 0.9-1.1,
+  Jain's index >= 0.95.
 - ``infeasible``: 1 replica; tenant ``jobs`` (class batch: TTFT 20 s, priority 1, not sheddable)
   keeps 48 prompts of 4000 tokens outstanding (1000 out); tenant ``chat`` (class interactive: TTFT
   500 ms, sheddable, priority 0) sends a 2000-token prompt every 300 ms. Reported: how many chat
@@ -227,10 +231,10 @@ async def closed_loop(session: aiohttp.ClientSession, url: str, key: str, tenant
     await asyncio.gather(*[one() for _ in range(n)])
 
 
-async def scenario_weights(work: Path, seconds: float, window: float | None) -> dict[str, Any]:
+async def scenario_weights(work: Path, seconds: float, admission: dict[str, Any] | None,
+                           prompts: tuple[int, int] = (1000, 1000), weights: tuple[float, float] = (3, 1)) -> dict[str, Any]:
     classes = {"loose": {"ttft_ms": 20000, "tpot_ms": 200, "priority": 0, "sheddable": False, "max_queue_ms": 600000}}
-    tenants = {"A": {"weight": 3, "slo_class": "loose"}, "B": {"weight": 1, "slo_class": "loose"}}
-    admission = None if window is None else {"start_window_steps": window}
+    tenants = {"A": {"weight": weights[0], "slo_class": "loose"}, "B": {"weight": weights[1], "slo_class": "loose"}}
     fleet = start_fleet(work, 1, classes, tenants, "loose", admission)
     try:
         await wait_usable(fleet, 1)
@@ -238,22 +242,30 @@ async def scenario_weights(work: Path, seconds: float, window: float | None) -> 
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300),
                                          connector=aiohttp.TCPConnector(limit=0)) as s:
             t0 = time.monotonic()
-            await asyncio.gather(*[closed_loop(s, fleet.router_url, fleet.keys[t], t, 32, 1000, 100, t0, seconds, results)
-                                   for t in ("A", "B")])
+            await asyncio.gather(*[closed_loop(s, fleet.router_url, fleet.keys[t], t, 32, p, 100, t0, seconds, results)
+                                   for t, p in zip(("A", "B"), prompts, strict=True)])
     finally:
         fleet.group.stop()
-    # both saturate from the first send until the first tenant stops sending (stop_s); skip the first
-    # 2 s (the first requests of both are admitted together) and count requests ending in between
+    # both saturate from the first send until they stop sending (stop_s); skip the first 2 s (the
+    # first requests of both are admitted together) and count requests ending in between
     lo, hi = 2.0, seconds
-    tok = {t: sum(r.prompt_tokens + r.completion_tokens for r in results
-                  if r.tenant == t and r.status == 200 and lo <= r.end_s <= hi) for t in ("A", "B")}
+    done = [r for r in results if r.status == 200 and lo <= r.end_s <= hi]
+    tok = {t: sum(r.prompt_tokens + r.completion_tokens for r in done if r.tenant == t) for t in ("A", "B")}
     total = sum(tok.values()) or 1
     shares = {t: v / total for t, v in tok.items()}
-    ttft = [r.first_s - r.sent_s for r in results if r.first_s is not None and lo <= r.end_s <= hi]
-    return {"window_steps": 4.0 if window is None else window, "tokens": tok, "shares": shares,
+    # weighted service (VTC cost w_prefill * prompt + w_decode * completion, 1 and 2, over the weight)
+    w = dict(zip(("A", "B"), weights, strict=True))
+    service = {t: sum(r.prompt_tokens + 2 * r.completion_tokens for r in done if r.tenant == t) / w[t] for t in w}
+    x = list(service.values())
+    jain = sum(x) ** 2 / (len(x) * sum(v * v for v in x)) if any(x) else math.nan
+    ttft = [r.first_s - r.sent_s for r in done if r.first_s is not None]
+    adm = admission or {}
+    return {"start_window_steps": adm.get("start_window_steps", 4.0),
+            "contention_max_inflight": adm.get("contention_max_inflight", 32), "prompts": list(prompts),
+            "weights": list(weights), "tokens": tok, "shares": shares, "weighted_service": service,
+            "service_ratio_a_over_b": service["A"] / service["B"] if service["B"] else math.nan, "jain": jain,
             "tokens_per_s": total / (hi - lo), "ttft_p50_ms": pct(ttft, 50) * 1000, "ttft_p95_ms": pct(ttft, 95) * 1000,
-            "requests_ok": sum(1 for r in results if r.status == 200),
-            "target_met": abs(shares["A"] - 0.75) <= 0.05 and abs(shares["B"] - 0.25) <= 0.05}
+            "requests_ok": sum(1 for r in results if r.status == 200)}
 
 
 async def scenario_infeasible(work: Path, seconds: float) -> dict[str, Any]:
@@ -340,12 +352,19 @@ def table(doc: dict[str, Any]) -> str:
         t = sc["ties"]
         rows.append(("ties", " / ".join(f"{k} {v}" for k, v in t["per_replica"].items())
                      + f" (max {t['max_share']:.1%})", "<= 40 %", str(t["target_met"])))
-    for key in ("weights", "weights_no_window"):
+    for key in ("weights", "weights_no_cap", "weights_off"):
         if key in sc:
             w = sc[key]
-            rows.append((f"{key}", f"window {w['window_steps']:g} steps: shares A {w['shares']['A']:.3f} / B "
-                         f"{w['shares']['B']:.3f}, {w['tokens_per_s']:.0f} tok/s, TTFT p50 {w['ttft_p50_ms']:.0f} "
-                         f"p95 {w['ttft_p95_ms']:.0f} ms", "0.75/0.25 +-0.05", str(w["target_met"])))
+            met = abs(w["shares"]["A"] - 0.75) <= 0.05 and abs(w["shares"]["B"] - 0.25) <= 0.05
+            rows.append((key, f"window {w['start_window_steps']:g} steps, cap {w['contention_max_inflight']}: shares A "
+                         f"{w['shares']['A']:.3f} / B {w['shares']['B']:.3f}, {w['tokens_per_s']:.0f} tok/s, TTFT p50 "
+                         f"{w['ttft_p50_ms']:.0f} p95 {w['ttft_p95_ms']:.0f} ms", "0.75/0.25 +-0.05", str(met)))
+    if "sizes" in sc:
+        w = sc["sizes"]
+        met = 0.9 <= w["service_ratio_a_over_b"] <= 1.1 and w["jain"] >= 0.95
+        rows.append(("sizes", f"equal weights, prompts {w['prompts'][0]} vs {w['prompts'][1]}: weighted service ratio "
+                     f"{w['service_ratio_a_over_b']:.3f}, Jain {w['jain']:.3f}, {w['tokens_per_s']:.0f} tok/s",
+                     "0.9-1.1, Jain >= 0.95", str(met)))
     if "infeasible" in sc:
         i = sc["infeasible"]
         rows.append(("infeasible", f"{i['slo_infeasible']}/{i['chat_sent']} chat refused slo-infeasible in "
@@ -361,7 +380,7 @@ def table(doc: dict[str, Any]) -> str:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    only = set(args.only.split(",")) if args.only else {"burst", "ties", "weights", "infeasible", "starve"}
+    only = set(args.only.split(",")) if args.only else {"burst", "ties", "weights", "sizes", "infeasible", "starve"}
     doc: dict[str, Any] = {"profile": PROFILE, "time_scale": 1.0, "python": platform.python_version(), "scenarios": {}}
     with tempfile.TemporaryDirectory(prefix="fairbatch-backlog-") as tmp:
         work = Path(tmp)
@@ -372,7 +391,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             runs.append(("ties", lambda d: scenario_ties(d)))
         if "weights" in only:
             runs.append(("weights", lambda d: scenario_weights(d, args.weights_s, None)))
-            runs.append(("weights_no_window", lambda d: scenario_weights(d, args.weights_s, 0.0)))
+            runs.append(("weights_no_cap", lambda d: scenario_weights(d, args.weights_s, {"contention_max_inflight": 0})))
+            runs.append(("weights_off", lambda d: scenario_weights(
+                d, args.weights_s, {"contention_max_inflight": 0, "start_window_steps": 0})))
+        if "sizes" in only:
+            runs.append(("sizes", lambda d: scenario_weights(d, args.weights_s, None, (4000, 500), (1, 1))))
         if "infeasible" in only:
             runs.append(("infeasible", lambda d: scenario_infeasible(d, args.infeasible_s)))
         if "starve" in only:
@@ -388,7 +411,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="backlog.json", help="JSON report path (default: %(default)s)")
-    p.add_argument("--only", default="", help="comma-separated subset: burst,ties,weights,infeasible,starve")
+    p.add_argument("--only", default="", help="comma-separated subset: burst,ties,weights,sizes,infeasible,starve")
     p.add_argument("--weights-s", type=float, default=25.0, help="seconds of load in the weights scenario")
     p.add_argument("--infeasible-s", type=float, default=15.0, help="seconds of load in the infeasible scenario")
     p.add_argument("--starve-s", type=float, default=45.0, help="seconds of load in the starve scenario")

@@ -154,23 +154,29 @@ async def test_after_max_bypass_one_replica_is_held_for_the_head() -> None:
     assert d.hold is None
 
 
-async def test_a_less_urgent_band_passes_a_blocked_urgent_head_once() -> None:
-    # Order U (band 0, fits nowhere), B (band 1, fits), U2 (band 0, fits). Work conservation: both
-    # B and U2 start; B's pass counts max_bypass at once, so U gets its hold right away.
+async def test_a_less_urgent_band_never_takes_the_replica_held_for_an_urgent_head() -> None:
+    # Order U (band 0, fits nowhere), B (band 1, fits), U2 (band 0, fits); replicas r0, r1. Before
+    # B is tried behind the blocked U, r0 is held for U; B and U2 still start, on r1 (work
+    # conservation on every other replica).
     clock = FakeClock()
     q = FifoQueue(10, 10_000)
     u, b, u2 = entry("u", 900), entry("b"), entry("u2")
     b.priority = 1
     for e in (u, b, u2):
         q.push(e)
-    d, admitted, _ = make_dispatcher(q, clock, fits={"b", "u2"}, max_bypass=8, hold="r0")
+    d, admitted, _ = make_dispatcher(q, clock, fits={"b", "u2"}, max_bypass=8, replicas=("r0", "r1"), hold="r0")
     await d.dispatch_once()
-    assert admitted == ["b", "u2"] and u.passed_by == 9 and d.hold == (u, "r0")
-    # with r0 held for U (the only replica), a later entry behind U waits
-    late = entry("late")
-    q.push(late)
-    await d.dispatch_once()
-    assert admitted == ["b", "u2"] and [e.request_id for e in q.ordered()] == ["u", "late"]
+    assert admitted == ["b", "u2"] and PLACED[id(d)] == {"b": "r1", "u2": "r1"} and d.hold == (u, "r0")
+    assert u.passed_by == 9  # B: +max_bypass, U2: +1
+    # with one replica only, B waits behind U (the old band rule, now on the held replica alone)
+    q2 = FifoQueue(10, 10_000)
+    u, b = entry("u", 900), entry("b")
+    b.priority = 1
+    q2.push(u)
+    q2.push(b)
+    d2, admitted2, _ = make_dispatcher(q2, clock, fits={"b"}, hold="r0")
+    await d2.dispatch_once()
+    assert admitted2 == [] and d2.hold == (u, "r0")
 
 
 async def test_zero_bypass_holds_at_once() -> None:
