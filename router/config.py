@@ -13,7 +13,7 @@ Schema (docs/architecture.md, section "Router"; DESIGN.md section 6)::
     replicas:                          # static list (discovery.mode: static, the default)
       - {id: r0, http_url: "http://127.0.0.1:8101", grpc_target: "127.0.0.1:9101"}
     discovery: {mode: static}          # or kubernetes / dns: replicas found at run time (router/discovery.py)
-    queue: {max_requests: 1024, max_tokens: 4000000, max_bypass: 8, aging_floor_share: 0.1}
+    queue: {max_requests: 1024, max_tokens: 4000000, max_bypass: 8, aging_floor_share: 0.5}
     admission: {bytes_per_token: 4.0, reserve_timeout_ms: 200, estimate_refuse_factor: 2.0,
                 start_window_steps: 4, step_tokens: 2048}
     placement: {seed: null}            # tie-break RNG seed; null = random per process
@@ -164,13 +164,13 @@ class QueueConfig(_Strict):
             is held for it (>= 0; router/admission_queue.py, "Holds"; the rest of the fleet keeps
             serving the queue).
         aging_floor_share: min_share a less urgent band's tenant counts while one of its requests
-            has waited its class's ttft_ms (router/fair_queue.py, "Aging"; 0..1, default 0.1).
+            has waited its class's ttft_ms (router/fair_queue.py, "Aging"; 0..1, default 0.5).
     """
 
     max_requests: int = Field(default=1024, ge=1)
     max_tokens: int = Field(default=4_000_000, ge=1)
     max_bypass: int = Field(default=8, ge=0)
-    aging_floor_share: float = Field(default=0.1, ge=0, le=1)
+    aging_floor_share: float = Field(default=0.5, ge=0, le=1)
 
 
 class AdmissionConfig(_Strict):

@@ -29,12 +29,14 @@ completion with :meth:`charge` of the difference (negative allowed).
 Aging (issue 18): an entry is aged once it has waited its class's ``ttft_ms`` at the router
 (``WaitingRequest.promote_at_ms`` = arrival + ttft_ms, set by the router; the first token is then
 late whatever happens). While a tenant of a less urgent band has an aged entry, the band caps
-above count its min_share as at least ``aging_floor_share`` (default 0.1), so a band of
-``min_share: 0`` tenants still gets that floor of the cost served while more urgent bands stay
-backlogged. Bound: from the moment an entry is aged, its band is picked at least whenever it has
-had less than ``aging_floor_share`` of the cost served since contention began, so it waits at most
-for about ``1 / aging_floor_share`` dispatches' cost of the urgent bands ahead of its own band's
-older entries, then for a replica to fit it (the dispatcher's holds bound that).
+above reserve for that band at least ``aging_floor_share`` (default 0.5) instead of the sum of
+its tenants' min_share, so a band of ``min_share: 0`` tenants still gets that floor of the cost
+served under contention while more urgent bands stay backlogged. Bound: from the moment an entry
+is aged its band is picked whenever it has had less than ``aging_floor_share`` of the cost served
+during the contention, so a lower band whose demand stays below that floor of the capacity is
+served at its arrival rate after a delay of its ttft_ms, and one above it gets the floor; more
+urgent bands keep at least ``1 - aging_floor_share`` (0.5) whatever waits below. Once picked, an
+entry waits only for a replica to fit it (the dispatcher's holds bound that).
 
 Bounds: at most ``max_requests`` entries and ``max_tokens`` waiting prompt tokens (a single prompt
 larger than ``max_tokens`` is still accepted into an empty queue); every entry leaves at its
@@ -100,7 +102,7 @@ class FairQueue:
         w_prefill: float = 1.0,
         w_decode: float = 2.0,
         default_max_tokens: int = 256,
-        aging_floor_share: float = 0.1,
+        aging_floor_share: float = 0.5,
     ) -> None:
         if not 0.0 <= aging_floor_share <= 1.0:
             raise ValueError(f"aging_floor_share must be in [0, 1], got {aging_floor_share}")
@@ -337,22 +339,24 @@ class FairQueue:
                     served.clear()
             yield entry
 
-    def _min_share(self, name: str) -> float:
-        """The tenant's min_share, raised to ``aging_floor_share`` while it has an aged entry."""
-        share = self._tenants[name].share.min_share
-        return max(share, self.aging_floor_share) if name in self._aged else share
-
     def _pick_band(
         self, bands: list[int], served: Mapping[int, float], heads: Mapping[str, list[object]]
     ) -> int:
-        """The most urgent band still under its cap ``1 - sum(min_share of backlogged tenants below)``."""
+        """The most urgent band still under its cap ``1 - reserve(bands below)``: per less urgent band,
+        the sum of its backlogged tenants' min_share, raised to ``aging_floor_share`` while one of
+        them has an aged entry (module docstring, "Aging")."""
         for i, band in enumerate(bands):
             if i == len(bands) - 1:
                 return band
-            lower = set(bands[i + 1:])
-            reserve = sum(
-                self._min_share(name) for name in heads if self._tenants[name].share.band in lower
-            )
+            per_band: dict[int, float] = {}
+            aged_bands: set[int] = set()
+            for name in heads:
+                b = self._tenants[name].share.band
+                if b > band:
+                    per_band[b] = per_band.get(b, 0.0) + self._tenants[name].share.min_share
+                    if name in self._aged:
+                        aged_bands.add(b)
+            reserve = sum(max(v, self.aging_floor_share) if b in aged_bands else v for b, v in per_band.items())
             cap = max(0.0, 1.0 - reserve)
             total = sum(served.get(b, 0.0) for b in bands[i:])
             if served.get(band, 0.0) <= cap * total + _EPS:

@@ -300,7 +300,7 @@ async def scenario_infeasible(work: Path, seconds: float) -> dict[str, Any]:
     ttft_ok = [(r.first_s - r.sent_s) * 1000 for r in ok if r.first_s is not None]
     return {"chat_sent": len(chat), "chat_ok": len(ok), "slo_infeasible": len(refused),
             "other_refusals": dict(Counter(r.reason or str(r.status) for r in chat if r.status != 200 and r not in refused)),
-            "refusal_ms_p50": pct(lat, 50), "refusal_ms_max": max(lat, default=math.nan),
+            "refusal_ms": sorted(round(v, 1) for v in lat), "refusal_ms_p50": pct(lat, 50), "refusal_ms_max": max(lat, default=math.nan),
             "chat_ok_ttft_p95_ms": pct(ttft_ok, 95), "chat_ok_late": sum(1 for v in ttft_ok if v > 500),
             "jobs_ok": sum(1 for r in jobs if r.status == 200),
             "target_met": bool(refused) and max(lat) <= 50.0}
