@@ -190,6 +190,22 @@ async def test_bounded_bypass_then_hold() -> None:
     assert admitted == ["s0", "s1"] and stats.held  # r0 is kept for the head
 
 
+async def test_aged_lower_band_gets_the_floor_share() -> None:
+    # H: band 0; L: band 1 with min_share 0. Every entry costs 100 + 2 * 100 = 300.
+    q = FairQueue(100, 10**9, {"H": TenantShare(1.0, 0), "L": TenantShare(1.0, 1, 0.0)}, aging_floor_share=0.5)
+    hs = [req(f"h{i}", "H") for i in range(4)]
+    low = req("l", "L")
+    low.promote_at_ms = 100.0  # arrival 0 + its class's ttft_ms 100
+    for e in (*hs, low):
+        q.push(e)
+    # not aged (now 50): band 0's cap is 1 - 0 = 1, so L comes last
+    assert [e.request_id for e in q.ordered(50.0)] == ["h0", "h1", "h2", "h3", "l"]
+    assert [e.request_id for e in q.ordered()] == ["h0", "h1", "h2", "h3", "l"]  # no clock: no aging
+    # aged (now 100): band 0's cap becomes 1 - 0.5. Pick 1: served 0 <= 0.5 * 0 -> h0; pick 2:
+    # band 0 has 300 of 300 served > 0.5 * 300 -> band 1: l
+    assert [e.request_id for e in q.ordered(100.0)] == ["h0", "l", "h1", "h2", "h3"]
+
+
 async def test_merge_counters_and_reconfigure() -> None:
     q = FairQueue(10, 10**6, {"A": TenantShare(1.0)})
     q.charge("A", 100, 0)
