@@ -470,12 +470,23 @@ class Router:
     def _shed(self, entry: WaitingRequest, now_ms: float) -> bool:
         """A queued sheddable request that the dispatcher could not place: True when the prediction
         (:meth:`predict`, its own tokens not counted as ahead of it) says it can no longer start in
-        time: ``now + wait + prefill > first-token deadline``."""
+        time: ``now + wait + prefill > first-token deadline - margin`` (:meth:`_margin_ms`)."""
         prediction = self.predict(entry.slo_class, entry.priority, entry.prompt_tokens, entry.prompt_tokens)
         if prediction is None:
             return False
         wait_ms, prefill_ms = prediction
-        return now_ms + wait_ms + prefill_ms > entry.first_token_deadline_ms
+        return now_ms + wait_ms + prefill_ms > entry.first_token_deadline_ms - self._margin_ms(entry.slo_class)
+
+    def _margin_ms(self, slo_class: str) -> float:
+        """The agents' safety margin for the class, ttft_ms - horizon_ms (the largest over the usable
+        views; 0 without one): the prediction plans, as PAB does, to start the prefill by
+        arrival + horizon, not by arrival + ttft."""
+        margin = 0.0
+        for v in self.book.views():
+            cb = v.classes.get(slo_class)
+            if v.healthy and v.fresh and cb is not None and cb.ttft_ms > 0:
+                margin = max(margin, cb.ttft_ms - cb.horizon_ms)
+        return margin
 
     def predict(
         self, slo_class: str, band: int, prompt_tokens: int, own_tokens: int = 0
@@ -675,7 +686,7 @@ class Router:
             prediction = self.predict(principal.slo_class, band, prompt_tokens)
             if prediction is not None:
                 wait_ms, prefill_ms = prediction
-                if now + wait_ms + prefill_ms > first_token_deadline:
+                if now + wait_ms + prefill_ms > first_token_deadline - self._margin_ms(principal.slo_class):
                     raise SloInfeasible(wait_ms)
                 shed_at = first_token_deadline - prefill_ms  # last dispatch that can still make it
                 if shed_at < deadline_ms:
