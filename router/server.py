@@ -76,6 +76,7 @@ log = logging.getLogger(__name__)
 MAX_RELAY_TRIES = 2          # replicas tried per request when one fails before its first byte
 MAX_RESERVE_CANDIDATES = DEFAULT_MAX_CANDIDATES  # Reserve calls per placement before giving up for this pass
 RETRY_AFTER_S = 1
+MAX_DRAIN_RATE = 1.0  # ms of budget per ms: prefill work ends at most as fast as time passes (predict)
 _REQUEST_ID_KEY = web.RequestKey("fairbatch_request_id", str)
 _ROUTER_KEY = web.AppKey("fairbatch_router", object)
 
@@ -496,8 +497,10 @@ class Router:
         Per usable replica r (healthy, fresh, with a budget for the class): prefill_r = a + b*P;
         the budget it lacks, ``deficit_r = prefill_r - (H - decode_reservation - inflight_reservation)``
         (unclamped: a replica deep in debt lacks more than its PAB_ms of 0 shows), frees at the
-        replica's measured drain rate (:class:`router.drain.DrainEstimator` over its budget stream;
-        1 ms/ms before it has two snapshots), so ``wait_r = deficit_r / rate_r`` (inf at rate 0).
+        replica's measured drain rate (:class:`router.drain.DrainEstimator` over its budget stream,
+        at most ``MAX_DRAIN_RATE`` = 1 ms/ms: a burst of finished decodes must not make a replica look
+        faster than time; 1 ms/ms before it has two snapshots), so ``wait_r = deficit_r / rate_r``
+        (inf at rate 0).
         wait = min_r wait_r plus the prefill of the prompt tokens already waiting in bands as
         urgent or more (less ``own_tokens``, the request's own when it is queued already), drained
         at the fleet's summed rate (``b * tokens / sum_r rate_r``). prefill = min_r prefill_r.
@@ -520,6 +523,8 @@ class Router:
             prefill = min(prefill, p_ms)
             b = min(b, tm.b_ms_per_new_token)  # type: ignore[union-attr]
             rate = drain.rate(v.replica_id, slo_class)
+            if rate is not None:
+                rate = min(rate, MAX_DRAIN_RATE)
             total_rate += 1.0 if rate is None else rate
             if cb.pab_ms >= p_ms:
                 avail = cb.pab_ms
