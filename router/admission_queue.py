@@ -249,7 +249,7 @@ class DispatchStats:
     Attributes:
         admitted: entries granted a replica.
         expired: entries removed at their deadline.
-        held: a replica was held for a starving head during the pass (see :class:`Dispatcher`).
+        held: a replica is held for a starving head after the pass (see :class:`Dispatcher`).
         truncated: the pass stopped at ``max_scan`` admit calls (another pass is scheduled).
         admit_calls: calls to ``admit`` (entries skipped as dominated are not counted).
     """
@@ -456,6 +456,5 @@ class Dispatcher(Generic[G]):
                     self.queue.remove(entry)
                     entry.future.set_exception(QueueTimeout("slo-infeasible"))
                     stats.expired += 1
-        if self.hold is None:
-            stats.held = stats.held and hold is not None and not hold[0].future.done()
+        stats.held = self.hold is not None
         return stats
