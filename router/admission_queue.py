@@ -10,9 +10,11 @@
   is removed and its future fails with :class:`QueueTimeout` (-> 429 queue-timeout).
 - a waiter that goes away (client disconnect) cancels its future and removes its entry at once.
 
-The dispatcher tries the entries in queue order on every budget update and every release. A head
-that fits nowhere does not block the requests behind it for ever: later entries that fit may pass
-it, at most ``max_bypass`` times per head, then the dispatcher holds until the head fits.
+The dispatcher tries the entries in queue order on every budget update and every release, and is
+work conserving (issue 18): while some replica can start a queued request, it starts one. A head
+that fits nowhere never holds the queue: later entries that fit pass it; after ``max_bypass`` of
+them it gets one replica held for it (entries behind it may not use that one), every other replica
+keeps serving (:class:`Dispatcher`).
 
 No entry can block the dispatcher: an entry whose ``admit`` raises (a bug, or a request the
 placement or the Reserve cannot represent) is removed at once and its future fails with
@@ -97,6 +99,8 @@ class WaitingRequest:
         seq: arrival order in the queue (set by the queue).
         arrival_ms: router clock when the request arrived at the router (simulated ms; before
             ``enqueued_ms`` when it was tried or retried first); None = ``enqueued_ms``.
+        promote_at_ms: router clock from which the entry counts as aged (arrival + ttft_ms of its
+            class; :mod:`router.fair_queue`, "Aging"); inf = never.
     """
 
     request_id: str
@@ -114,6 +118,7 @@ class WaitingRequest:
     expire_reason: str = "queue-timeout"
     seq: int = 0
     arrival_ms: float | None = None
+    promote_at_ms: float = float("inf")
 
     @property
     def arrived_ms(self) -> float:
@@ -131,7 +136,7 @@ class AdmissionQueue(Protocol):
     def push(self, entry: WaitingRequest) -> object: ...
     def remove(self, entry: WaitingRequest) -> bool: ...
     def expire(self, now_ms: float) -> list[WaitingRequest]: ...
-    def ordered(self) -> Iterator[WaitingRequest]: ...
+    def ordered(self, now_ms: float | None = None) -> Iterator[WaitingRequest]: ...
     def next_deadline_ms(self) -> float | None: ...
     def __len__(self) -> int: ...
     @property
@@ -230,8 +235,8 @@ class FifoQueue:
         """Earliest deadline among queued entries (simulated ms), None when empty."""
         return self._deadlines.earliest_ms(self._entries)
 
-    def ordered(self) -> Iterator[WaitingRequest]:
-        """Entries in dispatch order (oldest first); safe to remove entries while iterating."""
+    def ordered(self, now_ms: float | None = None) -> Iterator[WaitingRequest]:
+        """Entries in dispatch order (oldest first; ``now_ms`` unused); safe to remove entries while iterating."""
         return iter(list(self._entries))
 
     def head(self) -> WaitingRequest | None:
@@ -239,39 +244,112 @@ class FifoQueue:
         return next(iter(self._entries), None)
 
 
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """How the dispatcher asks ``admit`` to place one entry.
+
+    Attributes:
+        on_time_only: place only where the request can still meet its TTFT (first phase of a
+            pass); False = the normal fit (pab.py "Work conservation").
+        avoid: replica ids held for an entry ahead of this one (:class:`Dispatcher`, "Holds");
+            placement must not use them for this entry.
+    """
+
+    on_time_only: bool = False
+    avoid: frozenset[str] = frozenset()
+
+
 @dataclass(slots=True)
 class DispatchStats:
-    """What one dispatch pass did."""
+    """What one dispatch pass did.
+
+    Attributes:
+        admitted: entries granted a replica.
+        expired: entries removed at their deadline.
+        held: a replica is held for a starving head after the pass (see :class:`Dispatcher`).
+        truncated: the pass stopped at ``max_scan`` admit calls (another pass is scheduled).
+        admit_calls: calls to ``admit`` (entries skipped as dominated are not counted).
+    """
 
     admitted: int = 0
     expired: int = 0
     failed: int = 0
     held: bool = False
+    truncated: bool = False
+    admit_calls: int = 0
 
 
 @dataclass(slots=True)
 class Dispatcher(Generic[G]):
-    """Hands waiting requests to replicas whenever budget may have appeared.
+    """Hands waiting requests to replicas whenever budget may have appeared (issue 18).
+
+    Invariant (work conservation): after a pass that was not truncated, no entry left in the queue
+    can be placed on any replica except a replica held for an entry ahead of it. A pass:
+
+    1. expire the entries past their deadline;
+    2. phase 1, queue order (``queue.ordered(now_ms)``): each entry is offered the replicas where
+       it can still meet its TTFT (``Attempt(on_time_only=True)``);
+    3. phase 2, queue order, the entries phase 1 left: the normal fit (``on_time_only=False``).
+       A late request thus starts at once wherever a fresh arrival of its size could, behind the
+       work that can still meet its deadline in the same pass;
+    4. the first entry that phase 1 could not place (the blocked head) counts the entries admitted
+       behind it (``passed_by``, +1 each; +``max_bypass`` for a less urgent band). Holds: once
+       ``passed_by >= max_bypass``, or before a less urgent band's entry is tried behind it, and
+       while no hold exists, ``hold_for(head)`` names one replica (the one where it will fit
+       soonest) that entries BEHIND the head in queue order may no longer use until the head
+       leaves the queue (placed, also in phase 2 of the same pass, expired or gone). Nothing else
+       ever waits for the head: the other replicas keep serving the queue, and entries ahead of
+       the head keep the held replica too. At most one hold.
+
+    ``skip_dominated``: with an ``admit`` that is a monotone placement (a prompt that does not fit
+    makes every longer prompt of the same class, exclusions and avoid set not fit, and in phase 1
+    every such prompt that waited at least as long: pab.fits, pab.on_time and the start window are
+    all monotone in P and w), entries dominated by a failure of the same pass are skipped without
+    an admit call, so one pass covers a long queue of similar requests in a few calls.
 
     Args:
         queue: the admission queue.
         clock: router clock (simulated ms).
-        admit: async ``entry -> grant | None`` (placement + Reserve; None when nothing fits); when it
-            raises, the entry is removed and its future fails with :class:`PlacementFailed`.
+        admit: async ``(entry, attempt) -> grant | None`` (placement + Reserve; None when nothing fits);
+            when it raises, the entry is removed and its future fails with :class:`PlacementFailed`.
         release_orphan: async ``grant -> None`` for a grant whose waiter left meanwhile.
-        max_bypass: later entries admitted past a head that fits nowhere, per head, before holding.
-        max_scan: entries tried per pass (bounds the work of one wake-up).
+        max_bypass: entries admitted behind a blocked head (same band) before it gets a hold.
+        max_scan: admit calls per pass (bounds the work of one wake-up); a pass cut there
+            schedules the next at once, which starts at the first entry not tried and wraps
+            around, so successive passes reach every entry.
         idle_poll_s: wall seconds between passes when nothing wakes the dispatcher.
+        hold_for: ``entry -> replica id | None``: the replica to hold for a starving head (None,
+            or a callback answering None: no hold).
+        skip_dominated: skip entries dominated by a failure of the same pass (see above).
+        max_entries: entries looked at per pass (bounds the queue walk; the rest wait for the next).
+        shed: ``(entry, now_ms) -> bool`` asked, at the end of a pass, for each entry left blocked
+            whose ``expire_reason`` is ``slo-infeasible`` (a sheddable request): True = it can no
+            longer meet its first-token deadline, so it leaves now with ``QueueTimeout("slo-infeasible")``
+            instead of waiting to be refused at its deadline.
     """
 
     queue: AdmissionQueue
     clock: Clock
-    admit: Callable[[WaitingRequest], Awaitable[G | None]]
+    admit: Callable[[WaitingRequest, Attempt], Awaitable[G | None]]
     release_orphan: Callable[[G], Awaitable[None]]
     max_bypass: int = 8
     max_scan: int = 64
     idle_poll_s: float = 1.0
+    hold_for: Callable[[WaitingRequest], str | None] | None = None
+    skip_dominated: bool = False
+    max_entries: int = 4096
+    shed: Callable[[WaitingRequest, float], bool] | None = None
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _hold: tuple[WaitingRequest, str] | None = None
+    _resume: WaitingRequest | None = None  # first entry a truncated pass did not try
+
+    @property
+    def hold(self) -> tuple[WaitingRequest, str] | None:
+        """(entry, replica id) of the current hold, or None."""
+        h = self._hold
+        if h is not None and h[0].future.done():
+            self._hold = h = None
+        return h
 
     def wake(self) -> None:
         """Ask for a dispatch pass soon (budget update, release, new entry)."""
@@ -287,59 +365,126 @@ class Dispatcher(Generic[G]):
             await wait_event(self._wake, timeout)
             self._wake.clear()
             try:
-                await self.dispatch_once()
+                stats = await self.dispatch_once()
             except asyncio.CancelledError:
                 raise
             except Exception:  # never let one bad pass stop the dispatcher
                 log.exception("dispatch pass failed")
+                continue
+            if stats.truncated:
+                self._wake.set()  # the rest of the queue gets its pass at once
+                await asyncio.sleep(0)  # but let the event loop serve others first
 
     async def dispatch_once(self) -> DispatchStats:
-        """One pass: expire, then try entries in order with the bounded head-of-line bypass."""
+        """One pass (see the class docstring): expire, phase 1 (on time), phase 2 (normal fit),
+        bypass count and hold."""
         stats = DispatchStats()
-        for entry in self.queue.expire(self.clock.now_ms()):
+        now = self.clock.now_ms()
+        for entry in self.queue.expire(now):
             stats.expired += 1
             if not entry.future.done():
                 entry.future.set_exception(QueueTimeout(entry.expire_reason))
-        blocked_head: WaitingRequest | None = None
-        scanned = 0
-        for entry in self.queue.ordered():
+        entries: list[WaitingRequest] = []
+        for entry in self.queue.ordered(now):
             if entry.future.done():  # waiter gone (timeout or disconnect) but not yet removed
                 self.queue.remove(entry)
                 continue
-            if blocked_head is not None and blocked_head.passed_by >= self.max_bypass:
-                stats.held = True
+            entries.append(entry)
+            if len(entries) >= self.max_entries:
                 break
-            if blocked_head is not None and entry.priority > blocked_head.priority:
-                # A less urgent band never takes the budget a blocked, more urgent head waits for:
-                # its longer TTFT horizon makes it fit where the urgent one does not, and admitting
-                # it would push the urgent band further out. Lower bands still get their min_share,
-                # because the fair queue then orders them first (they are the head themselves).
-                continue
-            scanned += 1
-            if scanned > self.max_scan:
-                break
-            try:
-                grant = await self.admit(entry)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - this entry only: answer it, drop it, go on
-                log.error("dispatch: placing request %s raised %s; answered and removed from the queue",
-                          entry.request_id, type(exc).__name__, exc_info=exc)
+        resume, self._resume = self._resume, None
+        if resume is not None:  # the previous pass was cut: start where it stopped, wrap around
+            for i, entry in enumerate(entries):
+                if entry is resume:
+                    entries = entries[i:] + entries[:i]
+                    break
+        # entries behind the holder in queue order may not use the held replica; entries ahead of
+        # it (or all of them, when it lies beyond the entries looked at) may
+        hold = self.hold
+        holder_at = len(entries)
+        if hold is not None:
+            stats.held = True
+            for i, entry in enumerate(entries):
+                if entry is hold[0]:
+                    holder_at = i
+                    break
+        head_at: int | None = None  # the first entry phase 1 could not place (the blocked head)
+        failed: dict[tuple, list[tuple[int, float]]] = {}
+        late: list[int] = []
+        blocked: list[int] = []
+
+        def take_hold(i: int) -> None:
+            nonlocal hold, holder_at
+            if hold is None and self.hold_for is not None:
+                rid = self.hold_for(entries[i])
+                if rid is not None:
+                    hold = self._hold = (entries[i], rid)
+                    holder_at = i
+                    stats.held = True
+
+        for phase, indices in ((1, range(len(entries))), (2, late)):
+            failed.clear()
+            for i in indices:
+                entry = entries[i]
+                if hold is not None and hold[0].future.done():  # the holder was placed (or left)
+                    hold, self._hold, holder_at = None, None, len(entries)
+                if head_at is not None and entries[head_at].future.done():
+                    head_at = None
+                if (head_at is not None and i > head_at and entry.priority > entries[head_at].priority
+                        and hold is None):
+                    take_hold(head_at)  # a less urgent band never takes the replica the head waits for
+                avoid = frozenset((hold[1],)) if hold is not None and i > holder_at else frozenset()
+                key = (entry.slo_class, entry.exclude, avoid)
+                waited = entry.waited_ms(now)
+                if self.skip_dominated and any(
+                    p <= entry.prompt_tokens and (phase == 2 or w <= waited) for p, w in failed.get(key, ())
+                ):
+                    (late if phase == 1 else blocked).append(i)
+                    if head_at is None and phase == 1:
+                        head_at = i
+                    continue
+                if stats.admit_calls >= self.max_scan:
+                    stats.truncated = True
+                    self._resume = entry
+                    break
+                stats.admit_calls += 1
+                try:
+                    grant = await self.admit(entry, Attempt(on_time_only=phase == 1, avoid=avoid))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - this entry only: answer it, drop it, go on
+                    log.error("dispatch: placing request %s raised %s; answered and removed from the queue",
+                              entry.request_id, type(exc).__name__, exc_info=exc)
+                    self.queue.remove(entry)
+                    if not entry.future.done():
+                        entry.future.set_exception(PlacementFailed(type(exc).__name__))
+                    stats.failed += 1
+                    continue
+                if grant is None:
+                    failed.setdefault(key, []).append((entry.prompt_tokens, waited))
+                    (late if phase == 1 else blocked).append(i)
+                    if head_at is None and phase == 1:
+                        head_at = i
+                    continue
                 self.queue.remove(entry)
-                if not entry.future.done():
-                    entry.future.set_exception(PlacementFailed(type(exc).__name__))
-                stats.failed += 1
-                continue
-            if grant is None:
-                if blocked_head is None:
-                    blocked_head = entry
-                continue
-            self.queue.remove(entry)
-            if blocked_head is not None:
-                blocked_head.passed_by += 1
-            if entry.future.done():
-                await self.release_orphan(grant)
-            else:
-                entry.future.set_result(grant)
-                stats.admitted += 1
+                if entry.future.done():
+                    await self.release_orphan(grant)
+                else:
+                    entry.future.set_result(grant)
+                    stats.admitted += 1
+                if head_at is not None and i > head_at:
+                    head = entries[head_at]
+                    head.passed_by += self.max_bypass if entry.priority > head.priority else 1
+                    if head.passed_by >= self.max_bypass:
+                        take_hold(head_at)
+            if stats.truncated:
+                break
+        if blocked and self.shed is not None:
+            for i in blocked:
+                entry = entries[i]
+                if entry.expire_reason == "slo-infeasible" and not entry.future.done() and self.shed(entry, now):
+                    self.queue.remove(entry)
+                    entry.future.set_exception(QueueTimeout("slo-infeasible"))
+                    stats.expired += 1
+        stats.held = self.hold is not None
         return stats

@@ -19,6 +19,7 @@ from replica_agent.aio import wait_event
 from replica_agent.clock import Clock
 from replica_agent.policy.time_model import TimeModel
 from replica_agent.policy.pab import ClassBudget
+from router.drain import DrainEstimator
 from router.placement import ReplicaView
 
 DEFAULT_TTL_MS = 1000.0
@@ -53,6 +54,8 @@ class ReplicaBudget:
     classes: dict[str, ClassBudget] | None = None
     max_prompt_tokens: int = 0
     status_detail: str = ""
+    num_running: int = 0
+    num_waiting: int = 0
     view: ReplicaView | None = None  # cached placement view; None after any change
 
 
@@ -70,6 +73,7 @@ class BudgetBook:
         self._changed = asyncio.Event()
         self._listeners: list[Callable[[], None]] = []
         self.version = 0
+        self.drain = DrainEstimator()
 
     def add_listener(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` (synchronously, must not block) on every change."""
@@ -116,7 +120,13 @@ class BudgetBook:
         budget.healthy = bool(snapshot.healthy)  # type: ignore[attr-defined]
         budget.max_prompt_tokens = max(0, int(snapshot.max_prompt_tokens))  # type: ignore[attr-defined]
         budget.status_detail = snapshot.status_detail  # type: ignore[attr-defined]
+        budget.num_running = max(0, int(getattr(snapshot, "num_running", 0)))
+        budget.num_waiting = max(0, int(getattr(snapshot, "num_waiting", 0)))
         budget.received_ms = self._clock.now_ms()
+        self.drain.observe(
+            replica_id, budget.received_ms,
+            {n: c.decode_reservation_ms + c.inflight_reservation_ms for n, c in budget.classes.items()},
+        )
         budget.connected = True
         budget.view = None
         self.notify()
@@ -144,23 +154,27 @@ class BudgetBook:
         self.notify()
 
     def take_local(self, replica_id: str, slo_class: str, prompt_tokens: int) -> None:
-        """Deduct a prompt's predicted prefill (a + b*P ms, P tokens) from the local view at once,
-        before its Reserve answer arrives, so that concurrent placements spread instead of all
-        choosing the same replica. The Reserve answer (:meth:`apply_reserve`) or the next
-        snapshot then sets the agent's figures."""
+        """Deduct a prompt from the local view at once, before its Reserve answer arrives, so that
+        concurrent placements spread instead of all choosing the same replica: the request's class
+        loses its predicted prefill a + b*P ms, every other class b*P ms (the in-flight
+        reservation's own term, pab.py), and every class P tokens of PAB_tokens and of
+        kv_limited_tokens (the prompt's KV). The Reserve answer (:meth:`apply_reserve`) or the
+        next snapshot then sets the agent's figures."""
         budget = self._budgets.get(replica_id)
         if budget is None or budget.classes is None or budget.time_model is None:
             return
-        cur = budget.classes.get(slo_class)
-        if cur is None:
-            return
-        prefill_ms = budget.time_model.prefill_ms(prompt_tokens)
-        budget.classes[slo_class] = replace(
-            cur,
-            pab_ms=max(0.0, cur.pab_ms - prefill_ms),
-            pab_tokens=max(0, cur.pab_tokens - int(prompt_tokens)),
-            inflight_reservation_ms=cur.inflight_reservation_ms + prefill_ms,
-        )
+        tm = budget.time_model
+        p = max(0, int(prompt_tokens))
+        for name, cur in list(budget.classes.items()):
+            cost = tm.prefill_ms(p) if name == slo_class else tm.b_ms_per_new_token * p
+            budget.classes[name] = replace(
+                cur,
+                pab_ms=max(0.0, cur.pab_ms - cost),
+                pab_tokens=max(0, cur.pab_tokens - p),
+                kv_limited_tokens=max(0, cur.kv_limited_tokens - p),
+                inflight_reservation_ms=cur.inflight_reservation_ms + cost,
+            )
+        self.drain.note_added(replica_id, tm.b_ms_per_new_token * p)
         budget.view = None
 
     def add_replica(self, replica_id: str) -> bool:
@@ -175,6 +189,7 @@ class BudgetBook:
         """Forget a replica that vanished (placement no longer sees it); False when unknown."""
         if self._budgets.pop(replica_id, None) is None:
             return False
+        self.drain.forget(replica_id)
         self.notify()
         return True
 

@@ -13,9 +13,11 @@ Schema (docs/architecture.md, section "Router"; DESIGN.md section 6)::
     replicas:                          # static list (discovery.mode: static, the default)
       - {id: r0, http_url: "http://127.0.0.1:8101", grpc_target: "127.0.0.1:9101"}
     discovery: {mode: static}          # or kubernetes / dns: replicas found at run time (router/discovery.py)
-    queue: {max_requests: 1024, max_tokens: 4000000, max_bypass: 8}
-    admission: {bytes_per_token: 4.0, reserve_timeout_ms: 200, estimate_refuse_factor: 2.0}
+    queue: {max_requests: 1024, max_tokens: 4000000, max_bypass: 8, aging_floor_share: 0.5}
+    admission: {bytes_per_token: 4.0, reserve_timeout_ms: 200, estimate_refuse_factor: 2.0,
+                start_window_steps: 4, step_tokens: 2048}
     http: {max_body_bytes: 4194304, body_timeout_s: 10}
+    placement: {seed: null}            # tie-break RNG seed; null = random per process
     telemetry: {otlp_endpoint: null, service_name: fairbatch-router}
     auth: {trusted_header: x-tenant, trusted_networks: ["10.0.0.0/8"]}   # optional gateway identity
     fairness: {w_prefill: 1.0, w_decode: 2.0, default_max_tokens: 256, counter_sync_ms: 100}
@@ -162,13 +164,17 @@ class QueueConfig(_Strict):
     Attributes:
         max_requests: most waiting requests (>= 1).
         max_tokens: most waiting prompt tokens, summed (>= 1).
-        max_bypass: how many later requests may pass a head that fits nowhere before the queue
-            holds for it (>= 0; 0 = strict FIFO).
+        max_bypass: how many later requests may pass a head that fits nowhere before one replica
+            is held for it (>= 0; router/admission_queue.py, "Holds"; the rest of the fleet keeps
+            serving the queue).
+        aging_floor_share: min_share a less urgent band's tenant counts while one of its requests
+            has waited its class's ttft_ms (router/fair_queue.py, "Aging"; 0..1, default 0.5).
     """
 
     max_requests: int = Field(default=1024, ge=1)
     max_tokens: int = Field(default=4_000_000, ge=1)
     max_bypass: int = Field(default=8, ge=0)
+    aging_floor_share: float = Field(default=0.5, ge=0, le=1)
 
 
 class AdmissionConfig(_Strict):
@@ -182,11 +188,40 @@ class AdmissionConfig(_Strict):
             replica's max context by this factor (>= 1); below it the request is placed with its
             estimate capped at the largest max context, and the engine's own tokenizer decides (its
             400 is relayed, the reservation freed). Token-id prompts are exact and refused at 1x.
+        start_window_steps: the start window (issue 18): a replica gets a prompt only when its
+            un-started prefill work plus this prompt fits this many engine steps of
+            ``step_tokens`` tokens by its own time model (``steps * (a + b * step_tokens)`` ms),
+            or when nothing is pending there; the rest waits in the weighted fair queue, so tenant
+            weights bind whatever the SLO. 0 = off (PAB alone decides). Default 4: the engine
+            always has the next steps' prefill while the router refills it within one budget push
+            (docs/architecture.md, "Start window", gives the measurements).
+        step_tokens: tokens per engine step in that window (vLLM's max_num_batched_tokens: 2048
+            on A100 defaults, 8192 on H100), >= 1.
+        contention_max_inflight: while requests of two tenants or more wait in the router's
+            fair queue, a replica that already runs this many of this router's requests takes no
+            more, so the weights decide who runs next (the engine serves its running requests
+            alike, so without it a closed loop that fits the engine splits 1:1 whatever the
+            weights). 0 = off. Default 32 (docs/architecture.md, "Start window", measurements).
     """
 
     bytes_per_token: float = Field(default=4.0, gt=0)
     estimate_refuse_factor: float = Field(default=2.0, ge=1.0)
     reserve_timeout_ms: float = Field(default=200.0, gt=0)
+    start_window_steps: float = Field(default=4.0, ge=0)
+    step_tokens: int = Field(default=2048, ge=1)
+    contention_max_inflight: int = Field(default=32, ge=0)
+
+
+class PlacementConfig(_Strict):
+    """Placement knobs.
+
+    Attributes:
+        seed: seed of the tie-break RNG among replicas of equal score (None, the default: a
+            random seed per router process, so that routers and restarts do not all prefer one
+            replica; set it for a reproducible run).
+    """
+
+    seed: int | None = None
 
 
 class HttpConfig(_Strict):
@@ -290,6 +325,7 @@ class RouterConfig(_Strict):
     queue: QueueConfig = Field(default_factory=QueueConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     http: HttpConfig = Field(default_factory=HttpConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     fairness: FairnessConfig = Field(default_factory=FairnessConfig)

@@ -26,6 +26,18 @@ The router charges a request when it is dispatched (prompt tokens and ``max_toke
 ``default_max_tokens`` when unknown, as the decode estimate) and may correct the decode part at
 completion with :meth:`charge` of the difference (negative allowed).
 
+Aging (issue 18): an entry is aged once it has waited its class's ``ttft_ms`` at the router
+(``WaitingRequest.promote_at_ms`` = arrival + ttft_ms, set by the router; the first token is then
+late whatever happens). While a tenant of a less urgent band has an aged entry, the band caps
+above reserve for that band at least ``aging_floor_share`` (default 0.5) instead of the sum of
+its tenants' min_share, so a band of ``min_share: 0`` tenants still gets that floor of the cost
+served under contention while more urgent bands stay backlogged. Bound: from the moment an entry
+is aged its band is picked whenever it has had less than ``aging_floor_share`` of the cost served
+during the contention, so a lower band whose demand stays below that floor of the capacity is
+served at its arrival rate after a delay of its ttft_ms, and one above it gets the floor; more
+urgent bands keep at least ``1 - aging_floor_share`` (0.5) whatever waits below. Once picked, an
+entry waits only for a replica to fit it (the dispatcher's holds bound that).
+
 Bounds: at most ``max_requests`` entries and ``max_tokens`` waiting prompt tokens (a single prompt
 larger than ``max_tokens`` is still accepted into an empty queue); every entry leaves at its
 ``deadline_ms`` (:meth:`expire`). The head-of-line bypass bound (a head that fits no replica may be
@@ -78,6 +90,8 @@ class FairQueue:
         w_prefill: cost per prompt token (>= 0).
         w_decode: cost per decode token (>= 0).
         default_max_tokens: decode tokens assumed when an entry's ``max_tokens`` is 0 (unknown).
+        aging_floor_share: min_share a less urgent band's tenant counts while one of its entries
+            is aged (module docstring, "Aging"), 0..1.
     """
 
     def __init__(
@@ -88,7 +102,12 @@ class FairQueue:
         w_prefill: float = 1.0,
         w_decode: float = 2.0,
         default_max_tokens: int = 256,
+        aging_floor_share: float = 0.5,
     ) -> None:
+        if not 0.0 <= aging_floor_share <= 1.0:
+            raise ValueError(f"aging_floor_share must be in [0, 1], got {aging_floor_share}")
+        self.aging_floor_share = aging_floor_share
+        self._aged: set[str] = set()
         self.max_requests = 1
         self.max_tokens = 1
         self.set_bounds(max_requests, max_tokens)
@@ -139,6 +158,10 @@ class FairQueue:
     def tokens_ahead(self, band: int) -> int:
         """Prompt tokens waiting in bands at least as urgent as ``band`` (for the wait prediction)."""
         return sum(n for b, n in self._band_tokens.items() if b <= band)
+
+    def backlogged_tenants(self) -> int:
+        """How many tenants have requests waiting (2 or more = they contend)."""
+        return sum(1 for t in self._tenants.values() if t.waiting)
 
     def counter(self, tenant: str) -> float:
         """The tenant's virtual token counter (weighted tokens / weight)."""
@@ -262,18 +285,27 @@ class FairQueue:
         values = [t.counter for t in self._tenants.values() if t.waiting and t.share.band == band]
         return min(values) if values else None
 
-    def ordered(self) -> Iterator[WaitingRequest]:
+    def ordered(self, now_ms: float | None = None) -> Iterator[WaitingRequest]:
         """Entries in dispatch order, as if each were served in turn (charged its dispatch cost).
 
+        ``now_ms`` (router clock, simulated ms) turns on aging (module docstring, "Aging"): a
+        tenant of a less urgent band with an entry whose ``promote_at_ms <= now_ms`` counts a
+        min_share of at least ``aging_floor_share``. None = no aging.
+
         A snapshot: removing entries while iterating is safe. Lazy: each step costs
-        O(bands + backlogged tenants), so a dispatcher that stops after a few pays for a few.
+        O(bands + backlogged tenants), so a dispatcher that stops after a few pays for a few
+        (plus one O(entries) walk to build the heads).
         """
         heads: dict[str, list[tuple[float, int, WaitingRequest]]] = {}
+        aged: set[str] = set()
         for name, t in self._tenants.items():
             if t.waiting:
                 live = [item for item in t.heap if item[2] in self._entries]
                 heapq.heapify(live)
                 heads[name] = live
+                if now_ms is not None and any(item[2].promote_at_ms <= now_ms for item in live):
+                    aged.add(name)
+        self._aged = aged
         counters = {name: self._tenants[name].counter for name in heads}
         served = dict(self._band_served)
         waiting: dict[int, int] = {}
@@ -310,14 +342,21 @@ class FairQueue:
     def _pick_band(
         self, bands: list[int], served: Mapping[int, float], heads: Mapping[str, list[object]]
     ) -> int:
-        """The most urgent band still under its cap ``1 - sum(min_share of backlogged tenants below)``."""
+        """The most urgent band still under its cap ``1 - reserve(bands below)``: per less urgent band,
+        the sum of its backlogged tenants' min_share, raised to ``aging_floor_share`` while one of
+        them has an aged entry (module docstring, "Aging")."""
         for i, band in enumerate(bands):
             if i == len(bands) - 1:
                 return band
-            lower = set(bands[i + 1:])
-            reserve = sum(
-                self._tenants[name].share.min_share for name in heads if self._tenants[name].share.band in lower
-            )
+            per_band: dict[int, float] = {}
+            aged_bands: set[int] = set()
+            for name in heads:
+                b = self._tenants[name].share.band
+                if b > band:
+                    per_band[b] = per_band.get(b, 0.0) + self._tenants[name].share.min_share
+                    if name in self._aged:
+                        aged_bands.add(b)
+            reserve = sum(max(v, self.aging_floor_share) if b in aged_bands else v for b, v in per_band.items())
             cap = max(0.0, 1.0 - reserve)
             total = sum(served.get(b, 0.0) for b in bands[i:])
             if served.get(band, 0.0) <= cap * total + _EPS:

@@ -7,14 +7,17 @@ Filters -> scorers -> picker (STYLE.md, llm-d endpoint picker):
   PAB of its SLO class (docs/architecture.md, section "PAB"; the agent's
   ``replica_agent.policy.pab.fits``): ``a + b*P <= PAB_ms(k)`` and ``P <= PAB_tokens(k)``; a
   prompt whose ``a + b*P`` exceeds the horizon H fits only on a replica with nothing reserved
-  and enough KV (``P <= kv_limited_tokens``). A request that already waited ``w`` ms since its
-  arrival at the router (``PlacementRequest.waited_ms``: queued, or retried) is checked with the
-  conservative rule of ``fits(..., waited_ms=w)`` on the fresh-arrival budget of the snapshot:
-  ``a + b*P <= PAB_ms(k) - w``, ``P <= PAB_tokens(k)``, ``P <= floor((PAB_ms(k) - w - a) / b)``,
-  and the prefill-alone case from ``a + b*P > H - w`` (pab.py docstring, "Aged requests": it
-  never admits what the agent's exact rule over the horizon H - w refuses).
-- scorers give each remaining replica a number; ``headroom = (pab_ms - w - (a + b*P)) / horizon_ms``.
-- the picker orders the replicas by score (ties: lowest replica id, or a seeded RNG); the caller
+  and enough KV (``P <= kv_limited_tokens``). The fit is the same for a request that already
+  waited ``w`` ms (``PlacementRequest.waited_ms``; pab.py "Work conservation": a late request takes
+  the budget a fresh arrival would take, at once); ``on_time_only`` keeps only replicas where it
+  can still meet its TTFT (``on_time(..., waited_ms=w)``: ``a + b*P <= PAB_ms(k) - w`` ...), and
+  the start window (``window_steps``) keeps only replicas whose un-started prefill work plus this
+  prompt fits the work of the next few engine steps (issue 18: the rest waits in the fair queue,
+  where tenant weights decide).
+- scorers give each remaining replica a number; ``headroom = (pab_ms - w - (a + b*P)) / horizon_ms``
+  plus ``kv-headroom = (kv_limited_tokens - P) / max(kv_free_tokens, kv_limited_tokens, 1)``.
+- the picker orders the replicas by score (ties: lowest replica id, or a seeded RNG; the router
+  always seeds it, from the YAML's ``placement.seed`` or at random per process); the caller
   reserves on the first and falls back to the next one when the Reserve is refused.
 
 Plugins are looked up by name in a :class:`PlacementRegistry` (no module-level mutable state).
@@ -35,7 +38,7 @@ from typing import Protocol
 
 from replica_agent.policy.time_model import TimeModel
 
-from replica_agent.policy.pab import _EPS, ClassBudget, fits  # _EPS: fits()'s 1e-9 ms tolerance, reused as is
+from replica_agent.policy.pab import _EPS, ClassBudget, fits, on_time  # _EPS: fits()'s 1e-9 ms tolerance, reused as is
 
 DEFAULT_MAX_CANDIDATES = 3  # candidates the ``pab`` policy returns: the Reserve calls a router tries
 
@@ -51,14 +54,16 @@ ClassBudgetView = ClassBudget
 # attribute loads in the hot loop). The fields are the very floats fits() and HeadroomScorer
 # compute from the view, so comparisons give the same answers:
 #   (replica_id, a_ms, b_ms_per_token, horizon_ms + 1e-9, pab_ms + 1e-9, pab_ms - a_ms, horizon_ms,
-#    normal_max_tokens, oversize_max_tokens, pab_ms)
+#    normal_max_tokens, oversize_max_tokens, pab_ms, inflight_reservation_ms, kv_limited_tokens,
+#    kv_scale)
 # normal_max_tokens: P <= pab_tokens and the max-prompt limit (one cap, see _tokens_cap);
 # oversize_max_tokens: P <= kv_limited_tokens and the max-prompt limit when nothing is reserved
 # (pab_ms >= horizon_ms - 1e-9), else -1 (no oversize prompt fits).
-# The three sums (horizon + 1e-9, pab + 1e-9, pab - a) serve a fresh request (waited_ms = 0); for
-# an aged one the fused pass computes (horizon - w) + 1e-9, (pab - w) + 1e-9 and (pab - w) - a from
-# horizon_ms and pab_ms as fits() and HeadroomScorer do.
-PabFitEntry = tuple[str, float, float, float, float, float, float, float, float, float]
+# kv_scale = max(kv_free_tokens, kv_limited_tokens, 1), the denominator of KvHeadroomScorer.
+# The fit test is the same for a fresh and an aged request (fits(), "Work conservation"); for an
+# aged one the fused pass computes the headroom as (pab - w) - a and the on-time test (on_time())
+# from horizon_ms and pab_ms, operation for operation.
+PabFitEntry = tuple[str, float, float, float, float, float, float, float, float, float, float, int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +126,8 @@ def _pab_fit_table(view: ReplicaView) -> dict[str, PabFitEntry]:
             view.replica_id, a, b, h + _EPS, pab + _EPS, pab - a, h,
             _tokens_cap(cb.pab_tokens, mp),
             _tokens_cap(cb.kv_limited_tokens, mp) if idle else -1,
-            pab,
+            pab, cb.inflight_reservation_ms, cb.kv_limited_tokens,
+            max(cb.kv_free_tokens, cb.kv_limited_tokens, 1),
         )  # fmt: skip
     return table
 
@@ -135,13 +141,25 @@ class PlacementRequest:
         prompt_tokens: estimated prompt tokens (tokens).
         exclude: replica ids not to use (already tried for this request).
         waited_ms: ms since the request's arrival at the router (queued or retried), >= 0; its
-            TTFT has that much less time left (``fits(..., waited_ms)``, pab.py "Aged requests").
+            TTFT has that much less time left (pab.py "Aged requests"). It does not change the fit
+            (pab.py "Work conservation"), only ``on_time_only`` and the headroom.
+        on_time_only: keep only replicas where the request can still meet its TTFT
+            (:func:`~replica_agent.policy.pab.on_time`); the dispatcher's first pass.
+        window_steps: the start window (issue 18): a replica takes the prompt only when its
+            un-started prefill work (``inflight_reservation_ms`` of the class budget) plus this
+            prompt's ``b*P`` is at most ``window_steps * (a + b * step_tokens)`` ms (the work of the
+            next ``window_steps`` engine steps by the replica's own time model), or when nothing
+            is pending at all (so a prompt longer than the window still starts). 0 = no window.
+        step_tokens: tokens per engine step in that window (vLLM's ``max_num_batched_tokens``).
     """
 
     slo_class: str
     prompt_tokens: int
     exclude: frozenset[str] = frozenset()
     waited_ms: float = 0.0
+    on_time_only: bool = False
+    window_steps: float = 0.0
+    step_tokens: int = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +264,58 @@ class FitsFilter:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class OnTimeFilter:
+    """With ``request.on_time_only``: keeps replicas where the request can still meet its TTFT
+    (:func:`~replica_agent.policy.pab.on_time`); otherwise keeps every replica."""
+
+    name: str = "on-time"
+
+    def filter(self, request: PlacementRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        if not request.on_time_only:
+            return list(replicas)
+        out = []
+        for r in replicas:
+            budget = r.classes.get(request.slo_class)
+            if (
+                budget is not None
+                and r.time_model is not None
+                and on_time(request.prompt_tokens, budget, r.time_model, request.waited_ms)
+            ):
+                out.append(r)
+        return out
+
+
+def window_admits(request: PlacementRequest, budget: ClassBudget, time_model: TimeModel) -> bool:
+    """The start-window rule of :class:`PlacementRequest` (``window_steps`` > 0), for one replica:
+    ``inflight_ms <= 1e-9 or inflight_ms + b*P <= window_steps * (a + b*step_tokens) + 1e-9``."""
+    if request.window_steps <= 0:
+        return True
+    inflight = budget.inflight_reservation_ms
+    if inflight <= _EPS:
+        return True
+    b = time_model.b_ms_per_new_token
+    window = request.window_steps * (time_model.a_ms + b * request.step_tokens)
+    return inflight + b * request.prompt_tokens <= window + _EPS
+
+
+@dataclass(frozen=True, slots=True)
+class WindowFilter:
+    """Keeps replicas that can start the prompt within the start window (:func:`window_admits`)."""
+
+    name: str = "window"
+
+    def filter(self, request: PlacementRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        if request.window_steps <= 0:
+            return list(replicas)
+        out = []
+        for r in replicas:
+            budget = r.classes.get(request.slo_class)
+            if budget is not None and r.time_model is not None and window_admits(request, budget, r.time_model):
+                out.append(r)
+        return out
+
+
 # ---------------------------------------------------------------- scorers
 
 
@@ -264,6 +334,23 @@ class HeadroomScorer:
         return (
             budget.pab_ms - request.waited_ms - tm.a_ms - tm.b_ms_per_new_token * request.prompt_tokens
         ) / budget.horizon_ms
+
+
+@dataclass(frozen=True, slots=True)
+class KvHeadroomScorer:
+    """``(kv_limited_tokens - P) / max(kv_free_tokens, kv_limited_tokens, 1)``: share of the
+    replica's free KV cache left after this prompt (growth reserve and pending prompts already
+    taken off, pab.py "KV cache"), so that of two replicas with the same time headroom the one with
+    more free KV gets a long prompt."""
+
+    name: str = "kv-headroom"
+
+    def score(self, request: PlacementRequest, replica: ReplicaView) -> float:
+        budget = replica.classes.get(request.slo_class)
+        if budget is None:
+            return float("-inf")
+        scale = max(budget.kv_free_tokens, budget.kv_limited_tokens, 1)
+        return (budget.kv_limited_tokens - request.prompt_tokens) / scale
 
 
 # ---------------------------------------------------------------- pickers
@@ -331,7 +418,7 @@ class PlacementPolicy:
         return PlacementResult(tuple(self.picker.order(scored)))
 
 
-_PAB_FILTERS = ("exclude", "healthy", "fresh", "max-prompt", "fits")
+_PAB_FILTERS = ("exclude", "healthy", "fresh", "max-prompt", "fits", "on-time", "window")
 
 
 @dataclass(slots=True)
@@ -339,7 +426,7 @@ class FusedPabPolicy(PlacementPolicy):
     """The ``pab`` chain in one pass: same candidates, same order, same refusal reason, same RNG draws.
 
     ``filters``, ``scorers`` and ``picker`` hold the chain it computes (filters exclude, healthy,
-    fresh, max-prompt, fits; scorer headroom with weight 1; a :class:`HighestScorePicker`, whose
+    fresh, max-prompt, fits, on-time, window; scorers headroom and kv-headroom with weight 1 each; a :class:`HighestScorePicker`, whose
     ``rng`` it shares); :meth:`place` reads the views directly instead of calling them, and
     :meth:`place_chain` runs the chain itself. Per view, from its precomputed ``pab_fit`` entry
     (:data:`PabFitEntry`; None = dropped by healthy, fresh or the class lookup): exclude, then the
@@ -377,6 +464,9 @@ class FusedPabPolicy(PlacementPolicy):
             return res if k is None else PlacementResult(res.candidates[:k], res.reason)
         slo_class = request.slo_class
         exclude = request.exclude
+        on_time_only = request.on_time_only
+        window_steps = request.window_steps
+        step_tokens = request.step_tokens
         rng = self.picker.rng  # type: ignore[attr-defined]
         draw = None if rng is None else rng.random
         k = self.max_candidates
@@ -389,24 +479,31 @@ class FusedPabPolicy(PlacementPolicy):
             f = v.pab_fit.get(slo_class)
             if f is None:  # unhealthy, stale, no time model, or no budget for the class
                 continue
-            rid, a, b, horizon_eps, pab_eps, pab_minus_a, h, normal_max, oversize_max, pab = f
+            rid, a, b, horizon_eps, pab_eps, pab_minus_a, h, normal_max, oversize_max, pab, infl, kv_lim, kv_scale = f
             if exclude and rid in exclude:
                 continue
             bp = b * p
-            prefill_ms = a + bp  # fits(): a + b*P, fresh prompt
-            if w:  # aged request: fits(..., waited_ms=w) and HeadroomScorer, operation for operation
-                horizon_eps = (h - w) + _EPS
-                pab_w = pab - w
-                pab_eps = pab_w + _EPS
-                pab_minus_a = pab_w - a
+            prefill_ms = a + bp  # fits(): a + b*P, fresh prompt (the same rule for an aged one)
             if prefill_ms > horizon_eps:  # oversize: only where nothing is reserved and the KV holds it
                 if not p <= oversize_max:
                     continue
             elif not (prefill_ms <= pab_eps and p <= normal_max):
                 continue
-            elif w and not p <= v.time_model.tokens_within_ms(pab_w):  # P <= floor((pab_ms - w - a) / b)
+            if w:  # aged request: HeadroomScorer and on_time(), operation for operation
+                pab_w = pab - w
+                pab_minus_a = pab_w - a
+                if on_time_only and not (
+                    prefill_ms <= (h - w) + _EPS
+                    and prefill_ms <= pab_w + _EPS
+                    and p <= v.time_model.tokens_within_ms(pab_w)
+                ):
+                    continue
+            elif on_time_only and prefill_ms > horizon_eps:  # on_time(): never for a prompt too long on its own
                 continue
-            ns = inf if h <= 0 else -((pab_minus_a - bp) / h)  # -headroom (HeadroomScorer, negated as the picker does)
+            if window_steps > 0 and infl > _EPS and not infl + bp <= window_steps * (a + b * step_tokens) + _EPS:
+                continue  # window_admits()
+            # -(headroom + kv-headroom): the chain's sum of the two scorers, negated as the picker does
+            ns = inf if h <= 0 else -(((pab_minus_a - bp) / h) + (kv_lim - p) / kv_scale)
             if draw is None:
                 if ns > worst_ns:
                     continue
@@ -444,6 +541,7 @@ def _refusal_reason(request: PlacementRequest, replicas: Sequence[ReplicaView]) 
     """
     p = request.prompt_tokens
     furthest = 0
+    last = len(_PAB_FILTERS) - 1
     for v in replicas:
         if v.replica_id in request.exclude:
             stage = 0
@@ -454,9 +552,18 @@ def _refusal_reason(request: PlacementRequest, replicas: Sequence[ReplicaView]) 
         elif not (v.max_prompt_tokens <= 0 or p <= v.max_prompt_tokens):
             stage = 3
         else:
-            stage = 4  # all four passed; fits did not (or the caller saw no candidate otherwise)
+            budget = v.classes.get(request.slo_class)
+            tm = v.time_model
+            if budget is None or not fits(p, budget, tm, request.waited_ms):
+                stage = 4
+            elif request.on_time_only and not on_time(p, budget, tm, request.waited_ms):
+                stage = 5
+            else:
+                stage = 6  # the window (or the caller saw no candidate otherwise)
         if stage > furthest:
             furthest = stage
+            if furthest == last:
+                break
     return _PAB_FILTERS[furthest]
 
 
@@ -502,7 +609,7 @@ class PlacementRegistry:
 
 def default_registry() -> PlacementRegistry:
     """Registry with the built-in plugins and two policies of the same chain (filters exclude,
-    healthy, fresh, max-prompt, fits; scorer headroom; picker highest, optional ``seed`` for RNG
+    healthy, fresh, max-prompt, fits, on-time, window; scorers headroom + kv-headroom; picker highest, optional ``seed`` for RNG
     tie-breaks): ``pab`` (:class:`FusedPabPolicy`, one pass, the best ``max_candidates``, default
     :data:`DEFAULT_MAX_CANDIDATES`; None = all) and ``pab-chain`` (the plugin chain, every fitting
     replica ordered)."""
@@ -514,15 +621,18 @@ def default_registry() -> PlacementRegistry:
             "fresh": FreshFilter,
             "max-prompt": MaxPromptFilter,
             "fits": FitsFilter,
+            "on-time": OnTimeFilter,
+            "window": WindowFilter,
         }
     )
     reg.scorers["headroom"] = HeadroomScorer
+    reg.scorers["kv-headroom"] = KvHeadroomScorer
     reg.pickers["highest"] = HighestScorePicker
 
     def pab_chain(seed: int | None = None) -> PlacementPolicy:
         return PlacementPolicy(
             filters=[reg.filters[n]() for n in _PAB_FILTERS],
-            scorers=[(reg.scorers["headroom"](), 1.0)],
+            scorers=[(reg.scorers["headroom"](), 1.0), (reg.scorers["kv-headroom"](), 1.0)],
             picker=reg.pickers["highest"](seed=seed),
         )
 

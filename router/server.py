@@ -31,9 +31,11 @@ request's lease is consumed by the agent. Times are simulated ms from the router
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import math
+import random
 import time
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
@@ -59,12 +61,13 @@ from replica_agent.http_guard import (
 )
 from replica_agent.openai_stream import requested_choices
 from replica_agent.telemetry import extract_context, inject_context, make_tracer
-from router.admission_queue import Dispatcher, PlacementFailed, QueueFull, QueueTimeout, WaitingRequest
+from router.admission_queue import Attempt, Dispatcher, PlacementFailed, QueueFull, QueueTimeout, WaitingRequest
 from router.auth import ApiKeyAuthenticator, Principal
 from router.budget_client import BudgetClient
 from router.budgets import BudgetBook
 from router.config import ConfigError, ReplicaConfig, RouterConfig, load_config
 from router.discovery import DiscoverySource, build_discovery, diff_replicas
+from router.drain import wait_for_budget_ms
 from router.fair_queue import FairQueue, TenantShare
 from router.ledger import CONCURRENCY_RETRY_MS, Ledger, Refusal, TenantLimits, build_ledger
 from router.openai_surface import REFUSED_PATHS, RELAYED_PATHS, ModelCatalog, model_not_found, unsupported
@@ -84,6 +87,7 @@ log = logging.getLogger(__name__)
 MAX_RELAY_TRIES = 2          # replicas tried per request when one fails before its first byte
 MAX_RESERVE_CANDIDATES = DEFAULT_MAX_CANDIDATES  # Reserve calls per placement before giving up for this pass
 RETRY_AFTER_S = 1
+MAX_DRAIN_RATE = 1.0  # ms of budget per ms: prefill work ends at most as fast as time passes (predict)
 _ROUTER_KEY = web.AppKey("fairbatch_router", object)
 
 
@@ -175,6 +179,17 @@ class RouterMetrics:
             ["replica"], registry=r,
         )
         self.replicas = Gauge("fairbatch_router_replicas", "Replicas known (static or discovered)", registry=r)
+        self.replica_inflight = Gauge(
+            "fairbatch_router_replica_inflight_requests",
+            "Requests this router holds a lease for on the replica (granted, or being relayed), not yet ended",
+            ["replica"], registry=r,
+        )
+        self.replica_queued = Gauge(
+            "fairbatch_router_replica_queued_requests",
+            "Requests waiting for the replica: its engine's waiting queue (from its budget stream) plus "
+            "the router queue entry it is held for (0 or 1)",
+            ["replica"], registry=r,
+        )
         self.replica_changes = Counter(
             "fairbatch_router_replica_changes", "Replicas added or removed by discovery", ["change"], registry=r,
         )
@@ -217,7 +232,8 @@ class Router:
         clock: router clock (simulated ms).
         router_id: name in Reserve/WatchBudget calls and logs.
         policy: placement policy name from the registry (default ``pab``).
-        seed: RNG seed for tie-breaks (None: lowest replica id wins ties).
+        seed: RNG seed for tie-breaks among replicas of equal score (None: the YAML's
+            ``placement.seed``, else a random seed per process).
         max_relay_tries: replicas tried when one fails before its first byte.
         discovery: source of the replica set (default: built from ``config.discovery``; None
             there for ``static``, the ``replicas`` list).
@@ -244,11 +260,16 @@ class Router:
         self.replicas = {r.id: r for r in config.replicas}
         self.auth = ApiKeyAuthenticator(config)
         self.book = BudgetBook(self.clock, self.replicas)
+        if seed is None:
+            seed = config.placement.seed
+        if seed is None:
+            seed = random.SystemRandom().randrange(2**63)
+        self.seed = seed
         self.policy: PlacementPolicy = default_registry().build(policy, seed=seed)
         fc = config.fairness
         self.queue = FairQueue(
             config.queue.max_requests, config.queue.max_tokens, tenant_shares(config),
-            fc.w_prefill, fc.w_decode, fc.default_max_tokens,
+            fc.w_prefill, fc.w_decode, fc.default_max_tokens, config.queue.aging_floor_share,
         )
         self.limits = tenant_limits(config)
         self.dispatcher: Dispatcher[Grant] = Dispatcher(
@@ -257,6 +278,9 @@ class Router:
             admit=self._admit_waiting,
             release_orphan=self._release_orphan,
             max_bypass=config.queue.max_bypass,
+            hold_for=self._hold_for,
+            skip_dominated=True,
+            shed=self._shed,
         )
         self.book.add_listener(self.dispatcher.wake)
         self.budgets = BudgetClient(
@@ -275,6 +299,8 @@ class Router:
         self._sync_task: asyncio.Task[None] | None = None
         self.tracer = make_tracer(config.telemetry.service_name, config.telemetry.otlp_endpoint)
         self._background: set[asyncio.Task[Any]] = set()
+        self._leased: dict[str, str] = {}  # lease id -> replica id, until the request ends
+        self._replica_load: collections.Counter[str] = collections.Counter()
         self._dispatch_task: asyncio.Task[None] | None = None
         self.catalog = ModelCatalog(lambda: self.relay.session, lambda: [r.http_url for r in self.replicas.values()],
                                     fallback_model=config.model,
@@ -385,10 +411,11 @@ class Router:
 
     def _forget_replica_metrics(self, rid: str) -> None:
         m = self.metrics
-        try:
-            m.budget_age_ms.remove(rid)
-        except KeyError:
-            pass
+        for gauge in (m.budget_age_ms, m.replica_inflight, m.replica_queued):
+            try:
+                gauge.remove(rid)
+            except KeyError:
+                pass
         for labels in [key for key in list(m.replica_pab_ms._metrics) if key[0] == rid]:  # noqa: SLF001
             try:
                 m.replica_pab_ms.remove(*labels)
@@ -419,6 +446,7 @@ class Router:
         self.queue.set_tenants(tenant_shares(config))
         self.queue.w_prefill, self.queue.w_decode = fc.w_prefill, fc.w_decode
         self.queue.default_max_tokens = fc.default_max_tokens
+        self.queue.aging_floor_share = config.queue.aging_floor_share
         self.dispatcher.max_bypass = config.queue.max_bypass
         self.metrics.config_generation.inc()
         self.dispatcher.wake()
@@ -462,24 +490,71 @@ class Router:
     def _decode_estimate(self, max_tokens: int) -> int:
         return max_tokens if max_tokens > 0 else self.config.fairness.default_max_tokens
 
-    def predict(self, slo_class: str, band: int, prompt_tokens: int) -> tuple[float, float] | None:
+    def _shed(self, entry: WaitingRequest, now_ms: float) -> bool:
+        """A queued sheddable request that the dispatcher could not place: True when the prediction
+        (:meth:`predict`, its own tokens not counted as ahead of it) says it can no longer start in
+        time: ``now + wait + prefill > first-token deadline - margin`` (:meth:`_margin_ms`)."""
+        prediction = self.predict(entry.slo_class, entry.priority, entry.prompt_tokens, entry.prompt_tokens)
+        if prediction is None:
+            return False
+        wait_ms, prefill_ms = prediction
+        return now_ms + wait_ms + prefill_ms > entry.first_token_deadline_ms - self._margin_ms(entry.slo_class)
+
+    def _margin_ms(self, slo_class: str) -> float:
+        """The agents' safety margin for the class, ttft_ms - horizon_ms (the largest over the usable
+        views; 0 without one): the prediction plans, as PAB does, to start the prefill by
+        arrival + horizon, not by arrival + ttft."""
+        margin = 0.0
+        for v in self.book.views():
+            cb = v.classes.get(slo_class)
+            if v.healthy and v.fresh and cb is not None and cb.ttft_ms > 0:
+                margin = max(margin, cb.ttft_ms - cb.horizon_ms)
+        return margin
+
+    def predict(
+        self, slo_class: str, band: int, prompt_tokens: int, own_tokens: int = 0
+    ) -> tuple[float, float] | None:
         """(predicted queue wait, predicted prefill) in simulated ms, or None without a usable replica.
 
-        prefill = min over usable replicas of ``a + b*P``; wait = time until some replica's PAB
-        covers it (``prefill - pab_ms``: reservations drain at about one ms per ms) plus the
-        prefill of the prompt tokens already waiting in bands as urgent or more, spread over the
-        usable replicas (``b * tokens / replicas``).
+        Per usable replica r (healthy, fresh, with a budget for the class): prefill_r = a + b*P;
+        the budget it lacks, ``deficit_r = prefill_r - (H - decode_reservation - inflight_reservation)``
+        (unclamped: a replica deep in debt lacks more than its PAB_ms of 0 shows), frees at the
+        replica's measured drain rate (:class:`router.drain.DrainEstimator` over its budget stream,
+        at most ``MAX_DRAIN_RATE`` = 1 ms/ms: a burst of finished decodes must not make a replica look
+        faster than time; 1 ms/ms before it has two snapshots), so ``wait_r = deficit_r / rate_r``
+        (inf at rate 0).
+        wait = min_r wait_r plus the prefill of the prompt tokens already waiting in bands as
+        urgent or more (less ``own_tokens``, the request's own when it is queued already), drained
+        at the fleet's summed rate (``b * tokens / sum_r rate_r``). prefill = min_r prefill_r.
         """
-        views = [v for v in self.book.views() if v.healthy and v.fresh and v.time_model is not None]
+        views = [
+            v for v in self.book.views()
+            if v.healthy and v.fresh and v.time_model is not None and slo_class in v.classes
+        ]
         if not views:
             return None
-        prefill = min(v.time_model.prefill_ms(prompt_tokens) for v in views)  # type: ignore[union-attr]
-        budget_wait = min(
-            max(0.0, v.time_model.prefill_ms(prompt_tokens) - (v.classes[slo_class].pab_ms if slo_class in v.classes else 0.0))  # type: ignore[union-attr]
-            for v in views
-        )
-        b = min(v.time_model.b_ms_per_new_token for v in views)  # type: ignore[union-attr]
-        ahead = b * self.queue.tokens_ahead(band) / len(views)
+        drain = self.book.drain
+        prefill = math.inf
+        budget_wait = math.inf
+        total_rate = 0.0
+        b = math.inf
+        for v in views:
+            tm = v.time_model
+            cb = v.classes[slo_class]
+            p_ms = tm.prefill_ms(prompt_tokens)  # type: ignore[union-attr]
+            prefill = min(prefill, p_ms)
+            b = min(b, tm.b_ms_per_new_token)  # type: ignore[union-attr]
+            rate = drain.rate(v.replica_id, slo_class)
+            if rate is not None:
+                rate = min(rate, MAX_DRAIN_RATE)
+            total_rate += 1.0 if rate is None else rate
+            if cb.pab_ms >= p_ms:
+                avail = cb.pab_ms
+            else:
+                avail = min(cb.pab_ms, cb.horizon_ms - cb.decode_reservation_ms - cb.inflight_reservation_ms)
+            budget_wait = min(budget_wait, wait_for_budget_ms(p_ms - avail, rate))
+        tokens = max(0, self.queue.tokens_ahead(band) - own_tokens)
+        ahead = 0.0 if tokens == 0 else (b * tokens / total_rate if total_rate > 0 else math.inf)
         return budget_wait + ahead, prefill
 
     async def _on_startup(self, app: web.Application) -> None:
@@ -502,6 +577,7 @@ class Router:
 
     def _release(self, grant: Grant, reason: str) -> None:
         """Release ``grant`` in the background (never delays the response)."""
+        self._lease_done(grant)
         self._spawn(self.budgets.release(grant.lease_id, reason))
 
     async def _release_orphan(self, grant: Grant) -> None:
@@ -515,15 +591,26 @@ class Router:
         request_id: str,
         exclude: frozenset[str],
         arrival_ms: float,
+        attempt: Attempt = Attempt(),
     ) -> Grant | None:
         """Placement, then Reserve on the candidates in order; None when none granted.
 
         Both see the request's age ``waited_ms = now - arrival_ms`` (router clock, simulated ms):
-        its TTFT has that much less time left (pab.py "Aged requests").
+        its TTFT has that much less time left (pab.py "Aged requests"); ``attempt`` says whether
+        only on-time replicas count and which replicas are held for an entry ahead. Placement
+        applies the start window of ``admission`` (``start_window_steps``, ``step_tokens``).
         """
         waited_ms = max(0.0, self.clock.now_ms() - arrival_ms)
+        adm = self.config.admission
         t0 = time.perf_counter()
-        result = self.policy.place(PlacementRequest(slo_class, prompt_tokens, exclude, waited_ms), self.book.views())
+        capped = self._contention_excluded()
+        result = self.policy.place(
+            PlacementRequest(
+                slo_class, prompt_tokens, exclude | attempt.avoid | capped, waited_ms,
+                on_time_only=attempt.on_time_only, window_steps=adm.start_window_steps, step_tokens=adm.step_tokens,
+            ),
+            self.book.views(),
+        )
         self.metrics.placement_seconds.observe(time.perf_counter() - t0)
         for replica_id in result.candidates[:MAX_RESERVE_CANDIDATES]:
             self.book.take_local(replica_id, slo_class, prompt_tokens)
@@ -534,13 +621,59 @@ class Router:
             )
             self.metrics.reserve_seconds.observe(time.perf_counter() - t1)
             if answer.granted:
-                return Grant(replica_id, answer.lease_id)
+                grant = Grant(replica_id, answer.lease_id)
+                self._leased[grant.lease_id] = replica_id
+                self._replica_load[replica_id] += 1
+                return grant
         return None
 
-    async def _admit_waiting(self, entry: WaitingRequest) -> Grant | None:
+    def _lease_done(self, grant: Grant) -> None:
+        """The request of ``grant`` ended (served, failed, released or gone): it no longer counts
+        in its replica's load. Idempotent."""
+        rid = self._leased.pop(grant.lease_id, None)
+        if rid is not None:
+            self._replica_load[rid] -= 1
+            if self._replica_load[rid] <= 0:
+                del self._replica_load[rid]
+
+    def replica_load(self, replica_id: str) -> int:
+        """Requests this router holds a lease for on the replica, not yet ended (granted, being relayed)."""
+        return self._replica_load.get(replica_id, 0)
+
+    def _contention_excluded(self) -> frozenset[str]:
+        """Replicas at the contention cap (``admission.contention_max_inflight``): while requests of
+        two tenants or more wait in the fair queue, a replica already running that many of this
+        router's requests takes no more, so the rest waits where the weights decide (issue 18,
+        docs/architecture.md "Start window"). Empty without contention or with the cap off (0)."""
+        cap = self.config.admission.contention_max_inflight
+        if cap <= 0 or self.queue.backlogged_tenants() < 2:
+            return frozenset()
+        return frozenset(rid for rid, n in self._replica_load.items() if n >= cap)
+
+    async def _admit_waiting(self, entry: WaitingRequest, attempt: Attempt = Attempt()) -> Grant | None:
         return await self._place_and_reserve(
-            entry.slo_class, entry.prompt_tokens, entry.max_tokens, entry.request_id, entry.exclude, entry.arrived_ms
+            entry.slo_class, entry.prompt_tokens, entry.max_tokens, entry.request_id, entry.exclude, entry.arrived_ms,
+            attempt,
         )
+
+    def _hold_for(self, entry: WaitingRequest) -> str | None:
+        """The replica to hold for a starving queue head (:class:`Dispatcher`, "Holds"): among the
+        usable replicas it may use (not excluded, its prompt within the max length, its class
+        budgeted), the one with the least reserved for its class (largest ``horizon - decode -
+        in-flight reservation``, then most ``kv_limited_tokens``), where it fits soonest; None
+        when there is none."""
+        best: tuple[float, int, str] | None = None
+        for v in self.book.views():
+            cb = v.classes.get(entry.slo_class)
+            if not (v.healthy and v.fresh and cb is not None) or v.replica_id in entry.exclude:
+                continue
+            if v.max_prompt_tokens > 0 and entry.prompt_tokens > v.max_prompt_tokens:
+                continue
+            key = (cb.horizon_ms - cb.decode_reservation_ms - cb.inflight_reservation_ms, cb.kv_limited_tokens,
+                   v.replica_id)
+            if best is None or key[:2] > best[:2]:
+                best = key
+        return None if best is None else best[2]
 
     async def _acquire(
         self,
@@ -585,7 +718,7 @@ class Router:
             prediction = self.predict(principal.slo_class, band, prompt_tokens)
             if prediction is not None:
                 wait_ms, prefill_ms = prediction
-                if now + wait_ms + prefill_ms > first_token_deadline:
+                if now + wait_ms + prefill_ms > first_token_deadline - self._margin_ms(principal.slo_class):
                     raise SloInfeasible(wait_ms)
                 shed_at = first_token_deadline - prefill_ms  # last dispatch that can still make it
                 if shed_at < deadline_ms:
@@ -604,6 +737,7 @@ class Router:
             first_token_deadline_ms=first_token_deadline,
             expire_reason=expire_reason,
             arrival_ms=arrival_ms,
+            promote_at_ms=arrival_ms + principal.slo.ttft_ms,
         )
         before = self.queue.counter(principal.tenant)
         after = self.queue.push(entry)  # QueueFull propagates
@@ -793,6 +927,7 @@ class Router:
             outcome = await self._forward(request, principal, grant, raw, request_id, arrival_ms)
             if outcome.kind == "ok":
                 self.budgets.forget(grant.lease_id)
+                self._lease_done(grant)
                 if not stream and isinstance(outcome.response, web.Response):
                     self._correct_decode(principal.tenant, outcome.response, decode_estimate)
                 return "ok", outcome.response  # type: ignore[return-value]
@@ -943,7 +1078,13 @@ class Router:
         m.queue_depth.set(len(self.queue))
         for tenant, value in self.queue.counters().items():
             m.tenant_vtc.labels(tenant).set(value)
+        hold = self.dispatcher.hold
         for view in self.book.views(now):
+            rid = view.replica_id
+            m.replica_inflight.labels(rid).set(self.replica_load(rid))
+            stored = self.book.get(rid)
+            waiting = stored.num_waiting if stored is not None and view.fresh else 0
+            m.replica_queued.labels(rid).set(waiting + (1 if hold is not None and hold[1] == rid else 0))
             age = self.book.age_ms(view.replica_id, now)
             m.budget_age_ms.labels(view.replica_id).set(-1.0 if age is None else age)
             for name, budget in view.classes.items():

@@ -83,7 +83,7 @@ from replica_agent.policy.pab import (
 )
 from replica_agent.policy.reserve import reserve_decision
 from replica_agent.policy.time_model import TimeModel
-from router.admission_queue import Dispatcher, FifoQueue, QueueFull, QueueTimeout, WaitingRequest
+from router.admission_queue import Attempt, Dispatcher, FifoQueue, QueueFull, QueueTimeout, WaitingRequest
 from router.budgets import BudgetBook
 from router.fair_queue import FairQueue, TenantShare
 from router.placement import DEFAULT_MAX_CANDIDATES, PlacementRequest, ReplicaView
@@ -390,14 +390,17 @@ class _Router:
 
     # ------------------------------------------------------------ pab path
 
-    def _place(self, slo_class: str, prompt_tokens: int, exclude: frozenset[str], arrival_ms: float) -> _Grant | None:
+    def _place(self, slo_class: str, prompt_tokens: int, exclude: frozenset[str], arrival_ms: float,
+               on_time_only: bool = False) -> _Grant | None:
         """router/server.py ``_place_and_reserve``: placement, then Reserve on up to 3 candidates,
-        both with the request's age ``waited_ms = now - arrival_ms`` (arrival at the router)."""
+        both with the request's age ``waited_ms = now - arrival_ms`` (arrival at the router).
+        No start window here (``PlacementRequest.window_steps`` 0): the fleet benchmarks measure PAB."""
         sim = self.sim
         now = self.clock.t
         waited_ms = max(0.0, now - arrival_ms)
         t0 = time.perf_counter()
-        result = self.policy.place(PlacementRequest(slo_class, prompt_tokens, exclude, waited_ms), self.book.views(now))
+        result = self.policy.place(PlacementRequest(slo_class, prompt_tokens, exclude, waited_ms, on_time_only),
+                                   self.book.views(now))
         sim.sample_decision(time.perf_counter() - t0)
         refusals = 0
         for rid in result.candidates[:MAX_RESERVE_CANDIDATES]:
@@ -412,8 +415,9 @@ class _Router:
             refusals += 1
         return None
 
-    async def _admit(self, entry: WaitingRequest) -> _Grant | None:
-        return self._place(entry.slo_class, entry.prompt_tokens, entry.exclude, entry.arrived_ms)
+    async def _admit(self, entry: WaitingRequest, attempt: Attempt) -> _Grant | None:
+        return self._place(entry.slo_class, entry.prompt_tokens, entry.exclude | attempt.avoid, entry.arrived_ms,
+                           attempt.on_time_only)
 
     async def _orphan(self, grant: _Grant) -> None:  # never happens: simulated waiters do not leave
         self.sim.replicas[grant.replica].leases.release(grant.lease_id)

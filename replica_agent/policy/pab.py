@@ -97,23 +97,32 @@ hence (and also when the max(0, .) clamps, since PAB_ms(H_w) >= 0)::
 
     PAB_ms(H - w) = H - w - dec(H - w) - infl >= H - w - dec(H) - infl = PAB_ms(H) - w
 
-So the router checks ``a + b*P <= PAB_ms(H) - w``, and ``P <= floor((PAB_ms(H) - w - a) / b)``
-(the time-based token count on PAB_ms(H) - w, <= the same count on PAB_ms(H_w) because the count
-is non-decreasing), and ``P <= PAB_tokens(H)``, whose KV part kv_limited_tokens(H) is for horizon
-H: the growth reserve ``min(remaining_d, ceil(H / tpot_d) + 1)`` only shrinks with the horizon, so
-kv_limited_tokens(H) <= kv_limited_tokens(H_w) and that bound is conservative too. A prompt with
-``a + b*P > H - w`` cannot meet its TTFT anywhere; as the prefill-alone rule above, it fits only on
-a replica with nothing reserved over the full horizon H (PAB_ms(H) = H) and
-``P <= kv_limited_tokens(H)``. Every prompt the router rule admits, the exact rule admits (up to
-float rounding of one ulp between PAB_ms(H) - w and PAB_ms(H_w)); with w = 0 both are the rule of
-a fresh arrival, unchanged.
+So the router's test "can it still meet its TTFT here" (:func:`on_time`) is
+``a + b*P <= PAB_ms(H) - w``, ``P <= floor((PAB_ms(H) - w - a) / b)`` (the time-based token count
+on PAB_ms(H) - w, <= the same count on PAB_ms(H_w) because the count is non-decreasing), and
+``P <= PAB_tokens(H)``, whose KV part kv_limited_tokens(H) is for horizon H: the growth reserve
+``min(remaining_d, ceil(H / tpot_d) + 1)`` only shrinks with the horizon, so kv_limited_tokens(H)
+<= kv_limited_tokens(H_w) and that bound is conservative too. Every prompt :func:`on_time` admits,
+the exact rule over H_w admits (up to float rounding of one ulp between PAB_ms(H) - w and
+PAB_ms(H_w)).
 
-Prefill-alone case of the exact rule: when ``a + b*P > H_w`` (the aged request cannot meet its
-TTFT; always so once w >= H, where H_w = 0 and the budget over H_w is vacuously "idle"), the
-agent asks for a replica with nothing reserved over the FULL horizon H, as the router does, and
-``P <= kv_limited_tokens(H_w)`` (:func:`admits`). Idle over H_w alone would let a request that
-already missed its TTFT onto a busy replica (no decode due within a few ms is common), where
-least-slack batching would then run it ahead of fresh prefills.
+Work conservation (issue 18)
+----------------------------
+Whether it can still meet its TTFT or not, a prompt that is not too long on its own
+(``a + b*P <= H``) FITS wherever a fresh arrival of its size fits (:func:`fits`: ``a + b*P <=
+PAB_ms(H)``, ``P <= PAB_tokens(H)``). A late request (its TTFT lost: :func:`on_time` is False on
+every replica) therefore takes only budget a fresh arrival could take, which by construction
+leaves every admitted request's deadline and every running decode's TPOT covered, and it starts
+as soon as some replica has that budget. The old rule (a late request fits only a replica with
+nothing reserved) made the fleet run one late request per replica at a time: with 60 prompts of
+1,000 tokens on one replica (TTFT 1000 ms) 17 of 60 were refused at their queue timeout where the
+engine alone served all 60 in 7.1 s. The router serves requests that are still on time first
+(:class:`router.admission_queue.Dispatcher`), late ones after them in the same pass.
+
+Only a prompt whose prefill alone exceeds the FULL horizon H keeps the idle rule: it fits only
+where nothing is reserved over H and ``P <= kv_limited_tokens(H)``. The agent (:func:`admits`)
+admits the union of :func:`fits` on the full-horizon budget and the exact fit over H_w, so it
+never refuses what the router's rule admitted on a current view.
 
 Floating point: floors and ceils are taken with a 1e-9 tolerance so that exact multiples (e.g.
 (t + H - ddl) / tpot = 3.0 computed as 2.9999999) round as the arithmetic intends.
@@ -326,21 +335,19 @@ def compute_budgets(state: ReplicaState, classes: Iterable[SloClass]) -> dict[st
 
 
 def fits(prompt_tokens: int, class_budget: ClassBudget, time_model: TimeModel, waited_ms: float = 0.0) -> bool:
-    """Whether a prompt of ``prompt_tokens`` tokens fits ``class_budget`` (architecture.md "PAB").
+    """Whether a prompt of ``prompt_tokens`` tokens may start on this budget (architecture.md "PAB").
 
-    Rule for a fresh arrival (``waited_ms = 0``): ``a + b * P <= pab_ms`` and ``P <= pab_tokens``.
-    A prompt with ``a + b * P > horizon_ms`` cannot meet its TTFT anywhere; it fits only where
-    nothing is reserved (``pab_ms == horizon_ms``, within 1e-9) and ``P <= kv_limited_tokens``: it
-    takes a whole idle replica. Only the first five fields of ``class_budget`` are read, so a
-    router-side view built from a snapshot works too.
+    Rule (the same for a fresh arrival and for a request that already waited ``waited_ms``; module
+    docstring, "Work conservation"): ``a + b * P <= pab_ms`` and ``P <= pab_tokens``. A prompt
+    whose prefill alone exceeds the horizon (``a + b * P > horizon_ms``) cannot meet its TTFT on
+    any replica; it fits only where nothing is reserved (``pab_ms == horizon_ms``, within 1e-9)
+    and ``P <= kv_limited_tokens``: it takes a whole idle replica. Only the first five fields of
+    ``class_budget`` are read, so a router-side view built from a snapshot works too.
 
-    With ``waited_ms = w > 0`` this is the router's CONSERVATIVE rule for a request that already
-    waited w ms, on the budget of a fresh arrival (horizon H; module docstring, "Aged requests",
-    for the proof that it never admits what the exact agent rule :func:`admits` refuses):
-    ``a + b*P <= pab_ms - w`` and ``P <= pab_tokens`` and ``P <= floor((pab_ms - w - a) / b)``; a
-    prompt with ``a + b*P > horizon_ms - w`` fits only where nothing is reserved over H
-    (``pab_ms == horizon_ms``, within 1e-9) and ``P <= kv_limited_tokens``. With ``w = 0`` the
-    results are exactly those of the fresh-arrival rule (same float operations).
+    ``waited_ms`` does not change the answer: a request that already waited (so that its TTFT may
+    be lost, :func:`on_time` says whether it is) takes the budget a fresh arrival would take, so it
+    costs no admitted request its deadline, and it is served as soon as a replica has that budget
+    instead of waiting for an idle one. It is still checked (>= 0) for the callers' sake.
 
     Args:
         prompt_tokens: P (tokens), >= 0.
@@ -355,9 +362,29 @@ def fits(prompt_tokens: int, class_budget: ClassBudget, time_model: TimeModel, w
         raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
     _check_waited(waited_ms)
     prefill_ms = time_model.a_ms + time_model.b_ms_per_new_token * prompt_tokens  # fresh prompt: ctx 0
-    if prefill_ms > (class_budget.horizon_ms - waited_ms) + _EPS:
+    if prefill_ms > class_budget.horizon_ms + _EPS:
         idle = class_budget.pab_ms >= class_budget.horizon_ms - _EPS  # PAB_ms = H: nothing reserved
         return idle and prompt_tokens <= class_budget.kv_limited_tokens
+    return prefill_ms <= class_budget.pab_ms + _EPS and prompt_tokens <= class_budget.pab_tokens
+
+
+def on_time(prompt_tokens: int, class_budget: ClassBudget, time_model: TimeModel, waited_ms: float = 0.0) -> bool:
+    """Whether a request that waited ``waited_ms`` can still meet its TTFT here: the router's
+    CONSERVATIVE aged rule on the budget of a fresh arrival (horizon H; module docstring, "Aged
+    requests", for the proof that the exact rule over H - w admits whatever this admits):
+    ``a + b*P <= pab_ms - w`` and ``P <= pab_tokens`` and ``P <= floor((pab_ms - w - a) / b)``.
+    With ``w = 0`` it is :func:`fits` without the prefill-alone case. Never True for a prompt whose
+    prefill alone exceeds ``horizon_ms - w``.
+
+    Raises:
+        ValueError: if ``prompt_tokens`` or ``waited_ms`` is negative (or ``waited_ms`` NaN).
+    """
+    if prompt_tokens < 0:
+        raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
+    _check_waited(waited_ms)
+    prefill_ms = time_model.a_ms + time_model.b_ms_per_new_token * prompt_tokens
+    if prefill_ms > (class_budget.horizon_ms - waited_ms) + _EPS:
+        return False
     pab_w = class_budget.pab_ms - waited_ms
     return (
         prefill_ms <= pab_w + _EPS
@@ -367,27 +394,32 @@ def fits(prompt_tokens: int, class_budget: ClassBudget, time_model: TimeModel, w
 
 
 def admits(prompt_tokens: int, state: ReplicaState, slo: SloClass, waited_ms: float = 0.0) -> tuple[bool, ClassBudget]:
-    """The agent's EXACT fit rule for a request of class ``slo`` that waited ``waited_ms`` ms.
+    """The agent's fit rule for a request of class ``slo`` that waited ``waited_ms`` ms.
 
-    Budget over ``H_w = max(0, H - waited_ms)`` (:func:`class_budget` with ``waited_ms``), then
-    :func:`fits` on it; when the prefill alone exceeds H_w (``a + b*P > H_w``, the request cannot
-    meet its TTFT) and ``waited_ms > 0``, it fits only where nothing is reserved over the FULL
-    horizon H (``class_budget(state, slo).pab_ms == H`` within 1e-9) and
-    ``P <= kv_limited_tokens(H_w)`` (module docstring, "Aged requests"). With ``waited_ms = 0``:
-    exactly ``fits(P, class_budget(state, slo), tm)``.
+    A prompt whose prefill alone exceeds the full horizon H (``a + b*P > H``) fits only where
+    nothing is reserved over H and ``P <= kv_limited_tokens(H)`` (:func:`fits`). Any other prompt
+    fits when it fits the budget of a fresh arrival (:func:`fits` on ``class_budget(state, slo)``,
+    work conservation) or the EXACT budget over ``H_w = max(0, H - waited_ms)``
+    (:func:`class_budget` with ``waited_ms``; module docstring, "Aged requests"). The router's rule
+    (:func:`fits` on the fresh snapshot) is the first of the two, so the agent never refuses what
+    the router's view admits (up to the view's age). With ``waited_ms = 0``: exactly
+    ``fits(P, class_budget(state, slo), tm)``.
 
     Returns:
-        (fits, the budget over H_w).
+        (fits, the budget of a fresh arrival, full horizon H).
 
     Raises:
         ValueError: if ``prompt_tokens`` or ``waited_ms`` is negative (or ``waited_ms`` NaN).
     """
     if prompt_tokens < 0:
         raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
-    budget = class_budget(state, slo, waited_ms)
+    _check_waited(waited_ms)
+    full = class_budget(state, slo)
     tm = state.time_model
-    if waited_ms and tm.a_ms + tm.b_ms_per_new_token * prompt_tokens > budget.horizon_ms + _EPS:
-        full = class_budget(state, slo)
-        idle = full.pab_ms >= full.horizon_ms - _EPS
-        return idle and prompt_tokens <= budget.kv_limited_tokens, budget
-    return fits(prompt_tokens, budget, tm), budget
+    if fits(prompt_tokens, full, tm):
+        return True, full
+    if waited_ms and tm.a_ms + tm.b_ms_per_new_token * prompt_tokens <= full.horizon_ms + _EPS:
+        aged = class_budget(state, slo, waited_ms)
+        if aged.horizon_ms > 0 and on_time(prompt_tokens, aged, tm):
+            return True, full
+    return False, full

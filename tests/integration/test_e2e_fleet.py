@@ -205,3 +205,26 @@ def test_broken_yaml_is_refused_naming_line_and_field(tmp_path) -> None:
     broken.write_text("slo_classes:\n  interactive: {ttft_ms: 500\n")
     proc = subprocess.run(script("fairbatch-router") + ["--config", str(broken)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "broken.yaml:" in proc.stderr
+
+
+async def test_late_requests_start_on_a_busy_replica(fleet_factory) -> None:
+    """Work conservation (issue 18) over real HTTP and gRPC: one replica, class TTFT 300 ms (horizon
+    270 ms: PAB holds floor((270 - 9.86) / 0.0727) = 3,579 tokens, three 1000-token prompts at a
+    time), 24 prompts of 1000 tokens (20 out) sent at once. Most wait past their TTFT; each is still
+    placed by the normal fit as budget frees, so the engine keeps prefilling and all 24 are served
+    within max_queue_ms (5 s). Under the old rule (a late request takes only an idle replica, one at
+    a time: about 82 ms of prefill + 20 decode steps each, over 6 s for 21 of them) some timed out.
+    """
+    classes = {"interactive": {"ttft_ms": 300, "tpot_ms": 100, "priority": 0, "sheddable": False,
+                               "max_queue_ms": 5000}}
+    fleet = fleet_factory(1, time_scale=1.0, slo_classes=classes)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        results = await asyncio.gather(*[complete(s, fleet, 1000, 20) for _ in range(24)])
+        assert [r["status"] for r in results] == [200] * 24, [r.get("body") for r in results if r["status"] != 200]
+        assert all(r["tokens"] == 20 for r in results)
+        late = sum(1 for r in results if r["first"] - r["t0"] > 0.3)
+        assert late >= 12  # the case is the one described: most first tokens are late
+        async with s.get(f"{fleet.router_url}/metrics") as resp:
+            page = await resp.text()
+    assert 'fairbatch_router_replica_inflight_requests{replica="r0"} 0.0' in page  # every lease ended
+    assert 'fairbatch_router_replica_queued_requests{replica="r0"}' in page

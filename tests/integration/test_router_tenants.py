@@ -180,13 +180,14 @@ async def test_slo_infeasible_fast_fail(fleet: InProcess) -> None:
     resp = await fleet.post("acme", prompt="x" * 20_000)
     assert resp.status == 429 and resp.headers["x-fairbatch-reason"] == "slo-infeasible"
     assert loop.time() - t0 < 0.2 and int(resp.headers["Retry-After"]) >= 1
-    # 100 tokens: feasible on arrival (wait 20 + prefill 20 ms), queued, shed when the deadline is out
-    # of reach (arrival + 500 - 20 ms), not at max_queue_ms (3000 ms)
+    # 100 tokens (prefill 20 ms): the replica's budget stream shows nothing freeing (PAB 0 in every
+    # snapshot, nothing reserved by this router: drain rate 0), so the wait is unbounded and the
+    # request is refused at arrival too (router/drain.py), not queued to be refused at its deadline
     t0 = loop.time()
     resp = await fleet.post("acme")
     waited = loop.time() - t0
     assert resp.status == 429 and resp.headers["x-fairbatch-reason"] == "slo-infeasible"
-    assert 0.4 <= waited < 1.5
+    assert waited < 0.2
     # a non-sheddable class waits its max_queue_ms, then queue-timeout
     t0 = loop.time()
     resp = await fleet.post("beta")

@@ -1,4 +1,4 @@
-"""router/admission_queue.py: bounds, expiry, removal, dispatch order with bounded bypass."""
+"""router/admission_queue.py: bounds, expiry, removal, dispatch order, work conservation and holds."""
 
 from __future__ import annotations
 
@@ -7,7 +7,15 @@ from dataclasses import dataclass
 
 import pytest
 
-from router.admission_queue import Dispatcher, FifoQueue, PlacementFailed, QueueFull, QueueTimeout, WaitingRequest
+from router.admission_queue import (
+    Attempt,
+    Dispatcher,
+    FifoQueue,
+    PlacementFailed,
+    QueueFull,
+    QueueTimeout,
+    WaitingRequest,
+)
 
 
 @dataclass
@@ -71,20 +79,32 @@ async def test_expiry_by_deadline() -> None:
     assert len(q) == 0 and q.next_deadline_ms() is None
 
 
-def make_dispatcher(q: FifoQueue, clock: FakeClock, fits: set[str], max_bypass: int = 2):
+PLACED: dict[int, dict[str, str]] = {}  # dispatcher -> request id -> replica (test bookkeeping)
+
+
+def make_dispatcher(q: FifoQueue, clock: FakeClock, fits: set[str], max_bypass: int = 2,
+                    replicas: tuple[str, ...] = ("r0",), hold: str | None = None):
+    """``fits``: request ids that fit (on every replica not avoided); ``hold``: the replica
+    ``hold_for`` names (None: no hold callback)."""
     admitted: list[str] = []
     orphans: list[str] = []
+    placed: dict[str, str] = {}
 
-    async def admit(e: WaitingRequest) -> str | None:
+    async def admit(e: WaitingRequest, attempt: Attempt) -> str | None:
         if e.request_id in fits:
-            admitted.append(e.request_id)
-            return f"lease-{e.request_id}"
+            free = [r for r in replicas if r not in attempt.avoid]
+            if free:
+                admitted.append(e.request_id)
+                placed[e.request_id] = free[0]
+                return f"lease-{e.request_id}"
         return None
 
     async def release_orphan(grant: str) -> None:
         orphans.append(grant)
 
-    d = Dispatcher(queue=q, clock=clock, admit=admit, release_orphan=release_orphan, max_bypass=max_bypass)  # type: ignore[arg-type]
+    d = Dispatcher(queue=q, clock=clock, admit=admit, release_orphan=release_orphan, max_bypass=max_bypass,  # type: ignore[arg-type]
+                   hold_for=None if hold is None else (lambda e: hold))
+    PLACED[id(d)] = placed
     return d, admitted, orphans
 
 
@@ -104,46 +124,128 @@ async def test_dispatch_in_order_and_timeout() -> None:
     assert len(q) == 0
 
 
-async def test_bounded_bypass_of_a_head_that_fits_nowhere() -> None:
+async def test_a_head_that_fits_nowhere_never_holds_the_queue() -> None:
+    # Without a hold callback every entry that fits is admitted, whatever waits ahead of it.
+    clock = FakeClock()
+    q = FifoQueue(10, 1000)
+    head = entry("head", 900)
+    for e in (head, *[entry(f"s{i}") for i in range(4)]):
+        q.push(e)
+    d, admitted, _ = make_dispatcher(q, clock, fits={"s0", "s1", "s2", "s3"}, max_bypass=2)
+    stats = await d.dispatch_once()
+    assert admitted == ["s0", "s1", "s2", "s3"] and not stats.held
+    assert head.passed_by == 4 and [e.request_id for e in q.ordered()] == ["head"]
+
+
+async def test_after_max_bypass_one_replica_is_held_for_the_head() -> None:
+    # Two replicas; the head fits nowhere. Pass 1: s0 and s1 pass it (passed_by 2 = max_bypass),
+    # then r1 is held for it. Pass 2: s2 and s3 (behind the head) may only use r0.
     clock = FakeClock()
     q = FifoQueue(10, 1000)
     head = entry("head", 900)
     others = [entry(f"s{i}") for i in range(4)]
     q.push(head)
-    for e in others:
-        q.push(e)
-    d, admitted, _ = make_dispatcher(q, clock, fits={"s0", "s1", "s2", "s3"}, max_bypass=2)
+    q.push(others[0])
+    q.push(others[1])
+    d, admitted, _ = make_dispatcher(q, clock, fits={"s0", "s1", "s2", "s3"}, max_bypass=2,
+                                     replicas=("r1", "r0"), hold="r1")
     stats = await d.dispatch_once()
-    assert admitted == ["s0", "s1"] and stats.held
-    assert head.passed_by == 2
-    stats = await d.dispatch_once()  # still held: the head must go first now
-    assert admitted == ["s0", "s1"] and stats.held
-    assert [e.request_id for e in q.ordered()] == ["head", "s2", "s3"]
+    assert admitted == ["s0", "s1"] and PLACED[id(d)] == {"s0": "r1", "s1": "r1"}
+    assert head.passed_by == 2 and stats.held and d.hold == (head, "r1")
+    q.push(others[2])
+    q.push(others[3])
+    stats = await d.dispatch_once()
+    assert admitted == ["s0", "s1", "s2", "s3"] and stats.held
+    assert PLACED[id(d)]["s2"] == PLACED[id(d)]["s3"] == "r0"
+    # the head leaves (its client went away): the hold ends
+    head.future.cancel()
+    assert d.hold is None
 
 
-async def test_a_less_urgent_band_does_not_pass_a_blocked_urgent_head() -> None:
-    # Order U (band 0, fits nowhere), B (band 1, fits: its class has a long horizon), U2 (band 0, fits).
-    # B must not take the budget U waits for; U2 (same band as U) may pass U within the bypass bound.
+async def test_a_less_urgent_band_never_takes_the_replica_held_for_an_urgent_head() -> None:
+    # Order U (band 0, fits nowhere), B (band 1, fits), U2 (band 0, fits); replicas r0, r1. Before
+    # B is tried behind the blocked U, r0 is held for U; B and U2 still start, on r1 (work
+    # conservation on every other replica).
     clock = FakeClock()
     q = FifoQueue(10, 10_000)
     u, b, u2 = entry("u", 900), entry("b"), entry("u2")
     b.priority = 1
     for e in (u, b, u2):
         q.push(e)
-    d, admitted, _ = make_dispatcher(q, clock, fits={"b", "u2"}, max_bypass=8)
+    d, admitted, _ = make_dispatcher(q, clock, fits={"b", "u2"}, max_bypass=8, replicas=("r0", "r1"), hold="r0")
     await d.dispatch_once()
-    assert admitted == ["u2"] and u.passed_by == 1
-    assert [e.request_id for e in q.ordered()] == ["u", "b"]
+    assert admitted == ["b", "u2"] and PLACED[id(d)] == {"b": "r1", "u2": "r1"} and d.hold == (u, "r0")
+    assert u.passed_by == 9  # B: +max_bypass, U2: +1
+    # with one replica only, B waits behind U (the old band rule, now on the held replica alone)
+    q2 = FifoQueue(10, 10_000)
+    u, b = entry("u", 900), entry("b")
+    b.priority = 1
+    q2.push(u)
+    q2.push(b)
+    d2, admitted2, _ = make_dispatcher(q2, clock, fits={"b"}, hold="r0")
+    await d2.dispatch_once()
+    assert admitted2 == [] and d2.hold == (u, "r0")
 
 
-async def test_strict_fifo_with_zero_bypass() -> None:
+async def test_zero_bypass_holds_at_once() -> None:
     q = FifoQueue(10, 1000)
     head, small = entry("head"), entry("small")
     q.push(head)
     q.push(small)
-    d, admitted, _ = make_dispatcher(q, FakeClock(), fits={"small"}, max_bypass=0)
+    d, admitted, _ = make_dispatcher(q, FakeClock(), fits={"small"}, max_bypass=0, hold="r0")
+    await d.dispatch_once()  # small passes once (nothing held yet), then r0 is held for head
+    assert admitted == ["small"] and d.hold == (head, "r0")
+    q.push(entry("small2"))
     await d.dispatch_once()
-    assert admitted == []
+    assert admitted == ["small"]
+
+
+async def test_on_time_entries_are_offered_first_late_ones_after() -> None:
+    # phase 1 asks every entry for an on-time placement, phase 2 the normal fit
+    q = FifoQueue(10, 1000)
+    late, fresh = entry("late"), entry("fresh")
+    q.push(late)
+    q.push(fresh)
+    calls: list[tuple[str, bool]] = []
+
+    async def admit(e: WaitingRequest, attempt: Attempt) -> str | None:
+        calls.append((e.request_id, attempt.on_time_only))
+        if e.request_id == "late" and attempt.on_time_only:
+            return None
+        return e.request_id
+
+    async def orphan(g: str) -> None:
+        pass
+
+    d = Dispatcher(queue=q, clock=FakeClock(), admit=admit, release_orphan=orphan)  # type: ignore[arg-type]
+    stats = await d.dispatch_once()
+    assert calls == [("late", True), ("fresh", True), ("late", False)] and stats.admitted == 2
+
+
+async def test_max_scan_truncates_a_pass() -> None:
+    q = FifoQueue(10, 1000)
+    for i in range(5):
+        q.push(entry(f"e{i}"))
+    d, admitted, _ = make_dispatcher(q, FakeClock(), fits={"e0", "e1", "e2", "e3", "e4"})
+    d.max_scan = 3
+    stats = await d.dispatch_once()
+    assert stats.truncated and admitted == ["e0", "e1", "e2"]
+    stats = await d.dispatch_once()
+    assert not stats.truncated and admitted == ["e0", "e1", "e2", "e3", "e4"]
+
+
+async def test_truncated_passes_resume_where_they_stopped() -> None:
+    # 4 entries that fit nowhere (2 admit calls each), then one that fits; 3 calls per pass.
+    # Without resuming, every pass would retry the first two and never reach "ok".
+    q = FifoQueue(10, 1000)
+    for i in range(4):
+        q.push(entry(f"no{i}"))
+    q.push(entry("ok"))
+    d, admitted, _ = make_dispatcher(q, FakeClock(), fits={"ok"})
+    d.max_scan = 3
+    for _ in range(4):
+        await d.dispatch_once()
+    assert admitted == ["ok"]
 
 
 async def test_gone_waiter_removed_and_late_grant_released() -> None:
@@ -154,7 +256,7 @@ async def test_gone_waiter_removed_and_late_grant_released() -> None:
     gone.future.cancel()  # client disconnected
     clock = FakeClock()
 
-    async def admit(e: WaitingRequest) -> str | None:
+    async def admit(e: WaitingRequest, attempt: Attempt) -> str | None:
         e.future.cancel()  # the waiter leaves while Reserve is in flight
         return f"lease-{e.request_id}"
 
@@ -198,7 +300,7 @@ async def test_a_poison_entry_is_answered_and_removed_and_never_blocks_the_ones_
         q.push(e)
     tried: list[str] = []
 
-    async def admit(e: WaitingRequest) -> str | None:
+    async def admit(e: WaitingRequest, attempt: Attempt) -> str | None:
         tried.append(e.request_id)
         if e.request_id == "poison":
             raise ValueError("Value out of range: 9223372036854775808")

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from router.admission_queue import Dispatcher, QueueFull, WaitingRequest
+from router.admission_queue import Attempt, Dispatcher, QueueFull, WaitingRequest
 from router.fair_queue import FairQueue, TenantShare
 
 
@@ -152,7 +152,8 @@ async def test_expiry_and_remove_keep_accounts() -> None:
 
 
 async def test_bounded_bypass_then_hold() -> None:
-    """A head that fits nowhere is passed by at most max_bypass smaller requests, then the dispatcher holds."""
+    """A head that fits nowhere is passed by requests that fit until max_bypass passed it; then its
+    hold replica (the only one here) is kept for it and the rest behind it waits."""
     q = FairQueue(100, 10**9, {"A": TenantShare(), "B": TenantShare()})
     big = req("big", "A", prompt=5000)
     q.push(big)
@@ -170,8 +171,8 @@ async def test_bounded_bypass_then_hold() -> None:
 
     admitted: list[str] = []
 
-    async def admit(e: WaitingRequest) -> str | None:
-        if e.prompt_tokens > 1000:
+    async def admit(e: WaitingRequest, attempt: Attempt) -> str | None:
+        if e.prompt_tokens > 1000 or "r0" in attempt.avoid:
             return None
         admitted.append(e.request_id)
         return e.request_id
@@ -179,11 +180,30 @@ async def test_bounded_bypass_then_hold() -> None:
     async def orphan(g: str) -> None:
         pass
 
-    d: Dispatcher[str] = Dispatcher(queue=q, clock=Clk(), admit=admit, release_orphan=orphan, max_bypass=2)  # type: ignore[arg-type]
+    d: Dispatcher[str] = Dispatcher(queue=q, clock=Clk(), admit=admit, release_orphan=orphan, max_bypass=2,  # type: ignore[arg-type]
+                                    hold_for=lambda e: "r0")
     stats = await d.dispatch_once()
+    # s0 and s1 pass (passed_by reaches max_bypass 2), then r0 is held for the head at once
     assert admitted == ["s0", "s1"] and stats.held and big.passed_by == 2
+    q.push(req("s5", "B", prompt=10))
     stats = await d.dispatch_once()
-    assert admitted == ["s0", "s1"] and stats.held  # holds budget for the head
+    assert admitted == ["s0", "s1"] and stats.held  # r0 is kept for the head
+
+
+async def test_aged_lower_band_gets_the_floor_share() -> None:
+    # H: band 0; L: band 1 with min_share 0. Every entry costs 100 + 2 * 100 = 300.
+    q = FairQueue(100, 10**9, {"H": TenantShare(1.0, 0), "L": TenantShare(1.0, 1, 0.0)}, aging_floor_share=0.5)
+    hs = [req(f"h{i}", "H") for i in range(4)]
+    low = req("l", "L")
+    low.promote_at_ms = 100.0  # arrival 0 + its class's ttft_ms 100
+    for e in (*hs, low):
+        q.push(e)
+    # not aged (now 50): band 0's cap is 1 - 0 = 1, so L comes last
+    assert [e.request_id for e in q.ordered(50.0)] == ["h0", "h1", "h2", "h3", "l"]
+    assert [e.request_id for e in q.ordered()] == ["h0", "h1", "h2", "h3", "l"]  # no clock: no aging
+    # aged (now 100): band 0's cap becomes 1 - 0.5. Pick 1: served 0 <= 0.5 * 0 -> h0; pick 2:
+    # band 0 has 300 of 300 served > 0.5 * 300 -> band 1: l
+    assert [e.request_id for e in q.ordered(100.0)] == ["h0", "l", "h1", "h2", "h3"]
 
 
 async def test_merge_counters_and_reconfigure() -> None:

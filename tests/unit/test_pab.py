@@ -21,6 +21,7 @@ from replica_agent.policy.pab import (
     class_budget,
     compute_budgets,
     fits,
+    on_time,
 )
 from replica_agent.policy.time_model import TimeModel
 
@@ -209,45 +210,45 @@ def test_waited_shortens_the_horizon_hand_worked():
     assert class_budget(st, AGED_CLASS, waited_ms=0.0) == fresh
 
 
-def test_prompt_fits_fresh_but_not_after_waiting():
+def test_aged_prompt_on_time_or_late_hand_worked():
     st = aged_state([ONE_DECODE])
     fresh = class_budget(st, AGED_CLASS)
     # P = 6500: a + b*P = 10 + 650 = 660 ms.
-    #   w = 0:   660 <= 889 and 6500 <= 8790                       -> fits
-    #   w = 300: exact (agent): 660 <= H_w = 700 but 660 > 622.3   -> refused
-    #            router: 660 <= 1000 - 300 but 660 > 889 - 300 = 589 -> refused
-    assert fits(6500, fresh, TM) and admits(6500, st, AGED_CLASS)[0]
-    assert not admits(6500, st, AGED_CLASS, 300.0)[0]
-    assert not fits(6500, fresh, TM, waited_ms=300.0)
-    # P = 6000: 610 ms. Exact: 610 <= 622.3 and 6000 <= 6123 -> fits; the router's bound is
-    # conservative: 610 > 589 -> refused there (never the other way round)
-    ok, budget = admits(6000, st, AGED_CLASS, 300.0)
-    assert ok and budget.horizon_ms == 700.0
-    assert not fits(6000, fresh, TM, waited_ms=300.0)
-    # P = 5000: 510 ms <= 589 -> both admit; the router's token count floor((589 - 10) / 0.1) = 5790
-    assert fits(5000, fresh, TM, waited_ms=300.0) and admits(5000, st, AGED_CLASS, 300.0)[0]
-    assert fits(5790, fresh, TM, waited_ms=300.0) and not fits(5791, fresh, TM, waited_ms=300.0)
+    #   w = 0:   660 <= 889 and 6500 <= 8790                        -> fits, on time
+    #   w = 300: on time? 660 > PAB_ms(H) - w = 889 - 300 = 589     -> no (its TTFT is lost here)
+    #            fits?    660 <= 889 and 6500 <= 8790 (work conservation: a fresh arrival's fit)
+    assert fits(6500, fresh, TM) and on_time(6500, fresh, TM) and admits(6500, st, AGED_CLASS)[0]
+    assert not on_time(6500, fresh, TM, waited_ms=300.0)
+    assert fits(6500, fresh, TM, waited_ms=300.0)
+    ok, budget = admits(6500, st, AGED_CLASS, 300.0)
+    assert ok and budget == fresh  # the answer's budget is the full-horizon one
+    # P = 5000: 510 ms <= 589 -> on time; the router's token count floor((589 - 10) / 0.1) = 5790
+    assert on_time(5000, fresh, TM, waited_ms=300.0)
+    assert on_time(5790, fresh, TM, waited_ms=300.0) and not on_time(5791, fresh, TM, waited_ms=300.0)
+    # P = 8791: 889.1 ms > 889 -> fits nowhere busy, whatever it waited; the exact aged budget
+    # (PAB_ms(700) = 622.3) does not hold it either
+    assert not fits(8791, fresh, TM, waited_ms=300.0) and not admits(8791, st, AGED_CLASS, 300.0)[0]
 
 
-def test_request_past_its_ttft_takes_only_an_idle_replica():
-    # w = 1200 > H = 1000: H_w = 0, every prompt's prefill exceeds it (the prefill-alone rule).
+def test_request_past_its_ttft_is_served_by_the_normal_fit():
+    # w = 1200 > H = 1000: its TTFT is lost everywhere (on_time is False), yet a 100-token prompt
+    # (20 ms <= PAB_ms 889) starts on the busy replica at once: no waiting for an idle one.
     busy = aged_state([ONE_DECODE])
-    ok, budget = admits(100, busy, AGED_CLASS, 1200.0)
-    assert budget.horizon_ms == 0.0 and budget.pab_ms == 0.0
-    # the budget over H_w = 0 alone looks "idle" (pab_ms == horizon_ms == 0): the decode is due at
-    # 50 ms, after the empty horizon. admits() asks for nothing reserved over the full H instead.
-    assert fits(100, budget, TM)
-    assert not ok
-    assert not fits(100, class_budget(busy, AGED_CLASS), TM, waited_ms=1200.0)
-    # an idle replica takes it (KV 100 000 holds it), on both sides
+    fresh = class_budget(busy, AGED_CLASS)
+    assert not on_time(100, fresh, TM, waited_ms=1200.0)
+    assert fits(100, fresh, TM, waited_ms=1200.0)
+    assert admits(100, busy, AGED_CLASS, 1200.0)[0]
+    # a prompt too long on its own (a + b*P = 10 + 0.1 * 10 000 = 1010 ms > H = 1000) keeps the
+    # idle rule: refused on the busy replica, admitted on an idle one (KV 100 000 holds it)
+    assert not fits(10_000, fresh, TM, waited_ms=1200.0) and not admits(10_000, busy, AGED_CLASS, 1200.0)[0]
     idle = aged_state()
-    assert admits(100, idle, AGED_CLASS, 1200.0)[0]
-    assert fits(100, class_budget(idle, AGED_CLASS), TM, waited_ms=1200.0)
-    # with w = 950: H_w = 50; a 100-token prompt (20 ms) fits there by time: N over 50 ms is
-    # floor((50 - 50) / 100) + 1 = 1 -> 11.1 ms -> PAB_ms 38.9 >= 20 -> admitted by the exact rule;
-    # the router's bound 889 - 950 < 0 refuses it
-    assert admits(100, busy, AGED_CLASS, 950.0)[0]
-    assert not fits(100, class_budget(busy, AGED_CLASS), TM, waited_ms=950.0)
+    assert admits(10_000, idle, AGED_CLASS, 1200.0)[0] and admits(10_000, idle, AGED_CLASS)[0]
+    assert fits(10_000, class_budget(idle, AGED_CLASS), TM, waited_ms=1200.0)
+    # with w = 950: H_w = 50; a 100-token prompt (20 ms) is still on time by the exact rule (N over
+    # 50 ms is floor((50 - 50) / 100) + 1 = 1 -> 11.1 ms -> PAB_ms 38.9 >= 20), while the router's
+    # conservative bound 889 - 950 < 0 calls it late; both admit it
+    assert on_time(100, class_budget(busy, AGED_CLASS, 950.0), TM)
+    assert not on_time(100, fresh, TM, waited_ms=950.0)
 
 
 def test_waited_ms_validation():
@@ -279,9 +280,10 @@ def _random_state(rng: random.Random) -> tuple[ReplicaState, SloClass]:
 
 
 def test_router_rule_never_admits_what_the_agent_refuses():
-    """Property: fits(P, budget(H), tm, w) implies admits(P, state, slo, w) (pab.py "Aged requests")."""
+    """Property: on_time(P, budget(H), tm, w) implies fits(...), which implies admits(P, state, slo, w)
+    (pab.py "Aged requests", "Work conservation")."""
     rng = random.Random(20251129)
-    router_yes = agent_only = 0
+    router_yes = agent_only = late = 0
     for _ in range(4000):
         st, slo = _random_state(rng)
         tm = st.time_model
@@ -296,9 +298,11 @@ def test_router_rule_never_admits_what_the_agent_refuses():
         router = fits(p, fresh, tm, w)
         agent, _ = admits(p, st, slo, w)
         assert not router or agent, (st, slo, w, p)
+        assert not on_time(p, fresh, tm, w) or router, (st, slo, w, p)  # on time implies fits
         assert exact.pab_ms >= fresh.pab_ms - w - 1e-9  # PAB_ms(H - w) >= PAB_ms(H) - w
         if w == 0.0:
             assert router == agent == fits(p, fresh, tm)
         router_yes += router
         agent_only += agent and not router
-    assert router_yes > 400 and agent_only > 100  # both sides of the rule are exercised
+        late += router and not on_time(p, fresh, tm, w)
+    assert router_yes > 400 and agent_only > 10 and late > 100  # every side of the rule is exercised

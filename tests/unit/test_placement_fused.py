@@ -8,6 +8,7 @@ Hand-worked case: time model a = 10 ms, b = 0.1 ms/token, c = 0; horizon H = 450
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -18,6 +19,7 @@ from router.placement import (
     DEFAULT_MAX_CANDIDATES,
     FusedPabPolicy,
     HeadroomScorer,
+    KvHeadroomScorer,
     PlacementRequest,
     ReplicaView,
     default_registry,
@@ -62,31 +64,70 @@ def test_hand_worked_four_replicas() -> None:
     assert res.candidates == () and res.reason == "fits"
 
 
-def test_waited_ms_shrinks_the_budget_and_the_headroom() -> None:
+def test_waited_ms_late_requests_keep_the_normal_fit() -> None:
     # P = 1000 -> 110 ms. r2: pab_ms 250, pab_tokens 2400; r3: pab_ms 400, pab_tokens 3900; H = 450.
     reps = [view("r2", 250.0, 2400), view("r3", 400.0, 3900)]
     reg = default_registry()
-    # w = 100: r2 150 - 110 = 40 ms left, tokens floor((150 - 10) / 0.1) = 1400 >= 1000 -> fits;
-    #          r3 300 ms -> fits. Headroom (pab - w - 110) / 450: r3 190/450, r2 40/450.
+    # w = 100: headroom (pab - w - 110) / 450: r3 190/450, r2 40/450; both on time
     req = PlacementRequest("interactive", 1000, waited_ms=100.0)
     assert HeadroomScorer().score(req, reps[0]) == pytest.approx(40.0 / 450.0)
     assert HeadroomScorer().score(req, reps[1]) == pytest.approx(190.0 / 450.0)
     for name in ("pab", "pab-chain"):
         assert reg.build(name).place(req, reps).candidates == ("r3", "r2")
-    # w = 200: r2 50 ms < 110 -> out; r3 200 ms -> fits
+        assert reg.build(name).place(replace(req, on_time_only=True), reps).candidates == ("r3", "r2")
+    # w = 200: on time only on r3 (250 - 200 = 50 < 110); the normal fit keeps both
     for name in ("pab", "pab-chain"):
-        assert reg.build(name).place(PlacementRequest("interactive", 1000, waited_ms=200.0), reps).candidates == ("r3",)
-    # w = 300: r3 100 ms < 110 -> nowhere; the reason is the fit filter
+        req = PlacementRequest("interactive", 1000, waited_ms=200.0)
+        assert reg.build(name).place(replace(req, on_time_only=True), reps).candidates == ("r3",)
+        assert reg.build(name).place(req, reps).candidates == ("r3", "r2")
+    # w = 400: 110 > H - w = 50: late everywhere; on time nowhere (reason "on-time"), the normal
+    # fit places it where a fresh arrival would go (not only on an idle replica)
     for name in ("pab", "pab-chain"):
-        res = reg.build(name).place(PlacementRequest("interactive", 1000, waited_ms=300.0), reps)
-        assert res.candidates == () and res.reason == "fits"
-    # w = 400: 110 > H - w = 50 -> the prefill-alone rule: only an idle replica (pab_ms == H)
-    idle = [*reps, view("r9", H, 4400)]
-    for name in ("pab", "pab-chain"):
-        assert reg.build(name).place(PlacementRequest("interactive", 1000, waited_ms=400.0), idle).candidates == ("r9",)
+        req = PlacementRequest("interactive", 1000, waited_ms=400.0)
+        res = reg.build(name).place(replace(req, on_time_only=True), reps)
+        assert res.candidates == () and res.reason == "on-time"
+        assert reg.build(name).place(req, reps).candidates == ("r3", "r2")
     # negative waited_ms raises like fits()
     with pytest.raises(ValueError, match="waited_ms"):
         reg.build("pab").place(PlacementRequest("interactive", 1000, waited_ms=-1.0), reps)
+
+
+def test_start_window_hand_worked() -> None:
+    # window 2 steps of 1000 tokens: 2 * (10 + 0.1 * 1000) = 220 ms. P = 1000 -> b*P = 100 ms.
+    #   r0: nothing pending                  -> passes (whatever the prompt)
+    #   r1: 100 ms pending: 100 + 100 <= 220 -> passes
+    #   r2: 150 ms pending: 150 + 100 > 220  -> out
+    def pending(rid: str, inflight: float) -> ReplicaView:
+        cb = ClassBudget("interactive", H, 400.0, 3900, 100_000, inflight_reservation_ms=inflight, kv_free_tokens=100_000)
+        return ReplicaView(rid, True, True, TM, {"interactive": cb})
+
+    reps = [pending("r0", 0.0), pending("r1", 100.0), pending("r2", 150.0)]
+    req = PlacementRequest("interactive", 1000, window_steps=2, step_tokens=1000)
+    reg = default_registry()
+    for name in ("pab", "pab-chain"):
+        assert sorted(reg.build(name, seed=1).place(req, reps).candidates) == ["r0", "r1"]
+        res = reg.build(name).place(req, reps[2:])
+        assert res.candidates == () and res.reason == "window"
+        assert reg.build(name).place(replace(req, window_steps=0), reps[2:]).candidates == ("r2",)
+    # a prompt longer than the window on its own starts where nothing is pending: 3000 -> 300 ms
+    assert reg.build("pab").place(replace(req, prompt_tokens=3000), reps).candidates == ("r0",)
+
+
+def test_kv_headroom_breaks_equal_time_headroom() -> None:
+    # same time headroom; r1 has more KV left after the prompt: (50 000 - 1000) / 50 000 = 0.98
+    # against (20 000 - 1000) / 50 000 = 0.38 -> r1 first, whatever the seed
+    def kv_view(rid: str, kv_limited: int) -> ReplicaView:
+        cb = ClassBudget("interactive", H, 400.0, 3900, kv_limited, kv_free_tokens=50_000)
+        return ReplicaView(rid, True, True, TM, {"interactive": cb})
+
+    reps = [kv_view("r0", 20_000), kv_view("r1", 50_000)]
+    req = PlacementRequest("interactive", 1000)
+    assert KvHeadroomScorer().score(req, reps[0]) == pytest.approx(0.38)
+    assert KvHeadroomScorer().score(req, reps[1]) == pytest.approx(0.98)
+    reg = default_registry()
+    for seed in (None, 1, 2, 3):
+        for name in ("pab", "pab-chain"):
+            assert reg.build(name, seed=seed).place(req, reps).candidates == ("r1", "r0")
 
 
 def test_oversize_prompt_takes_the_idle_replica() -> None:
@@ -121,7 +162,8 @@ def test_registry_and_parameters() -> None:
     reg = default_registry()
     policy = reg.build("pab")
     assert isinstance(policy, FusedPabPolicy) and policy.max_candidates == DEFAULT_MAX_CANDIDATES == 3
-    assert [f.name for f in policy.filters] == ["exclude", "healthy", "fresh", "max-prompt", "fits"]
+    assert [f.name for f in policy.filters] == ["exclude", "healthy", "fresh", "max-prompt", "fits", "on-time", "window"]
+    assert [s.name for s, _ in policy.scorers] == ["headroom", "kv-headroom"]
     with pytest.raises(ValueError, match="max_candidates"):
         reg.build("pab", max_candidates=0)
 
@@ -181,7 +223,9 @@ def random_view(rng: random.Random, rid: str) -> ReplicaView:
             pab = rng.uniform(0.0, max(h, 1.0))
         kvl = rng.choice([100_000, rng.randint(0, 8000)])
         tokens = min(t.tokens_within_ms(pab) + rng.choice([0, 0, 5]), kvl) if rng.random() < 0.9 else rng.randint(0, 9000)
-        classes[name] = ClassBudget(name, h, pab, tokens, kvl)
+        inflight = rng.choice([0.0, 0.0, rng.uniform(0.0, 800.0)])
+        classes[name] = ClassBudget(name, h, pab, tokens, kvl, inflight_reservation_ms=inflight,
+                                    kv_free_tokens=rng.choice([0, kvl, kvl + rng.randint(0, 5000)]))
     mp = rng.choice([0, 0, 0, rng.randint(1, 9000)])
     if classes and rng.random() < 0.2:  # max prompt next to a token limit
         cb = rng.choice(list(classes.values()))
@@ -237,7 +281,9 @@ def test_fused_equals_chain_on_random_fleets(seed: int | None) -> None:
         for _ in range(4):
             cls = rng.choice(CLASSES + ("unknown",)) if rng.random() < 0.1 else rng.choice(CLASSES)
             exclude = frozenset(rid for rid in ids if rng.random() < 0.15)
-            req = PlacementRequest(cls, random_prompt(rng, reps), exclude, random_waited(rng, reps))
+            req = PlacementRequest(cls, random_prompt(rng, reps), exclude, random_waited(rng, reps),
+                                   on_time_only=rng.random() < 0.3, window_steps=rng.choice([0, 0, 1, 4]),
+                                   step_tokens=rng.choice([512, 2048]))
             for k in ks:
                 want = chains[k].place(req, reps)
                 got = fused[k].place(req, reps)

@@ -1,6 +1,6 @@
 """The router plans a queued (or retried) request with its age: ``waited_ms = now - arrival at the
-router`` reaches placement (``PlacementRequest.waited_ms``, the conservative rule of
-``pab.fits(..., waited_ms)``) and the agent's Reserve (``ReserveRequest.waited_ms``).
+router`` reaches placement (``PlacementRequest.waited_ms``: on time first, then the normal fit,
+pab.py "Work conservation") and the agent's Reserve (``ReserveRequest.waited_ms``).
 
 Hand-worked: one replica, time model a = 10 ms, b = 0.1 ms/token, c = 0; class interactive with
 horizon H = 450 ms, PAB_ms = 250 ms, PAB_tokens 2400. A prompt of 1000 tokens takes 110 ms.
@@ -82,20 +82,16 @@ async def test_queued_request_is_placed_with_its_age() -> None:
     assert calls == [("r0", 1000, "q1", 100.0)]
 
 
-async def test_aged_request_does_not_fit_where_a_fresh_one_does() -> None:
+async def test_request_past_its_ttft_is_placed_by_the_normal_fit() -> None:
     clock = FakeClock(t=200.0)
     router, calls = make_router(clock)
-    # waited 200 ms: 250 - 200 = 50 ms < 110 ms -> no replica, no Reserve; it stays queued
+    # waited 200 ms: 250 - 200 = 50 ms < 110 ms -> not on time on r0 (phase 1 places nothing);
+    # phase 2, the normal fit (110 <= 250, 1000 <= 2400), places it at once, Reserve with its age
     old = waiting("old", arrival_ms=0.0, enqueued_ms=0.0)
     router.queue.push(old)
     stats = await router.dispatcher.dispatch_once()
-    assert stats.admitted == 0 and not old.future.done() and calls == []
-    # the same prompt arriving now (waited 0): 110 <= 250 -> placed, Reserve with waited_ms 0
-    router.queue.remove(old)
-    fresh = waiting("new", arrival_ms=200.0, enqueued_ms=200.0)
-    router.queue.push(fresh)
-    stats = await router.dispatcher.dispatch_once()
-    assert stats.admitted == 1 and calls == [("r0", 1000, "new", 0.0)]
+    assert stats.admitted == 1 and old.future.result().replica_id == "r0"
+    assert calls == [("r0", 1000, "old", 200.0)]
 
 
 async def test_entry_without_arrival_ages_from_its_enqueue_time() -> None:
