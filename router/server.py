@@ -67,7 +67,6 @@ from router.budget_client import BudgetClient
 from router.budgets import BudgetBook
 from router.config import ConfigError, ReplicaConfig, RouterConfig, load_config
 from router.discovery import DiscoverySource, build_discovery, diff_replicas
-from router.drain import wait_for_budget_ms
 from router.fair_queue import FairQueue, TenantShare
 from router.ledger import CONCURRENCY_RETRY_MS, Ledger, Refusal, TenantLimits, build_ledger
 from router.openai_surface import REFUSED_PATHS, RELAYED_PATHS, ModelCatalog, model_not_found, unsupported
@@ -80,6 +79,7 @@ from router.placement import (
     prompt_exceeds_every_replica,
 )
 from router.relay import Relay, RelayOutcome, UpstreamAbort
+from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start, queue_decision
 from router.tokens import PromptError, estimate_prompt_tokens, prompt_is_exact
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,6 @@ log = logging.getLogger(__name__)
 MAX_RELAY_TRIES = 2          # replicas tried per request when one fails before its first byte
 MAX_RESERVE_CANDIDATES = DEFAULT_MAX_CANDIDATES  # Reserve calls per placement before giving up for this pass
 RETRY_AFTER_S = 1
-MAX_DRAIN_RATE = 1.0  # ms of budget per ms: prefill work ends at most as fast as time passes (predict)
 _ROUTER_KEY = web.AppKey("fairbatch_router", object)
 
 
@@ -493,69 +492,22 @@ class Router:
     def _shed(self, entry: WaitingRequest, now_ms: float) -> bool:
         """A queued sheddable request that the dispatcher could not place: True when the prediction
         (:meth:`predict`, its own tokens not counted as ahead of it) says it can no longer start in
-        time: ``now + wait + prefill > first-token deadline - margin`` (:meth:`_margin_ms`)."""
+        time (router/shedding.py ``infeasible``)."""
         prediction = self.predict(entry.slo_class, entry.priority, entry.prompt_tokens, entry.prompt_tokens)
-        if prediction is None:
-            return False
-        wait_ms, prefill_ms = prediction
-        return now_ms + wait_ms + prefill_ms > entry.first_token_deadline_ms - self._margin_ms(entry.slo_class)
+        return infeasible(now_ms, entry.first_token_deadline_ms, prediction, self._margin_ms(entry.slo_class))
 
     def _margin_ms(self, slo_class: str) -> float:
-        """The agents' safety margin for the class, ttft_ms - horizon_ms (the largest over the usable
-        views; 0 without one): the prediction plans, as PAB does, to start the prefill by
-        arrival + horizon, not by arrival + ttft."""
-        margin = 0.0
-        for v in self.book.views():
-            cb = v.classes.get(slo_class)
-            if v.healthy and v.fresh and cb is not None and cb.ttft_ms > 0:
-                margin = max(margin, cb.ttft_ms - cb.horizon_ms)
-        return margin
+        """The agents' safety margin for the class (router/shedding.py ``agent_margin_ms``)."""
+        return agent_margin_ms(self.book.views(), slo_class)
 
     def predict(
         self, slo_class: str, band: int, prompt_tokens: int, own_tokens: int = 0
     ) -> tuple[float, float] | None:
-        """(predicted queue wait, predicted prefill) in simulated ms, or None without a usable replica.
-
-        Per usable replica r (healthy, fresh, with a budget for the class): prefill_r = a + b*P;
-        the budget it lacks, ``deficit_r = prefill_r - (H - decode_reservation - inflight_reservation)``
-        (unclamped: a replica deep in debt lacks more than its PAB_ms of 0 shows), frees at the
-        replica's measured drain rate (:class:`router.drain.DrainEstimator` over its budget stream,
-        at most ``MAX_DRAIN_RATE`` = 1 ms/ms: a burst of finished decodes must not make a replica look
-        faster than time; 1 ms/ms before it has two snapshots), so ``wait_r = deficit_r / rate_r``
-        (inf at rate 0).
-        wait = min_r wait_r plus the prefill of the prompt tokens already waiting in bands as
-        urgent or more (less ``own_tokens``, the request's own when it is queued already), drained
-        at the fleet's summed rate (``b * tokens / sum_r rate_r``). prefill = min_r prefill_r.
-        """
-        views = [
-            v for v in self.book.views()
-            if v.healthy and v.fresh and v.time_model is not None and slo_class in v.classes
-        ]
-        if not views:
-            return None
-        drain = self.book.drain
-        prefill = math.inf
-        budget_wait = math.inf
-        total_rate = 0.0
-        b = math.inf
-        for v in views:
-            tm = v.time_model
-            cb = v.classes[slo_class]
-            p_ms = tm.prefill_ms(prompt_tokens)  # type: ignore[union-attr]
-            prefill = min(prefill, p_ms)
-            b = min(b, tm.b_ms_per_new_token)  # type: ignore[union-attr]
-            rate = drain.rate(v.replica_id, slo_class)
-            if rate is not None:
-                rate = min(rate, MAX_DRAIN_RATE)
-            total_rate += 1.0 if rate is None else rate
-            if cb.pab_ms >= p_ms:
-                avail = cb.pab_ms
-            else:
-                avail = min(cb.pab_ms, cb.horizon_ms - cb.decode_reservation_ms - cb.inflight_reservation_ms)
-            budget_wait = min(budget_wait, wait_for_budget_ms(p_ms - avail, rate))
+        """(predicted queue wait, predicted prefill) in simulated ms, or None without a usable replica
+        (router/shedding.py ``predict_start``; ``own_tokens``: the request's own when it is queued
+        already, not counted as ahead of it)."""
         tokens = max(0, self.queue.tokens_ahead(band) - own_tokens)
-        ahead = 0.0 if tokens == 0 else (b * tokens / total_rate if total_rate > 0 else math.inf)
-        return budget_wait + ahead, prefill
+        return predict_start(self.book.views(), self.book.drain, slo_class, prompt_tokens, tokens, MAX_DRAIN_RATE)
 
     async def _on_startup(self, app: web.Application) -> None:
         await self.start()
@@ -713,16 +665,12 @@ class Router:
             raise QueueTimeout()
         band = principal.slo.priority
         first_token_deadline = arrival_ms + principal.slo.ttft_ms
-        expire_reason = "queue-timeout"
-        if principal.slo.sheddable:
-            prediction = self.predict(principal.slo_class, band, prompt_tokens)
-            if prediction is not None:
-                wait_ms, prefill_ms = prediction
-                if now + wait_ms + prefill_ms > first_token_deadline - self._margin_ms(principal.slo_class):
-                    raise SloInfeasible(wait_ms)
-                shed_at = first_token_deadline - prefill_ms  # last dispatch that can still make it
-                if shed_at < deadline_ms:
-                    deadline_ms, expire_reason = shed_at, "slo-infeasible"
+        prediction = self.predict(principal.slo_class, band, prompt_tokens) if principal.slo.sheddable else None
+        decision = queue_decision(now, arrival_ms, principal.slo.ttft_ms, principal.slo.max_queue_ms,
+                                  principal.slo.sheddable, prediction, self._margin_ms(principal.slo_class))  # fmt: skip
+        if decision.refuse:
+            raise SloInfeasible(decision.wait_ms)
+        deadline_ms, expire_reason = decision.deadline_ms, decision.expire_reason
         entry = WaitingRequest(
             request_id=request_id,
             tenant=principal.tenant,

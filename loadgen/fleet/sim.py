@@ -87,6 +87,7 @@ from router.admission_queue import Attempt, Dispatcher, FifoQueue, QueueFull, Qu
 from router.budgets import BudgetBook
 from router.fair_queue import FairQueue, TenantShare
 from router.placement import DEFAULT_MAX_CANDIDATES, PlacementRequest, ReplicaView
+from router.shedding import agent_margin_ms, infeasible, predict_start, queue_decision
 
 POLICIES: dict[str, tuple[str, str]] = {
     "round-robin": ("direct", "vllm-default"),
@@ -151,8 +152,10 @@ class FleetConfig:
         margin_frac: PAB horizon margin, H = ttft * (1 - margin_frac).
         budget_ttl_ms: a snapshot older than this counts as zero budget (router clock, ms).
         lease_ttl_ms: a lease whose request never arrives lapses after this (ms).
-        max_queue_ms: longest wait in a router queue (ms); sheddable: also shed at
-            ``arrival + ttft - predicted prefill`` (reason ``slo-infeasible``).
+        max_queue_ms: longest wait in a router queue (ms).
+        sheddable: the class is sheddable: the router's own rule (router/shedding.py) refuses a
+            request at arrival when it cannot start in time and sheds it from the queue as soon as
+            it no longer can (reason ``slo-infeasible``); False: it waits up to ``max_queue_ms``.
         queue_kind: ``fair`` (router/fair_queue.py) or ``fifo`` (router/admission_queue.py).
         queue_max_requests, queue_max_tokens: router queue bounds.
         dispatch_gap_ms: at most one dispatcher pass per this many ms per router.
@@ -183,6 +186,7 @@ class FleetConfig:
     budget_ttl_ms: float = 1000.0
     lease_ttl_ms: float = 5000.0
     max_queue_ms: float = 2000.0
+    sheddable: bool = True
     queue_kind: str = "fair"
     queue_max_requests: int = 4096
     queue_max_tokens: int = 16_000_000
@@ -382,7 +386,8 @@ class _Router:
                 self.queue: Any = FairQueue(cfg.queue_max_requests, cfg.queue_max_tokens, shares)
             else:
                 self.queue = FifoQueue(cfg.queue_max_requests, cfg.queue_max_tokens)
-            self.dispatcher: Dispatcher[_Grant] = Dispatcher(self.queue, self.clock, self._admit, self._orphan)  # type: ignore[arg-type]
+            self.dispatcher: Dispatcher[_Grant] = Dispatcher(self.queue, self.clock, self._admit, self._orphan,  # type: ignore[arg-type]
+                                                             shed=self._shed if cfg.sheddable else None)
         else:
             self.policy = reg.build(placement_name(cfg.policy), load=self.load, seed=seed)
             tm = cfg.time_model
@@ -414,6 +419,17 @@ class _Router:
                 return _Grant(ri, lease_id, refusals)
             refusals += 1
         return None
+
+    def _predict(self, prompt_tokens: int, own_tokens: int) -> tuple[float, float] | None:
+        """router/server.py ``predict``: router/shedding.py ``predict_start`` on this router's book."""
+        ahead = self.queue.tokens_ahead(0) if isinstance(self.queue, FairQueue) else 0
+        return predict_start(self.book.views(self.clock.t), self.book.drain, SLO_CLASS, prompt_tokens,
+                             max(0, ahead - own_tokens))  # fmt: skip
+
+    def _shed(self, entry: WaitingRequest, now_ms: float) -> bool:
+        """router/server.py ``_shed``: a blocked queued request that can no longer start in time."""
+        return infeasible(now_ms, entry.first_token_deadline_ms, self._predict(entry.prompt_tokens, entry.prompt_tokens),
+                          agent_margin_ms(self.book.views(now_ms), SLO_CLASS))  # fmt: skip
 
     async def _admit(self, entry: WaitingRequest, attempt: Attempt) -> _Grant | None:
         return self._place(entry.slo_class, entry.prompt_tokens, entry.exclude | attempt.avoid, entry.arrived_ms,
@@ -470,12 +486,11 @@ class _Router:
                 self._charge(req)
                 sim.forward_granted(idx, grant, now)
                 return
-        prefill_ms = cfg.time_model.prefill_ms(req.prompt_tokens)
-        deadline, reason = req.arrival_ms + cfg.max_queue_ms, "queue-timeout"
-        shed_at = req.arrival_ms + cfg.ttft_ms - prefill_ms
-        if shed_at < deadline:
-            deadline, reason = shed_at, "slo-infeasible"
-        if deadline <= now:
+        # the router's own rule (router/shedding.py)
+        decision = queue_decision(now, req.arrival_ms, cfg.ttft_ms, cfg.max_queue_ms, cfg.sheddable,
+                                  self._predict(req.prompt_tokens, 0), agent_margin_ms(self.book.views(now), SLO_CLASS))  # fmt: skip
+        deadline, reason = decision.deadline_ms, decision.expire_reason
+        if decision.refuse or deadline <= now:
             sim.reject(idx, reason)
             return
         entry = WaitingRequest(

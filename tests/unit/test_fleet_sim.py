@@ -132,12 +132,18 @@ def test_queued_request_retried_on_the_next_snapshot_not_only_at_its_deadline() 
     # ~546 ms; the next snapshot (push every 20 ms) shows the budget back and must trigger a
     # dispatcher pass that admits B. (Bug: a pass scheduled for the queue's earliest deadline
     # swallowed every wake-up before it, so B was only looked at when it expired: rejected.)
+    # Not sheddable: B waits (max queue 2000 ms). Sheddable, the router's own rule refuses B at arrival:
+    # it cannot start before A's prefill has freed its lease, 110 + 445.9 + 482.2 = 1038.1 ms, later
+    # than its first-token deadline less the agents' margin, 1110 - 100 = 1010 ms (router/shedding.py).
     reqs = [FleetRequest(100.0, 6000, 2), FleetRequest(110.0, 6500, 2)]
-    res = run_fleet(cfg("pab", replicas=1, push_period_ms=20.0), reqs)
+    res = run_fleet(cfg("pab", replicas=1, push_period_ms=20.0, sheddable=False), reqs)
     a, b = res.records
     assert a.outcome == "ok" and b.outcome == "ok", (a.reason, b.reason)
     assert res.stats.grants == 2
     assert b.token_times_ms[0] - b.arrival_ms <= 1000.0
+    shed = run_fleet(cfg("pab", replicas=1, push_period_ms=20.0), reqs)
+    assert shed.records[0].outcome == "ok"
+    assert (shed.records[1].outcome, shed.records[1].reason) == ("rejected", "slo-infeasible")
 
 
 def test_request_arriving_before_any_snapshot_waits_for_the_first_one() -> None:
