@@ -203,6 +203,7 @@ class Setup:
     window_offset: float = 0.0
     engine_time: EngineTimeModel | None = None
     warmup_s: float = 0.0
+    start_window_steps: float = 0.0
 
 
 def fleet_config(setup: Setup, policy: str) -> FleetConfig:
@@ -216,7 +217,7 @@ def fleet_config(setup: Setup, policy: str) -> FleetConfig:
         max_queue_ms=2.0 * setup.ttft_ms, tenant_weights=tuple((t, 1.0) for t, _ in TENANTS),
         max_model_len=setup.max_model_len, drain_ms=setup.drain_s * 1000.0, seed=setup.seed,
         max_num_batched_tokens=setup.max_num_batched_tokens, max_num_seqs=setup.max_num_seqs,
-        engine_time=setup.engine_time,
+        engine_time=setup.engine_time, start_window_steps=setup.start_window_steps,
     )  # fmt: skip
 
 
@@ -361,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     p.add_argument("--duration-s", type=float, default=60.0, help="arrival window (simulated s)")
     p.add_argument("--drain-s", type=float, default=60.0, help="time after the window before unfinished = failed")
+    p.add_argument("--start-window-steps", type=float, default=0.0,
+                   help="pab routers: the router's start window (admission.start_window_steps; router default 4), "
+                        "in steps of --max-num-batched-tokens; 0 = none")
     p.add_argument("--warmup-s", type=float, default=0.0,
                    help="requests arriving in the first this many seconds load the fleet but are not counted "
                         "(steady state: the window measured is [warmup, duration])")
@@ -408,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = Setup(kept, native, args.replicas, args.profile, args.ttft_ms, args.tpot_ms, args.duration_s,
                   args.drain_s, args.routers, args.push_period_ms, args.net_delay_ms, args.queue, cap_tokens,
                   not args.no_leases, args.max_model_len, args.seed, max_tokens, max_seqs,
-                  args.window_offset, engine_time, args.warmup_s)  # fmt: skip
+                  args.window_offset, engine_time, args.warmup_s, args.start_window_steps)  # fmt: skip
     if not 0.0 <= args.warmup_s < args.duration_s:
         raise SystemExit("bench-fleet: --warmup-s must be in [0, --duration-s)")
     t0 = time.perf_counter()

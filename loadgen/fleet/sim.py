@@ -156,6 +156,9 @@ class FleetConfig:
         sheddable: the class is sheddable: the router's own rule (router/shedding.py) refuses a
             request at arrival when it cannot start in time and sheds it from the queue as soon as
             it no longer can (reason ``slo-infeasible``); False: it waits up to ``max_queue_ms``.
+        start_window_steps: the router's start window (router/config.py ``admission``; the router's
+            default is 4): a replica takes a prompt only while its un-started prefill work fits this
+            many steps of ``max_num_batched_tokens``. 0 = no window.
         queue_kind: ``fair`` (router/fair_queue.py) or ``fifo`` (router/admission_queue.py).
         queue_max_requests, queue_max_tokens: router queue bounds.
         dispatch_gap_ms: at most one dispatcher pass per this many ms per router.
@@ -187,6 +190,7 @@ class FleetConfig:
     lease_ttl_ms: float = 5000.0
     max_queue_ms: float = 2000.0
     sheddable: bool = True
+    start_window_steps: float = 0.0
     queue_kind: str = "fair"
     queue_max_requests: int = 4096
     queue_max_tokens: int = 16_000_000
@@ -398,14 +402,17 @@ class _Router:
     def _place(self, slo_class: str, prompt_tokens: int, exclude: frozenset[str], arrival_ms: float,
                on_time_only: bool = False) -> _Grant | None:
         """router/server.py ``_place_and_reserve``: placement, then Reserve on up to 3 candidates,
-        both with the request's age ``waited_ms = now - arrival_ms`` (arrival at the router).
-        No start window here (``PlacementRequest.window_steps`` 0): the fleet benchmarks measure PAB."""
+        both with the request's age ``waited_ms = now - arrival_ms`` (arrival at the router), and
+        the router's start window (``FleetConfig.start_window_steps`` steps of the engine's
+        ``max_num_batched_tokens``; 0 = none). The contention cap and holds are not modelled."""
         sim = self.sim
         now = self.clock.t
         waited_ms = max(0.0, now - arrival_ms)
         t0 = time.perf_counter()
-        result = self.policy.place(PlacementRequest(slo_class, prompt_tokens, exclude, waited_ms, on_time_only),
-                                   self.book.views(now))
+        cfg = sim.cfg
+        result = self.policy.place(PlacementRequest(slo_class, prompt_tokens, exclude, waited_ms, on_time_only,
+                                                    cfg.start_window_steps, cfg.max_num_batched_tokens),
+                                   self.book.views(now))  # fmt: skip
         sim.sample_decision(time.perf_counter() - t0)
         refusals = 0
         for rid in result.candidates[:MAX_RESERVE_CANDIDATES]:
