@@ -52,6 +52,7 @@ from loadgen.bench_args import (
 from loadgen.sim.virtual import LivelockError, VirtualRequest, run_virtual
 from loadgen.stats import OK, REJECTED, RequestRecord, Slo, figures
 from loadgen.traces import TraceRequest, load_trace, resolve_trace, spread_arrivals
+from replica_agent.policy.calibration import CalibratorConfig, OnlineTimeModel
 from replica_agent.policy.batching import POLICIES, PolicyConfig, make_policy
 from replica_agent.policy.envelope import Envelope
 from replica_agent.profiles import load_profile
@@ -72,6 +73,9 @@ class BenchSetup:
         max_num_batched_tokens, max_num_seqs, block_size, max_model_len: engine settings.
         token_budget: vllm-default's token budget (None -> max_num_batched_tokens).
         engine_time: the engine's own step time (None: the profile's time model, which the policy also uses).
+        online_time_model: with ``engine_time``, the policy plans with an online time model learned from
+            every step (replica_agent/policy/calibration.py, as the vLLM plugin does), starting from the
+            profile; False: it keeps the profile's fixed model.
     """
 
     trace: tuple[TraceRequest, ...]
@@ -87,6 +91,7 @@ class BenchSetup:
     max_model_len: int
     token_budget: int | None
     engine_time: EngineTimeModel | None = None
+    online_time_model: bool = True
 
 
 def run_point(setup: BenchSetup, policy: str, rate_rps: float, tpot_from_first_token: bool = True) -> dict[str, Any]:
@@ -114,7 +119,9 @@ def run_point(setup: BenchSetup, policy: str, rate_rps: float, tpot_from_first_t
     engine = SimEngine(cfg, make_policy(policy, pcfg))
     t0 = time.perf_counter()
     try:
-        run = run_virtual(reqs, engine)
+        cal = (OnlineTimeModel(prof.time_model, CalibratorConfig(refit_every=8))
+               if setup.engine_time is not None and setup.online_time_model else None)  # fmt: skip
+        run = run_virtual(reqs, engine, calibrator=cal, policy_time_model=prof.time_model)
     except LivelockError as e:
         # the replica stopped serving: every SLO counts as missed at this rate
         return {"rate_rps": round(rate_rps, 4), "requests": len(reqs), "slo_attainment": 0.0,
