@@ -439,12 +439,14 @@ class Agent:
             ctx = int(rec["context_tokens"])
             measured = float(rec["measured_ms"])
             n = int(rec.get("batch_size") or 0)
-            pcross = int(rec.get("chunk_prefix_tokens") or 0)
+            pcross = int(rec.get("prefill_chunk_prefix_tokens") or 0)
             dec = int(rec.get("num_decodes") or 0)
         except (KeyError, TypeError, ValueError):
             return
         if new <= 0 or not measured > 0 or not math.isfinite(measured) or not 0 <= dec <= new:
             return
+        # the record carries what the policy model reads (prefill chunk x prefix, decodes); the all-items
+        # cross and chunk^2 sums are the engine's own and not needed here
         self.observe_step(StepFeatures(new, ctx, pcross, 0, n, pcross, dec), measured, "plugin")
 
     def observe_step(self, features: StepFeatures, measured_ms: float, source: str, weight: float = 1.0) -> None:

@@ -151,17 +151,17 @@ def state_record(
 
 
 def step_record(start_ms: float, new_tokens: int, context_tokens: int, measured_ms: float,
-                batch_size: int, chunk_prefix_tokens: int = 0, num_decodes: int = 0) -> dict[str, Any]:
+                batch_size: int, prefill_chunk_prefix_tokens: int = 0, num_decodes: int = 0) -> dict[str, Any]:
     """The step-log line of one executed step (``fairbatch-agent calibrate`` reads these fields).
 
-    ``chunk_prefix_tokens``: sum of chunk x prefix over the step's prefill chunks; ``num_decodes``:
+    ``prefill_chunk_prefix_tokens``: sum of chunk x prefix over the step's prefill chunks; ``num_decodes``:
     its decodes (the online time model's features, replica_agent/policy/time_model.py StepFeatures).
     As an export record it also carries ``"v"`` and ``"kind": "step"`` (calibrate ignores them).
     """
     return {
         "v": RECORD_VERSION, "kind": "step", "start_ms": round(start_ms, 3), "new_tokens": new_tokens,
         "context_tokens": context_tokens, "measured_ms": round(measured_ms, 4), "batch_size": batch_size,
-        "chunk_prefix_tokens": chunk_prefix_tokens, "num_decodes": num_decodes,
+        "prefill_chunk_prefix_tokens": prefill_chunk_prefix_tokens, "num_decodes": num_decodes,
     }
 
 

@@ -199,3 +199,34 @@ def test_agent_learned_margin_and_consume_leases() -> None:
     agent.on_plugin_datagram(b"garbage", now_ms=40.0)
     agent.on_plugin_datagram(b'{"v":1,"reqs":[]}', now_ms=40.0)  # state record without KV fields
     assert agent.metrics.plugin_records.labels("bad")._value.get() == 2.0
+
+
+def test_plugin_mode_agent_learns_the_chunk_x_prefix_and_decode_terms_from_step_records() -> None:
+    """Step records of an engine that costs 3.6e-6 ms per chunk x prefix token pair and 0.05 ms per
+    decode (the agent's prior has neither): the agent's fit prices a 2048-token chunk over a 16k
+    prefix within 3 % and a 64-decode step at the short end of the contexts seen within 5 % (the ridge's
+    pull along the direction batch size and summed context share) of that engine, where the prior is 38 %
+    and 16 % off
+    (chunk: 10 + 204.8 + 16.384 + 120.8 = 352.0 ms against 231.2; decodes: 10 + 0.05 * 64 + 6.4 = 19.6
+    against 22.8)."""
+    import random
+
+    from replica_agent.policy.time_model import StepFeatures
+
+    engine = TimeModel(10.0, 0.1, 0.001, 3.6e-6, -0.05)
+    agent = make_agent(proxy_tracking=False)
+    agent.calibrator = type(agent.calibrator)(TM)  # the default settings (make_agent's prior is frozen)
+    rng = random.Random(1)
+    for _ in range(600):
+        items = [(1, rng.randint(100, 3000)) for _ in range(rng.randint(1, 64))]
+        if rng.random() < 0.5:
+            items.append((rng.randint(64, 2048), rng.choice([0, 2048, 8192, 16384])))
+        f = StepFeatures.from_items(items)
+        rec = step_record(0.0, f.new_tokens, f.context_tokens, engine.step_ms(f), f.num_seqs,
+                          f.prefill_chunk_prefix_tokens, f.num_decodes)
+        agent.on_plugin_datagram(json.dumps(rec).encode(), now_ms=0.0)
+    m = agent.calibrator.model()
+    for f, off, rel in ((StepFeatures.from_items([(2048, 16384)]), 0.3, 0.03),
+                        (StepFeatures.from_items([(1, 100)] * 64), 0.15, 0.05)):
+        assert m.step_ms(f) == pytest.approx(engine.step_ms(f), rel=rel)
+        assert abs(TM.step_ms(f) / engine.step_ms(f) - 1) > off
