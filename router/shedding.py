@@ -9,7 +9,12 @@ inflight_reservation)`` (unclamped: a replica deep in debt lacks more than its P
 frees at the replica's measured drain rate (:class:`router.drain.DrainEstimator` over its budget
 stream, at most ``max_drain_rate`` = 1 ms/ms: a burst of finished decodes must not make a replica
 look faster than time; 1 ms/ms before it has two snapshots), so ``wait_r = deficit_r / rate_r``
-(inf at rate 0). wait = min_r wait_r plus the prefill of the prompt tokens already waiting in
+(inf at rate 0), and no longer than the replica takes to finish its admitted prefills when they
+alone cover the deficit: ``deficit_r <= inflight_reservation`` bounds ``wait_r`` by
+``inflight_reservation / (1 - decode_reservation / H)`` (prefill work runs in the share of each
+step that decodes leave; an in-flight prefill holds its whole reservation until its first token,
+so the drain the budget stream shows is lumpy and reads 0 while one runs). wait = min_r wait_r
+plus the prefill of the prompt tokens already waiting in
 bands as urgent or more, drained at the fleet's summed rate (``b * tokens / sum_r rate_r``);
 prefill = min_r prefill_r.
 
@@ -68,7 +73,13 @@ def predict_start(
             avail = cb.pab_ms
         else:
             avail = min(cb.pab_ms, cb.horizon_ms - cb.decode_reservation_ms - cb.inflight_reservation_ms)
-        budget_wait = min(budget_wait, wait_for_budget_ms(p_ms - avail, rate))
+        deficit = p_ms - avail
+        wait_r = wait_for_budget_ms(deficit, rate)
+        if 0.0 < deficit <= cb.inflight_reservation_ms and cb.horizon_ms > 0:
+            prefill_share = 1.0 - cb.decode_reservation_ms / cb.horizon_ms
+            if prefill_share > 0.0:
+                wait_r = min(wait_r, cb.inflight_reservation_ms / prefill_share)
+        budget_wait = min(budget_wait, wait_r)
     if not seen:
         return None
     tokens = max(0, tokens_ahead)
