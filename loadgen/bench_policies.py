@@ -52,8 +52,8 @@ from loadgen.bench_args import (
 from loadgen.sim.virtual import LivelockError, VirtualRequest, run_virtual
 from loadgen.stats import OK, REJECTED, RequestRecord, Slo, figures
 from loadgen.traces import TraceRequest, load_trace, resolve_trace, spread_arrivals
-from replica_agent.policy.calibration import CalibratorConfig, OnlineTimeModel
 from replica_agent.policy.batching import POLICIES, PolicyConfig, make_policy
+from replica_agent.policy.calibration import CalibratorConfig, OnlineTimeModel
 from replica_agent.policy.envelope import Envelope
 from replica_agent.profiles import load_profile
 

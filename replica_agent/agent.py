@@ -454,9 +454,7 @@ class Agent:
         before = self.calibrator.margin()
         if self.calibrator.observe(features, measured_ms, weight) is None:
             return
-        self.metrics.time_model_steps.labels(source).inc()
-        if self.calibrator.count % 16 == 1:
-            self._export_time_model()
+        self.metrics.time_model_steps.labels(source).inc()  # the model's gauges are set at each scrape
         if abs(self.calibrator.margin() - before) >= 0.01:
             self.notify()
 

@@ -252,16 +252,22 @@ class FitsFilter:
     name: str = "fits"
 
     def filter(self, request: PlacementRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
-        out = []
-        for r in replicas:
-            budget = r.classes.get(request.slo_class)
-            if (
-                budget is not None
-                and r.time_model is not None
-                and fits(request.prompt_tokens, budget, r.time_model, request.waited_ms)
-            ):
-                out.append(r)
-        return out
+        return _keep_by_budget(request, replicas, fits)
+
+
+def _keep_by_budget(
+    request: PlacementRequest, replicas: Sequence[ReplicaView],
+    rule: Callable[[int, ClassBudget, TimeModel, float], bool],
+) -> list[ReplicaView]:
+    """The replicas with a budget for the request's class and a time model on which
+    ``rule(prompt_tokens, budget, time_model, waited_ms)`` holds (pab.fits, pab.on_time)."""
+    out = []
+    for r in replicas:
+        budget = r.classes.get(request.slo_class)
+        if budget is not None and r.time_model is not None and rule(request.prompt_tokens, budget, r.time_model,
+                                                                    request.waited_ms):  # fmt: skip
+            out.append(r)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,16 +280,7 @@ class OnTimeFilter:
     def filter(self, request: PlacementRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
         if not request.on_time_only:
             return list(replicas)
-        out = []
-        for r in replicas:
-            budget = r.classes.get(request.slo_class)
-            if (
-                budget is not None
-                and r.time_model is not None
-                and on_time(request.prompt_tokens, budget, r.time_model, request.waited_ms)
-            ):
-                out.append(r)
-        return out
+        return _keep_by_budget(request, replicas, on_time)
 
 
 def window_admits(request: PlacementRequest, budget: ClassBudget, time_model: TimeModel) -> bool:

@@ -13,7 +13,7 @@ Step time: each step is described by its :class:`~replica_agent.policy.time_mode
 the step). With ``EngineConfig.engine_time`` set (loadgen/sim/engine_time.py, docs/engine-time-model.md)
 ``duration_ms`` is that model's step time, its seeded noise drawn per step (stream ``noise_stream`` of
 the engine); without it (``--engine-time-model policy``) the step time is the policy's batch-time model
-``config.time_model.step_ms(features)`` (seed 000: ``a + b * new_tokens + c * context_tokens``, plus
+``config.time_model.step_ms(features)`` (replica_agent/policy/time_model.py: ``a + b * new_tokens + c * context_tokens``, plus
 ``e * sum chunk_i * prefix_i`` when e > 0), so the policy plans with the engine's own model (an oracle).
 
 Outputs: the step that completes a request's prefill samples its first token; every later step

@@ -3,7 +3,8 @@
 Line format (JSONL): ``{"start_ms": float, "new_tokens": int, "context_tokens": int,
 "measured_ms": float, "batch_size": int, "chunk_prefix_tokens": int, "chunk_sq_tokens": int}``:
 simulated start time, tokens computed, tokens in KV before the step summed over the batch (the time
-model's inputs, seed 000 / time_model.py), the step's duration in ms, the number of requests in it,
+model's inputs: replica_agent/policy/time_model.py, docs/architecture.md "Time model, learned
+online"), the step's duration in ms, the number of requests in it,
 and the rest of the step's :class:`~replica_agent.policy.time_model.StepFeatures` (sum over the batch
 of chunk_i * prefix_i and of chunk_i^2; ``batch_size`` is its ``num_seqs``). ``fairbatch-agent calibrate`` also reads
 CSV with a header naming at least ``new_tokens,context_tokens,measured_ms``.

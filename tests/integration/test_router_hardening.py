@@ -15,19 +15,11 @@ import pytest
 import redis.asyncio
 
 from tests.integration.test_router_fake_agents import Fleet
-from tests.integration.test_router_tenants import KEYS, PROMPT, InProcess
+from tests.integration.test_router_tenants import KEYS, PROMPT, InProcess, fleet  # noqa: F401 - the fixture
 from tests.redis_fixture import RedisServer, redis_clean, redis_server  # noqa: F401
 
 ACME = {"acme": {"weight": 1, "slo_class": "interactive"}}
 
-
-@pytest.fixture
-async def fleet():
-    f = InProcess()
-    try:
-        yield f
-    finally:
-        await f.stop()
 
 
 async def raw_http(url: str, data: bytes, read_timeout_s: float = 3.0, then: bytes | None = None) -> bytes:

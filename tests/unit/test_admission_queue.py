@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 import pytest
 
@@ -16,18 +15,9 @@ from router.admission_queue import (
     QueueTimeout,
     WaitingRequest,
 )
+from tests.fakes import FakeClock
 
 
-@dataclass
-class FakeClock:
-    t: float = 0.0
-    scale: float = 1.0
-
-    def now_ms(self) -> float:
-        return self.t
-
-    def to_wall_s(self, sim_ms: float) -> float:
-        return sim_ms / 1000.0
 
 
 def entry(rid: str, tokens: int = 10, deadline_ms: float = 1000.0) -> WaitingRequest:

@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 from proto import admission_pb2
 from router.budgets import BudgetBook
+from tests.fakes import FakeClock
 
 
-@dataclass
-class FakeClock:
-    t: float = 1000.0
-    scale: float = 1.0
-
-    def now_ms(self) -> float:
-        return self.t
 
 
 def snapshot(rid: str = "r0", seq: int = 1, pab_ms: float = 300.0, healthy: bool = True, ttl_ms: int = 500,
@@ -31,7 +24,7 @@ def snapshot(rid: str = "r0", seq: int = 1, pab_ms: float = 300.0, healthy: bool
 
 
 def test_fresh_within_ttl_then_stale() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     book = BudgetBook(clock, ["r0", "r1"])  # type: ignore[arg-type]
     assert book.usable("r0", "interactive") is None  # nothing received
     assert book.update("r0", snapshot())
@@ -47,14 +40,14 @@ def test_fresh_within_ttl_then_stale() -> None:
 
 
 def test_unhealthy_is_zero_budget() -> None:
-    book = BudgetBook(FakeClock(), ["r0"])  # type: ignore[arg-type]
+    book = BudgetBook(FakeClock(1000.0), ["r0"])  # type: ignore[arg-type]
     book.update("r0", snapshot(healthy=False))
     assert book.usable("r0", "interactive") is None
     assert not book.views()[0].healthy
 
 
 def test_old_seq_ignored_and_unknown_replica() -> None:
-    book = BudgetBook(FakeClock(), ["r0"])  # type: ignore[arg-type]
+    book = BudgetBook(FakeClock(1000.0), ["r0"])  # type: ignore[arg-type]
     assert book.update("r0", snapshot(seq=5, pab_ms=300))
     assert not book.update("r0", snapshot(seq=4, pab_ms=100))
     assert book.usable("r0", "interactive").pab_ms == 300
@@ -62,7 +55,7 @@ def test_old_seq_ignored_and_unknown_replica() -> None:
 
 
 def test_disconnect_makes_stale_and_restart_accepts_lower_seq() -> None:
-    book = BudgetBook(FakeClock(), ["r0"])  # type: ignore[arg-type]
+    book = BudgetBook(FakeClock(1000.0), ["r0"])  # type: ignore[arg-type]
     book.update("r0", snapshot(seq=9))
     book.mark_disconnected("r0")
     assert book.usable("r0", "interactive") is None
@@ -71,7 +64,7 @@ def test_disconnect_makes_stale_and_restart_accepts_lower_seq() -> None:
 
 
 def test_reserve_answer_applied_at_once() -> None:
-    book = BudgetBook(FakeClock(), ["r0"])  # type: ignore[arg-type]
+    book = BudgetBook(FakeClock(1000.0), ["r0"])  # type: ignore[arg-type]
     book.update("r0", snapshot(pab_ms=450))
     before = book.usable("r0", "interactive")
     assert before.inflight_reservation_ms == 0
@@ -84,7 +77,7 @@ def test_reserve_answer_applied_at_once() -> None:
 
 
 async def test_waiters_and_listeners_woken_on_every_change() -> None:
-    book = BudgetBook(FakeClock(), ["r0"])  # type: ignore[arg-type]
+    book = BudgetBook(FakeClock(1000.0), ["r0"])  # type: ignore[arg-type]
     calls: list[int] = []
     book.add_listener(lambda: calls.append(book.version))
     waiter = asyncio.create_task(book.wait_changed(1.0))
@@ -98,7 +91,7 @@ async def test_waiters_and_listeners_woken_on_every_change() -> None:
 
 
 def test_take_local_deducts_predicted_prefill_before_the_answer() -> None:
-    book = BudgetBook(FakeClock(), ["r0"])  # type: ignore[arg-type]
+    book = BudgetBook(FakeClock(1000.0), ["r0"])  # type: ignore[arg-type]
     book.update("r0", snapshot(pab_ms=300))  # pab_tokens 2900
     book.take_local("r0", "interactive", 1000)  # 10 + 0.1 * 1000 = 110 ms
     b = book.usable("r0", "interactive")

@@ -9,28 +9,15 @@ horizon H = 450 ms, PAB_ms = 250 ms, PAB_tokens 2400. A prompt of 1000 tokens ta
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 from proto import admission_pb2
 from router.admission_queue import WaitingRequest
 from router.budget_client import ReserveResult
 from router.config import RouterConfig, hash_api_key
 from router.server import Router
+from tests.fakes import FakeClock
 
 
-@dataclass
-class FakeClock:
-    t: float = 0.0
-    scale: float = 1.0
-
-    def now_ms(self) -> float:
-        return self.t
-
-    def unix_ms(self) -> int:
-        return int(self.t)
-
-    def to_wall_s(self, sim_ms: float) -> float:
-        return sim_ms / 1000.0
 
 
 def make_router(clock: FakeClock) -> tuple[Router, list[tuple]]:
