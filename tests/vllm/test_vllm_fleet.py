@@ -546,10 +546,11 @@ async def test_killed_replica_reroutes_and_ends_streams_cleanly(vllm_fleet: Vllm
                 for p in core_pids:
                     os.kill(p, signal.SIGSTOP)
                 await asyncio.sleep(2.0)  # the API server relays what the core had produced
-                live = 0
-                for resp, rid, buf in streams + on_victim:
-                    if rid == victim_id and await drain(resp, buf):
-                        live += 1
+                # drained together: one by one, each stalled stream cost 1 s, and ten of them took the
+                # stall past the agent's engine-stall rule (4 TTFT + 20 TPOT = 12 s): r0's agent went
+                # unhealthy and no late request was ever relayed to r0 (a CI failure)
+                live = sum(await asyncio.gather(*(drain(resp, buf) for resp, rid, buf in streams + on_victim
+                                                  if rid == victim_id)))
                 if live:
                     print(f"\nattempt {attempt}: {live} stream(s) on {victim_id} stalled mid-stream")
                     break
@@ -573,6 +574,31 @@ async def test_killed_replica_reroutes_and_ends_streams_cleanly(vllm_fleet: Vllm
                 return resp.status, resp.headers.get("x-fairbatch-replica", ""), (
                     sse_events(raw) if stream and resp.status == 200 else json.loads(raw))
 
+        async def router_view() -> dict[str, Any]:
+            """What the router holds for the victim: its usable PAB (ms) and budget age (ms), and the
+            victim agent's PAB, margin and health (to tell a replica with no room from a bug)."""
+            async with s.get(url + "/metrics") as resp:
+                rm = parse_prometheus(await resp.text())
+            am = await asyncio.to_thread(agent_metrics, victim)
+            return {
+                "router_pab_ms": metric_value(rm, "fairbatch_router_replica_pab_ms", replica=victim_id,
+                                              slo_class="interactive"),
+                "router_budget_age_ms": metric_value(rm, "fairbatch_router_budget_age_ms", replica=victim_id),
+                "agent_pab_ms": metric_value(am, "fairbatch_agent_pab_ms", slo_class="interactive"),
+                "agent_margin": metric_value(am, "fairbatch_agent_time_model_margin_ratio"),
+                "agent_healthy": metric_value(am, "fairbatch_agent_healthy"),
+            }
+
+        # the late requests must meet a victim the router can place on (with the engine core stalled,
+        # its agent still answers and publishes a budget); on a loaded machine that budget can be
+        # briefly 0 (the learned step time and its margin at their worst), and then every late
+        # request waits in the router queue for the survivor and none is relayed to the victim: so
+        # wait until the router sees room on it (a bounded wait; the failure says what it saw)
+        deadline = time.monotonic() + 15.0
+        while ((view := await router_view())["router_pab_ms"] or 0.0) < 100.0:
+            assert time.monotonic() < deadline, f"the router never saw room on {victim_id}: {view}"
+            await asyncio.sleep(0.1)
+        print(f"\nbefore the late requests: {view}")
         accepted = [asyncio.create_task(later(i, i % 2 == 0)) for i in range(6)]
         await asyncio.sleep(1.0)
         # phase 2: the whole replica hangs; the router still holds a fresh, healthy snapshot
@@ -642,7 +668,9 @@ async def test_killed_replica_reroutes_and_ends_streams_cleanly(vllm_fleet: Vllm
     rlog = fleet.router.log_path.read_text(errors="replace")
     rerouted = [line for line in rlog.splitlines() if f"replica {victim_id} failed before the first byte" in line]
     print("router lines about the failure:\n" + "\n".join(rerouted)[-2000:])
-    assert rerouted, "no request was re-routed away from the killed replica (router log)"
+    stalled = [line for line in victim.agent.log_path.read_text(errors="replace").splitlines() if "stalled" in line]
+    assert rerouted, (f"no request was re-routed away from the killed replica (router log); before the late "
+                      f"requests: {view}; victim agent: {stalled}")
     # requests vLLM had accepted (it answers 200 headers before the first token) without producing a
     # token: nothing reached the client, so they are re-routed too
     problems = check_completed(late_accepted)

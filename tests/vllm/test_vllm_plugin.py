@@ -3,7 +3,7 @@
 ONE replica for the module, started with ``--scheduler-cls replica_agent.vllm_plugin.FairBatchingScheduler``
 (``PYTHONPATH`` = the repo: the vLLM venv has no fairbatch installed), the per-step export
 (``FAIRBATCH_PLUGIN_EXPORT``, file mode) and the step log (``FAIRBATCH_STEP_LOG``). Time model
-``0.5,0.5,0`` (ms, ms/new token, ms/context token): a 900-token prompt is predicted at 451 ms, far
+``0.5,5,0`` (ms, ms/new token, ms/context token): a 900-token prompt is predicted at 4500.5 ms, far
 above the time budget a tight-SLO decode sets, so FairBatching must chunk it. Skipped, with the
 reason, when ``make vllm-env`` has not been run.
 """
@@ -43,7 +43,7 @@ if _REASON:
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
 SCHEDULER_CLS = "replica_agent.vllm_plugin.FairBatchingScheduler"
-COEFFICIENTS = (0.5, 0.5, 0.0)
+COEFFICIENTS = (0.5, 5.0, 0.0)
 DEFAULT_TTFT_MS = 60000.0
 DEFAULT_TPOT_MS = 60000.0
 
@@ -72,7 +72,7 @@ def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PluginReplica]
     env.update({
         "PYTHONPATH": str(REPO_ROOT),
         "FAIRBATCH_COEFFICIENTS": ",".join(str(x) for x in COEFFICIENTS),
-        # the crafted case needs the policy to plan with these coefficients (P predicted at 451 ms);
+        # the crafted case needs the policy to plan with these coefficients (P predicted at 4500.5 ms);
         # learned online from this CPU's few-ms steps, P would fit whole and both policies agree
         "FAIRBATCH_ONLINE_TIME_MODEL": "0",
         "FAIRBATCH_TTFT_MS": str(DEFAULT_TTFT_MS),
@@ -140,7 +140,7 @@ def _state_from_record(rec: dict[str, Any]) -> SchedState:
 def test_plugin_loads(replica: PluginReplica) -> None:
     log = replica.child.log_path.read_text(errors="replace")
     assert f"Using custom scheduler class {SCHEDULER_CLS}" in log
-    assert "FairBatching scheduler plugin (vLLM 0.32.0): policy on, time model coefficients 0.5,0.5,0" in log
+    assert "FairBatching scheduler plugin (vLLM 0.32.0): policy on, time model coefficients 0.5,5,0" in log
 
 
 def test_serves_stream_and_non_stream(replica: PluginReplica) -> None:
@@ -183,11 +183,13 @@ def test_crafted_case_changes_stock_ordering(replica: PluginReplica) -> None:
 
     Stock vLLM schedules every running decode before any waiting prefill (its running loop comes
     first): D1, D2 and as much of P as its token budget holds. FairBatching:
-    time budget = max(D2's slack, 10 ms), P is predicted at 451 ms, so P is chunked to fill the
+    time budget = max(D2's slack, 10 ms), P is predicted at 4500.5 ms, so P is chunked to fill the
     budget after the urgent D2, and the non-urgent D1 (huge slack) is left out of those steps.
     """
     # The case needs P's prefill to run while D1 and D2 decode and before D2 has banked slack (a
-    # CPU decode step is shorter than D2's 10 ms TPOT, so D2 gains slack every token). On a loaded
+    # CPU decode step is shorter than D2's 10 ms TPOT, so D2 gains up to 10 ms of slack every token,
+    # and P's ~4.5 s prediction fits whole only once D2 is ~450 tokens ahead; with 0.5 ms/token, P
+    # fitted whole 45 tokens after D2's first one: a CI failure on a loaded machine). On a loaded
     # machine P can reach vLLM's scheduler too late; then both policies agree (or D1/D2 are done),
     # every step is still checked against the pure policy, and the scenario is replayed (at most 4
     # times) until a step where FairBatching and the stock order differ.
