@@ -686,6 +686,7 @@ class Router:
             expire_reason=expire_reason,
             arrival_ms=arrival_ms,
             promote_at_ms=arrival_ms + principal.slo.ttft_ms,
+            sheddable=principal.slo.sheddable,
         )
         before = self.queue.counter(principal.tenant)
         after = self.queue.push(entry)  # QueueFull propagates

@@ -506,6 +506,7 @@ class _Router:
             future=_SimFuture(lambda g, i=idx: self._granted_from_queue(i, g),  # type: ignore[arg-type,misc]
                               lambda e, i=idx: sim.reject(i, getattr(e, "reason", "queue-timeout"))),
             first_token_deadline_ms=req.arrival_ms + cfg.ttft_ms, expire_reason=reason, arrival_ms=req.arrival_ms,
+            sheddable=cfg.sheddable,
         )  # fmt: skip
         try:
             self.queue.push(entry)

@@ -311,3 +311,35 @@ async def test_a_poison_entry_is_answered_and_removed_and_never_blocks_the_ones_
     stats = await d.dispatch_once()  # nothing left to fail again
     assert (stats.admitted, stats.failed) == (0, 0) and tried == ["g0", "poison", "g1", "g2"]
     assert sum("placing request poison raised ValueError" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_a_sheddable_entry_is_never_placed_late_a_non_sheddable_one_is() -> None:
+    # both fit only by the normal fit (phase 2: their TTFT can no longer be met anywhere); the
+    # non-sheddable one is placed late, the sheddable one stays queued for an on-time start, and is
+    # placed as soon as one exists (phase 1)
+    clock = FakeClock()
+    q = FifoQueue(10, 1000)
+    shed_me, keep = entry("shed", deadline_ms=10**9), entry("keep", deadline_ms=10**9)
+    shed_me.sheddable = True
+    q.push(shed_me)
+    q.push(keep)
+    on_time: set[str] = set()
+    tries: list[tuple[str, bool]] = []
+
+    async def admit(e: WaitingRequest, attempt: Attempt) -> str | None:
+        tries.append((e.request_id, attempt.on_time_only))
+        if attempt.on_time_only and e.request_id not in on_time:
+            return None
+        return f"lease-{e.request_id}"
+
+    async def release(grant: str) -> None:
+        raise AssertionError("no orphan here")
+
+    d: Dispatcher[str] = Dispatcher(queue=q, clock=clock, admit=admit, release_orphan=release)  # type: ignore[arg-type]
+    stats = await d.dispatch_once()
+    assert stats.admitted == 1 and keep.future.result() == "lease-keep"
+    assert tries == [("shed", True), ("keep", True), ("keep", False)]  # "shed" never tried late
+    assert not shed_me.future.done() and len(q) == 1
+    on_time.add("shed")
+    stats = await d.dispatch_once()
+    assert stats.admitted == 1 and shed_me.future.result() == "lease-shed" and len(q) == 0
