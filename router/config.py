@@ -18,7 +18,7 @@ Schema (docs/architecture.md, section "Router"; DESIGN.md section 6)::
                 start_window_steps: 4, step_tokens: 2048}
     http: {max_body_bytes: 4194304, body_timeout_s: 10}
     placement: {seed: null}            # tie-break RNG seed; null = random per process
-    telemetry: {otlp_endpoint: null, service_name: fairbatch-router}
+    telemetry: {otlp_endpoint: null, service_name: fairbatch-router, sample_ratio: 1.0}
     auth: {trusted_header: x-tenant, trusted_networks: ["10.0.0.0/8"]}   # optional gateway identity
     fairness: {w_prefill: 1.0, w_decode: 2.0, default_max_tokens: 256, counter_sync_ms: 100}
     ledger: {key_prefix: fairbatch, timeout_ms: 200, retry_initial_ms: 100, retry_max_ms: 5000,
@@ -247,10 +247,13 @@ class TelemetryConfig(_Strict):
     Attributes:
         otlp_endpoint: OTLP/gRPC collector, None = no export.
         service_name: ``service.name`` of the spans.
+        sample_ratio: share of root traces recorded when exporting (ParentBased(TraceIdRatio)), in
+            [0, 1]; without ``otlp_endpoint`` no span is recorded at all (no-op tracer).
     """
 
     otlp_endpoint: str | None = None
     service_name: str = "fairbatch-router"
+    sample_ratio: float = Field(1.0, ge=0.0, le=1.0)
 
 
 class AuthConfig(_Strict):

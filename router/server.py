@@ -296,7 +296,8 @@ class Router:
         self.ledger: Ledger = build_ledger(config, self.clock, self._on_ledger_degraded)
         self._shared_counters = config.redis_url is not None
         self._sync_task: asyncio.Task[None] | None = None
-        self.tracer = make_tracer(config.telemetry.service_name, config.telemetry.otlp_endpoint)
+        self.tracer = make_tracer(config.telemetry.service_name, config.telemetry.otlp_endpoint,
+                                  config.telemetry.sample_ratio)
         self._background: set[asyncio.Task[Any]] = set()
         self._leased: dict[str, str] = {}  # lease id -> replica id, until the request ends
         self._replica_load: collections.Counter[str] = collections.Counter()
