@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="class of requests without x-fairbatch-slo-class (default: the first class)")
     s.add_argument("--margin-frac", type=float, default=0.1, help="PAB horizon = ttft * (1 - margin)")
     s.add_argument("--push-interval-ms", type=float, default=100.0, help="WatchBudget pushes at least this often")
+    s.add_argument("--min-push-interval-ms", type=float, default=5.0,
+                   help="at most one change-triggered snapshot per this many ms (changes in between coalesce; 0 = "
+                        "one per change)")
     s.add_argument("--ttl-ms", type=float, default=1000.0, help="snapshot TTL given to routers")
     s.add_argument("--lease-ttl-ms", type=float, default=5000.0, help="a lease lapses if its request never arrives")
     s.add_argument("--metrics-interval-ms", type=float, default=50.0, help="engine /metrics scrape period")
@@ -234,6 +237,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         kv_capacity_tokens=args.kv_capacity_tokens,
         profile_kv_capacity_tokens=profile.kv_capacity_tokens,
         push_interval_ms=args.push_interval_ms,
+        min_push_interval_ms=args.min_push_interval_ms,
         ttl_ms=args.ttl_ms,
         lease_ttl_ms=args.lease_ttl_ms,
         metrics_interval_ms=args.metrics_interval_ms,

@@ -202,6 +202,13 @@ class AdmissionConfig(_Strict):
             more, so the weights decide who runs next (the engine serves its running requests
             alike, so without it a closed loop that fits the engine splits 1:1 whatever the
             weights). 0 = off. Default 32 (docs/architecture.md, "Start window", measurements).
+        lease_mode: ``inline`` (default): no round trip before forwarding; the router admits on
+            its streamed view and its own outstanding placements (``BudgetBook.take_local``) and
+            the forwarded request carries ``x-fairbatch-admit: <prompt tokens>``; the agent runs the
+            Reserve decision when the request arrives and takes it (lease granted and consumed at
+            once) or refuses it with 409 ``x-fairbatch-refused`` (the router re-places it).
+            ``reserve``: a gRPC Reserve per request before forwarding (the lease id travels in
+            ``x-fairbatch-lease``). docs/architecture.md "Leases on the request path" measures both.
     """
 
     bytes_per_token: float = Field(default=4.0, gt=0)
@@ -210,6 +217,7 @@ class AdmissionConfig(_Strict):
     start_window_steps: float = Field(default=4.0, ge=0)
     step_tokens: int = Field(default=2048, ge=1)
     contention_max_inflight: int = Field(default=32, ge=0)
+    lease_mode: Literal["inline", "reserve"] = "inline"
 
 
 class PlacementConfig(_Strict):
