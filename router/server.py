@@ -672,8 +672,12 @@ class Router:
         request_id: str,
         exclude: frozenset[str],
         arrival_ms: float,
+        avoid_now: frozenset[str] = frozenset(),
     ) -> Grant:
         """A lease for this request: at once when a replica fits and nobody waits, else via the queue.
+
+        ``avoid_now``: replicas left out of the immediate placement only (an inline admission they
+        refused); the queue entry may use them again once their budget frees.
 
         Raises:
             QueueFull: the queue is at its bound.
@@ -687,7 +691,8 @@ class Router:
             with self.tracer.start_as_current_span("router.placement") as span:
                 try:
                     grant = await self._place_and_reserve(
-                        principal.slo_class, prompt_tokens, max_tokens, request_id, exclude, arrival_ms
+                        principal.slo_class, prompt_tokens, max_tokens, request_id,
+                        exclude | avoid_now if self.replicas.keys() - exclude - avoid_now else exclude, arrival_ms,
                     )
                 except Exception as exc:  # noqa: BLE001 - one request's failure answers that request only
                     log.error("request %s: placement failed: %s", request_id, type(exc).__name__, exc_info=exc)
@@ -875,11 +880,11 @@ class Router:
         attempt = 0
         while attempt < self.max_relay_tries:
             attempt += 1
-            # after an inline refusal, place elsewhere when another replica may take it, else wait
-            # (the queue) for the refusing replica's budget: its answer already updated the view
-            avoid = exclude | refused_on if self.replicas.keys() - exclude - refused_on else exclude
             try:
-                grant = await self._acquire(principal, prompt_tokens, max_tokens, request_id, avoid, arrival_ms)
+                # after an inline refusal: placed elsewhere at once when another replica fits, else
+                # queued for any replica (the refusing one's answer already updated the view)
+                grant = await self._acquire(principal, prompt_tokens, max_tokens, request_id, exclude, arrival_ms,
+                                            refused_on)
             except QueueFull:
                 return "queue_full", throttled("queue-full", "The router's admission queue is full; retry later.")
             except SloInfeasible as exc:
