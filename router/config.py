@@ -15,7 +15,7 @@ Schema (docs/architecture.md, section "Router"; DESIGN.md section 6)::
     discovery: {mode: static}          # or kubernetes / dns: replicas found at run time (router/discovery.py)
     queue: {max_requests: 1024, max_tokens: 4000000, max_bypass: 8, aging_floor_share: 0.5}
     admission: {bytes_per_token: 4.0, reserve_timeout_ms: 200, estimate_refuse_factor: 2.0,
-                start_window_steps: 4, step_tokens: 2048}
+                start_window_steps: 4, step_tokens: 2048, lease_mode: inline}
     http: {max_body_bytes: 4194304, body_timeout_s: 10}
     placement: {seed: null}            # tie-break RNG seed; null = random per process
     telemetry: {otlp_endpoint: null, service_name: fairbatch-router, sample_ratio: 1.0}
