@@ -55,8 +55,9 @@ class AdmissionServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def WatchBudget(self, request, context):
-        """Server streaming: one snapshot at once, then one on every change and at least every
-        push_interval (100 ms by default) so a silent stream means a dead or stuck agent.
+        """Server streaming: one snapshot at once, then one on change (changes within min_push_interval,
+        5 ms by default, of the last snapshot coalesce into one) and at least every push_interval
+        (100 ms by default) so a silent stream means a dead or stuck agent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -2,7 +2,9 @@
 
 WatchBudget sends one BudgetSnapshot at once, then one on every change the :class:`Agent`
 signals and at least every ``push_interval_ms`` (simulated ms), so a silent stream means a dead
-or stuck agent. Changes arriving while a snapshot is being sent coalesce into the next one.
+or stuck agent. Changes coalesce: after a snapshot, the next one on change waits until
+``min_push_interval_ms`` have passed since it (every change in between is in it), so the pushes
+follow the request rate only up to ``1 / min_push_interval`` per replica and router.
 Reserve grants a lease only when the prompt fits the class's PAB over the class horizon minus the
 request's ``waited_ms`` (``pab.admits``, policy/pab.py "Aged requests"); the answer's
 pab_ms/pab_tokens are the fresh-arrival budget (full horizon) and already include the new lease,
@@ -11,6 +13,7 @@ and a push follows at once.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -78,11 +81,17 @@ class AdmissionService(admission_pb2_grpc.AdmissionServiceServicer):
         """Stream snapshots: one now, then on change and at least every push interval."""
         agent = self._agent
         period_s = agent.clock.to_wall_s(agent.config.push_interval_ms)
+        min_s = agent.clock.to_wall_s(agent.config.min_push_interval_ms)
+        loop = asyncio.get_running_loop()
         log.info("WatchBudget from router %r", request.router_id)
         while True:
             changed = agent.change_event
             yield snapshot_pb(agent, agent.compute_budget(agent.clock.now_ms()))
-            await wait_event(changed, period_s)
+            sent = loop.time()
+            if await wait_event(changed, period_s) and min_s > 0:
+                rest = min_s - (loop.time() - sent)
+                if rest > 0:  # coalesce: the changes of the rest of the interval go in one snapshot
+                    await asyncio.sleep(rest)
 
     async def Reserve(  # noqa: N802
         self, request: admission_pb2.ReserveRequest, context: grpc.aio.ServicerContext

@@ -56,6 +56,8 @@ class AgentConfig:
         kv_capacity_tokens: KV capacity from the flag, None to use the engine's, then the profile's.
         profile_kv_capacity_tokens: last-resort KV capacity (tokens).
         push_interval_ms: WatchBudget pushes at least this often.
+        min_push_interval_ms: and at most this often on changes: changes within this long of the
+            last snapshot coalesce into one, sent this long after it (0 = a snapshot per change).
         ttl_ms: snapshot TTL for routers.
         lease_ttl_ms: a lease whose request never arrives lapses after this.
         metrics_interval_ms: engine /metrics scrape period.
@@ -76,6 +78,7 @@ class AgentConfig:
     kv_capacity_tokens: int | None = None
     profile_kv_capacity_tokens: int = 0
     push_interval_ms: float = 100.0
+    min_push_interval_ms: float = 5.0
     ttl_ms: float = 1000.0
     lease_ttl_ms: float = 5000.0
     metrics_interval_ms: float = 50.0
@@ -101,6 +104,8 @@ class AgentConfig:
         for name in ("push_interval_ms", "ttl_ms", "lease_ttl_ms", "metrics_interval_ms", "plugin_stale_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if not 0.0 <= self.min_push_interval_ms <= self.push_interval_ms:
+            raise ValueError("min_push_interval_ms must be in [0, push_interval_ms]")
 
     @property
     def stale_after_ms(self) -> float:
@@ -578,8 +583,12 @@ class Agent:
         request_id: str,
         now_ms: float,
         waited_ms: float = 0.0,
+        answer_budget: bool = True,
     ) -> ReserveResult:
         """Grant a lease when the prompt fits the class's PAB (architecture.md "Agent", Reserve).
+
+        ``answer_budget``: compute the budget after a grant for the answer (a Reserve RPC's answer
+        carries it); False for an inline admission, whose grant needs no answer (budget None then).
 
         ``waited_ms``: ms the request already spent since its arrival at the router (queued or
         retried); the fit is :func:`~replica_agent.policy.pab.admits`, over the class horizon minus
@@ -605,7 +614,7 @@ class Agent:
                 except LeaseTableFull:
                     reason = "too-many-leases"
                 else:
-                    after = self.compute_budget(now_ms).classes[slo_class]
+                    after = self.compute_budget(now_ms).classes[slo_class] if answer_budget else None
                     self.metrics.reserve_total.labels("granted").inc()
                     self.notify()
                     expires = self.clock.unix_ms() + int(round(self.clock.to_wall_s(self.config.lease_ttl_ms) * 1000))

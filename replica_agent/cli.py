@@ -149,11 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="class of requests without x-fairbatch-slo-class (default: the first class)")
     s.add_argument("--margin-frac", type=float, default=0.1, help="PAB horizon = ttft * (1 - margin)")
     s.add_argument("--push-interval-ms", type=float, default=100.0, help="WatchBudget pushes at least this often")
+    s.add_argument("--min-push-interval-ms", type=float, default=5.0,
+                   help="at most one change-triggered snapshot per this many ms (changes in between coalesce; 0 = "
+                        "one per change)")
     s.add_argument("--ttl-ms", type=float, default=1000.0, help="snapshot TTL given to routers")
     s.add_argument("--lease-ttl-ms", type=float, default=5000.0, help="a lease lapses if its request never arrives")
     s.add_argument("--metrics-interval-ms", type=float, default=50.0, help="engine /metrics scrape period")
     s.add_argument("--time-scale", type=float, default=1.0, help="wall ms per simulated ms")
-    s.add_argument("--otlp-endpoint", default=None, help="OTLP/gRPC collector for spans (off by default)")
+    s.add_argument("--otlp-endpoint", default=None,
+                   help="OTLP/gRPC collector for spans (off by default: a no-op tracer, trace context passed on)")
+    s.add_argument("--otlp-sample-ratio", type=float, default=1.0,
+                   help="share of root traces recorded when exporting (children follow their parent), 0..1")
     s.add_argument("--max-connections", type=int, default=1024, help="bound of pooled upstream connections")
     s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body in bytes (default 4 MiB); a larger Content-Length is refused with 413")
@@ -231,6 +237,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         kv_capacity_tokens=args.kv_capacity_tokens,
         profile_kv_capacity_tokens=profile.kv_capacity_tokens,
         push_interval_ms=args.push_interval_ms,
+        min_push_interval_ms=args.min_push_interval_ms,
         ttl_ms=args.ttl_ms,
         lease_ttl_ms=args.lease_ttl_ms,
         metrics_interval_ms=args.metrics_interval_ms,
@@ -281,7 +288,7 @@ async def serve(args: argparse.Namespace) -> None:
                             agent_token=os.environ.get(AGENT_TOKEN_ENV) or None,
                             engine_api_key=os.environ.get(ENGINE_API_KEY_ENV) or None)
     session = make_session(proxy_cfg)
-    tracer = make_tracer("fairbatch-agent", args.otlp_endpoint)
+    tracer = make_tracer("fairbatch-agent", args.otlp_endpoint, args.otlp_sample_ratio)
     proxy = Proxy(agent, proxy_cfg, session, tracer)
     if args.no_proxy:  # the router talks to vLLM directly; keep the agent's own endpoints
         app = web.Application()

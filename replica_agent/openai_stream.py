@@ -20,6 +20,38 @@ from collections.abc import Mapping
 from typing import Any
 
 _DELTA_TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "refusal")
+# Keys whose presence sends an event to the full parse (a token may be counted differently there).
+_SLOW_KEYS = (b'"tool_calls"', b'"role"', b'"reasoning', b'"refusal"', b'"error"')
+
+
+def fast_event_tokens(payload: bytes) -> int | None:
+    """Generated tokens of one SSE event's JSON (``payload``, the bytes after ``data:``) read from
+    its bytes alone, or None when the event needs the full parse (:func:`generated_tokens`).
+
+    Recognised: the compact one-choice token chunk vLLM sends for nearly every token, completions
+    ``{"choices":[{"index":0,"text":"...","logprobs":null,"finish_reason":null,...}],...}`` or chat
+    ``{"choices":[{"index":0,"delta":{"content":"..."},"logprobs":null,"finish_reason":null}]}``:
+    exactly one ``"index"`` key, ``"finish_reason":null``, no (or null) ``usage`` and ``logprobs``,
+    none of ``tool_calls``, ``role``, ``reasoning*``, ``refusal``, ``error``; 1 token when the text
+    is non-empty, else 0. Everything else (the first chat chunk, the finish chunk, usage, logprobs,
+    n > 1 chunks, tools, any other spacing) returns None. Sound because inside a JSON string
+    every ``"`` is escaped (``\"``), so none of the quoted keys searched for can match text the
+    model generated; a test checks it against the full parse on every shape.
+    """
+    if payload.count(b'"index"') != 1 or b'"finish_reason":null' not in payload:
+        return None
+    for key in _SLOW_KEYS:
+        if key in payload:
+            return None
+    if b'"usage"' in payload and b'"usage":null' not in payload:
+        return None
+    if b'"logprobs"' in payload and b'"logprobs":null' not in payload:
+        return None
+    if b'"text":"' in payload:
+        return 0 if b'"text":""' in payload else 1
+    if b'"delta":{"content":"' in payload:
+        return 0 if b'"content":""' in payload else 1
+    return None
 
 
 def _tool_call_payload(tool_calls: Any) -> bool:

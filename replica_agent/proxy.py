@@ -6,13 +6,16 @@ replica_agent/openai_errors.py); serves ``GET /health`` (200 when the engine's /
 200, else 503) and ``GET /metrics`` (the agent's own registry, ``fairbatch_agent_*``).
 
 Stream requests: the engine's bytes go to the client unchanged as they arrive; each SSE event is
-parsed on the side to timestamp tokens (every choice of the chunk, whatever field carries the
-token: replica_agent/openai_stream.py; the final ``usage`` corrects the counts). Non-stream
+read on the side to timestamp tokens: the plain one-choice token chunk is counted from its bytes
+(``openai_stream.fast_event_tokens``), every other event (first chat chunk, finish, usage, errors,
+logprobs, tools, ``n > 1``) is parsed with orjson and counted field by field
+(replica_agent/openai_stream.py; the final ``usage`` corrects the counts). Non-stream
 requests go upstream unchanged (still non-stream) and the engine's answer goes back byte for byte;
 the agent tracks them in prefill until the answer arrives and reads ``usage`` from it
 (docs/architecture.md "Non-stream requests" says why, with the measured cost). Headers honoured
 (docs/architecture.md "Agent"): ``x-request-id`` (forwarded),
-``x-fairbatch-lease`` (consumed), ``x-fairbatch-slo-class``, ``x-fairbatch-queued-ms`` (arrival =
+``x-fairbatch-lease`` (consumed), ``x-fairbatch-admit`` (inline admission: the Reserve decision
+made on arrival, 409 ``x-fairbatch-refused`` when the budget is gone), ``x-fairbatch-slo-class``, ``x-fairbatch-queued-ms`` (arrival =
 now - queued), ``x-fairbatch-tenant`` (logs/spans only), ``traceparent``/``tracestate`` (a child
 span is created and injected upstream). Upstream, the agent adds ``x-fairbatch-ttft-ms`` and
 ``x-fairbatch-tpot-ms``: the SLO of the request's class, for deadline-aware engine policies.
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -54,7 +58,7 @@ from replica_agent.http_guard import (
     read_body,
 )
 from replica_agent.openai_errors import map_engine_error
-from replica_agent.openai_stream import generated_tokens, requested_choices, usage_counts
+from replica_agent.openai_stream import fast_event_tokens, generated_tokens, requested_choices, usage_counts
 from replica_agent.telemetry import extract_context, inject_context
 from replica_agent.tracker import TrackerFull
 
@@ -123,37 +127,49 @@ def estimate_prompt_tokens(body: Mapping[str, Any], chat: bool) -> int:
 class SseParser:
     """Incremental parser of an OpenAI SSE stream (``data: {json}\\n\\n`` ... ``data: [DONE]``).
 
-    :meth:`feed` takes raw bytes as they arrive (events may straddle chunks) and returns the JSON
-    objects of the events completed by them. ``done`` turns True at ``[DONE]``.
+    :meth:`feed_raw` takes raw bytes as they arrive (events may straddle chunks) and returns the
+    ``data:`` payloads (bytes, JSON not parsed) of the events completed by them; :meth:`feed` the
+    parsed JSON objects. ``done`` turns True at ``[DONE]``.
     """
 
     done: bool = False
     _buf: bytearray = field(default_factory=bytearray)
 
-    def feed(self, chunk: bytes) -> list[dict[str, Any]]:
-        """Parse the events completed by ``chunk``; malformed JSON events are skipped."""
-        self._buf += chunk
-        out: list[dict[str, Any]] = []
-        while True:
-            end = self._buf.find(b"\n\n")
-            if end < 0:
-                return out
-            event = bytes(self._buf[:end])
-            del self._buf[: end + 2]
-            for line in event.split(b"\n"):
-                line = line.rstrip(b"\r")
+    def feed_raw(self, chunk: bytes) -> list[bytes]:
+        """The payloads of the events completed by ``chunk`` (one per ``data:`` line, ``[DONE]`` left out)."""
+        if self._buf:
+            self._buf += chunk
+            data = bytes(self._buf)
+            self._buf.clear()
+        else:
+            data = chunk
+        events = data.split(b"\n\n")
+        rest = events.pop()  # b"" when the chunk ended on an event boundary
+        if rest:
+            self._buf += rest
+        out: list[bytes] = []
+        for event in events:
+            for line in event.split(b"\n") if b"\n" in event else (event,):
                 if not line.startswith(b"data:"):
                     continue
-                payload = line[5:].strip()
+                payload = line[5:].strip()  # also drops a trailing \r
                 if payload == b"[DONE]":
                     self.done = True
-                    continue
-                try:
-                    obj = json.loads(payload)
-                except ValueError:
-                    continue
-                if isinstance(obj, dict):
-                    out.append(obj)
+                elif payload:
+                    out.append(payload)
+        return out
+
+    def feed(self, chunk: bytes) -> list[dict[str, Any]]:
+        """Parse the events completed by ``chunk``; malformed JSON events are skipped."""
+        out: list[dict[str, Any]] = []
+        for payload in self.feed_raw(chunk):
+            try:
+                obj = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(obj, dict):
+                out.append(obj)
+        return out
 
 
 def content_tokens(event: Mapping[str, Any]) -> int:
@@ -436,6 +452,13 @@ class Proxy:
             "agent.relay", context=extract_context(hdrs), kind=trace.SpanKind.SERVER
         ) as span:
             inject_context(up_headers)
+            lease_id = hdrs.get("x-fairbatch-lease", "")
+            admit = hdrs.get("x-fairbatch-admit")
+            if admit is not None:  # inline admission: Reserve now; granted and consumed below, no await between
+                got = self._admit_inline(admit, hdrs.get("x-fairbatch-slo-class"), max_tokens, request_id, queued_ms)
+                if isinstance(got, web.Response):
+                    return got
+                lease_id = got
             try:
                 tracked = agent.request_arrived(
                     key,
@@ -444,9 +467,11 @@ class Proxy:
                     max_tokens,
                     agent.clock.now_ms(),
                     queued_ms,
-                    hdrs.get("x-fairbatch-lease", ""),
+                    lease_id,
                 )
             except TrackerFull:
+                if admit is not None:
+                    agent.release(lease_id)
                 return error_json(503, "agent is tracking too many requests", "server_overloaded")
             # The engine's deadline-aware policy (sim --policy fairbatching, plugin) reads the class's SLO.
             up_headers["x-fairbatch-ttft-ms"] = f"{tracked.envelope.ttft_ms:g}"
@@ -479,6 +504,36 @@ class Proxy:
                 done = agent.request_done(key, agent.clock.now_ms(), outcome)
                 if done is not None and outcome != "ok":
                     log.info("request %s ended: %s", request_id, outcome)
+
+    def _admit_inline(
+        self, admit: str, slo_class: str | None, max_tokens: int | None, request_id: str, queued_ms: float
+    ) -> str | web.Response:
+        """The Reserve decision for a request that arrived with ``x-fairbatch-admit: <prompt tokens>``
+        (docs/architecture.md "Leases on the request path"): the granted lease id (the caller consumes
+        it at once), or the refusal: 409 with ``x-fairbatch-refused: <reason>`` and the class budget
+        after the decision (``x-fairbatch-pab-ms``, ``x-fairbatch-pab-tokens``), which the router
+        treats as a refused Reserve (it re-places the request). A malformed header is 400."""
+        agent = self._agent
+        try:
+            prompt_tokens = int(admit)
+        except ValueError:
+            prompt_tokens = -1
+        if prompt_tokens < 0:
+            return error_json(400, "x-fairbatch-admit must be a non-negative token count", "invalid_request_error")
+        name = slo_class if slo_class in agent.classes else agent.config.default_slo_class
+        res = agent.reserve(name, prompt_tokens, max_tokens, request_id, agent.clock.now_ms(), queued_ms,
+                            answer_budget=False)
+        if res.granted:
+            return res.lease_id
+        b = res.budget
+        return web.json_response(
+            {"error": {"message": f"replica budget gone on arrival ({res.reason}); place elsewhere",
+                       "type": "admission_refused", "param": None, "code": res.reason}},
+            status=409,
+            headers={"x-fairbatch-refused": res.reason or "refused", "x-request-id": request_id,
+                     "x-fairbatch-pab-ms": f"{b.pab_ms:.3f}" if b else "-1",
+                     "x-fairbatch-pab-tokens": str(b.pab_tokens) if b else "-1"},
+        )
 
     async def _open_upstream(
         self, path: str, data: bytes, headers: dict[str, str], stall_s: float | None = None
@@ -567,15 +622,23 @@ class Proxy:
                     await resp.write(chunk)
                 except (ConnectionError, aiohttp.ClientConnectionResetError, OSError):
                     return resp, "client_disconnect"
-                for event in parser.feed(chunk):
-                    n = generated_tokens(event)
+                for payload in parser.feed_raw(chunk):
+                    n = fast_event_tokens(payload)  # nearly every token chunk: counted from its bytes
+                    if n is None:  # first, finish, usage, error, logprobs, tools: parsed
+                        try:
+                            event = orjson.loads(payload)
+                        except orjson.JSONDecodeError:
+                            continue
+                        if not isinstance(event, dict):
+                            continue
+                        n = generated_tokens(event)
+                        counts = usage_counts(event)
+                        if counts is not None:
+                            agent.request_usage(key, *counts)
+                        if "error" in event and not upstream_error:
+                            upstream_error = "engine sent an error event"
                     if n:
                         agent.request_tokens(key, now, n)
-                    counts = usage_counts(event)
-                    if counts is not None:
-                        agent.request_usage(key, *counts)
-                    if "error" in event and not upstream_error:
-                        upstream_error = "engine sent an error event"
             if parser.done and not upstream_error:
                 clean = True
                 await resp.write_eof()
@@ -637,8 +700,8 @@ class Proxy:
             body = map_engine_error(status, body)  # one error vocabulary (replica_agent/openai_errors.py)
             return web.Response(status=status, body=body, headers=resp_headers), "upstream_error"
         try:
-            answer = json.loads(body)
-        except ValueError:
+            answer = orjson.loads(body)
+        except orjson.JSONDecodeError:
             answer = None
         if isinstance(answer, dict):
             counts = usage_counts(answer)

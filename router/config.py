@@ -15,10 +15,10 @@ Schema (docs/architecture.md, section "Router"; DESIGN.md section 6)::
     discovery: {mode: static}          # or kubernetes / dns: replicas found at run time (router/discovery.py)
     queue: {max_requests: 1024, max_tokens: 4000000, max_bypass: 8, aging_floor_share: 0.5}
     admission: {bytes_per_token: 4.0, reserve_timeout_ms: 200, estimate_refuse_factor: 2.0,
-                start_window_steps: 4, step_tokens: 2048}
+                start_window_steps: 4, step_tokens: 2048, lease_mode: inline}
     http: {max_body_bytes: 4194304, body_timeout_s: 10}
     placement: {seed: null}            # tie-break RNG seed; null = random per process
-    telemetry: {otlp_endpoint: null, service_name: fairbatch-router}
+    telemetry: {otlp_endpoint: null, service_name: fairbatch-router, sample_ratio: 1.0}
     auth: {trusted_header: x-tenant, trusted_networks: ["10.0.0.0/8"]}   # optional gateway identity
     fairness: {w_prefill: 1.0, w_decode: 2.0, default_max_tokens: 256, counter_sync_ms: 100}
     ledger: {key_prefix: fairbatch, timeout_ms: 200, retry_initial_ms: 100, retry_max_ms: 5000,
@@ -202,6 +202,13 @@ class AdmissionConfig(_Strict):
             more, so the weights decide who runs next (the engine serves its running requests
             alike, so without it a closed loop that fits the engine splits 1:1 whatever the
             weights). 0 = off. Default 32 (docs/architecture.md, "Start window", measurements).
+        lease_mode: ``inline`` (default): no round trip before forwarding; the router admits on
+            its streamed view and its own outstanding placements (``BudgetBook.take_local``) and
+            the forwarded request carries ``x-fairbatch-admit: <prompt tokens>``; the agent runs the
+            Reserve decision when the request arrives and takes it (lease granted and consumed at
+            once) or refuses it with 409 ``x-fairbatch-refused`` (the router re-places it).
+            ``reserve``: a gRPC Reserve per request before forwarding (the lease id travels in
+            ``x-fairbatch-lease``). docs/architecture.md "Leases on the request path" measures both.
     """
 
     bytes_per_token: float = Field(default=4.0, gt=0)
@@ -210,6 +217,7 @@ class AdmissionConfig(_Strict):
     start_window_steps: float = Field(default=4.0, ge=0)
     step_tokens: int = Field(default=2048, ge=1)
     contention_max_inflight: int = Field(default=32, ge=0)
+    lease_mode: Literal["inline", "reserve"] = "inline"
 
 
 class PlacementConfig(_Strict):
@@ -247,10 +255,13 @@ class TelemetryConfig(_Strict):
     Attributes:
         otlp_endpoint: OTLP/gRPC collector, None = no export.
         service_name: ``service.name`` of the spans.
+        sample_ratio: share of root traces recorded when exporting (ParentBased(TraceIdRatio)), in
+            [0, 1]; without ``otlp_endpoint`` no span is recorded at all (no-op tracer).
     """
 
     otlp_endpoint: str | None = None
     service_name: str = "fairbatch-router"
+    sample_ratio: float = Field(1.0, ge=0.0, le=1.0)
 
 
 class AuthConfig(_Strict):

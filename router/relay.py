@@ -12,7 +12,9 @@ body is forwarded as the client sent it (never re-encoded); the answer is relaye
   at once, which makes the agent abort the engine request; the caller releases the lease.
 
 Statuses 502/503/504 from the agent, connection errors before the first byte, and a stream whose
-first event is an SSE error event (no token was produced) are retryable.
+first event is an SSE error event (no token was produced) are retryable. A 409 carrying
+``x-fairbatch-refused`` is the agent refusing an inline admission (``x-fairbatch-admit``: its
+budget is gone): outcome ``lease_refused`` with the class budget it reported, nothing relayed.
 
 An :class:`UpstreamAbort` handle lets the router fail one attempt from outside when its replica
 vanishes (discovery): before the first byte the attempt is retryable, after it the client stream
@@ -33,6 +35,7 @@ from aiohttp import web
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
+ADMIT_REFUSED_STATUS = 409  # with x-fairbatch-refused: the agent refused an inline admission
 _SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -46,13 +49,15 @@ class RelayOutcome:
             unknown model: relayed as is, no token produced, not retried since every replica
             would answer the same), ``retryable`` (failed before any byte reached the client),
             ``upstream_error`` (failed mid-stream; error event sent), ``client_gone`` (client
-            disconnected; upstream closed).
+            disconnected; upstream closed), ``lease_refused`` (the agent refused the inline
+            admission: nothing ran, re-place the request; ``detail`` = the agent's reason).
         response: the response to return from the handler (prepared when streamed); None when
             nothing was sent (retryable, or client gone before the first byte).
         status: upstream HTTP status (0 when no answer).
         detail: short reason for logs and error messages.
         error_body: body of a retryable error answer (relayed when no retry is left).
         error_content_type: its content type.
+        pab_ms, pab_tokens: the class budget a ``lease_refused`` answer reported (-1: none).
     """
 
     kind: str
@@ -61,6 +66,8 @@ class RelayOutcome:
     detail: str = ""
     error_body: bytes = b""
     error_content_type: str = "application/json"
+    pab_ms: float = -1.0
+    pab_tokens: int = -1
 
 
 class ReplicaGone(aiohttp.ClientConnectionError):
@@ -101,6 +108,22 @@ def _is_error_event(first_chunk: bytes) -> bool:
     if not head.startswith(b"data:"):
         return False
     return head[5:].lstrip().startswith(b'{"error"')
+
+
+async def _admit_refused(upstream: aiohttp.ClientResponse) -> RelayOutcome:
+    """The agent's refusal of an inline admission: reason and budget from its headers (body drained
+    so the pooled connection is reused)."""
+    h = upstream.headers
+    try:
+        await upstream.read()
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        pass
+    try:
+        pab_ms, pab_tokens = float(h.get("x-fairbatch-pab-ms", "-1")), int(h.get("x-fairbatch-pab-tokens", "-1"))
+    except ValueError:
+        pab_ms, pab_tokens = -1.0, -1
+    return RelayOutcome("lease_refused", status=ADMIT_REFUSED_STATUS, detail=h.get("x-fairbatch-refused", ""),
+                        pab_ms=pab_ms, pab_tokens=pab_tokens)
 
 
 def sse_error_event(message: str, code: int = 502) -> bytes:
@@ -246,6 +269,8 @@ class Relay:
     ) -> RelayOutcome:
         status = upstream.status
         ctype = upstream.headers.get("Content-Type", "application/json")
+        if status == ADMIT_REFUSED_STATUS and "x-fairbatch-refused" in upstream.headers:
+            return await _admit_refused(upstream)
         if status in RETRYABLE_STATUSES:
             try:
                 err = await upstream.read()

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import math
 import random
@@ -42,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -90,12 +90,25 @@ RETRY_AFTER_S = 1
 _ROUTER_KEY = web.AppKey("fairbatch_router", object)
 
 
+MAX_ADMIT_REFUSALS = 8  # inline admissions an agent may refuse for one request before it is answered 503
+
+
 @dataclass(slots=True)
 class Grant:
-    """A lease granted on one replica for one request."""
+    """A lease on one replica for one request.
+
+    Attributes:
+        replica_id: the replica.
+        lease_id: the agent's lease id (``reserve`` mode), or the router's own key of an inline
+            admission (``inline`` mode: no lease exists on the agent until the request arrives).
+        inline: admitted on the router's view; the agent decides on arrival (``x-fairbatch-admit``).
+        prompt_tokens: the prompt tokens placed (sent in ``x-fairbatch-admit``).
+    """
 
     replica_id: str
     lease_id: str
+    inline: bool = False
+    prompt_tokens: int = 0
 
 
 class NoReplica(Exception):
@@ -168,6 +181,11 @@ class RouterMetrics:
         self.reserve_seconds = Histogram(
             "fairbatch_router_reserve_seconds", "Reserve RPC latency (wall s)",
             buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0), registry=r,
+        )
+        self.admit_refusals = Counter(
+            "fairbatch_router_admit_refusals",
+            "Inline admissions an agent refused on arrival (its budget was gone; the request was re-placed)",
+            ["replica"], registry=r,
         )
         self.replica_pab_ms = Gauge(
             "fairbatch_router_replica_pab_ms", "Usable PAB per replica and class (simulated ms; 0 when stale)",
@@ -296,9 +314,13 @@ class Router:
         self.ledger: Ledger = build_ledger(config, self.clock, self._on_ledger_degraded)
         self._shared_counters = config.redis_url is not None
         self._sync_task: asyncio.Task[None] | None = None
-        self.tracer = make_tracer(config.telemetry.service_name, config.telemetry.otlp_endpoint)
+        self.tracer = make_tracer(config.telemetry.service_name, config.telemetry.otlp_endpoint,
+                                  config.telemetry.sample_ratio)
         self._background: set[asyncio.Task[Any]] = set()
         self._leased: dict[str, str] = {}  # lease id -> replica id, until the request ends
+        self._inline_seq = 0  # keys of inline admissions (Grant.lease_id)
+        self._upstream_headers = {"Content-Type": "application/json", "Accept-Encoding": "identity",
+                                  **({"x-fairbatch-token": agent_token} if agent_token else {})}
         self._replica_load: collections.Counter[str] = collections.Counter()
         self._dispatch_task: asyncio.Task[None] | None = None
         self.catalog = ModelCatalog(lambda: self.relay.session, lambda: [r.http_url for r in self.replicas.values()],
@@ -410,7 +432,7 @@ class Router:
 
     def _forget_replica_metrics(self, rid: str) -> None:
         m = self.metrics
-        for gauge in (m.budget_age_ms, m.replica_inflight, m.replica_queued):
+        for gauge in (m.budget_age_ms, m.replica_inflight, m.replica_queued, m.admit_refusals):
             try:
                 gauge.remove(rid)
             except KeyError:
@@ -528,8 +550,13 @@ class Router:
     # ------------------------------------------------------------------ leases
 
     def _release(self, grant: Grant, reason: str) -> None:
-        """Release ``grant`` in the background (never delays the response)."""
+        """Release ``grant`` in the background (never delays the response). An inline admission
+        has no lease on the agent (it was taken, or not, when the request arrived, and the agent
+        frees it with the request): only the router's own count is dropped."""
         self._lease_done(grant)
+        if grant.inline:
+            self.book.notify()  # a slot freed here: wake the dispatcher as a Release answer would
+            return
         self._spawn(self.budgets.release(grant.lease_id, reason))
 
     async def _release_orphan(self, grant: Grant) -> None:
@@ -564,6 +591,16 @@ class Router:
             self.book.views(),
         )
         self.metrics.placement_seconds.observe(time.perf_counter() - t0)
+        if adm.lease_mode == "inline":  # no round trip: the agent decides when the request arrives
+            if not result.candidates:
+                return None
+            replica_id = result.candidates[0]
+            self.book.take_local(replica_id, slo_class, prompt_tokens)
+            self._inline_seq += 1
+            grant = Grant(replica_id, f"inline-{self._inline_seq}", True, prompt_tokens)
+            self._leased[grant.lease_id] = replica_id
+            self._replica_load[replica_id] += 1
+            return grant
         for replica_id in result.candidates[:MAX_RESERVE_CANDIDATES]:
             self.book.take_local(replica_id, slo_class, prompt_tokens)
             t1 = time.perf_counter()
@@ -635,8 +672,12 @@ class Router:
         request_id: str,
         exclude: frozenset[str],
         arrival_ms: float,
+        avoid_now: frozenset[str] = frozenset(),
     ) -> Grant:
         """A lease for this request: at once when a replica fits and nobody waits, else via the queue.
+
+        ``avoid_now``: replicas left out of the immediate placement only (an inline admission they
+        refused); the queue entry may use them again once their budget frees.
 
         Raises:
             QueueFull: the queue is at its bound.
@@ -650,7 +691,8 @@ class Router:
             with self.tracer.start_as_current_span("router.placement") as span:
                 try:
                     grant = await self._place_and_reserve(
-                        principal.slo_class, prompt_tokens, max_tokens, request_id, exclude, arrival_ms
+                        principal.slo_class, prompt_tokens, max_tokens, request_id,
+                        exclude | avoid_now if self.replicas.keys() - exclude - avoid_now else exclude, arrival_ms,
                     )
                 except Exception as exc:  # noqa: BLE001 - one request's failure answers that request only
                     log.error("request %s: placement failed: %s", request_id, type(exc).__name__, exc_info=exc)
@@ -834,9 +876,16 @@ class Router:
         last: RelayOutcome | None = None
         last_replica = ""
         decode_estimate = self._decode_estimate(max_tokens)
-        for _attempt in range(self.max_relay_tries):
+        refused_on: frozenset[str] = frozenset()  # replicas whose agent refused an inline admission
+        refusals = 0
+        attempt = 0
+        while attempt < self.max_relay_tries:
+            attempt += 1
             try:
-                grant = await self._acquire(principal, prompt_tokens, max_tokens, request_id, exclude, arrival_ms)
+                # after an inline refusal: placed elsewhere at once when another replica fits, else
+                # queued for any replica (the refusing one's answer already updated the view)
+                grant = await self._acquire(principal, prompt_tokens, max_tokens, request_id, exclude, arrival_ms,
+                                            refused_on)
             except QueueFull:
                 return "queue_full", throttled("queue-full", "The router's admission queue is full; retry later.")
             except SloInfeasible as exc:
@@ -874,6 +923,22 @@ class Router:
                     headers={"Retry-After": str(RETRY_AFTER_S), "x-fairbatch-reason": "placement-error"},
                 )
             outcome = await self._forward(request, principal, grant, raw, request_id, arrival_ms)
+            if outcome.kind == "lease_refused":  # the agent's budget was gone on arrival: nothing ran
+                self._charge(principal.tenant, -prompt_tokens, -decode_estimate)
+                self._lease_done(grant)
+                if outcome.pab_ms >= 0:
+                    self.book.apply_reserve(grant.replica_id, principal.slo_class, outcome.pab_ms, outcome.pab_tokens)
+                self.metrics.admit_refusals.labels(grant.replica_id).inc()
+                refusals += 1
+                if refusals >= MAX_ADMIT_REFUSALS:
+                    return "upstream_error", openai_error(
+                        503, "No replica could take the request (its budget was gone on arrival, "
+                        f"{refusals} times).", "service_unavailable", "no-budget",
+                        headers={"Retry-After": str(RETRY_AFTER_S), "x-fairbatch-reason": "no-budget"},
+                    )
+                refused_on = refused_on | {grant.replica_id}
+                attempt -= 1  # not a failure of the replica: re-place as after a refused Reserve
+                continue
             if outcome.kind == "ok":
                 self.budgets.forget(grant.lease_id)
                 self._lease_done(grant)
@@ -911,7 +976,7 @@ class Router:
         if not isinstance(body, bytes) or b'"usage"' not in body:
             return
         try:
-            usage = json.loads(body).get("usage") or {}
+            usage = orjson.loads(body).get("usage") or {}
             actual = int(usage["completion_tokens"])
         except (ValueError, KeyError, TypeError, AttributeError):
             return
@@ -928,17 +993,15 @@ class Router:
         inflight = self._inflight.setdefault(grant.replica_id, set())
         inflight.add(abort)
         queued_ms = max(0.0, self.clock.now_ms() - arrival_ms)
-        headers = {
-            "Content-Type": "application/json",
-            "Accept-Encoding": "identity",
-            "x-request-id": request_id,
-            "x-fairbatch-lease": grant.lease_id,
-            "x-fairbatch-slo-class": principal.slo_class,
-            "x-fairbatch-tenant": principal.tenant,
-            "x-fairbatch-queued-ms": f"{queued_ms:.3f}",
-        }
-        if self._agent_token:
-            headers["x-fairbatch-token"] = self._agent_token
+        headers = self._upstream_headers.copy()  # the fixed part, built once
+        headers["x-request-id"] = request_id
+        headers["x-fairbatch-slo-class"] = principal.slo_class
+        headers["x-fairbatch-tenant"] = principal.tenant
+        headers["x-fairbatch-queued-ms"] = f"{queued_ms:.3f}"
+        if grant.inline:
+            headers["x-fairbatch-admit"] = str(grant.prompt_tokens)
+        else:
+            headers["x-fairbatch-lease"] = grant.lease_id
         # x-fairbatch-request-id: the router's own id, the one the agent and the engine log (the client's
         # x-request-id is only echoed), so a client can find its request in the replica's logs
         response_headers = {"x-request-id": request.get(REQUEST_ID) or request_id, "x-fairbatch-replica": grant.replica_id,

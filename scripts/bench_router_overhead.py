@@ -1,27 +1,30 @@
-"""Relay cost of the agent and the router: added TTFT and CPU per 1000 requests. Prints a table, writes JSON.
+"""Relay cost of the agent and the router against vllm-router: CPU per request and per chunk, added TTFT, req/s.
 
-The same closed-loop load (``--concurrency`` streams, each sending its next request when the last
-one ended; prompt ``--prompt-tokens``, ``--output-tokens`` out, ``ignore_eos``) is sent to one
-simulated engine (``--time-scale 1``: real step times) through each path:
+Prints one table per load and the headline table, writes JSON. Each load (``--loads``, default
+``single,short,stream``; sizes in ``LOADS``) starts its own fleet: one simulated engine (its
+``--time-scale``; 1 = real step times), one agent, one router, and vllm-router when installed
+(``pip install -e '.[bench]'``, or ``--vllm-router PATH``). The same closed-loop load (N streams,
+each sending its next request when the last one ended; ``ignore_eos``, streamed, usage included) is
+sent through each path:
 
 - ``direct``: client -> engine
 - ``agent``: client -> agent -> engine
-- ``router+agent``: client -> router -> agent -> engine (Reserve over gRPC, lease, relay)
-- ``vllm-router`` (when ``--vllm-router PATH`` is given): client -> vllm-router (Rust,
-  ``--policy round_robin``) -> engine
+- ``router+agent``: client -> router -> agent -> engine (admission, lease, relay)
+- ``vllm-router``: client -> vllm-router (Rust, ``--policy round_robin``) -> engine
 
 Paths are run in interleaved rounds (direct, agent, router+agent, vllm-router, direct, ...) so a
 slow spell of a shared machine hits all of them. TTFT is measured by the client (send -> first
 token chunk). "Added TTFT" is the path's percentile minus the direct path's percentile. CPU is
 utime + stime of each process from ``/proc/<pid>/stat`` (all threads) before and after a path's
-runs, per 1000 requests; the ``idle`` column is the same process's CPU rate while the load went
+runs, per 1000 requests; the idle rate is the same process's CPU per wall second while the load went
 to another path (background work: budget pushes, engine /metrics scrapes, health checks), and
-``net`` subtracts that rate times the path's wall time.
+``net`` subtracts that rate times the path's wall time. With at least one core per server process
+plus one for the client, engine, agent, router and vllm-router are each pinned to their own core
+(``taskset``); otherwise nothing is pinned and the JSON says ``pinned: false``.
 
 No timed asserts: this reports. Run:
-``python scripts/bench_router_overhead.py --requests 320 --out docs/bench/router_overhead.json``
-(vllm-router: ``python -m venv .venv-bench && .venv-bench/bin/pip install vllm-router==0.1.17``,
-then add ``--vllm-router .venv-bench/bin/vllm-router``).
+``python scripts/bench_router_overhead.py --out docs/bench/router_overhead.json``
+(``--router-config '{"admission": {...}}'`` and ``--agent-arg=--flag=value`` change one side for an A/B).
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +72,8 @@ def pct(xs: list[float], q: float) -> float:
     return s[k]
 
 
-def write_router_config(path: Path, agent_http: int, agent_grpc: int) -> None:
+def write_router_config(path: Path, agent_http: int, agent_grpc: int, extra: dict[str, Any] | None = None) -> None:
+    """The bench fleet's router YAML (one tenant, one class, one replica); ``extra`` merged per section."""
     cfg = {
         "model": MODEL,
         "slo_classes": {
@@ -79,6 +85,8 @@ def write_router_config(path: Path, agent_http: int, agent_grpc: int) -> None:
                       "grpc_target": f"127.0.0.1:{agent_grpc}"}],
         "queue": {"max_requests": 1024, "max_tokens": 4_000_000},
     }
+    for key, value in (extra or {}).items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
 
@@ -86,12 +94,16 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: bytes, hea
     t0 = time.perf_counter()
     first = None
     tokens = 0
+    events = 0
     async with session.post(url, data=body, headers=headers) as resp:
         if resp.status != 200:
             await resp.read()
             return {"ok": False, "status": resp.status}
         async for line in resp.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            if not line.startswith(b"data: "):
+                continue
+            events += 1
+            if line.startswith(b"data: [DONE]"):
                 continue
             ev = json.loads(line[6:])
             ch = ev.get("choices")
@@ -103,7 +115,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: bytes, hea
     if first is None:
         return {"ok": False, "status": 200}
     return {"ok": True, "ttft_ms": (first - t0) * 1000.0, "e2e_ms": (end - t0) * 1000.0,
-            "tpot_ms": (end - first) * 1000.0 / max(1, tokens - 1), "tokens": tokens}
+            "tpot_ms": (end - first) * 1000.0 / max(1, tokens - 1), "tokens": tokens, "events": events}
 
 
 async def closed_loop(base: str, n: int, concurrency: int, prompt_tokens: int, output_tokens: int,
@@ -144,114 +156,233 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
                     "stdev": statistics.stdev(ttft) if len(ttft) > 1 else 0.0},
         "tpot_ms_p50": pct([r["tpot_ms"] for r in ok], 50),
         "e2e_ms_p50": pct([r["e2e_ms"] for r in ok], 50),
+        "events_per_request": statistics.fmean(r["events"] for r in ok),
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=320, help="requests per path (split over the rounds)")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the paths")
-    p.add_argument("--warmup", type=int, default=16, help="untimed requests per path before the first round")
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--prompt-tokens", type=int, default=200)
-    p.add_argument("--output-tokens", type=int, default=64)
-    p.add_argument("--stagger-ms", type=float, default=60.0,
-                   help="start offset between the streams (about one request's duration / concurrency)")
-    p.add_argument("--vllm-router", default=None, metavar="PATH", help="vllm-router executable (optional path d)")
-    p.add_argument("--out", type=Path, default=None, help="write the JSON here")
-    args = p.parse_args(argv)
+@dataclass(frozen=True)
+class Load:
+    """One closed-loop load (module docstring): streams, prompt and output tokens, engine time scale."""
 
-    tmp = Path(tempfile.mkdtemp(prefix="fb-overhead-"))
+    concurrency: int
+    prompt_tokens: int
+    output_tokens: int
+    stagger_ms: float
+    time_scale: float
+    requests: int
+
+
+LOADS = {
+    # one client on an idle fleet: the added TTFT of the hop itself
+    "single": Load(concurrency=1, prompt_tokens=200, output_tokens=16, stagger_ms=0.0, time_scale=1.0, requests=60),
+    # short requests, engine 4x faster than real time (steps of a few ms): the request path's fixed cost
+    "short": Load(concurrency=50, prompt_tokens=32, output_tokens=4, stagger_ms=2.0, time_scale=0.25, requests=600),
+    # streamed requests: per-chunk relay cost
+    "stream": Load(concurrency=50, prompt_tokens=200, output_tokens=64, stagger_ms=25.0, time_scale=1.0,
+                   requests=300),
+}
+
+
+def _pinning(n_procs: int) -> list[set[int]] | None:
+    """One core per server process (engine, agent, router, vllm-router), the client on the rest;
+    None when the machine has fewer than ``n_procs + 1`` cores we may use."""
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return None
+    if len(cores) < n_procs + 1:
+        return None
+    return [{c} for c in cores[:n_procs]] + [set(cores[n_procs:])]
+
+
+def run_load(name: str, load: Load, args: argparse.Namespace) -> dict[str, Any]:
+    """Start a fleet (engine, agent, router, vllm-router) for ``load``, run the paths in interleaved
+    rounds and return the load's report (per path: TTFT, requests/s, CPU per request)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"fb-overhead-{name}-"))
     group = ProcessGroup(tmp / "logs")
     eport, ahttp, agrpc, rport, vport = (free_port() for _ in range(5))
     cfg_path = tmp / "fairbatch.yaml"
-    write_router_config(cfg_path, ahttp, agrpc)
+    write_router_config(cfg_path, ahttp, agrpc, json.loads(args.router_config) if args.router_config else None)
+    ts = str(load.time_scale)
+    pins = _pinning(4 if args.vllm_router else 3)
     children: dict[str, Child] = {}
+
+    def pinned(i: int, argv: list[str]) -> list[str]:
+        if pins is None or not shutil.which("taskset"):
+            return argv
+        return ["taskset", "-c", ",".join(map(str, sorted(pins[i])))] + argv
+
+    requests = args.requests or load.requests
     try:
-        children["engine"] = group.start("engine", script("fairbatch-loadgen") + [
-            "sim-engine", "--port", str(eport), "--time-scale", "1", "--log-level", "WARNING"])
+        if pins is not None:
+            os.sched_setaffinity(0, pins[-1])
+        children["engine"] = group.start("engine", pinned(0, script("fairbatch-loadgen") + [
+            "sim-engine", "--port", str(eport), "--time-scale", ts, "--log-level", "WARNING"]))
         group.wait_http_ok(children["engine"], f"http://127.0.0.1:{eport}/health")
-        children["agent"] = group.start("agent", script("fairbatch-agent") + [
+        children["agent"] = group.start("agent", pinned(1, script("fairbatch-agent") + [
             "serve", "--engine-url", f"http://127.0.0.1:{eport}", "--http-port", str(ahttp), "--grpc-port", str(agrpc),
-            "--replica-id", "r0", "--profile", MODEL, "--config", str(cfg_path), "--time-scale", "1",
-            "--log-level", "WARNING"])
+            "--replica-id", "r0", "--profile", MODEL, "--config", str(cfg_path), "--time-scale", ts,
+            "--log-level", "WARNING", *args.agent_arg]))
         group.wait_http_ok(children["agent"], f"http://127.0.0.1:{ahttp}/health")
-        children["router"] = group.start("router", script("fairbatch-router") + [
-            "--config", str(cfg_path), "--port", str(rport), "--time-scale", "1", "--log-level", "WARNING"])
+        children["router"] = group.start("router", pinned(2, script("fairbatch-router") + [
+            "--config", str(cfg_path), "--port", str(rport), "--time-scale", ts, "--log-level", "WARNING"]))
         group.wait_http_ok(children["router"], f"http://127.0.0.1:{rport}/health")
         paths = {"direct": f"http://127.0.0.1:{eport}", "agent": f"http://127.0.0.1:{ahttp}",
                  "router+agent": f"http://127.0.0.1:{rport}"}
         if args.vllm_router:
-            children["vllm-router"] = group.start("vllm-router", [
+            children["vllm-router"] = group.start("vllm-router", pinned(3, [
                 args.vllm_router, "--host", "127.0.0.1", "--port", str(vport),
-                "--worker-urls", f"http://127.0.0.1:{eport}", "--policy", "round_robin", "--log-level", "warning"])
+                "--worker-urls", f"http://127.0.0.1:{eport}", "--policy", "round_robin", "--log-level", "warning"]))
             group.wait_http_ok(children["vllm-router"], f"http://127.0.0.1:{vport}/health", timeout_s=60)
             paths["vllm-router"] = f"http://127.0.0.1:{vport}"
+        if args.paths:
+            paths = {k: v for k, v in paths.items() if k in args.paths.split(",") or k == "direct"}
         # Through whom each path's traffic goes (their CPU is charged to that path).
         involved = {"direct": ["engine"], "agent": ["agent", "engine"], "router+agent": ["router", "agent", "engine"],
                     "vllm-router": ["vllm-router", "engine"]}
 
-        for name, base in paths.items():  # warm-up: connection pools, code paths, JIT-free but caches
-            asyncio.run(closed_loop(base, args.warmup, args.concurrency, args.prompt_tokens, args.output_tokens,
-                                    f"warm-{name}", args.stagger_ms))
+        def loop(base: str, n: int, tag: str) -> list[dict[str, Any]]:
+            return asyncio.run(closed_loop(base, n, load.concurrency, load.prompt_tokens, load.output_tokens, tag,
+                                           load.stagger_ms))
+
+        for pname, base in paths.items():  # warm-up: connection pools, code paths, caches
+            loop(base, max(args.warmup, load.concurrency), f"warm-{pname}")
 
         results: dict[str, list[dict[str, Any]]] = {n: [] for n in paths}
         cpu_busy: dict[str, dict[str, float]] = {n: {c: 0.0 for c in children} for n in paths}
         wall: dict[str, float] = dict.fromkeys(paths, 0.0)
-        per_round = [args.requests // args.rounds + (1 if r < args.requests % args.rounds else 0)
-                     for r in range(args.rounds)]
+        per_round = [requests // args.rounds + (1 if r < requests % args.rounds else 0) for r in range(args.rounds)]
         t_all0 = time.monotonic()
         cpu_all0 = {c: cpu_s(ch.popen.pid) for c, ch in children.items()}
         for r, n in enumerate(per_round):
-            for name, base in paths.items():
+            for pname, base in paths.items():
                 before = {c: cpu_s(ch.popen.pid) for c, ch in children.items()}
                 t0 = time.monotonic()
-                results[name] += asyncio.run(closed_loop(base, n, args.concurrency, args.prompt_tokens,
-                                                         args.output_tokens, f"{name}-{r}", args.stagger_ms))
-                wall[name] += time.monotonic() - t0
+                results[pname] += loop(base, n, f"{pname}-{r}")
+                wall[pname] += time.monotonic() - t0
                 for c, ch in children.items():
-                    cpu_busy[name][c] += cpu_s(ch.popen.pid) - before[c]
-                print(f"round {r + 1}/{args.rounds} {name}: {n} requests in {time.monotonic() - t0:.1f} s",
+                    cpu_busy[pname][c] += cpu_s(ch.popen.pid) - before[c]
+                print(f"{name} round {r + 1}/{args.rounds} {pname}: {n} requests in {time.monotonic() - t0:.1f} s",
                       file=sys.stderr)
         t_all = time.monotonic() - t_all0
         cpu_all = {c: cpu_s(ch.popen.pid) - cpu_all0[c] for c, ch in children.items()}
     finally:
         group.stop()
 
-    report: dict[str, Any] = {
-        "config": {"requests_per_path": args.requests, "rounds": args.rounds, "warmup": args.warmup,
-                   "concurrency": args.concurrency, "prompt_tokens": args.prompt_tokens,
-                   "output_tokens": args.output_tokens, "stagger_ms": args.stagger_ms, "engine": f"sim {MODEL} --time-scale 1",
-                   "command": "python scripts/bench_router_overhead.py " + " ".join(argv if argv is not None
-                                                                                   else sys.argv[1:])},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "cpu_model": _cpu_model(), "loadavg_end": os.getloadavg()},
-        "paths": {},
-    }
+    out: dict[str, Any] = {"load": asdict(load) | {"requests": requests}, "pinned": pins is not None and
+                           bool(shutil.which("taskset")), "paths": {}}
     direct = summarize(results["direct"])
-    for name in paths:
-        s = summarize(results[name])
+    for pname in paths:
+        s = summarize(results[pname])
         n_ok = max(1, s["ok"])
-        entry: dict[str, Any] = {**s, "wall_s": wall[name]}
+        entry: dict[str, Any] = {**s, "wall_s": wall[pname], "req_per_s": s["ok"] / wall[pname] if wall[pname] else 0.0}
         if s["ok"] and direct.get("ok"):
             entry["added_ttft_ms"] = {q: s["ttft_ms"][q] - direct["ttft_ms"][q] for q in ("p50", "p99", "mean")}
             # standard error of the difference of the two means (independent samples)
             entry["added_ttft_ms"]["mean_stderr"] = (s["ttft_ms"]["stdev"] ** 2 / s["ok"]
                                                      + direct["ttft_ms"]["stdev"] ** 2 / direct["ok"]) ** 0.5
+            entry["req_per_s_vs_direct"] = entry["req_per_s"] / max(1e-9, direct["ok"] / wall["direct"])
         cpu: dict[str, Any] = {}
-        for proc in involved[name]:
+        for proc in involved[pname]:
             if proc not in children:
                 continue
-            busy = cpu_busy[name][proc]
-            idle_s = t_all - wall[name]
+            busy = cpu_busy[pname][proc]
+            idle_s = t_all - wall[pname]
             idle_rate = (cpu_all[proc] - busy) / idle_s if idle_s > 0 else 0.0  # CPU s per wall s when not loaded
             cpu[proc] = {"cpu_s_per_1000": busy * 1000.0 / n_ok,
-                         "net_cpu_s_per_1000": (busy - idle_rate * wall[name]) * 1000.0 / n_ok,
+                         "net_cpu_s_per_1000": (busy - idle_rate * wall[pname]) * 1000.0 / n_ok,
                          "idle_cpu_frac": idle_rate}
         entry["cpu"] = cpu
-        report["paths"][name] = entry
+        out["paths"][pname] = entry
+    return out
 
-    print_table(report)
+
+def headline(loads: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue-17 figures from the loads' reports: one row per figure, one value per process.
+
+    CPU is the net figure (idle rate subtracted). Per chunk: the marginal cost, (CPU per stream
+    request - CPU per short request) / (events per stream request - events per short request), so
+    the fixed per-request cost does not count as chunk cost.
+    """
+    def net(load: str, path: str, proc: str) -> float | None:
+        try:
+            return loads[load]["paths"][path]["cpu"][proc]["net_cpu_s_per_1000"]
+        except KeyError:
+            return None
+
+    cols = (("vllm-router", "vllm-router"), ("router", "router+agent"), ("agent", "router+agent"))
+    rows: list[dict[str, Any]] = []
+
+    def row(figure: str, fn: Any) -> None:
+        rows.append({"figure": figure, **{proc: fn(proc, path) for proc, path in cols}})
+
+    if "stream" in loads:
+        row("CPU s per 1000 streamed requests", lambda proc, path: net("stream", path, proc))
+    if "short" in loads:
+        row("CPU ms per short request", lambda proc, path: net("short", path, proc))
+        row("short requests/s per core (1000 / CPU ms per request)",
+            lambda proc, path: (1000.0 / v) if (v := net("short", path, proc)) else None)
+    if "stream" in loads and "short" in loads:
+        def per_chunk(proc: str, path: str) -> float | None:
+            a, b = net("stream", path, proc), net("short", path, proc)
+            try:
+                ea = loads["stream"]["paths"][path]["events_per_request"]
+                eb = loads["short"]["paths"][path]["events_per_request"]
+            except KeyError:
+                return None
+            if a is None or b is None or ea <= eb:
+                return None
+            return (a - b) / (ea - eb) * 1000.0  # ms per request / events per request -> us per event
+        row("CPU us per relayed chunk (marginal)", per_chunk)
+    for load, label in (("short", "short requests"), ("stream", "streamed requests")):
+        if load in loads:
+            row(f"req/s through it / direct, {label}", lambda proc, path, load=load: None if proc == "agent" else
+                loads[load]["paths"].get(path, {}).get("req_per_s_vs_direct"))
+    for load, label in (("single", "one client"), ("stream", "50 streams")):
+        if load in loads:
+            for q in ("p50", "p99"):
+                row(f"added TTFT {q} ms, {label}", lambda proc, path, load=load, q=q: None if proc == "agent" else
+                    loads[load]["paths"].get(path, {}).get("added_ttft_ms", {}).get(q))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--loads", default="single,short,stream", help=f"comma-separated, of {', '.join(LOADS)}")
+    p.add_argument("--requests", type=int, default=0, help="requests per path and load (0: the load's default)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the paths")
+    p.add_argument("--warmup", type=int, default=16, help="untimed requests per path before the first round")
+    p.add_argument("--paths", default="", help="only these paths (comma-separated; direct is always run)")
+    p.add_argument("--vllm-router", default=None, metavar="PATH",
+                   help="vllm-router executable (optional path; default: the one on PATH or beside python, if any)")
+    p.add_argument("--no-vllm-router", action="store_true", help="do not run vllm-router even when installed")
+    p.add_argument("--router-config", default="", help="JSON merged into the router YAML (e.g. admission settings)")
+    p.add_argument("--agent-arg", action="append", default=[], help="extra agent flag (repeatable, e.g. "
+                   "--agent-arg=--min-push-interval-ms=5)")
+    p.add_argument("--out", type=Path, default=None, help="write the JSON here")
+    args = p.parse_args(argv)
+    if args.vllm_router is None and not args.no_vllm_router:
+        beside = Path(sys.executable).parent / "vllm-router"
+        args.vllm_router = shutil.which("vllm-router") or (str(beside) if beside.exists() else None)
+    if args.no_vllm_router:
+        args.vllm_router = None
+
+    report: dict[str, Any] = {
+        "config": {"loads": args.loads, "rounds": args.rounds, "warmup": args.warmup,
+                   "vllm_router": args.vllm_router, "router_config": args.router_config, "agent_args": args.agent_arg,
+                   "engine": f"sim {MODEL}",
+                   "command": "python scripts/bench_router_overhead.py " + " ".join(argv if argv is not None
+                                                                                   else sys.argv[1:])},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "cpu_model": _cpu_model(), "loadavg_start": os.getloadavg()},
+        "loads": {},
+    }
+    for name in args.loads.split(","):
+        report["loads"][name] = run_load(name, LOADS[name], args)
+        print_table(name, report["loads"][name])
+    report["machine"]["loadavg_end"] = os.getloadavg()
+    report["headline"] = headline(report["loads"])
+    print_headline(report["headline"])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -269,21 +400,35 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def print_table(report: dict[str, Any]) -> None:
-    hdr = (f"{'path':<14}{'ok':>6}{'TTFT p50':>10}{'TTFT p99':>10}{'+p50':>8}{'+p99':>8}{'+mean':>14}{'TPOT p50':>10}"
-           f"  CPU s / 1000 req (net of idle)")
+def print_table(name: str, load: dict[str, Any]) -> None:
+    """One load's table: per path TTFT, added TTFT, requests/s and CPU per 1000 requests."""
+    cfg = load["load"]
+    print(f"\nload {name}: {cfg['concurrency']} streams, prompt {cfg['prompt_tokens']}, {cfg['output_tokens']} out, "
+          f"engine time scale {cfg['time_scale']:g}, {cfg['requests']} requests per path, pinned: {load['pinned']}")
+    hdr = (f"{'path':<14}{'ok':>6}{'TTFT p50':>10}{'TTFT p99':>10}{'+p50':>8}{'+p99':>8}{'+mean':>14}{'req/s':>8}"
+           f"{'vs dir':>8}  CPU s / 1000 req (net of idle)")
     print(hdr)
     print("-" * len(hdr))
-    for name, e in report["paths"].items():
+    for pname, e in load["paths"].items():
         if not e.get("ok"):
-            print(f"{name:<14}{0:>6}  (no successful request)")
+            print(f"{pname:<14}{0:>6}  (no successful request)")
             continue
         add = e.get("added_ttft_ms", {"p50": 0.0, "p99": 0.0, "mean": 0.0, "mean_stderr": 0.0})
         mean = f"{add['mean']:+.1f}±{add['mean_stderr']:.1f}"
-        cpu = ", ".join(f"{p} {c['cpu_s_per_1000']:.1f} ({c['net_cpu_s_per_1000']:.1f})" for p, c in e["cpu"].items()
+        cpu = ", ".join(f"{p} {c['cpu_s_per_1000']:.2f} ({c['net_cpu_s_per_1000']:.2f})" for p, c in e["cpu"].items()
                         if p != "engine")
-        print(f"{name:<14}{e['ok']:>6}{e['ttft_ms']['p50']:>10.1f}{e['ttft_ms']['p99']:>10.1f}{add['p50']:>+8.1f}"
-              f"{add['p99']:>+8.1f}{mean:>14}{e['tpot_ms_p50']:>10.2f}  {cpu or '-'}")
+        print(f"{pname:<14}{e['ok']:>6}{e['ttft_ms']['p50']:>10.1f}{e['ttft_ms']['p99']:>10.1f}{add['p50']:>+8.1f}"
+              f"{add['p99']:>+8.1f}{mean:>14}{e['req_per_s']:>8.1f}{e.get('req_per_s_vs_direct', 1.0):>8.2f}"
+              f"  {cpu or '-'}")
+
+
+def print_headline(rows: list[dict[str, Any]]) -> None:
+    """The issue-17 figures as a markdown table (pasted into docs/bench/)."""
+    print("\n| figure | vllm-router (Rust) | fairbatch router | fairbatch agent (per hop) |")
+    print("| --- | --- | --- | --- |")
+    for r in rows:
+        cells = ["" if r[k] is None else f"{r[k]:.2f}" for k in ("vllm-router", "router", "agent")]
+        print(f"| {r['figure']} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

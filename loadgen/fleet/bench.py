@@ -204,6 +204,8 @@ class Setup:
     engine_time: EngineTimeModel | None = None
     warmup_s: float = 0.0
     start_window_steps: float = 0.0
+    lease_mode: str = "reserve"
+    min_push_interval_ms: float | None = None
 
 
 def fleet_config(setup: Setup, policy: str) -> FleetConfig:
@@ -218,6 +220,7 @@ def fleet_config(setup: Setup, policy: str) -> FleetConfig:
         max_model_len=setup.max_model_len, drain_ms=setup.drain_s * 1000.0, seed=setup.seed,
         max_num_batched_tokens=setup.max_num_batched_tokens, max_num_seqs=setup.max_num_seqs,
         engine_time=setup.engine_time, start_window_steps=setup.start_window_steps,
+        lease_mode=setup.lease_mode, min_push_interval_ms=setup.min_push_interval_ms,
     )  # fmt: skip
 
 
@@ -263,6 +266,8 @@ def run_point(setup: Setup, policy: str, rate_rps: float) -> dict[str, Any]:
         "double_spends": st.double_spends, "grants": st.grants, "refusals": st.refusals,
         "placement_p50_us": _pct(st.placement_us, 50), "placement_p99_us": _pct(st.placement_us, 99),
         "snapshots_per_s_per_router": st.snapshots_delivered / max(1e-9, st.end_ms / 1000.0) / setup.routers,
+        "pushes_per_s_per_replica": st.pushes / max(1e-9, st.end_ms / 1000.0) / setup.replicas,
+        "reserve_answers": st.reserve_answers,
         "preemptions": st.preemptions, "steps": st.steps, "dispatch_passes": st.dispatch_passes,
         "sim_end_s": st.end_ms / 1000.0, "wall_s": round(res.wall_s, 2),
     }  # fmt: skip
@@ -373,6 +378,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="static-queue-cap bound (tokens); default: the prompt tokens one replica prefills "
                         "within the TTFT target, floor((ttft - a) / b)")  # fmt: skip
     p.add_argument("--no-leases", action="store_true", help="pab routers forward without Reserve (double-spend demo)")
+    p.add_argument("--lease-mode", choices=("reserve", "inline"), default="reserve",
+                   help="pab routers: Reserve round trip before forwarding, or the agent decides on arrival "
+                        "(router admission.lease_mode)")
+    p.add_argument("--min-push-interval-ms", type=float, default=None,
+                   help="agents also push on change, at most one snapshot per this many ms (default: periodic only)")
     p.add_argument("--max-model-len", type=int, default=32768)
     add_engine_and_trace_args(p)
     add_engine_time_arg(p)
@@ -412,7 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = Setup(kept, native, args.replicas, args.profile, args.ttft_ms, args.tpot_ms, args.duration_s,
                   args.drain_s, args.routers, args.push_period_ms, args.net_delay_ms, args.queue, cap_tokens,
                   not args.no_leases, args.max_model_len, args.seed, max_tokens, max_seqs,
-                  args.window_offset, engine_time, args.warmup_s, args.start_window_steps)  # fmt: skip
+                  args.window_offset, engine_time, args.warmup_s, args.start_window_steps, args.lease_mode,
+                  args.min_push_interval_ms)  # fmt: skip
     if not 0.0 <= args.warmup_s < args.duration_s:
         raise SystemExit("bench-fleet: --warmup-s must be in [0, --duration-s)")
     t0 = time.perf_counter()

@@ -37,17 +37,21 @@ drawn at random; each router gets it ``net_delay_ms`` later: ``DELIVER``), ``SCR
 Network: one hop costs ``net_delay_ms``. A granted Reserve answered at t puts the request on the
 replica at ``t + 3 * d`` (Reserve there, answer back, request there) plus ``2 * d`` per refused
 Reserve before it; the agent evaluates the Reserve with its state at the decision instant t (its
-grants are serialised, as the agent's event loop does). Baselines forward at ``t + d``. Token
+grants are serialised, as the agent's event loop does). Inline admission (``lease_mode="inline"``):
+the request reaches the replica at ``t + d`` and the agent decides then; a refusal reaches the
+router ``d`` later. Baselines forward at ``t + d``. Token
 times reach the client ``d`` after the engine step that sampled them. Agents push periodically
-only (the real agent also pushes on change; the period here is the staleness under study).
+(``push_period_ms``) and, with ``min_push_interval_ms`` set, also on change, coalesced to one
+snapshot per that interval as the real agent does; without it periodically only (the period is
+then the staleness under study).
 
 Dispatcher wake-ups: on every snapshot delivery and every new queue entry at that router
 (the view changes only then), coalesced to one pass per ``dispatch_gap_ms`` (a pass takes router CPU time too),
 and at the queue's next deadline at the latest; a wake-up before a pending deadline pass moves it earlier.
 
 Double-spend: a prefill admitted to a replica beyond that replica's PAB at the moment it was
-granted. With leases the moment is the Reserve (the lease then counts in PAB's in-flight
-reservation); without leases (``leases=False``, routers forward on their own view alone) it is
+granted. With leases the moment is the Reserve decision, before forwarding or (inline) on
+arrival (the lease then counts in PAB's in-flight reservation); without leases (``leases=False``, routers forward on their own view alone) it is
 the request's arrival at the replica, checked with ``pab.admits`` (its age then: ``waited_ms =
 arrival at the replica - arrival at the router``) against the exact state then.
 
@@ -115,7 +119,8 @@ MAX_RESERVE_CANDIDATES = DEFAULT_MAX_CANDIDATES  # Reserve calls per placement (
 
 SLO_CLASS = "interactive"
 
-_ARRIVE, _FORWARD, _STEP_END, _PUSH, _DELIVER, _SCRAPE, _DISPATCH = range(7)
+_ARRIVE, _FORWARD, _STEP_END, _PUSH, _DELIVER, _SCRAPE, _DISPATCH, _REFUSED, _CHANGE_PUSH = range(9)
+MAX_ADMIT_REFUSALS = 8  # inline admissions refused per request before it is given up (router/server.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +154,14 @@ class FleetConfig:
         net_delay_ms: one network hop (ms).
         scrape_period_ms: metric scrape period of the metric-based baselines (ms).
         leases: PAB routers Reserve a lease before forwarding (False: forward on the view alone).
+        lease_mode: ``reserve`` (a Reserve round trip before forwarding: the request reaches the
+            replica ``3 d`` after the decision) or ``inline`` (router/config.py ``admission.lease_mode``:
+            forwarded at once, ``d``; the agent runs the Reserve decision on arrival and a refusal
+            comes back ``d`` later, when the router applies the budget it reports and re-places the
+            request, the refusing replica excluded for that placement).
+        min_push_interval_ms: None: agents push periodically only. A number: also on every change
+            (a request arrives, a lease is granted, a step ends with a first token or a finish), at
+            most one snapshot per this many ms (replica_agent/admission_server.py coalescing).
         margin_frac: PAB horizon margin, H = ttft * (1 - margin_frac).
         budget_ttl_ms: a snapshot older than this counts as zero budget (router clock, ms).
         lease_ttl_ms: a lease whose request never arrives lapses after this (ms).
@@ -185,6 +198,8 @@ class FleetConfig:
     net_delay_ms: float = 0.5
     scrape_period_ms: float = 50.0
     leases: bool = True
+    lease_mode: str = "reserve"
+    min_push_interval_ms: float | None = None
     margin_frac: float = 0.1
     budget_ttl_ms: float = 1000.0
     lease_ttl_ms: float = 5000.0
@@ -214,6 +229,10 @@ class FleetConfig:
             raise ValueError("replicas and routers must be >= 1")
         if self.push_period_ms <= 0 or self.net_delay_ms < 0 or self.scrape_period_ms <= 0:
             raise ValueError("push_period_ms and scrape_period_ms must be > 0, net_delay_ms >= 0")
+        if self.lease_mode not in ("reserve", "inline"):
+            raise ValueError(f"lease_mode must be 'reserve' or 'inline', got {self.lease_mode!r}")
+        if self.min_push_interval_ms is not None and self.min_push_interval_ms < 0:
+            raise ValueError("min_push_interval_ms must be >= 0")
         if self.queue_kind not in ("fair", "fifo"):
             raise ValueError(f"queue_kind must be 'fair' or 'fifo', got {self.queue_kind!r}")
 
@@ -224,10 +243,11 @@ class FleetStats:
 
     Attributes:
         grants: leases granted (or, without leases, PAB-routed arrivals).
-        refusals: Reserve calls refused.
+        refusals: Reserve calls refused (inline mode: admissions refused on arrival).
         double_spends: admitted prefills beyond the replica's PAB at grant time (module docstring).
         double_spent_ms: sum of the excess, predicted prefill ms beyond pab_ms.
         snapshots_delivered: budget snapshots received, all routers together.
+        pushes: budget snapshots computed, all agents together (periodic and on change).
         reserve_answers: Reserve answers received, all routers together.
         dispatch_passes: dispatcher passes, all routers together.
         placement_us: wall microseconds of each placement decision (views + place), sampled.
@@ -245,6 +265,7 @@ class FleetStats:
     double_spends: int = 0
     double_spent_ms: float = 0.0
     snapshots_delivered: int = 0
+    pushes: int = 0
     reserve_answers: int = 0
     dispatch_passes: int = 0
     placement_us: list[float] = field(default_factory=list)
@@ -315,6 +336,7 @@ class _Grant:
     replica: int
     lease_id: str
     refusals: int
+    inline: bool = False
 
 
 @dataclass(slots=True)
@@ -326,6 +348,8 @@ class _Replica:
     stepping: bool = False
     result: StepResult | None = None
     seq: int = 0
+    last_push_ms: float = float("-inf")
+    change_push_at: float | None = None  # time of the pending change-triggered push, None when none
 
 
 @dataclass(slots=True)
@@ -336,6 +360,7 @@ class _ReqState:
     replica: int = -1
     router: int = 0
     lease_id: str = ""
+    admit_refusals: int = 0
 
 
 def _drive(coro: Any) -> Any:
@@ -414,6 +439,12 @@ class _Router:
                                                     cfg.start_window_steps, cfg.max_num_batched_tokens),
                                    self.book.views(now))  # fmt: skip
         sim.sample_decision(time.perf_counter() - t0)
+        if cfg.leases and cfg.lease_mode == "inline":  # no round trip: the agent decides on arrival
+            if not result.candidates:
+                return None
+            rid = result.candidates[0]
+            self.book.take_local(rid, slo_class, prompt_tokens)
+            return _Grant(sim.index_of[rid], "", 0, inline=True)
         refusals = 0
         for rid in result.candidates[:MAX_RESERVE_CANDIDATES]:
             self.book.take_local(rid, slo_class, prompt_tokens)
@@ -476,8 +507,9 @@ class _Router:
             if nd is not None:  # wake at the next expiry at the latest
                 self._schedule_pass(max(nd, self.clock.t + self.sim.cfg.dispatch_gap_ms))
 
-    def arrive(self, idx: int) -> None:
-        """A client request reaches this router."""
+    def arrive(self, idx: int, avoid: frozenset[str] = frozenset()) -> None:
+        """A client request reaches this router (or comes back refused: ``avoid`` = the replica that
+        refused it, left out of the immediate placement only)."""
         sim = self.sim
         req = sim.requests[idx]
         st = sim.states[idx]
@@ -488,7 +520,8 @@ class _Router:
             return
         cfg = sim.cfg
         if len(self.queue) == 0:
-            grant = self._place(SLO_CLASS, req.prompt_tokens, frozenset(), req.arrival_ms)
+            grant = self._place(SLO_CLASS, req.prompt_tokens, avoid if len(avoid) < len(self.ids) else frozenset(),
+                                req.arrival_ms)
             if grant is not None:
                 self._charge(req)
                 sim.forward_granted(idx, grant, now)
@@ -514,6 +547,23 @@ class _Router:
             sim.reject(idx, "queue-full")
             return
         self.wake()
+
+    def refused(self, idx: int, ri: int, after: ClassBudget | None) -> None:
+        """An inline admission came back refused (router/server.py ``_serve_placed``): apply the
+        budget the agent reported, refund the charge, re-place the request elsewhere."""
+        sim = self.sim
+        rid = sim.replicas[ri].rid
+        if after is not None:
+            self.book.apply_reserve(rid, SLO_CLASS, after.pab_ms, after.pab_tokens)
+        req = sim.requests[idx]
+        if isinstance(self.queue, FairQueue):
+            self.queue.charge(req.tenant, -req.prompt_tokens, -req.output_tokens)
+        st = sim.states[idx]
+        st.admit_refusals += 1
+        if st.admit_refusals >= MAX_ADMIT_REFUSALS:
+            sim.reject(idx, "no-budget")
+            return
+        self.arrive(idx, frozenset({rid}))
 
     def _granted_from_queue(self, idx: int, grant: _Grant) -> None:
         self._charge(self.sim.requests[idx])
@@ -598,6 +648,7 @@ class FleetSim:
             return False, "", before
         self.stats.grants += 1
         lease_id = rep.leases.grant(prompt_tokens, SLO_CLASS, None, now_ms, cfg.lease_ttl_ms)
+        self.changed(ri, now_ms)
         after = class_budget(replace(state, prefills=[*state.prefills, PendingPrefill(prompt_tokens)]), self.slo)
         return True, lease_id, after
 
@@ -605,7 +656,20 @@ class FleetSim:
         d = self.cfg.net_delay_ms
         st = self.states[idx]
         st.lease_id = grant.lease_id
+        if grant.inline:
+            self.push_event(now_ms + d, _FORWARD, idx, (grant.replica,))
+            return
         self.push_event(now_ms + 3 * d + 2 * d * grant.refusals, _FORWARD, idx, (grant.replica,))
+
+    def changed(self, ri: int, t: float) -> None:
+        """Replica ``ri``'s state changed: push a snapshot now, or at the end of the coalescing
+        interval when one went out less than ``min_push_interval_ms`` ago (None: periodic only)."""
+        gap = self.cfg.min_push_interval_ms
+        rep = self.replicas[ri]
+        if gap is None or rep.change_push_at is not None:
+            return
+        rep.change_push_at = max(t, rep.last_push_ms + gap)
+        self.push_event(rep.change_push_at, _CHANGE_PUSH, ri, 0)
 
     def _admission_check(self, rep: _Replica, prompt_tokens: int, now_ms: float, waited_ms: float) -> None:
         """Without leases: count a prefill that arrives beyond the replica's exact PAB (over the
@@ -639,7 +703,19 @@ class FleetSim:
                 self.reject(idx, "queue-cap")
             return
         if kind == "pab":
-            if self.cfg.leases:
+            if self.cfg.leases and self.cfg.lease_mode == "inline":  # the agent's Reserve decision, on arrival
+                waited = max(0.0, t - req.arrival_ms)
+                # independent check of what is admitted: the exact fit on the state before the decision
+                fit = admits(req.prompt_tokens, replica_state(rep.engine, rep.leases, t, self.cfg.margin_frac),
+                             self.slo, waited)[0]  # fmt: skip
+                granted, lease_id, after = self.reserve(ri, req.prompt_tokens, t, waited)
+                if granted and not fit:
+                    self.stats.double_spends += 1
+                if not granted:
+                    self.push_event(t + self.cfg.net_delay_ms, _REFUSED, idx, (ri, after))
+                    return
+                rep.leases.consume(lease_id)
+            elif self.cfg.leases:
                 rep.leases.consume(st.lease_id)
             else:
                 self._admission_check(rep, req.prompt_tokens, t, max(0.0, t - req.arrival_ms))
@@ -647,6 +723,7 @@ class FleetSim:
         rep.engine.add_request(str(idx), req.prompt_tokens, req.output_tokens, req.arrival_ms,
                                self.cfg.ttft_ms, self.cfg.tpot_ms)  # fmt: skip
         st.replica = ri
+        self.changed(ri, t)
         self._start_step(ri, t)
 
     def _start_step(self, ri: int, t: float) -> None:
@@ -682,6 +759,8 @@ class FleetSim:
             idx = int(out.request_id)
             st = self.states[idx]
             st.token_times.append(t + d)
+            if out.finished or len(st.token_times) == 1:  # a decode joins or leaves: the budget changed
+                self.changed(ri, t)
             if out.finished:
                 st.outcome = OK
                 router = self.routers[st.router]
@@ -690,16 +769,21 @@ class FleetSim:
                     router.load.add(rep.rid, -(req.prompt_tokens + req.output_tokens))
         self._start_step(ri, t)
 
-    def _on_push(self, t: float, ri: int) -> None:
+    def _on_push(self, t: float, ri: int, periodic: bool = True) -> None:
         rep = self.replicas[ri]
         cfg = self.cfg
+        if not periodic:
+            rep.change_push_at = None
+        rep.last_push_ms = t
+        self.stats.pushes += 1
         rep.leases.expire(t)
         b = class_budget(replica_state(rep.engine, rep.leases, t, cfg.margin_frac), self.slo)
         rep.seq += 1
         snap = _Snapshot(rep.seq, rep.engine.policy_time_model, [b], cfg.budget_ttl_ms, True, cfg.max_model_len)
         for r in self.routers:
             self.push_event(t + cfg.net_delay_ms, _DELIVER, r.index, (ri, snap))
-        self.push_event(t + cfg.push_period_ms, _PUSH, ri, 0)
+        if periodic:
+            self.push_event(t + cfg.push_period_ms, _PUSH, ri, 0)
 
     def _on_scrape(self, t: float, ri: int) -> None:
         eng = self.replicas[ri].engine
@@ -757,6 +841,12 @@ class FleetSim:
                 router = self.routers[a]
                 router.clock.t = t
                 router.dispatch(b)
+            elif ev == _REFUSED:
+                router = self.routers[self.states[a].router]
+                router.clock.t = t
+                router.refused(a, *b)
+            elif ev == _CHANGE_PUSH:
+                self._on_push(t, a, periodic=False)
             elif ev in (_PUSH, _SCRAPE):
                 if pending == 0 and not any(r.engine.has_work() for r in self.replicas) and not any(
                     kind == "pab" and len(r.queue) for r in self.routers

@@ -22,7 +22,8 @@ from replica_agent.policy.time_model import TimeModel
 TM = TimeModel(10.0, 0.1, 0.001)
 
 
-def make_agent(lease_ttl_ms: float = 60_000.0) -> Agent:
+def make_agent(lease_ttl_ms: float = 60_000.0, push_interval_ms: float = 50.0,
+               min_push_interval_ms: float = 5.0) -> Agent:
     cfg = AgentConfig(
         replica_id="r-test",
         time_model=TM,
@@ -30,7 +31,8 @@ def make_agent(lease_ttl_ms: float = 60_000.0) -> Agent:
         default_slo_class="interactive",
         margin_frac=0.1,
         kv_capacity_tokens=100_000,
-        push_interval_ms=50.0,
+        push_interval_ms=push_interval_ms,
+        min_push_interval_ms=min_push_interval_ms,
         ttl_ms=1000.0,
         lease_ttl_ms=lease_ttl_ms,
         metrics_stale_ms=600_000.0,
@@ -86,6 +88,27 @@ async def test_watch_budget_streams_increasing_seq(served):
     for _ in range(3):  # periodic pushes with nothing changing
         seqs.append((await asyncio.wait_for(stream.read(), 5.0)).seq)
     assert seqs == sorted(set(seqs))
+    stream.cancel()
+
+
+async def test_changes_coalesce_into_one_snapshot_per_min_interval(served):
+    # period 5 s (no periodic push in the test's window), at most one change push per 300 ms
+    agent = make_agent(push_interval_ms=5000.0, min_push_interval_ms=300.0)
+    stub = await served(agent)
+    stream = stub.WatchBudget(admission_pb2.WatchBudgetRequest(router_id="test"))
+    first = await asyncio.wait_for(stream.read(), 5.0)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    leases = []
+    for i in range(20):  # 20 changes at once (the loop runs in between): 20 grants
+        leases.append(agent.reserve("interactive", 100, None, f"q{i}", agent.clock.now_ms()).lease_id)
+        await asyncio.sleep(0)
+    snap = await asyncio.wait_for(stream.read(), 5.0)
+    assert loop.time() - t0 >= 0.29  # not before the interval since the first snapshot ended
+    assert snap.seq > first.seq and snap.active_leases == 20  # every change of the interval is in it
+    # no change since: nothing more until the next change (or the 5 s period)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(stream.read(), 0.6)
     stream.cancel()
 
 

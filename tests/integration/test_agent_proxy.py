@@ -209,6 +209,46 @@ async def test_lease_header_consumed(agent_proxy, engine):
     assert len(agent.leases) == 0
 
 
+async def test_inline_admission_granted_consumed_or_refused_409(agent_proxy, engine):
+    # llama-3-8b-a100: a = 9.8626, b = 0.0726711 ms/token; interactive H = 500 * 0.9 = 450 ms on an
+    # idle replica, so P fits when a + b * P <= 450: P <= 6056 tokens (KV is far larger).
+    agent, url = agent_proxy
+    await asyncio.sleep(0.05)  # a first scrape, so the agent is healthy
+    granted = agent.metrics.reserve_total.labels("granted")._value.get()  # noqa: SLF001
+    async with aiohttp.ClientSession() as s:
+        headers = {"x-request-id": "inl-1", "x-fairbatch-admit": "20", "x-fairbatch-slo-class": "interactive"}
+        async with s.post(url + "/v1/completions", json=completion_body(8, True), headers=headers) as r:
+            assert r.status == 200
+            async for _ in r.content.iter_any():
+                req = agent.tracker.get("inl-1")
+                if req is not None:
+                    assert req.lease_id.startswith("t-")  # admitted through a lease, consumed on arrival
+            assert len(agent.leases) == 0
+        assert agent.metrics.reserve_total.labels("granted")._value.get() == granted + 1  # noqa: SLF001
+        assert "inl-1" not in agent.tracker
+        # another router's lease of 4000 tokens holds b * 4000 = 290.68 ms: PAB 159.32 ms, and a second
+        # 4000-token prompt needs a + b * 4000 = 300.55 ms: refused, with the budget after the decision
+        other = agent.reserve("interactive", 4000, None, "other", agent.clock.now_ms())
+        assert other.granted
+        headers = {"x-request-id": "inl-2", "x-fairbatch-admit": "4000", "x-fairbatch-slo-class": "interactive"}
+        async with s.post(url + "/v1/completions", json=completion_body(8, True), headers=headers) as r:
+            assert r.status == 409
+            assert r.headers["x-fairbatch-refused"] == "no-budget"
+            assert float(r.headers["x-fairbatch-pab-ms"]) == pytest.approx(450.0 - 0.0726711 * 4000, abs=0.01)
+            # at most floor((159.32 - a) / b) = 2056 by time (KV may bound it lower): the agent's own figure
+            tokens = int(r.headers["x-fairbatch-pab-tokens"])
+            assert 0 < tokens <= 2056
+            assert tokens == agent.compute_budget(agent.clock.now_ms()).classes["interactive"].pab_tokens
+            assert (await r.json())["error"]["code"] == "no-budget"
+        assert len(agent.leases) == 1 and "inl-2" not in agent.tracker  # only the other router's lease
+        assert agent.release(other.lease_id)
+        assert [e for k, e in agent.events if k == "inl-2"] == []  # never tracked, never sent to the engine
+        headers = {"x-request-id": "inl-3", "x-fairbatch-admit": "many"}
+        async with s.post(url + "/v1/completions", json=completion_body(8, False), headers=headers) as r:
+            assert r.status == 400
+        assert len(agent.leases) == 0
+
+
 async def test_client_disconnect_aborts_engine_request(agent_proxy, engine):
     agent, url = agent_proxy
     async with aiohttp.ClientSession() as s:

@@ -89,6 +89,35 @@ def test_eight_routers_with_push_delay_no_double_spend_with_leases() -> None:
     assert res.stats.grants == sum(1 for r in res.records if r.replica is not None)
 
 
+def test_eight_routers_inline_admission_no_double_spend() -> None:
+    # No Reserve round trip: each router places on its stale view and forwards at once; the agent
+    # decides on arrival. The burst overruns the budgets (without leases it double-spends, below),
+    # so routers do collide: the agents refuse those arrivals and the routers re-place them.
+    c = cfg("pab", routers=8, push_period_ms=200.0, net_delay_ms=5.0, lease_mode="inline")
+    res = run_fleet(c, _burst())
+    assert res.stats.double_spends == 0
+    assert res.stats.refusals > 0
+    assert res.stats.reserve_answers == 0  # no Reserve call at all
+    assert res.stats.grants == sum(1 for r in res.records if r.replica is not None)
+    assert sum(r.outcome == "ok" for r in res.records) == sum(r.outcome == "ok" for r in run_fleet(
+        cfg("pab", routers=8, push_period_ms=200.0, net_delay_ms=5.0), _burst()).records)
+
+
+def test_change_pushes_coalesce_to_one_per_min_interval() -> None:
+    # One replica, period 1000 ms (first push at a random phase < 1000 ms), requests every 30 ms from
+    # t = 1100 ms on. Each request changes the budget at its grant (t) and its arrival (t + 0.5 ms,
+    # one hop), then at its first token and its finish: with a snapshot per change (interval 0)
+    # that is at least 2 pushes per request; with 20 ms the arrival's change waits for the grant's
+    # push + 20 ms and takes the later changes of that window with it: fewer; periodic only: fewest.
+    reqs = [FleetRequest(1100.0 + 30.0 * i, 500, 4) for i in range(10)]
+    every = run_fleet(cfg("pab", replicas=1, push_period_ms=1000.0, min_push_interval_ms=0.0), reqs)
+    coalesced = run_fleet(cfg("pab", replicas=1, push_period_ms=1000.0, min_push_interval_ms=20.0), reqs)
+    periodic = run_fleet(cfg("pab", replicas=1, push_period_ms=1000.0), reqs)
+    assert every.stats.pushes >= 2 * len(reqs)
+    assert periodic.stats.pushes < coalesced.stats.pushes < every.stats.pushes
+    assert all(r.outcome == "ok" for r in coalesced.records)
+
+
 def test_eight_routers_without_leases_double_spend() -> None:
     c = cfg("pab", routers=8, push_period_ms=200.0, net_delay_ms=5.0, leases=False)
     res = run_fleet(c, _burst())

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from replica_agent.openai_stream import generated_tokens, requested_choices, usage_counts
+import json
+
+import pytest
+
+from replica_agent.openai_stream import fast_event_tokens, generated_tokens, requested_choices, usage_counts
 
 
 def chunk(**choice) -> dict:
@@ -42,3 +46,63 @@ def test_n_greater_than_one_sums_choices() -> None:
 def test_usage_counts() -> None:
     assert usage_counts({"usage": {"prompt_tokens": 4, "completion_tokens": 9}}) == (4, 9)
     assert usage_counts({"usage": None}) is None
+
+
+# ---- fast_event_tokens: the byte-level count must agree with the full parse whenever it answers
+
+def _compact(obj: object) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _cmpl(text: str, finish: str | None = None, index: int = 0, logprobs: object = None,
+          usage: object = None) -> dict:
+    return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                         "stop_reason": None}], "usage": usage}
+
+
+def _chat(delta: dict, finish: str | None = None) -> dict:
+    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+
+FAST_CASES = [  # (event, what the fast path must answer: a count, or None = leave it to the parse)
+    (_cmpl(" tok"), 1),
+    (_cmpl(""), 0),
+    (_cmpl('\\"usage\\":{"index":1,"finish_reason":"stop" \\"role\\"'), 1),  # markers inside the text
+    (_cmpl("tok", index=1), 1),  # one choice of an n > 1 stream: still one index key
+    (_chat({"content": " tok"}), 1),
+    (_chat({"content": ""}), 0),
+    (_cmpl(" tok", finish="length"), None),  # finish chunk
+    (_cmpl(" tok", logprobs={"tokens": ["a", "b"], "token_logprobs": [0, 0]}), None),  # 2 tokens by logprobs
+    (_cmpl("", usage={"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}), None),
+    (_chat({"role": "assistant", "content": ""}), None),
+    (_chat({"reasoning_content": "think"}), None),
+    (_chat({"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}), None),
+    ({"choices": [{"index": 0, "text": "a", "finish_reason": None}, {"index": 1, "text": "b", "finish_reason": None}]},
+     None),  # two choices in one chunk
+    ({"error": {"message": "x"}}, None),
+]
+
+
+@pytest.mark.parametrize(("event", "expected"), FAST_CASES)
+def test_fast_count_agrees_with_the_full_parse(event: dict, expected: int | None) -> None:
+    payload = _compact(event)
+    got = fast_event_tokens(payload)
+    assert got == expected
+    if got is not None:
+        assert got == generated_tokens(event)
+    spaced = json.dumps(event).encode()  # ", " and ": " spacing: never the fast path
+    assert fast_event_tokens(spaced) is None
+
+
+def test_sse_parser_payloads_across_chunk_boundaries() -> None:
+    from replica_agent.proxy import SseParser
+
+    stream = b'data: {"a":1}\n\ndata: {"b":2}\r\n\ndata: [DONE]\n\n'
+    for cut in range(1, len(stream)):  # every split point gives the same events
+        p = SseParser()
+        got = p.feed_raw(stream[:cut]) + p.feed_raw(stream[cut:])
+        assert got == [b'{"a":1}', b'{"b":2}'] and p.done
+    p = SseParser()
+    assert p.feed(b'data: {"a":1}\n\ndata: not json\n\n') == [{"a": 1}]

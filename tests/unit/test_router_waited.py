@@ -26,6 +26,7 @@ def make_router(clock: FakeClock) -> tuple[Router, list[tuple]]:
         "tenants": {"acme": {"weight": 1, "slo_class": "interactive"}},
         "api_keys": {hash_api_key("k"): "acme"},
         "replicas": [{"id": "r0", "http_url": "http://127.0.0.1:1", "grpc_target": "127.0.0.1:1"}],
+        "admission": {"lease_mode": "reserve"},  # these tests watch the Reserve calls
     })  # fmt: skip
     router = Router(config, clock, "test-router")  # type: ignore[arg-type]
     calls: list[tuple] = []
