@@ -654,7 +654,7 @@ class Router:
         client_id = client_request_id(request.headers.get("x-request-id"))
         request[REQUEST_ID] = client_id or request_id
         parent = extract_context(request.headers) if "traceparent" in request.headers else None
-        with self.tracer.start_as_current_span(
+        with self.metrics.inflight.track_inprogress(), self.tracer.start_as_current_span(
             "router.request", context=parent, kind=trace.SpanKind.SERVER
         ) as span:
             span.set_attribute("fairbatch.request_id", request_id)

@@ -583,6 +583,7 @@ async def test_models_health_metrics(fleet: Fleet) -> None:
                  'fairbatch_build_info{component="router"'):
         assert name in text, name
     # the fake agent advertises 400 ms of PAB: exported in seconds, per replica and summed over the fleet
+    assert "fairbatch_router_inflight_requests 0.0" in text  # the one request ended
     assert "_ms" not in "".join(line.split("{")[0] for line in text.splitlines() if line.startswith("fairbatch_"))
 
 
