@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[dev]'
+	$(VENV)/bin/pip install --quiet -e '.[loadgen,dev]'
 	touch $(STAMP)
 
 ## make demo: a local simulated fleet (4 engines, 4 agents, 1 router) replaying the Azure 2023 conversation trace
