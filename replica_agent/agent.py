@@ -23,7 +23,7 @@ import asyncio
 import itertools
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from replica_agent.clock import Clock
 from replica_agent.engine_metrics import EngineMetrics
@@ -198,6 +198,34 @@ class Agent:
         for c in config.slo_classes:  # export every class from the start
             self.metrics.pab.labels(c.name)
             self.metrics.pab_tokens.labels(c.name)
+
+    def set_slo_classes(self, classes: tuple[SloClass, ...], default_slo_class: str | None = None) -> None:
+        """Swap the SLO classes while serving (a config reload): new Reserves and budgets use them at
+        once, tracked requests keep the envelope they arrived with; the budget is pushed.
+
+        Args:
+            classes: the new classes (non-empty, distinct names).
+            default_slo_class: class of requests without one; None keeps the current one.
+
+        Raises:
+            ValueError: as :class:`AgentConfig` (empty, duplicates, default not among them); nothing changed.
+        """
+        config = replace(self.config, slo_classes=tuple(classes),
+                         default_slo_class=default_slo_class or self.config.default_slo_class)  # fmt: skip
+        gone = set(self.classes) - {c.name for c in classes}
+        self.config = config
+        self.classes = {c.name: c for c in config.slo_classes}
+        m = self.metrics
+        for name in gone:
+            for gauge in (m.pab, m.pab_tokens, m.decode_reservation, m.inflight_reservation):
+                try:
+                    gauge.remove(name)
+                except KeyError:
+                    pass
+        for c in config.slo_classes:
+            m.pab.labels(c.name)
+            m.pab_tokens.labels(c.name)
+        self.notify()
 
     # ---- change notification -------------------------------------------------------------
     @property

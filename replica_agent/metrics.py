@@ -120,4 +120,7 @@ class AgentMetrics:
             "fairbatch_agent_time_model_steps", "steps the online time model learned from, by source (plugin, proxy)",
             ["source"], registry=r,
         )
+        self.config_reloads = Counter(
+            "fairbatch_agent_config_reloads", "slo_classes reloads by result (ok, invalid)", ["result"], registry=r,
+        )
         self.time_model_abs_error.set(math.nan)

@@ -33,7 +33,7 @@ import json
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -294,6 +294,11 @@ class Proxy:
         session: pooled upstream session (:func:`make_session`).
         tracer: OpenTelemetry tracer (``make_tracer("fairbatch-agent")``).
     """
+
+    def set_class_stall_ms(self, pairs: tuple[tuple[str, float], ...]) -> None:
+        """New per-class stall timeouts (simulated ms) after a config reload; requests already relaying
+        keep theirs."""
+        self._cfg = replace(self._cfg, class_stall_ms=tuple(pairs))
 
     def __init__(self, agent: Agent, config: ProxyConfig, session: aiohttp.ClientSession, tracer: trace.Tracer) -> None:
         self._agent = agent

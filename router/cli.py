@@ -27,7 +27,7 @@ import sys
 from aiohttp import web
 
 from replica_agent.clock import Clock
-from replica_agent.aio import wait_event
+from replica_agent.aio import watch_file
 from replica_agent.http_guard import make_runner
 from replica_agent.runtime import hold_grpc_aio, run, setup_logging
 from router.config import ConfigError, RouterConfig, load_config
@@ -70,28 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _file_stamp(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_mtime_ns, st.st_size
-
-
 async def watch_config(router: Router, path: str, poll_s: float, hup: asyncio.Event) -> None:
     """Reload ``path`` on SIGHUP (``hup``) or when its mtime/size changes (polled every ``poll_s``
     wall seconds; 0 = never polled). One reload at a time; runs until cancelled."""
-    stamp = _file_stamp(path)
-    while True:
-        await wait_event(hup, poll_s if poll_s > 0 else None)
-        signalled = hup.is_set()
-        hup.clear()
-        new_stamp = _file_stamp(path)
-        if not signalled and (new_stamp is None or new_stamp == stamp):
-            continue
-        stamp = new_stamp
+
+    def reload(signalled: bool) -> None:
         log.info("reloading config %s (%s)", path, "SIGHUP" if signalled else "file changed")
         router.reload(path)
+
+    await watch_file(path, poll_s, hup, reload)
 
 
 async def serve(

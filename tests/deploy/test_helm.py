@@ -310,27 +310,34 @@ def test_multi_tenant_values_render_redis_hpa_and_servicemonitors(helm: Path) ->
     assert {e["port"] for e in agents_sm["spec"]["endpoints"]} == {"http", "engine"}
 
 
-def test_config_change_changes_the_checksum_annotation(helm: Path) -> None:
-    def checksums(*set_: str) -> tuple[str, str]:
+def test_config_change_rolls_the_router_and_no_gpu_pod(helm: Path) -> None:
+    def rendered(*set_: str) -> tuple[str, dict[str, Any], str]:
         objs = render(helm, set_=set_)
         router = one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["metadata"]["annotations"]
-        sts = one(objs, "StatefulSet")["spec"]["template"]["metadata"]["annotations"]
-        return router["checksum/config"], sts["checksum/slo-classes"]
+        config = one(objs, "ConfigMap", f"{RELEASE}-fairbatch-config")["data"]["fairbatch.yaml"]
+        return router["checksum/config"], one(objs, "StatefulSet"), config
 
-    base_router, base_sts = checksums()
+    base_router, base_sts, base_config = rendered()
     assert len(base_router) == 64
-    assert checksums() == (base_router, base_sts)  # deterministic
-    tenant_router, tenant_sts = checksums(
-        "config.tenants.default.weight=5", "config.tenants.default.slo_class=interactive"
-    )
+    assert rendered()[:2] == (base_router, base_sts)  # deterministic
+    tenant_router, tenant_sts, _ = rendered("config.tenants.default.weight=5", "config.tenants.default.slo_class=interactive")
     assert tenant_router != base_router
     assert tenant_sts == base_sts  # a tenant edit does not restart GPU pods
-    slo_router, slo_sts = checksums(
-        "config.slo_classes.interactive.ttft_ms=800", "config.slo_classes.interactive.tpot_ms=50"
-    )
-    assert slo_router != base_router and slo_sts != base_sts
+    # an SLO edit: the router rolls; the StatefulSet is the same object (no GPU pod restarts); the
+    # agents read the new classes from the ConfigMap they mount (tests/integration/test_agent_reload.py)
+    slo_router, slo_sts, slo_config = rendered(
+        "config.slo_classes.interactive.ttft_ms=800", "config.slo_classes.interactive.tpot_ms=50")
+    assert slo_router != base_router
+    assert slo_sts == base_sts
+    assert yaml.safe_load(slo_config)["slo_classes"]["interactive"]["ttft_ms"] == 800
+    assert yaml.safe_load(base_config)["slo_classes"]["interactive"]["ttft_ms"] != 800
+    pod = base_sts["spec"]["template"]
+    agent = container(pod["spec"], "agent")
+    assert "--config" in agent["args"]
+    mount = next(m for m in agent["volumeMounts"] if m["name"] == "config")
+    assert "subPath" not in mount  # a subPath mount would never see the ConfigMap update
     key = hashlib.sha256(b"k").hexdigest()
-    key_router, _ = checksums(f"auth.apiKeys.{key}=default")
+    key_router, _, _ = rendered(f"auth.apiKeys.{key}=default")
     assert key_router != base_router
 
 
