@@ -27,7 +27,8 @@ BAD_VALUES = sorted((Path(__file__).parent / "bad-values").glob("*.yaml"))
 KUBE_VERSION = "1.30"
 RELEASE = "fb"
 NAMESPACE = "llm"
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule"),
+             ("keda.sh/v1alpha1", "ScaledObject")}
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -127,6 +128,8 @@ def test_rendered_objects_validate_against_kubernetes_schemas(helm: Path, values
             # No schema for CRDs in kubernetes-validate: check the shape by hand.
             if obj["kind"] == "ServiceMonitor":
                 assert obj["spec"]["endpoints"] and obj["spec"]["selector"]["matchLabels"]
+            elif obj["kind"] == "ScaledObject":
+                assert obj["spec"]["scaleTargetRef"]["name"] and obj["spec"]["triggers"]
             else:
                 assert all(g["name"] and g["rules"] for g in obj["spec"]["groups"])
                 assert all(("alert" in r) != ("record" in r) and r["expr"] for g in obj["spec"]["groups"]
@@ -712,3 +715,76 @@ def test_helm_test_hook_sends_one_request(helm: Path) -> None:
     plain = one(render(helm), "Pod", "fb-fairbatch-router-test")
     assert "API_KEY" not in {e["name"] for e in plain["spec"]["containers"][0]["env"]}
     assert not by_kind(render(helm, set_=("helmTest.enabled=false",)), "Pod")
+
+
+def _rules_file(groups: list[dict[str, Any]], path: Path) -> Path:
+    path.write_text(yaml.safe_dump({"groups": groups}))
+    return path
+
+
+def test_vllm_autoscaling_with_keda_scales_the_statefulset_on_pab(helm: Path, tmp_path: Path) -> None:
+    objs = render(helm, set_=("vllm.autoscaling.enabled=true", "vllm.autoscaling.maxReplicas=6"))
+    so = one(objs, "ScaledObject")
+    assert so["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "fb-fairbatch-vllm"}
+    assert (so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"]) == (2, 6)
+    hpa_cfg = so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]
+    assert hpa_cfg["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
+    (trigger,) = so["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert trigger["metadata"]["threshold"] == "1"
+    query = trigger["metadata"]["query"]
+    assert "> bool 0.45" in query  # one idle replica's horizon: 500 ms x (1 - 0.1), in seconds
+    assert _series_in(query) <= _exported_names()
+    assert "replicas" not in one(objs, "StatefulSet")["spec"]  # the autoscaler owns it
+    assert not by_kind(objs, "HorizontalPodAutoscaler")  # KEDA makes its own
+    promtool = shutil.which("promtool")
+    if promtool is not None:  # the query parses
+        path = _rules_file([{"name": "q", "rules": [{"record": "q", "expr": query}]}], tmp_path / "q.yaml")
+        proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_vllm_autoscaling_unknown_class_fails_with_a_readable_message(helm: Path) -> None:
+    proc = _run(helm, "template", RELEASE, str(CHART), "--set", "vllm.autoscaling.enabled=true",
+                "--set", "vllm.autoscaling.sloClass=nope")  # fmt: skip
+    assert proc.returncode != 0 and 'vllm.autoscaling.sloClass "nope" is not in config.slo_classes' in proc.stderr
+
+
+def test_the_desired_replicas_rule_computes_the_pab_rule(helm: Path, tmp_path: Path) -> None:
+    """``promtool test rules`` evaluates the chart's recording rule on given series; the expected values
+    are router/autoscale.py ``pab_desired`` worked by hand (H = 0.45 s)."""
+    objs = render(helm, _ci("autoscaling-values.yaml"))
+    hpa = one(objs, "HorizontalPodAutoscaler", "fb-fairbatch-vllm")
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "StatefulSet"
+    metric = hpa["spec"]["metrics"][0]["external"]
+    assert metric["metric"]["name"] == "fairbatch_vllm_desired_replicas" and metric["target"]["averageValue"] == "1"
+    from router.autoscale import FleetSignal, pab_desired
+
+    groups = one(objs, "PrometheusRule")["spec"]["groups"]
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package prometheus)")
+    rules = _rules_file(groups, tmp_path / "rules.yaml")
+    lbl = 'namespace="llm"'
+    # minute by minute: (replicas, queue depth, fleet PAB s, refusals so far)
+    steps = [(3, 0, 0.3, 0), (3, 2, 0.0, 0), (3, 0, 0.2, 4), (3, 0, 1.2, 4), (3, 0, 0.45, 4), (3, 1, 1.2, 4)]
+    series = [
+        {"series": f"fairbatch_router_replicas{{{lbl}}}", "values": " ".join(str(s[0]) for s in steps)},
+        {"series": f"fairbatch_router_queue_depth{{{lbl}}}", "values": " ".join(str(s[1]) for s in steps)},
+        {"series": f'fairbatch_router_fleet_pab_seconds{{{lbl},slo_class="interactive"}}',
+         "values": " ".join(str(s[2]) for s in steps)},
+        {"series": f'fairbatch_router_requests_total{{{lbl},outcome="slo_infeasible",tenant="a",slo_class="interactive"}}',
+         "values": " ".join(str(s[3]) for s in steps)},
+    ]
+    cases = []
+    for i, (n, queue, pab, total) in enumerate(steps):
+        refused = total - (steps[i - 1][3] if i else 0)  # increase over the last minute
+        want = pab_desired(FleetSignal(n, pab * 1000.0, queue, refused=refused), 450.0)
+        cases.append({"eval_time": f"{i}m", "expr": "fairbatch_vllm_desired_replicas",
+                      "exp_samples": [{"labels": f"fairbatch_vllm_desired_replicas{{{lbl}}}", "value": want}]})
+    assert [c["exp_samples"][0]["value"] for c in cases] == [3, 4, 4, 2, 3, 3]  # by hand, as the docstring's rule
+    test = tmp_path / "test.yaml"
+    test.write_text(yaml.safe_dump({"rule_files": [str(rules)], "evaluation_interval": "1m",
+                                    "tests": [{"interval": "1m", "input_series": series, "promql_expr_test": cases}]}))
+    proc = subprocess.run([promtool, "test", "rules", str(test)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
