@@ -23,6 +23,10 @@ first and last 15 % of ``--duration-s``, ramps linearly to the peak over the nex
 for 20 %, and ramps back down. The peak defaults to ``--peak-fraction`` of the analytic bound of
 ``--max-replicas`` replicas (loadgen/fleet/bench.py ``analytic_bound``).
 
+The engines step at their own time model (``--engine-time-model``, default the profile's shipped
+file, as ``bench-fleet``), never at the model the policy plans with; engine batch limits default to
+``vllm serve``'s for the profile's GPU.
+
 Reported per row: GPU-hours (replica-hours allocated, starting and draining included, until the
 last request is served), SLO attainment over all requests (rejected and failed are misses,
 loadgen/stats.py), TTFT p99, mean and peak allocated replicas, scale events.
@@ -39,8 +43,15 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from loadgen.bench_args import (
+    add_engine_and_trace_args,
+    add_engine_time_arg,
+    resolve_engine_and_trace_args,
+    resolve_engine_time,
+)
 from loadgen.fleet.bench import TENANTS, Setup, analytic_bound, build_arrivals, fleet_config
 from loadgen.fleet.sim import AutoscaleConfig, FleetRequest, run_fleet
+from loadgen.sim.engine_time import describe_engine
 from loadgen.stats import Slo, figures
 from loadgen.traces import load_trace, resolve_trace, spread_arrivals
 from replica_agent.profiles import load_profile
@@ -133,21 +144,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="autoscale.json")
+    add_engine_and_trace_args(p)
+    add_engine_time_arg(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the rows, print the table, write the JSON. Returns the exit code."""
     args = build_parser().parse_args(argv)
-    full = spread_arrivals(load_trace(resolve_trace(args.trace)), 0.0, args.seed)
+    resolve_engine_and_trace_args(args)
+    engine_time = resolve_engine_time(args)
+    full = spread_arrivals(load_trace(resolve_trace(args.trace)), args.arrival_spread_ms, args.seed)
     kept = tuple(r for r in full if r.prompt_tokens + r.output_tokens <= 32768)
     native = len(kept) / max(1e-9, (full[-1].arrival_ms - full[0].arrival_ms) / 1000.0)
     prof = load_profile(args.profile)
-    bound = analytic_bound(kept, prof.time_model, prof.kv_capacity_tokens, args.tpot_ms, args.max_replicas, 256, 8192)
+    bound = analytic_bound(kept, prof.time_model, prof.kv_capacity_tokens, args.tpot_ms, args.max_replicas,
+                           args.max_num_seqs, args.max_num_batched_tokens)  # fmt: skip
     peak = args.peak_rps or round(bound.rps * args.peak_fraction, 2)
     low = peak * args.low_fraction
     setup = Setup(kept, native, args.max_replicas, args.profile, args.ttft_ms, args.tpot_ms, args.duration_s,
-                  args.drain_s, 1, 100.0, 0.5, "fair", 0, True, 32768, args.seed)  # fmt: skip
+                  args.drain_s, 1, 100.0, 0.5, "fair", 0, True, 32768, args.seed, args.max_num_batched_tokens,
+                  args.max_num_seqs, engine_time=engine_time)  # fmt: skip
     reqs = thin(build_arrivals(kept, native, peak, args.duration_s, args.max_replicas, args.seed), args.duration_s,
                 low, peak, args.seed)  # fmt: skip
     t0 = time.perf_counter()
@@ -161,7 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "min_replicas": args.min_replicas, "ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms,
         "duration_s": args.duration_s, "peak_rps": peak, "low_rps": low, "bound_rps": bound.rps,
         "startup_s": args.startup_s, "eval_s": args.eval_s, "stabilization_s": args.stabilization_s,
-        "waiting_target": args.waiting_target, "requests": len(reqs), "rows": rows,
+        "waiting_target": args.waiting_target, "requests": len(reqs),
+        "engine_time_model": describe_engine(engine_time), "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs, "rows": rows,
         "wall_s": round(time.perf_counter() - t0, 1),
     }  # fmt: skip
     with open(args.out, "w") as f:
