@@ -159,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lease-ttl-ms", type=float, default=5000.0, help="a lease lapses if its request never arrives")
     s.add_argument("--metrics-interval-ms", type=float, default=50.0, help="engine /metrics scrape period")
     s.add_argument("--time-scale", type=float, default=1.0, help="wall ms per simulated ms")
-    s.add_argument("--otlp-endpoint", default=None, help="OTLP/gRPC collector for spans (off by default)")
+    s.add_argument("--otlp-endpoint", default=None,
+                   help="OTLP collector for spans (before OTEL_EXPORTER_OTLP_ENDPOINT; protocol from "
+                        "OTEL_EXPORTER_OTLP_PROTOCOL: grpc or http/protobuf; off when neither is set)")
     s.add_argument("--max-connections", type=int, default=1024, help="bound of pooled upstream connections")
     s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body in bytes (default 4 MiB); a larger Content-Length is refused with 413")

@@ -1,38 +1,141 @@
 """OpenTelemetry tracing set-up shared by the router and the agent.
 
 Spans follow one request router -> agent -> engine; W3C trace context (``traceparent``) travels in
-HTTP headers. The exporter is off by default (spans are created but dropped cheaply); set an OTLP
-gRPC endpoint (e.g. ``http://otel-collector:4317``) to export them.
+HTTP headers. Spans carry the OpenTelemetry semantic conventions for HTTP (``http.request.method``,
+``url.path``, ``http.response.status_code``, ``error.type``) and GenAI (``gen_ai.operation.name``,
+``gen_ai.request.model``, ``gen_ai.request.max_tokens``, ``gen_ai.usage.input_tokens`` /
+``output_tokens``) beside fairbatch's own ``fairbatch.*`` keys; a server span whose answer is a 5xx,
+or whose relay failed, has status ERROR (:func:`set_http_status`).
+
+Export (:func:`export_settings`): the endpoint of ``--otlp-endpoint`` (router and agent; the
+router's YAML ``telemetry.otlp_endpoint``), else the standard variables
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``; the protocol from
+``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` / ``OTEL_EXPORTER_OTLP_PROTOCOL`` (``grpc``, the default, or
+``http/protobuf``); ``OTEL_TRACES_EXPORTER=none`` turns export off unless an endpoint is given
+explicitly. Headers (``OTEL_EXPORTER_OTLP_HEADERS``, ``..._TRACES_HEADERS``), TLS
+(``OTEL_EXPORTER_OTLP_INSECURE``; else by the endpoint's scheme: ``http://`` plain, ``https://`` TLS),
+timeouts and compression are read by the OTLP exporters themselves. Without an endpoint spans are
+created and dropped.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+PROTOCOLS = ("grpc", "http/protobuf")
+
+
+@dataclass(frozen=True, slots=True)
+class ExportSettings:
+    """Where spans go.
+
+    Attributes:
+        endpoint: the exporter's endpoint (gRPC: ``scheme://host:port``; HTTP: the full ``.../v1/traces`` URL).
+        protocol: ``grpc`` or ``http/protobuf``.
+    """
+
+    endpoint: str
+    protocol: str
+
+
+def export_settings(endpoint: str | None, env: Mapping[str, str]) -> ExportSettings | None:
+    """The exporter to use (module docstring), None for no export.
+
+    Args:
+        endpoint: an explicit endpoint (flag or YAML); None or "" = from ``env``.
+        env: the environment (``os.environ``).
+
+    Raises:
+        ValueError: an unknown OTLP protocol.
+    """
+    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
+    protocol = protocol.strip()
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"OTLP protocol {protocol!r} is not supported (use one of {', '.join(PROTOCOLS)})")
+    if endpoint:
+        base, signal_specific = endpoint, False
+    elif env.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() == "none":
+        return None
+    elif env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        base, signal_specific = env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"], True
+    elif env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        base, signal_specific = env["OTEL_EXPORTER_OTLP_ENDPOINT"], False
+    else:
+        return None
+    if protocol == "http/protobuf" and not signal_specific and urlsplit(base).path in ("", "/"):
+        base = base.rstrip("/") + "/v1/traces"  # the spec's rule for the non-signal endpoint
+    return ExportSettings(base, protocol)
+
+
+def make_tracer_provider(
+    service_name: str, otlp_endpoint: str | None = None, env: Mapping[str, str] | None = None
+) -> TracerProvider:
+    """A provider for ``service_name`` with the exporter of :func:`export_settings` (no global state is changed).
+
+    Raises:
+        ValueError: an unknown OTLP protocol in ``env``.
+    """
+    settings = export_settings(otlp_endpoint, os.environ if env is None else env)
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    if settings is not None:
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        if settings.protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+            exporter = GrpcExporter(endpoint=settings.endpoint)
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+            exporter = HttpExporter(endpoint=settings.endpoint)  # type: ignore[assignment]
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
 
 
 def make_tracer(service_name: str, otlp_endpoint: str | None = None) -> trace.Tracer:
-    """Build a tracer for ``service_name`` with its own provider (no global state is changed).
+    """A tracer for ``service_name`` (:func:`make_tracer_provider`).
 
     Args:
         service_name: e.g. ``fairbatch-router``.
-        otlp_endpoint: OTLP/gRPC collector address; None or empty disables export.
+        otlp_endpoint: OTLP collector endpoint; None or empty = from the ``OTEL_*`` variables, else no export.
     """
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    if otlp_endpoint:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    return make_tracer_provider(service_name, otlp_endpoint).get_tracer("fairbatch")
 
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
-    return provider.get_tracer("fairbatch")
+
+def genai_request_attributes(span: trace.Span, chat: bool, body: Mapping[str, object], max_tokens: int | None) -> None:
+    """GenAI request attributes of a completion request (OpenTelemetry GenAI semantic conventions)."""
+    span.set_attribute("gen_ai.operation.name", "chat" if chat else "text_completion")
+    model = body.get("model")
+    if isinstance(model, str):
+        span.set_attribute("gen_ai.request.model", model)
+    if max_tokens is not None:
+        span.set_attribute("gen_ai.request.max_tokens", max_tokens)
+
+
+def set_http_status(span: trace.Span, status_code: int | None, error_type: str | None = None) -> None:
+    """``http.response.status_code`` (None: no answer came), and status ERROR with ``error.type`` for a
+    5xx or a given ``error_type`` (a failure the status code does not show, e.g. a stream that broke
+    after its 200); a 4xx leaves a server span's status unset (the client's error), as the HTTP
+    conventions say."""
+    if status_code:
+        span.set_attribute("http.response.status_code", status_code)
+    if error_type is None and status_code is not None and status_code >= 500:
+        error_type = str(status_code)
+    if error_type is not None:
+        span.set_attribute("error.type", error_type)
+        span.set_status(Status(StatusCode.ERROR, error_type))
 
 
 class _HeaderGetter(Getter[Mapping[str, str]]):

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="All SLOs, TTLs and queue timeouts are simulated ms (see --time-scale).",
     )
     p.add_argument("--config", required=True, metavar="PATH", help="router YAML (slo_classes, tenants, api_keys, replicas, ...)")
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="OTLP collector for spans (before the YAML's telemetry.otlp_endpoint and "
+                        "OTEL_EXPORTER_OTLP_ENDPOINT; protocol from OTEL_EXPORTER_OTLP_PROTOCOL: grpc or http/protobuf)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="listen port (default 8080)")
     p.add_argument(
@@ -83,11 +86,12 @@ async def watch_config(router: Router, path: str, poll_s: float, hup: asyncio.Ev
 
 async def serve(
     config: RouterConfig, host: str, port: int, clock: Clock, router_id: str, drain_s: float,
-    config_path: str | None = None, reload_poll_s: float = 2.0,
+    config_path: str | None = None, reload_poll_s: float = 2.0, otlp_endpoint: str | None = None,
 ) -> None:
     """Run the router until SIGTERM/SIGINT, then drain (bounded by ``drain_s`` wall seconds);
     reload ``config_path`` on SIGHUP or when it changes."""
-    router = Router(config, clock, router_id, agent_token=os.environ.get(AGENT_TOKEN_ENV) or None)
+    router = Router(config, clock, router_id, agent_token=os.environ.get(AGENT_TOKEN_ENV) or None,
+                    otlp_endpoint=otlp_endpoint)
     app = router.build_app()
     runner = make_runner(app, shutdown_timeout=drain_s)
     await runner.setup()
@@ -149,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     router_id = args.router_id or f"router-{socket.gethostname()}-{os.getpid()}"
     hold_grpc_aio()
-    run(serve(config, args.host, args.port, clock, router_id, args.drain_s, args.config, args.reload_poll_s))
+    run(serve(config, args.host, args.port, clock, router_id, args.drain_s, args.config, args.reload_poll_s,
+              args.otlp_endpoint))
     return 0
 
 

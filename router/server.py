@@ -60,7 +60,8 @@ from replica_agent.http_guard import (
     read_body,
 )
 from replica_agent.openai_stream import requested_choices
-from replica_agent.telemetry import extract_context, inject_context, make_tracer
+from replica_agent.telemetry import extract_context, genai_request_attributes, inject_context, make_tracer
+from replica_agent.telemetry import set_http_status
 from router.admission_queue import Attempt, Dispatcher, PlacementFailed, QueueFull, QueueTimeout, WaitingRequest
 from router.auth import ApiKeyAuthenticator, Principal
 from router.budget_client import BudgetClient
@@ -174,6 +175,8 @@ class Router:
             there for ``static``, the ``replicas`` list).
         agent_token: shared secret the agents require (``x-fairbatch-token`` on gRPC metadata and on
             the HTTP hop); None = none (``FAIRBATCH_AGENT_TOKEN`` in the CLI).
+        otlp_endpoint: span exporter endpoint (``--otlp-endpoint``), before ``telemetry.otlp_endpoint``
+            and the ``OTEL_*`` variables (replica_agent/telemetry.py).
     """
 
     def __init__(
@@ -186,6 +189,7 @@ class Router:
         max_relay_tries: int = MAX_RELAY_TRIES,
         discovery: DiscoverySource | None = None,
         agent_token: str | None = None,
+        otlp_endpoint: str | None = None,
     ) -> None:
         self._agent_token = agent_token
         self.config = config
@@ -233,7 +237,7 @@ class Router:
         self.ledger: Ledger = build_ledger(config, self.clock, self._on_ledger_degraded)
         self._shared_counters = config.redis_url is not None
         self._sync_task: asyncio.Task[None] | None = None
-        self.tracer = make_tracer(config.telemetry.service_name, config.telemetry.otlp_endpoint)
+        self.tracer = make_tracer(config.telemetry.service_name, otlp_endpoint or config.telemetry.otlp_endpoint)
         self._background: set[asyncio.Task[Any]] = set()
         self._leased: dict[str, str] = {}  # lease id -> replica id, until the request ends
         self._replica_load: collections.Counter[str] = collections.Counter()
@@ -657,6 +661,8 @@ class Router:
         with self.metrics.inflight.track_inprogress(), self.tracer.start_as_current_span(
             "router.request", context=parent, kind=trace.SpanKind.SERVER
         ) as span:
+            span.set_attribute("http.request.method", request.method)
+            span.set_attribute("url.path", request.path)
             span.set_attribute("fairbatch.request_id", request_id)
             if client_id is not None:
                 span.set_attribute("fairbatch.client_request_id", client_id)
@@ -675,6 +681,7 @@ class Router:
                 raise
             self._observe(request, principal, outcome, response.status, arrival_ms, chat)
             span.set_attribute("fairbatch.outcome", outcome)
+            set_http_status(span, response.status, "upstream_error" if outcome == "upstream_error" else None)
             return response
 
     def _observe(
@@ -731,6 +738,7 @@ class Router:
             opts = body.get("stream_options")
             with_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
             request[STREAM_SHAPE] = (requested_choices(body), with_usage)
+        genai_request_attributes(trace.get_current_span(), chat, body, valid.max_tokens)
         max_tokens = (valid.max_tokens or 0) * requested_choices(body)  # n > 1: n sequences decode, each up to max_tokens
         if prompt_is_exact(body, chat):
             if prompt_exceeds_every_replica(prompt_tokens, views):
@@ -892,6 +900,8 @@ class Router:
         response_headers = {"x-request-id": request.get(REQUEST_ID) or request_id, "x-fairbatch-replica": grant.replica_id,
                             "x-fairbatch-request-id": request_id}  # fmt: skip
         with self.tracer.start_as_current_span("router.relay", kind=trace.SpanKind.CLIENT) as span:
+            span.set_attribute("http.request.method", "POST")
+            span.set_attribute("url.full", replica.http_url + request.path)
             span.set_attribute("fairbatch.replica", grant.replica_id)
             inject_context(headers)
             try:
@@ -907,6 +917,8 @@ class Router:
             finally:
                 inflight.discard(abort)
             span.set_attribute("fairbatch.relay_outcome", outcome.kind)
+            failed = outcome.kind in ("retryable", "upstream_error")
+            set_http_status(span, outcome.status or None, outcome.kind if failed else None)
         request[RELAY_EVENTS] = outcome.events
         if outcome.response is not None:
             outcome.response.headers.setdefault("x-fairbatch-replica", grant.replica_id)

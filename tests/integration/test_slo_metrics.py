@@ -100,3 +100,11 @@ async def test_replayed_trace_ttft_histograms_match_the_loadgen_report(fleet_fac
         assert n_judged == report["requests_total"]
         assert n_attained + n_missed == n_judged
         assert abs(n_attained - report["slo_met"]) <= max(1, 0.02 * n_judged)
+    # the agents saw the served streams end ok (both relays stop at [DONE]: a client closing then is not a disconnect)
+    ok = 0.0
+    for url in fleet.agent_urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith('fairbatch_agent_requests_finished_total{outcome="ok"}'):
+                    ok += float(line.rsplit(" ", 1)[1])
+    assert doc["completed"] - 2 <= ok <= doc["completed"]  # 170/170 when measured; 2 spare for a loaded machine
