@@ -88,8 +88,10 @@ async def test_replayed_trace_ttft_histograms_match_the_loadgen_report(fleet_fac
         client_p99 = report["ttft_ms"]["p99"] / 1000.0
         assert abs(bucket_index(router_p99, edges) - bucket_index(client_p99, edges)) <= 1, (
             tenant, router_p99, client_p99, pairs)
-        # the SLO verdicts: attained + misses = judged; the router and the client agree on each
-        # request but for TTFTs within the few ms of loopback between them and a target (none here)
+        # the SLO verdicts: attained + misses = judged. The router's TTFT interval (arrival at the router ->
+        # first byte written) lies inside the client's (send -> first token read), so the router can only
+        # see a few more requests attained (TTFTs within the loopback and event-loop lag of a target), never
+        # fewer but for a TPOT on its border
         attained = families["fairbatch_router_slo_attained"]
         misses = families["fairbatch_router_slo_misses"]
         judged = families["fairbatch_router_slo_requests"]
@@ -99,7 +101,7 @@ async def test_replayed_trace_ttft_histograms_match_the_loadgen_report(fleet_fac
         n_judged = sum(s.value for s in judged.samples if s.name.endswith("_total") and s.labels == labels)
         assert n_judged == report["requests_total"]
         assert n_attained + n_missed == n_judged
-        assert abs(n_attained - report["slo_met"]) <= max(1, 0.02 * n_judged)
+        assert report["slo_met"] - 1 <= n_attained <= report["slo_met"] + max(2, 0.1 * n_judged)
     # the agents saw the served streams end ok (both relays stop at [DONE]: a client closing then is not a disconnect)
     ok = 0.0
     for url in fleet.agent_urls:
