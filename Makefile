@@ -1,4 +1,5 @@
 # fairbatch: two commands on a fresh clone: `make demo` and `make test`.
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -6,11 +7,16 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: demo test test-fast test-vllm vllm-env proto clean
 
+# pip's own steps are summarised by scripts/pip_progress.py (one line per package; errors pass through);
+# PYTHONWARNINGS=ignore keeps setuptools' editable-install banner away from the user
 $(STAMP): pyproject.toml
+	@echo "fairbatch: installing fairbatch and its pinned dependencies into $(VENV) (first run: 1-2 minutes)"
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+	@set -o pipefail; $(VENV)/bin/pip install --quiet --upgrade pip 2>&1 | $(PYTHON) scripts/pip_progress.py
+	@set -o pipefail; PYTHONWARNINGS=ignore $(VENV)/bin/pip install --progress-bar off -e '.[loadgen,dev]' 2>&1 \
+		| $(PYTHON) scripts/pip_progress.py
+	@touch $(STAMP)
+	@echo "fairbatch: $(VENV) ready"
 
 ## make demo: a local simulated fleet (4 engines, 4 agents, 1 router) replaying the Azure 2023 conversation trace
 demo: $(STAMP)

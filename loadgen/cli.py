@@ -6,6 +6,7 @@ Subcommands:
   sim-engine  the vLLM-compatible simulated engine (flags: ``sim-engine --help``)
   bench-policies  batching policies on one replica in virtual time (flags: ``bench-policies --help``)
   bench-fleet     routing policies on a simulated fleet in virtual time (flags: ``bench-fleet --help``)
+  bench-autoscale a ramping rate on an autoscaled fleet: PAB vs num-waiting vs a fixed peak fleet
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ _DELEGATED = {
                        "sweep arrival rate per batching policy on one replica in virtual time (see bench-policies --help)"),
     "bench-fleet": ("loadgen.fleet.bench",
                     "fleet-scale routing comparison (16-256 simulated replicas, virtual time; see bench-fleet --help)"),
+    "bench-autoscale": ("loadgen.fleet.autoscale_bench",
+                        "autoscaling on PAB vs vllm:num_requests_waiting vs a fixed peak fleet, ramping rate"),
 }
 
 
@@ -64,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay real LLM traces against fairbatch (or any vLLM-compatible server) and report "
                     "TTFT/TPOT/ITL, SLO attainment and goodput; run a local demo fleet; run the simulated engine.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{replay,demo,sim-engine,bench-policies,bench-fleet}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{replay,demo,sim-engine,bench-policies,bench-fleet,bench-autoscale}")
 
     rp = sub.add_parser(
         "replay",

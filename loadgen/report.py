@@ -8,7 +8,7 @@ time scale, which the report states). Invariant:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +128,45 @@ def _workload(doc: Mapping[str, Any]) -> str:
     return f"{head}: window {duration} s, rate x{scale}"
 
 
+SUMMARY_COLUMNS = (
+    # header (wraps at the space), key, priority: the narrowest consoles drop the highest numbers first
+    ("set", "set", 0), ("requests", "requests_total", 0), ("ok", "completed", 0), ("rejected", "rejected", 1),
+    ("failed", "failed", 1), ("SLO attained", "slo", 0), ("goodput req/s", "goodput_rps", 2),
+    ("goodput tok/s", "goodput_tokens_per_s", 3), ("out tok/s", "output_tokens_per_s", 4),
+)
+"""Columns of the summary table, with their priority when the console is too narrow for all."""
+
+
+def _cell(d: Mapping[str, Any], key: str, name: str) -> str:
+    if key == "set":
+        return name
+    if key == "slo":
+        return _pct(d["slo_attainment"])
+    if key == "rejected":
+        return str(sum(d["rejected"].values()))
+    if key in ("requests_total", "completed", "failed"):
+        return str(d[key])
+    return _fmt(d[key], 2 if key == "goodput_rps" else 0)
+
+
+def summary_table(rows: Sequence[tuple[str, Mapping[str, Any]]], width: int) -> Table:
+    """The summary table for a console ``width`` columns wide: every column when they fit (headers
+    wrapped at their space), else the lowest-priority ones dropped until it fits (:data:`SUMMARY_COLUMNS`;
+    ``set``, ``requests``, ``ok`` and ``SLO attained`` always stay)."""
+    measure = Console(width=10_000)
+    for cut in range(max(p for *_, p in SUMMARY_COLUMNS), -1, -1):
+        t = Table()
+        cols = [c for c in SUMMARY_COLUMNS if c[2] <= cut]
+        for header, key, _ in cols:
+            t.add_column(header.replace(" ", "\n") if key != "set" else header,
+                         justify="left" if key == "set" else "right", no_wrap=True)  # fmt: skip
+        for name, d in rows:
+            t.add_row(*(_cell(d, key, name) for _, key, _ in cols))
+        if measure.measure(t).maximum <= width or cut == 0:
+            return t
+    raise AssertionError("unreachable")
+
+
 def print_report(doc: Mapping[str, Any], console: Console | None = None) -> None:
     """Print the report's figures as rich tables (overall + per tenant, latencies, replicas)."""
     console = console or default_console()
@@ -135,17 +174,7 @@ def print_report(doc: Mapping[str, Any], console: Console | None = None) -> None
     rows = [("all", doc), *sorted(doc.get("per_tenant", {}).items())]
 
     console.print(title, markup=False)
-    t = Table()
-    for col in ("set", "requests", "ok", "rejected", "failed", "SLO attained", "goodput req/s", "goodput tok/s",
-                "out tok/s"):
-        t.add_column(col, justify="left" if col == "set" else "right", no_wrap=True)
-    for name, d in rows:
-        t.add_row(
-            name, str(d["requests_total"]), str(d["completed"]), str(sum(d["rejected"].values())), str(d["failed"]),
-            _pct(d["slo_attainment"]), _fmt(d["goodput_rps"], 2), _fmt(d["goodput_tokens_per_s"], 0),
-            _fmt(d["output_tokens_per_s"], 0),
-        )
-    console.print(t)
+    console.print(summary_table(rows, console.width))
 
     lat = Table(title="latencies (simulated ms)", title_justify="left")
     lat.add_column("set", no_wrap=True)

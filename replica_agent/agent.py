@@ -23,12 +23,11 @@ import asyncio
 import itertools
 import logging
 import math
-from dataclasses import dataclass, field
-
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from dataclasses import dataclass, field, replace
 
 from replica_agent.clock import Clock
 from replica_agent.engine_metrics import EngineMetrics
+from replica_agent.metrics import AgentMetrics
 from replica_agent.policy.leases import Lease, LeaseTable, LeaseTableFull
 from replica_agent.plugin_mode import PLUGIN, STALE, export_mode, lease_matches, parse_record, record_kind
 from replica_agent.plugin_mode import replica_state_from_record
@@ -162,81 +161,6 @@ class ReserveResult:
     expires_unix_ms: int
 
 
-class AgentMetrics:
-    """The agent's own Prometheus metrics, in their own registry (``fairbatch_agent_*``)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.pab_ms = Gauge("fairbatch_agent_pab_ms", "PAB per SLO class (simulated ms)", ["slo_class"], registry=r)
-        self.pab_tokens = Gauge("fairbatch_agent_pab_tokens", "PAB per SLO class (tokens)", ["slo_class"], registry=r)
-        self.decode_reservation_ms = Gauge(
-            "fairbatch_agent_decode_reservation_ms", "decode reservation inside the class horizon (ms)",
-            ["slo_class"], registry=r,
-        )
-        self.inflight_reservation_ms = Gauge(
-            "fairbatch_agent_inflight_reservation_ms", "in-flight prefill + lease reservation (ms)",
-            ["slo_class"], registry=r,
-        )
-        self.min_slack_ms = Gauge("fairbatch_agent_min_slack_ms", "smallest slack over tracked requests (ms)", registry=r)
-        self.requests = Gauge("fairbatch_agent_requests", "tracked requests by state", ["state"], registry=r)
-        self.leases_active = Gauge("fairbatch_agent_leases_active", "leases granted, request not arrived", registry=r)
-        self.kv_usage = Gauge("fairbatch_agent_engine_kv_usage", "engine KV cache usage 0..1 (last scrape)", registry=r)
-        self.healthy = Gauge("fairbatch_agent_healthy", "1 when the engine is reachable and metrics fresh", registry=r)
-        self.engine_metrics_missing = Counter(
-            "fairbatch_agent_engine_metrics_missing", "engine scrapes missing a metric", ["metric"], registry=r
-        )
-        self.scrape_errors = Counter("fairbatch_agent_engine_scrape_errors", "failed engine /metrics scrapes", registry=r)
-        self.requests_total = Counter(
-            "fairbatch_agent_requests_finished",
-            "finished requests by outcome (ok, client_disconnect, upstream_error, ...)",
-            ["outcome"],
-            registry=r,
-        )
-        self.reserve_total = Counter("fairbatch_agent_reserve", "Reserve calls by result", ["result"], registry=r)
-        self.leases_expired = Counter("fairbatch_agent_leases_expired", "leases that lapsed", registry=r)
-        self.plugin_records = Counter(
-            "fairbatch_agent_plugin_records", "plugin export records read, by kind (state, step, bad)",
-            ["kind"], registry=r,
-        )
-        self.plugin_export_stale = Gauge(
-            "fairbatch_agent_plugin_export_stale",
-            "1 while plugin mode falls back to proxy-mode state (no plugin record within --plugin-stale-ms "
-            "while the engine is busy); 0 otherwise and in proxy mode", registry=r,
-        )
-        self.plugin_fallbacks = Counter(
-            "fairbatch_agent_plugin_fallbacks", "times plugin mode fell back to proxy-mode state (stale export)",
-            registry=r,
-        )
-        self.plugin_dropped = Gauge(
-            "fairbatch_agent_plugin_export_dropped", "records the plugin reports it dropped (last record)", registry=r
-        )
-        self.time_model_coefficient = Gauge(
-            "fairbatch_agent_time_model_coefficient",
-            "online-fitted step-time coefficient (point model; term a: ms, b, d: ms per token, c: ms per context "
-            "token, e: ms per chunk x prefix token pair; replica_agent/policy/calibration.py)", ["term"], registry=r,
-        )
-        self.time_model_margin = Gauge(
-            "fairbatch_agent_time_model_margin_ratio",
-            "factor on the point model that PAB and Reserve plan with: the learned quantile of measured / "
-            "predicted step time, clamped to [1, max]", registry=r,
-        )
-        self.time_model_residual_quantile = Gauge(
-            "fairbatch_agent_time_model_residual_ratio",
-            "quantile of (measured - predicted) / predicted step time over the recent window (one step ahead)",
-            ["quantile"], registry=r,
-        )
-        self.time_model_abs_error = Gauge(
-            "fairbatch_agent_time_model_mean_abs_error_ratio",
-            "mean |measured - predicted| / predicted step time over the recent window; NaN before any step", registry=r,
-        )
-        self.time_model_steps = Counter(
-            "fairbatch_agent_time_model_steps", "steps the online time model learned from, by source (plugin, proxy)",
-            ["source"], registry=r,
-        )
-        self.time_model_abs_error.set(math.nan)
-
-
 @dataclass(slots=True)
 class _PluginView:
     record: dict | None = None  # last state record
@@ -277,8 +201,36 @@ class Agent:
         self._seq = itertools.count(1)
         self._changed = asyncio.Event()
         for c in config.slo_classes:  # export every class from the start
-            self.metrics.pab_ms.labels(c.name)
+            self.metrics.pab.labels(c.name)
             self.metrics.pab_tokens.labels(c.name)
+
+    def set_slo_classes(self, classes: tuple[SloClass, ...], default_slo_class: str | None = None) -> None:
+        """Swap the SLO classes while serving (a config reload): new Reserves and budgets use them at
+        once, tracked requests keep the envelope they arrived with; the budget is pushed.
+
+        Args:
+            classes: the new classes (non-empty, distinct names).
+            default_slo_class: class of requests without one; None keeps the current one.
+
+        Raises:
+            ValueError: as :class:`AgentConfig` (empty, duplicates, default not among them); nothing changed.
+        """
+        config = replace(self.config, slo_classes=tuple(classes),
+                         default_slo_class=default_slo_class or self.config.default_slo_class)  # fmt: skip
+        gone = set(self.classes) - {c.name for c in classes}
+        self.config = config
+        self.classes = {c.name: c for c in config.slo_classes}
+        m = self.metrics
+        for name in gone:
+            for gauge in (m.pab, m.pab_tokens, m.decode_reservation, m.inflight_reservation):
+                try:
+                    gauge.remove(name)
+                except KeyError:
+                    pass
+        for c in config.slo_classes:
+            m.pab.labels(c.name)
+            m.pab_tokens.labels(c.name)
+        self.notify()
 
     # ---- change notification -------------------------------------------------------------
     @property
@@ -560,12 +512,12 @@ class Agent:
         self._export_time_model()
         m = self.metrics
         for name, b in view.classes.items():
-            m.pab_ms.labels(name).set(b.pab_ms)
+            m.pab.labels(name).set(b.pab_ms / 1000.0)
             m.pab_tokens.labels(name).set(b.pab_tokens)
-            m.decode_reservation_ms.labels(name).set(b.decode_reservation_ms)
-            m.inflight_reservation_ms.labels(name).set(b.inflight_reservation_ms)
+            m.decode_reservation.labels(name).set(b.decode_reservation_ms / 1000.0)
+            m.inflight_reservation.labels(name).set(b.inflight_reservation_ms / 1000.0)
         slack = self.tracker.min_slack_ms(now_ms)
-        m.min_slack_ms.set(slack if slack is not None else math.nan)
+        m.min_slack.set(slack / 1000.0 if slack is not None else math.nan)
         for state, n in self.tracker.counts().items():
             m.requests.labels(state).set(n)
         m.requests.labels("lease").set(view.active_leases)

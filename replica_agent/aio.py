@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+import os
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -68,3 +69,30 @@ async def stop_task(task: asyncio.Task[Any], timeout_s: float = 5.0) -> bool:
     if not task.cancelled() and task.exception() is not None:
         log.warning("task %s ended with %r", task.get_name(), task.exception())
     return True
+
+
+def file_stamp(path: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """``(mtime_ns, size)`` of a file, None when it cannot be read (a change detector, not a hash)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+async def watch_file(
+    path: str | os.PathLike[str], poll_s: float, hup: asyncio.Event, on_change: Callable[[bool], object]
+) -> None:
+    """Call ``on_change(signalled)`` on SIGHUP (``hup`` set) or when the file's mtime/size changes
+    (polled every ``poll_s`` wall seconds; 0 = only on ``hup``). One call at a time; runs until cancelled.
+    A Kubernetes ConfigMap update (an atomic symlink swap) changes the stamp like an edit does."""
+    stamp = file_stamp(path)
+    while True:
+        await wait_event(hup, poll_s if poll_s > 0 else None)
+        signalled = hup.is_set()
+        hup.clear()
+        new_stamp = file_stamp(path)
+        if not signalled and (new_stamp is None or new_stamp == stamp):
+            continue
+        stamp = new_stamp
+        on_change(signalled)

@@ -28,10 +28,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
-import yaml
 from aiohttp import web
 
 from replica_agent.admission_server import expire_leases_loop, start_grpc_server
+from replica_agent.aio import watch_file
 from replica_agent.calibrate import calibrate, format_fit
 from replica_agent.agent import Agent, AgentConfig
 from replica_agent.clock import Clock
@@ -45,6 +45,7 @@ from replica_agent.proxy import Proxy, ProxyConfig, make_session
 from replica_agent.http_guard import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, make_runner
 from replica_agent.runtime import hold_grpc_aio, run, setup_logging
 from replica_agent.telemetry import make_tracer
+from router.config import ConfigError, load_agent_section
 
 log = logging.getLogger("replica_agent")
 
@@ -81,39 +82,41 @@ def load_stall_timeouts(path: Path) -> dict[str, float]:
     """``slo_classes.<name>.stall_timeout_ms`` (simulated ms) of a router YAML, for the classes that set one.
 
     Raises:
-        ValueError: a value that is not a positive number.
-        OSError: when the file cannot be read.
+        ConfigError: as :func:`load_slo_classes`.
     """
-    data = yaml.safe_load(path.read_text())
-    classes = data.get("slo_classes") if isinstance(data, dict) else None
-    out: dict[str, float] = {}
-    for name, spec in (classes or {}).items():
-        value = spec.get("stall_timeout_ms") if isinstance(spec, dict) else None
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise ValueError(f"{path}: slo_classes.{name}.stall_timeout_ms must be a positive number")
-        out[str(name)] = float(value)
-    return out
+    section = load_agent_section(path)
+    return {name: c.stall_timeout_ms for name, c in section.slo_classes.items() if c.stall_timeout_ms is not None}
 
 
 def load_slo_classes(path: Path) -> list[SloClass]:
-    """The ``slo_classes`` mapping of a router YAML (only ttft_ms and tpot_ms are read).
+    """The ``slo_classes`` of a router YAML, validated by the router's own models
+    (router/config.py :class:`~router.config.AgentSection`); the agent plans with ttft_ms and tpot_ms.
 
     Raises:
-        ValueError: when the file has no usable ``slo_classes`` mapping.
-        OSError: when it cannot be read.
+        ConfigError: unreadable file, YAML syntax error, no ``slo_classes``, or an invalid class; the
+            message is ``<file>:<line>: <field.path>: <reason>``, as the router's.
     """
-    data = yaml.safe_load(path.read_text())
-    classes = data.get("slo_classes") if isinstance(data, dict) else None
-    if not isinstance(classes, dict) or not classes:
-        raise ValueError(f"{path}: no slo_classes mapping")
-    out = []
-    for name, spec in classes.items():
-        if not isinstance(spec, dict) or "ttft_ms" not in spec or "tpot_ms" not in spec:
-            raise ValueError(f"{path}: slo_classes.{name} needs ttft_ms and tpot_ms")
-        out.append(SloClass(str(name), float(spec["ttft_ms"]), float(spec["tpot_ms"])))
-    return out
+    return [SloClass(name, c.ttft_ms, c.tpot_ms) for name, c in load_agent_section(path).slo_classes.items()]
+
+
+def reload_slo_classes(agent: Agent, proxy: Proxy, path: Path, flag_classes: Sequence[SloClass]) -> bool:
+    """Re-read ``slo_classes`` from ``path`` and apply them (``--slo-class`` flags still override the
+    file's class of the same name); an invalid file is refused, logged and counted, and the running
+    classes kept. Returns True when applied."""
+    try:
+        by_name = {c.name: c for c in load_slo_classes(path)}
+        by_name.update({c.name: c for c in flag_classes})
+        stalls = load_stall_timeouts(path)
+        agent.set_slo_classes(tuple(by_name.values()))
+    except (ConfigError, ValueError) as exc:
+        agent.metrics.config_reloads.labels("invalid").inc()
+        log.error("slo_classes reload refused, keeping the running classes: %s", exc)
+        return False
+    proxy.set_class_stall_ms(tuple(stalls.items()))
+    agent.metrics.config_reloads.labels("ok").inc()
+    log.info("slo_classes reloaded from %s: %s", path,
+             ", ".join(f"{c.name}({c.ttft_ms:g}/{c.tpot_ms:g} ms)" for c in agent.config.slo_classes))  # fmt: skip
+    return True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,7 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time-model coefficients in ms (overrides the profile's)")
     s.add_argument("--kv-capacity-tokens", type=int, default=None,
                    help="KV capacity in tokens (default: engine's cache_config_info, else the profile's)")
-    s.add_argument("--config", type=Path, default=None, help="router YAML; only its slo_classes are read")
+    s.add_argument("--config", type=Path, default=None,
+                   help="router YAML; only its slo_classes are read (reloaded on SIGHUP and when the file changes)")
+    s.add_argument("--reload-poll-s", type=float, default=2.0,
+                   help="wall seconds between checks of --config for changes (default 2; 0 = only on SIGHUP)")
     s.add_argument("--slo-class", type=parse_slo_class, action="append", default=[], metavar="NAME:TTFT_MS:TPOT_MS",
                    help="an SLO class (repeatable); default default:1000:100 when neither this nor --config is given")
     s.add_argument("--default-slo-class", default=None,
@@ -157,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-interval-ms", type=float, default=50.0, help="engine /metrics scrape period")
     s.add_argument("--time-scale", type=float, default=1.0, help="wall ms per simulated ms")
     s.add_argument("--otlp-endpoint", default=None,
-                   help="OTLP/gRPC collector for spans (off by default: a no-op tracer, trace context passed on)")
+                   help="OTLP collector for spans (before OTEL_EXPORTER_OTLP_ENDPOINT; protocol from "
+                        "OTEL_EXPORTER_OTLP_PROTOCOL: grpc or http/protobuf; off when neither is set: a no-op "
+                        "tracer, trace context passed on)")
     s.add_argument("--otlp-sample-ratio", type=float, default=1.0,
                    help="share of root traces recorded when exporting (children follow their parent), 0..1")
     s.add_argument("--max-connections", type=int, default=1024, help="bound of pooled upstream connections")
@@ -321,6 +329,12 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if args.config is not None:
+        hup = asyncio.Event()
+        loop.add_signal_handler(signal.SIGHUP, hup.set)
+        tasks.append(asyncio.create_task(watch_file(
+            args.config, args.reload_poll_s, hup, lambda _: reload_slo_classes(agent, proxy, args.config, args.slo_class),
+        ), name="config-watch"))
     log.info(
         "agent %s: http %s:%d%s grpc %s:%d engine %s plugin export %s classes %s",
         agent.config.replica_id, args.host, args.http_port, " (no proxy)" if args.no_proxy else "",
@@ -355,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         try:
             config_from_args(args)  # fail fast with a readable message
-        except (ValueError, KeyError, OSError) as e:
+        except (ConfigError, ValueError, KeyError, OSError) as e:
             parser.error(str(e))
         hold_grpc_aio()
         run(serve(args))

@@ -36,7 +36,7 @@ import json
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -59,7 +59,7 @@ from replica_agent.http_guard import (
 )
 from replica_agent.openai_errors import map_engine_error
 from replica_agent.openai_stream import fast_event_tokens, generated_tokens, requested_choices, usage_counts
-from replica_agent.telemetry import extract_context, inject_context
+from replica_agent.telemetry import extract_context, genai_request_attributes, inject_context, set_http_status
 from replica_agent.tracker import TrackerFull
 
 log = logging.getLogger(__name__)
@@ -311,6 +311,11 @@ class Proxy:
         tracer: OpenTelemetry tracer (``make_tracer("fairbatch-agent")``).
     """
 
+    def set_class_stall_ms(self, pairs: tuple[tuple[str, float], ...]) -> None:
+        """New per-class stall timeouts (simulated ms) after a config reload; requests already relaying
+        keep theirs."""
+        self._cfg = replace(self._cfg, class_stall_ms=tuple(pairs))
+
     def __init__(self, agent: Agent, config: ProxyConfig, session: aiohttp.ClientSession, tracer: trace.Tracer) -> None:
         self._agent = agent
         self._cfg = config
@@ -476,6 +481,9 @@ class Proxy:
             # The engine's deadline-aware policy (sim --policy fairbatching, plugin) reads the class's SLO.
             up_headers["x-fairbatch-ttft-ms"] = f"{tracked.envelope.ttft_ms:g}"
             up_headers["x-fairbatch-tpot-ms"] = f"{tracked.envelope.tpot_ms:g}"
+            span.set_attribute("http.request.method", request.method)
+            span.set_attribute("url.path", path)
+            genai_request_attributes(span, chat, body, valid.max_tokens)
             span.set_attribute("fairbatch.request_id", request_id)
             span.set_attribute("fairbatch.slo_class", tracked.slo_class)
             span.set_attribute("fairbatch.stream", stream)
@@ -494,6 +502,8 @@ class Proxy:
                 else:
                     resp, outcome = await self._relay_whole(request, path, raw, up_headers, key, request_id, stall_s)
                 span.set_attribute("fairbatch.outcome", outcome)
+                broke = resp.status == 200 and outcome not in ("ok", "client_disconnect")  # failed after its 200
+                set_http_status(span, resp.status, outcome if broke else None)
                 return resp
             except asyncio.CancelledError:
                 # the client left (aiohttp cancelled the handler): the upstream request was closed on the
@@ -502,6 +512,9 @@ class Proxy:
                 raise
             finally:
                 done = agent.request_done(key, agent.clock.now_ms(), outcome)
+                if done is not None:  # the engine's usage when it reported one, else the relayed tokens
+                    span.set_attribute("gen_ai.usage.input_tokens", done.request.prompt_tokens)
+                    span.set_attribute("gen_ai.usage.output_tokens", done.request.tokens_out)
                 if done is not None and outcome != "ok":
                     log.info("request %s ended: %s", request_id, outcome)
 
@@ -639,6 +652,8 @@ class Proxy:
                             upstream_error = "engine sent an error event"
                     if n:
                         agent.request_tokens(key, now, n)
+                if parser.done:  # the answer is complete: end the client's stream now, not at the engine's EOF
+                    break
             if parser.done and not upstream_error:
                 clean = True
                 await resp.write_eof()

@@ -27,7 +27,7 @@ import sys
 from aiohttp import web
 
 from replica_agent.clock import Clock
-from replica_agent.aio import wait_event
+from replica_agent.aio import watch_file
 from replica_agent.http_guard import make_runner
 from replica_agent.runtime import hold_grpc_aio, run, setup_logging
 from router.config import ConfigError, RouterConfig, load_config
@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="All SLOs, TTLs and queue timeouts are simulated ms (see --time-scale).",
     )
     p.add_argument("--config", required=True, metavar="PATH", help="router YAML (slo_classes, tenants, api_keys, replicas, ...)")
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="OTLP collector for spans (before the YAML's telemetry.otlp_endpoint and "
+                        "OTEL_EXPORTER_OTLP_ENDPOINT; protocol from OTEL_EXPORTER_OTLP_PROTOCOL: grpc or http/protobuf)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="listen port (default 8080)")
     p.add_argument(
@@ -70,37 +73,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _file_stamp(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_mtime_ns, st.st_size
-
-
 async def watch_config(router: Router, path: str, poll_s: float, hup: asyncio.Event) -> None:
     """Reload ``path`` on SIGHUP (``hup``) or when its mtime/size changes (polled every ``poll_s``
     wall seconds; 0 = never polled). One reload at a time; runs until cancelled."""
-    stamp = _file_stamp(path)
-    while True:
-        await wait_event(hup, poll_s if poll_s > 0 else None)
-        signalled = hup.is_set()
-        hup.clear()
-        new_stamp = _file_stamp(path)
-        if not signalled and (new_stamp is None or new_stamp == stamp):
-            continue
-        stamp = new_stamp
+
+    def reload(signalled: bool) -> None:
         log.info("reloading config %s (%s)", path, "SIGHUP" if signalled else "file changed")
         router.reload(path)
+
+    await watch_file(path, poll_s, hup, reload)
 
 
 async def serve(
     config: RouterConfig, host: str, port: int, clock: Clock, router_id: str, drain_s: float,
-    config_path: str | None = None, reload_poll_s: float = 2.0,
+    config_path: str | None = None, reload_poll_s: float = 2.0, otlp_endpoint: str | None = None,
 ) -> None:
     """Run the router until SIGTERM/SIGINT, then drain (bounded by ``drain_s`` wall seconds);
     reload ``config_path`` on SIGHUP or when it changes."""
-    router = Router(config, clock, router_id, agent_token=os.environ.get(AGENT_TOKEN_ENV) or None)
+    router = Router(config, clock, router_id, agent_token=os.environ.get(AGENT_TOKEN_ENV) or None,
+                    otlp_endpoint=otlp_endpoint)
     app = router.build_app()
     runner = make_runner(app, shutdown_timeout=drain_s)
     await runner.setup()
@@ -162,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     router_id = args.router_id or f"router-{socket.gethostname()}-{os.getpid()}"
     hold_grpc_aio()
-    run(serve(config, args.host, args.port, clock, router_id, args.drain_s, args.config, args.reload_poll_s))
+    run(serve(config, args.host, args.port, clock, router_id, args.drain_s, args.config, args.reload_poll_s,
+              args.otlp_endpoint))
     return 0
 
 

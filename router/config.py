@@ -450,14 +450,12 @@ def _format_validation(path: Path, root: yaml.Node | None, exc: ValidationError)
     return "\n".join(lines)
 
 
-def parse_config(text: str, path: Path | str = "<config>") -> RouterConfig:
-    """Validate YAML text as a :class:`RouterConfig`.
+def _compose(text: str, path: Path) -> tuple[yaml.Node | None, dict[str, Any]]:
+    """The YAML node tree (for line numbers) and the data of ``text``, a mapping.
 
     Raises:
-        ConfigError: YAML syntax error (line of the parser's mark) or a field that fails
-            validation (line of that field's node), message ``file:line: field.path: reason``.
+        ConfigError: a syntax error (``file:line: YAML syntax error: ...``) or a root that is not a mapping.
     """
-    path = Path(path)
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
@@ -469,10 +467,58 @@ def parse_config(text: str, path: Path | str = "<config>") -> RouterConfig:
         raise ConfigError(f"{path.name}:1: YAML error: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path.name}:1: <root>: the file must hold a mapping (slo_classes, tenants, ...)")
+    return root, data
+
+
+def parse_config(text: str, path: Path | str = "<config>") -> RouterConfig:
+    """Validate YAML text as a :class:`RouterConfig`.
+
+    Raises:
+        ConfigError: YAML syntax error (line of the parser's mark) or a field that fails
+            validation (line of that field's node), message ``file:line: field.path: reason``.
+    """
+    path = Path(path)
+    root, data = _compose(text, path)
     try:
         return RouterConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_validation(path, root, exc)) from None
+
+
+class AgentSection(BaseModel):
+    """The part of the router YAML an agent reads: ``slo_classes``, validated with the router's own
+    :class:`SloClassConfig` (the other sections are the router's and are not read here)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    slo_classes: dict[str, SloClassConfig] = Field(min_length=1)
+
+
+def parse_agent_section(text: str, path: Path | str = "<config>") -> AgentSection:
+    """Validate the agent's part of router YAML text (same models, same ``file:line`` errors as the router).
+
+    Raises:
+        ConfigError: YAML syntax error, no ``slo_classes``, or a class field that fails validation.
+    """
+    path = Path(path)
+    root, data = _compose(text, path)
+    try:
+        return AgentSection.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation(path, root, exc)) from None
+
+
+def load_agent_section(path: Path | str) -> AgentSection:
+    """Read and validate the agent's part of the router YAML at ``path``.
+
+    Raises:
+        ConfigError: as :func:`load_config`.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
+    return parse_agent_section(text, path)
 
 
 def load_config(path: Path | str) -> RouterConfig:

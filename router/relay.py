@@ -5,8 +5,11 @@ body is forwarded as the client sent it (never re-encoded); the answer is relaye
 
 - stream: nothing is sent to the client until the first upstream body chunk arrives, so a replica
   that fails before its first byte can be retried elsewhere (:attr:`RelayOutcome.retryable`).
-  After that every chunk is written as is (``readany``, no per-chunk parsing). An upstream failure
-  mid-stream ends the client stream with one SSE error event and ``data: [DONE]``.
+  After that every chunk is written as is (``readany``, no per-chunk parsing) up to the one that
+  ends with ``data: [DONE]``: the answer is complete there, so the relay ends the client stream at
+  once instead of waiting for the upstream's end of body (a client that closes on ``[DONE]`` would
+  otherwise cancel a finished request). An upstream failure mid-stream ends the client stream
+  with one SSE error event and ``data: [DONE]``.
 - non-stream: status and body relayed.
 - client disconnect (write fails, or the handler is cancelled): the upstream response is closed
   at once, which makes the agent abort the engine request; the caller releases the lease.
@@ -58,6 +61,8 @@ class RelayOutcome:
         error_body: body of a retryable error answer (relayed when no retry is left).
         error_content_type: its content type.
         pab_ms, pab_tokens: the class budget a ``lease_refused`` answer reported (-1: none).
+        events: SSE data events relayed to the client, ``[DONE]`` not counted (0 for a non-stream
+            answer); counted on line starts, never by parsing an event.
     """
 
     kind: str
@@ -68,6 +73,7 @@ class RelayOutcome:
     error_content_type: str = "application/json"
     pab_ms: float = -1.0
     pab_tokens: int = -1
+    events: int = 0
 
 
 class ReplicaGone(aiohttp.ClientConnectionError):
@@ -124,6 +130,12 @@ async def _admit_refused(upstream: aiohttp.ClientResponse) -> RelayOutcome:
         pab_ms, pab_tokens = -1.0, -1
     return RelayOutcome("lease_refused", status=ADMIT_REFUSED_STATUS, detail=h.get("x-fairbatch-refused", ""),
                         pab_ms=pab_ms, pab_tokens=pab_tokens)
+
+
+def count_events(chunk: bytes, tail: bytes) -> int:
+    """SSE ``data:`` lines that end inside ``chunk`` (``tail``: the previous chunk's last 5 bytes, or
+    ``b"\\n"`` before the first chunk). A JSON string holds no raw newline, so a line start is an event."""
+    return (tail[-5:] + chunk[:5]).count(b"\ndata:") + chunk.count(b"\ndata:")
 
 
 def sse_error_event(message: str, code: int = 502) -> bytes:
@@ -327,6 +339,7 @@ class Relay:
         resp = web.StreamResponse(status=status, headers=response_headers)
         resp.content_type = ctype.split(";", 1)[0]
         resp.headers["Cache-Control"] = "no-cache"
+        events, tail = count_events(first, b"\n"), first[-16:]
         try:
             await resp.prepare(request)
             await resp.write(first)
@@ -355,6 +368,7 @@ class Relay:
                 return RelayOutcome("upstream_error", resp, status, detail)
             if not chunk:
                 break
+            events, tail = events + count_events(chunk, tail), (tail + chunk)[-16:]
             try:
                 await resp.write(chunk)
             except asyncio.CancelledError:
@@ -363,8 +377,11 @@ class Relay:
             except (ConnectionError, RuntimeError):
                 upstream.close()
                 return RelayOutcome("client_gone", resp, status, "client disconnected")
+            if tail.rstrip().endswith(b"[DONE]"):  # the stream is complete: a client that closes now is done, not gone
+                break
         try:
             await resp.write_eof()
         except (ConnectionError, RuntimeError):
             return RelayOutcome("client_gone", resp, status, "client disconnected")
-        return RelayOutcome("ok", resp, status)
+        done = 1 if tail.rstrip().endswith(b"[DONE]") else 0
+        return RelayOutcome("ok", resp, status, events=events - done)

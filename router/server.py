@@ -44,8 +44,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 from opentelemetry import trace
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from replica_agent.aio import stop_task, within
 from replica_agent.api_schema import ApiError, validate_request
@@ -60,7 +59,8 @@ from replica_agent.http_guard import (
     read_body,
 )
 from replica_agent.openai_stream import requested_choices
-from replica_agent.telemetry import extract_context, inject_context, make_tracer
+from replica_agent.telemetry import extract_context, genai_request_attributes, inject_context, make_tracer
+from replica_agent.telemetry import set_http_status
 from router.admission_queue import Attempt, Dispatcher, PlacementFailed, QueueFull, QueueTimeout, WaitingRequest
 from router.auth import ApiKeyAuthenticator, Principal
 from router.budget_client import BudgetClient
@@ -69,6 +69,7 @@ from router.config import ConfigError, ReplicaConfig, RouterConfig, load_config
 from router.discovery import DiscoverySource, build_discovery, diff_replicas
 from router.fair_queue import FairQueue, TenantShare
 from router.ledger import CONCURRENCY_RETRY_MS, Ledger, Refusal, TenantLimits, build_ledger
+from router.metrics import RouterMetrics
 from router.openai_surface import REFUSED_PATHS, RELAYED_PATHS, ModelCatalog, model_not_found, unsupported
 from router.placement import (
     DEFAULT_MAX_CANDIDATES,
@@ -88,6 +89,9 @@ MAX_RELAY_TRIES = 2          # replicas tried per request when one fails before 
 MAX_RESERVE_CANDIDATES = DEFAULT_MAX_CANDIDATES  # Reserve calls per placement before giving up for this pass
 RETRY_AFTER_S = 1
 _ROUTER_KEY = web.AppKey("fairbatch_router", object)
+FIRST_BYTE_MS = web.RequestKey("fairbatch_first_byte_ms", float)
+RELAY_EVENTS = web.RequestKey("fairbatch_relay_events", int)
+STREAM_SHAPE = web.RequestKey("fairbatch_stream_shape", tuple)
 
 
 MAX_ADMIT_REFUSALS = 8  # inline admissions an agent may refuse for one request before it is answered 503
@@ -143,79 +147,6 @@ def tenant_limits(config: RouterConfig) -> dict[str, TenantLimits]:
     }
 
 
-class RouterMetrics:
-    """The router's Prometheus metrics in their own registry (no global registry)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
-            "fairbatch_router_requests", "Requests by tenant, SLO class and outcome",
-            ["tenant", "slo_class", "outcome"], registry=r,
-        )
-        self.queue_depth = Gauge("fairbatch_router_queue_depth", "Requests waiting in the admission queue", registry=r)
-        self.queue_wait_ms = Histogram(
-            "fairbatch_router_queue_wait_ms", "Time spent in the admission queue (simulated ms)",
-            buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 300000),
-            registry=r,
-        )
-        self.placement_seconds = Histogram(
-            "fairbatch_router_placement_seconds", "Placement decision time (wall s)",
-            buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2), registry=r,
-        )
-        self.ledger_degraded = Gauge(
-            "fairbatch_router_ledger_degraded",
-            "1 while the shared (Redis) ledger is unreachable and the router serves on its local ledger",
-            registry=r,
-        )
-        self.config_reloads = Counter(
-            "fairbatch_router_config_reloads", "Configuration reloads by result (ok, invalid)", ["result"], registry=r,
-        )
-        self.config_generation = Gauge(
-            "fairbatch_router_config_generation", "Configurations applied since start (1 = the initial one)", registry=r,
-        )
-        self.tenant_vtc = Gauge(
-            "fairbatch_router_tenant_vtc", "Virtual token counter per tenant (weighted tokens / weight)",
-            ["tenant"], registry=r,
-        )
-        self.reserve_seconds = Histogram(
-            "fairbatch_router_reserve_seconds", "Reserve RPC latency (wall s)",
-            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0), registry=r,
-        )
-        self.admit_refusals = Counter(
-            "fairbatch_router_admit_refusals",
-            "Inline admissions an agent refused on arrival (its budget was gone; the request was re-placed)",
-            ["replica"], registry=r,
-        )
-        self.replica_pab_ms = Gauge(
-            "fairbatch_router_replica_pab_ms", "Usable PAB per replica and class (simulated ms; 0 when stale)",
-            ["replica", "slo_class"], registry=r,
-        )
-        self.budget_age_ms = Gauge(
-            "fairbatch_router_budget_age_ms", "Age of the latest budget snapshot (simulated ms; -1 = none)",
-            ["replica"], registry=r,
-        )
-        self.replicas = Gauge("fairbatch_router_replicas", "Replicas known (static or discovered)", registry=r)
-        self.replica_inflight = Gauge(
-            "fairbatch_router_replica_inflight_requests",
-            "Requests this router holds a lease for on the replica (granted, or being relayed), not yet ended",
-            ["replica"], registry=r,
-        )
-        self.replica_queued = Gauge(
-            "fairbatch_router_replica_queued_requests",
-            "Requests waiting for the replica: its engine's waiting queue (from its budget stream) plus "
-            "the router queue entry it is held for (0 or 1)",
-            ["replica"], registry=r,
-        )
-        self.replica_changes = Counter(
-            "fairbatch_router_replica_changes", "Replicas added or removed by discovery", ["change"], registry=r,
-        )
-        self.replica_aborts = Counter(
-            "fairbatch_router_replica_aborts",
-            "In-flight requests failed because their replica was removed by discovery", registry=r,
-        )
-
-
 def openai_error(
     status: int,
     message: str,
@@ -256,6 +187,8 @@ class Router:
             there for ``static``, the ``replicas`` list).
         agent_token: shared secret the agents require (``x-fairbatch-token`` on gRPC metadata and on
             the HTTP hop); None = none (``FAIRBATCH_AGENT_TOKEN`` in the CLI).
+        otlp_endpoint: span exporter endpoint (``--otlp-endpoint``), before ``telemetry.otlp_endpoint``
+            and the ``OTEL_*`` variables (replica_agent/telemetry.py).
     """
 
     def __init__(
@@ -268,6 +201,7 @@ class Router:
         max_relay_tries: int = MAX_RELAY_TRIES,
         discovery: DiscoverySource | None = None,
         agent_token: str | None = None,
+        otlp_endpoint: str | None = None,
     ) -> None:
         self._agent_token = agent_token
         self.config = config
@@ -305,7 +239,8 @@ class Router:
             agent_token=agent_token,
         )
         self.relay = Relay()
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics([c.ttft_ms for c in config.slo_classes.values()],
+                                     [c.tpot_ms for c in config.slo_classes.values()])
         self.metrics.config_generation.set(1)
         self.metrics.replicas.set(len(self.replicas))
         self.discovery = discovery if discovery is not None else build_discovery(config.discovery)
@@ -314,7 +249,7 @@ class Router:
         self.ledger: Ledger = build_ledger(config, self.clock, self._on_ledger_degraded)
         self._shared_counters = config.redis_url is not None
         self._sync_task: asyncio.Task[None] | None = None
-        self.tracer = make_tracer(config.telemetry.service_name, config.telemetry.otlp_endpoint,
+        self.tracer = make_tracer(config.telemetry.service_name, otlp_endpoint or config.telemetry.otlp_endpoint,
                                   config.telemetry.sample_ratio)
         self._background: set[asyncio.Task[Any]] = set()
         self._leased: dict[str, str] = {}  # lease id -> replica id, until the request ends
@@ -427,21 +362,8 @@ class Router:
         self.book.remove_replica(rid)
         self.budgets.remove(rid)
         self.metrics.replica_changes.labels("removed").inc()
-        self._forget_replica_metrics(rid)
+        self.metrics.forget_replica(rid)
         log.info("replica %s removed (%d in-flight requests failed over)", rid, len(aborts))
-
-    def _forget_replica_metrics(self, rid: str) -> None:
-        m = self.metrics
-        for gauge in (m.budget_age_ms, m.replica_inflight, m.replica_queued, m.admit_refusals):
-            try:
-                gauge.remove(rid)
-            except KeyError:
-                pass
-        for labels in [key for key in list(m.replica_pab_ms._metrics) if key[0] == rid]:  # noqa: SLF001
-            try:
-                m.replica_pab_ms.remove(*labels)
-            except KeyError:
-                pass
 
     # ------------------------------------------------------------------ configuration and ledger
 
@@ -538,6 +460,8 @@ class Router:
         await self.close()
 
     async def _on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        if FIRST_BYTE_MS not in request:  # a stream's first event is written right after this hook
+            request[FIRST_BYTE_MS] = self.clock.now_ms()
         if "x-request-id" not in response.headers:
             rid = request.get(REQUEST_ID) or client_request_id(request.headers.get("x-request-id")) or new_request_id()
             response.headers["x-request-id"] = rid
@@ -751,7 +675,7 @@ class Router:
         finally:
             self.queue.remove(entry)
             self.metrics.queue_depth.set(len(self.queue))
-            self.metrics.queue_wait_ms.observe(self.clock.now_ms() - now)
+            self.metrics.queue_wait.observe((self.clock.now_ms() - now) / 1000.0)
 
     # ------------------------------------------------------------------ handlers
 
@@ -771,15 +695,17 @@ class Router:
         client_id = client_request_id(request.headers.get("x-request-id"))
         request[REQUEST_ID] = client_id or request_id
         parent = extract_context(request.headers) if "traceparent" in request.headers else None
-        with self.tracer.start_as_current_span(
+        with self.metrics.inflight.track_inprogress(), self.tracer.start_as_current_span(
             "router.request", context=parent, kind=trace.SpanKind.SERVER
         ) as span:
+            span.set_attribute("http.request.method", request.method)
+            span.set_attribute("url.path", request.path)
             span.set_attribute("fairbatch.request_id", request_id)
             if client_id is not None:
                 span.set_attribute("fairbatch.client_request_id", client_id)
             principal = self.auth.identify(request.headers, request.remote)
             if principal is None:
-                self.metrics.requests.labels("unknown", "unknown", "unauthorized").inc()
+                self.metrics.observe_answer("unknown", "unknown", "unauthorized", 401, 0.0, None, None, 0.0, 0.0)
                 return openai_error(401, self.auth.refusal(request.headers, request.remote), code="invalid_api_key")
             span.set_attribute("fairbatch.tenant", principal.tenant)
             span.set_attribute("fairbatch.slo_class", principal.slo_class)
@@ -790,9 +716,29 @@ class Router:
             except asyncio.CancelledError:  # client went away (queued or mid-relay); leases already freed
                 self.metrics.requests.labels(principal.tenant, principal.slo_class, "client_disconnect").inc()
                 raise
-            self.metrics.requests.labels(principal.tenant, principal.slo_class, outcome).inc()
+            self._observe(request, principal, outcome, response.status, arrival_ms, chat)
             span.set_attribute("fairbatch.outcome", outcome)
+            set_http_status(span, response.status, "upstream_error" if outcome == "upstream_error" else None)
             return response
+
+    def _observe(
+        self, request: web.Request, principal: Principal, outcome: str, code: int, arrival_ms: float, chat: bool
+    ) -> None:
+        """Record one answered request in the metrics (router/metrics.py: TTFT to the first byte relayed,
+        a non-stream answer's whole body; TPOT over the relayed events per choice, chat's role event
+        and the usage event not counted)."""
+        now = self.clock.now_ms()
+        first = request.get(FIRST_BYTE_MS)
+        ttft_s = ((now if first is None else first) - arrival_ms) / 1000.0 if outcome == "ok" else None
+        tpot_s = None
+        choices, usage = request.get(STREAM_SHAPE, (0, False))
+        if outcome == "ok" and first is not None and choices > 0:
+            tokens = (request.get(RELAY_EVENTS, 0) - usage) / choices - (1 if chat else 0)
+            if tokens >= 2:
+                tpot_s = (now - first) / 1000.0 / (tokens - 1)
+        slo = principal.slo
+        self.metrics.observe_answer(principal.tenant, principal.slo_class, outcome, code, (now - arrival_ms) / 1000.0,
+                                    ttft_s, tpot_s, slo.ttft_ms / 1000.0, slo.tpot_ms / 1000.0)  # fmt: skip
 
     async def _serve(
         self, request: web.Request, principal: Principal, chat: bool, request_id: str, arrival_ms: float
@@ -825,6 +771,11 @@ class Router:
             prompt_tokens = estimate_prompt_tokens(body, chat, self.config.admission.bytes_per_token)
         except PromptError as exc:
             return "bad_request", openai_error(400, str(exc), param="messages" if chat else "prompt")
+        if valid.stream:  # for the TPOT metric (:meth:`_observe`)
+            opts = body.get("stream_options")
+            with_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+            request[STREAM_SHAPE] = (requested_choices(body), with_usage)
+        genai_request_attributes(trace.get_current_span(), chat, body, valid.max_tokens)
         max_tokens = (valid.max_tokens or 0) * requested_choices(body)  # n > 1: n sequences decode, each up to max_tokens
         if prompt_is_exact(body, chat):
             if prompt_exceeds_every_replica(prompt_tokens, views):
@@ -1007,6 +958,8 @@ class Router:
         response_headers = {"x-request-id": request.get(REQUEST_ID) or request_id, "x-fairbatch-replica": grant.replica_id,
                             "x-fairbatch-request-id": request_id}  # fmt: skip
         with self.tracer.start_as_current_span("router.relay", kind=trace.SpanKind.CLIENT) as span:
+            span.set_attribute("http.request.method", "POST")
+            span.set_attribute("url.full", replica.http_url + request.path)
             span.set_attribute("fairbatch.replica", grant.replica_id)
             inject_context(headers)
             try:
@@ -1022,6 +975,9 @@ class Router:
             finally:
                 inflight.discard(abort)
             span.set_attribute("fairbatch.relay_outcome", outcome.kind)
+            failed = outcome.kind in ("retryable", "upstream_error")
+            set_http_status(span, outcome.status or None, outcome.kind if failed else None)
+        request[RELAY_EVENTS] = outcome.events
         if outcome.response is not None:
             outcome.response.headers.setdefault("x-fairbatch-replica", grant.replica_id)
         return outcome
@@ -1091,6 +1047,8 @@ class Router:
         for tenant, value in self.queue.counters().items():
             m.tenant_vtc.labels(tenant).set(value)
         hold = self.dispatcher.hold
+        spare: dict[str, float] = {}
+        empty: dict[str, int] = {}
         for view in self.book.views(now):
             rid = view.replica_id
             m.replica_inflight.labels(rid).set(self.replica_load(rid))
@@ -1098,10 +1056,15 @@ class Router:
             waiting = stored.num_waiting if stored is not None and view.fresh else 0
             m.replica_queued.labels(rid).set(waiting + (1 if hold is not None and hold[1] == rid else 0))
             age = self.book.age_ms(view.replica_id, now)
-            m.budget_age_ms.labels(view.replica_id).set(-1.0 if age is None else age)
+            m.budget_age.labels(view.replica_id).set(-1.0 if age is None else age / 1000.0)
             for name, budget in view.classes.items():
                 usable = budget.pab_ms if (view.healthy and view.fresh) else 0.0
-                m.replica_pab_ms.labels(view.replica_id, name).set(usable)
+                m.replica_pab.labels(view.replica_id, name).set(usable / 1000.0)
+                spare[name] = spare.get(name, 0.0) + usable / 1000.0
+                empty[name] = empty.get(name, 0) + (usable <= 0.0)
+        for name in self.config.slo_classes:
+            m.fleet_pab.labels(name).set(spare.get(name, 0.0))
+            m.fleet_replicas_without_pab.labels(name).set(empty.get(name, len(self.replicas)))
         return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -87,6 +87,7 @@ from replica_agent.policy.pab import (
 )
 from replica_agent.policy.reserve import reserve_decision
 from replica_agent.policy.time_model import TimeModel
+from router.autoscale import FleetSignal, Stabilizer, pab_desired, waiting_desired
 from router.admission_queue import Attempt, Dispatcher, FifoQueue, QueueFull, QueueTimeout, WaitingRequest
 from router.budgets import BudgetBook
 from router.fair_queue import FairQueue, TenantShare
@@ -119,8 +120,41 @@ MAX_RESERVE_CANDIDATES = DEFAULT_MAX_CANDIDATES  # Reserve calls per placement (
 
 SLO_CLASS = "interactive"
 
-_ARRIVE, _FORWARD, _STEP_END, _PUSH, _DELIVER, _SCRAPE, _DISPATCH, _REFUSED, _CHANGE_PUSH = range(9)
+_ARRIVE, _FORWARD, _STEP_END, _PUSH, _DELIVER, _SCRAPE, _DISPATCH, _REFUSED, _CHANGE_PUSH, _SCALE = range(10)
 MAX_ADMIT_REFUSALS = 8  # inline admissions refused per request before it is given up (router/server.py)
+
+AUTOSCALE_SIGNALS = ("pab", "num-waiting")
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscaleConfig:
+    """An autoscaler that adds and removes replicas while the fleet runs (router/autoscale.py).
+
+    ``FleetConfig.replicas`` is then the pool's maximum. Every ``eval_period_ms`` the autoscaler
+    reads the signal (``pab``: the first router's budget view and the router queues, as the
+    router's /metrics exports them; ``num-waiting``: the engines' waiting requests, as vLLM's
+    /metrics does), computes the raw desired count (``pab_desired`` or ``waiting_desired``) and
+    stabilizes it as the HPA does (:class:`router.autoscale.Stabilizer`). A replica added starts
+    serving ``startup_ms`` later (pod scheduling, model load) and costs GPU time from the decision
+    on; a replica removed stops taking work at once (its agent reports unhealthy) and is released
+    when its running requests finish (a starting one is cancelled first).
+
+    Attributes:
+        signal: ``pab`` or ``num-waiting``.
+        min_replicas, initial_replicas: bounds at start (1 <= min <= initial <= FleetConfig.replicas).
+        startup_ms: decision to serving (ms).
+        eval_period_ms: evaluation period (the HPA's sync period is 15 s).
+        stabilization_ms: scale-down stabilization window (the HPA's default 300 s).
+        waiting_target: ``num-waiting``: target waiting requests per replica.
+    """
+
+    signal: str
+    min_replicas: int
+    initial_replicas: int
+    startup_ms: float = 60_000.0
+    eval_period_ms: float = 15_000.0
+    stabilization_ms: float = 300_000.0
+    waiting_target: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +219,8 @@ class FleetConfig:
         online_time_model: each replica learns its step times from ``time_model`` on (module
             docstring); False: policies and PAB keep ``time_model`` fixed.
         calibration: the online time model's settings.
+        autoscale: add and remove replicas while running (:class:`AutoscaleConfig`; signal ``pab``
+            needs a ``pab`` policy, ``num-waiting`` runs with any); None: all ``replicas`` serve from the start.
     """
 
     policy: str
@@ -221,6 +257,7 @@ class FleetConfig:
     engine_time: EngineTimeModel | None = None
     online_time_model: bool = True
     calibration: CalibratorConfig = field(default_factory=lambda: CalibratorConfig(refit_every=8))
+    autoscale: AutoscaleConfig | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -235,6 +272,12 @@ class FleetConfig:
             raise ValueError("min_push_interval_ms must be >= 0")
         if self.queue_kind not in ("fair", "fifo"):
             raise ValueError(f"queue_kind must be 'fair' or 'fifo', got {self.queue_kind!r}")
+        a = self.autoscale
+        if a is not None:
+            if a.signal not in AUTOSCALE_SIGNALS or (a.signal == "pab" and POLICIES[self.policy][0] != "pab"):
+                raise ValueError(f"autoscale needs a signal in {AUTOSCALE_SIGNALS}; signal pab needs a pab policy")
+            if not 1 <= a.min_replicas <= a.initial_replicas <= self.replicas:
+                raise ValueError("autoscale needs 1 <= min_replicas <= initial_replicas <= replicas")
 
 
 @dataclass(slots=True)
@@ -258,6 +301,10 @@ class FleetStats:
             force when the batch was formed, its margin included).
         time_model_mean_abs_error: mean over replicas of the online model's mean |measured /
             predicted - 1| over its last window at the end (NaN without the online model).
+        gpu_ms: replica-ms of GPU time held (every replica allocated, starting or draining
+            included), from 0 to the end of the arrivals plus the drain of the requests.
+        replica_timeline: ``(ms, allocated replicas)`` at every change (autoscale runs).
+        scale_outs, scale_ins: replicas added and removed by the autoscaler.
     """
 
     grants: int = 0
@@ -274,6 +321,10 @@ class FleetStats:
     end_ms: float = 0.0
     late_steps: int = 0
     time_model_mean_abs_error: float = float("nan")
+    gpu_ms: float = 0.0
+    replica_timeline: list[tuple[float, int]] = field(default_factory=list)
+    scale_outs: int = 0
+    scale_ins: int = 0
 
 
 @dataclass(slots=True)
@@ -350,6 +401,9 @@ class _Replica:
     seq: int = 0
     last_push_ms: float = float("-inf")
     change_push_at: float | None = None  # time of the pending change-triggered push, None when none
+    allocated: bool = True  # holds a GPU (serving, starting or draining)
+    ready_ms: float = 0.0  # serves from then on (autoscale: decision + startup)
+    draining: bool = False  # removed: takes no new work, released when idle
 
 
 @dataclass(slots=True)
@@ -579,6 +633,7 @@ class _Router:
         sim = self.sim
         req = sim.requests[idx]
         t0 = time.perf_counter()
+        exclude = exclude | sim.not_serving(self.clock.t)
         result = self.policy.place(PlacementRequest(SLO_CLASS, req.prompt_tokens, exclude), self.static_views)
         sim.sample_decision(time.perf_counter() - t0)
         if not result.candidates:
@@ -613,6 +668,14 @@ class FleetSim:
         self._heap: list[tuple[float, int, int, int, Any]] = []
         self._seq = 0
         self._decision_every = 1
+        self._gpu_t = 0.0
+        self._refused = 0  # capacity refusals since the last autoscaler evaluation
+        a = cfg.autoscale
+        self.stabilizer = None if a is None else Stabilizer(a.stabilization_ms, a.min_replicas, cfg.replicas)
+        if a is not None:
+            for rep in self.replicas[a.initial_replicas:]:
+                rep.allocated = False
+        self.stats.replica_timeline.append((0.0, self._allocated()))
 
     # ------------------------------------------------------------ events
 
@@ -774,12 +837,19 @@ class FleetSim:
         cfg = self.cfg
         if not periodic:
             rep.change_push_at = None
+        if not rep.allocated or t < rep.ready_ms:  # no pod, or still loading its model: no agent yet
+            if periodic:
+                self.push_event(t + cfg.push_period_ms, _PUSH, ri, 0)
+            return
         rep.last_push_ms = t
         self.stats.pushes += 1
         rep.leases.expire(t)
+        if rep.draining and not rep.engine.has_work() and len(rep.leases) == 0:
+            self._set_allocated(rep, False, t)  # drained: the pod goes, its GPU is free
         b = class_budget(replica_state(rep.engine, rep.leases, t, cfg.margin_frac), self.slo)
         rep.seq += 1
-        snap = _Snapshot(rep.seq, rep.engine.policy_time_model, [b], cfg.budget_ttl_ms, True, cfg.max_model_len)
+        snap = _Snapshot(rep.seq, rep.engine.policy_time_model, [b], cfg.budget_ttl_ms,
+                         rep.allocated and not rep.draining, cfg.max_model_len)  # fmt: skip
         for r in self.routers:
             self.push_event(t + cfg.net_delay_ms, _DELIVER, r.index, (ri, snap))
         if periodic:
@@ -794,7 +864,81 @@ class FleetSim:
             r.load.version += 1
         self.push_event(t + self.cfg.scrape_period_ms, _SCRAPE, ri, 0)
 
+    # ------------------------------------------------------------ autoscaling
+
+    def not_serving(self, t: float) -> frozenset[str]:
+        """Replicas a direct router must not pick at ``t`` (autoscale: no pod, starting, draining)."""
+        if self.cfg.autoscale is None:
+            return frozenset()
+        return frozenset(r.rid for r in self.replicas if not r.allocated or r.draining or t < r.ready_ms)
+
+    def _allocated(self) -> int:
+        return sum(1 for r in self.replicas if r.allocated)
+
+    def _account_gpu(self, t: float) -> None:
+        self.stats.gpu_ms += self._allocated() * max(0.0, t - self._gpu_t)
+        self._gpu_t = max(self._gpu_t, t)
+
+    def _set_allocated(self, rep: _Replica, allocated: bool, t: float) -> None:
+        self._account_gpu(t)
+        rep.allocated = allocated
+        if not allocated:
+            rep.draining = False
+        self.stats.replica_timeline.append((t, self._allocated()))
+
+    def fleet_signal(self, t: float) -> FleetSignal:
+        """The signals the autoscaler reads at ``t`` (router/autoscale.py ``FleetSignal``): the first
+        router's view of usable PAB (as its /metrics exports it), the router queues, the engines'
+        waiting requests."""
+        router = self.routers[0]
+        router.clock.t = t
+        spare = 0.0
+        for v in router.book.views(t) if router.kind == "pab" else ():
+            cb = v.classes.get(SLO_CLASS)
+            if v.healthy and v.fresh and cb is not None:
+                spare += max(0.0, cb.pab_ms)
+        ready = sum(1 for r in self.replicas if r.allocated and not r.draining and t >= r.ready_ms)
+        return FleetSignal(ready, spare, sum(len(r.queue) for r in self.routers if r.kind == "pab"),
+                           sum(r.engine.num_waiting for r in self.replicas if r.allocated), self._refused)  # fmt: skip
+
+    def _on_scale(self, t: float) -> None:
+        a = self.cfg.autoscale
+        assert a is not None and self.stabilizer is not None
+        for rep in self.replicas:  # drained ones go (pab replicas also check at each push)
+            if rep.draining and not rep.engine.has_work() and len(rep.leases) == 0:
+                self._set_allocated(rep, False, t)
+        sig = self.fleet_signal(t)
+        if a.signal == "pab":
+            raw = pab_desired(sig, self.cfg.ttft_ms * (1.0 - self.cfg.margin_frac))
+        else:
+            raw = waiting_desired(sig, a.waiting_target)
+        target = self.stabilizer.recommend(t, raw)
+        self._refused = 0
+        live = [r for r in self.replicas if r.allocated and not r.draining]
+        if target > len(live):
+            for _ in range(target - len(live)):
+                back = next((r for r in self.replicas if r.draining), None)
+                if back is not None:  # still loaded: serves again at once
+                    back.draining = False
+                else:
+                    spare = next(r for r in self.replicas if not r.allocated)
+                    spare.ready_ms = t + a.startup_ms
+                    self._set_allocated(spare, True, t)
+                self.stats.scale_outs += 1
+        elif target < len(live):
+            # cancel starting pods first (newest first), then drain the newest serving ones
+            order = sorted(live, key=lambda r: (r.ready_ms <= t, -self.index_of[r.rid]))
+            for rep in order[: len(live) - target]:
+                if rep.ready_ms > t:
+                    self._set_allocated(rep, False, t)
+                else:
+                    rep.draining = True
+                self.stats.scale_ins += 1
+        self.push_event(t + a.eval_period_ms, _SCALE, 0, 0)
+
     def reject(self, idx: int, reason: str) -> None:
+        if reason in ("slo-infeasible", "queue-full", "queue-timeout"):
+            self._refused += 1
         st = self.states[idx]
         st.outcome = REJECTED
         st.reason = reason
@@ -809,6 +953,8 @@ class FleetSim:
             self.push_event(req.arrival_ms, _ARRIVE, idx, self.rng.randrange(cfg.routers))
         last_arrival = max((r.arrival_ms for r in self.requests), default=0.0)
         stop_ms = last_arrival + cfg.drain_ms
+        if cfg.autoscale is not None:
+            self.push_event(cfg.autoscale.eval_period_ms, _SCALE, 0, 0)
         for ri in range(cfg.replicas):
             if kind == "pab":
                 self.push_event(self.rng.uniform(0.0, cfg.push_period_ms), _PUSH, ri, 0)
@@ -847,13 +993,17 @@ class FleetSim:
                 router.refused(a, *b)
             elif ev == _CHANGE_PUSH:
                 self._on_push(t, a, periodic=False)
-            elif ev in (_PUSH, _SCRAPE):
+            elif ev in (_PUSH, _SCRAPE, _SCALE):
                 if pending == 0 and not any(r.engine.has_work() for r in self.replicas) and not any(
                     kind == "pab" and len(r.queue) for r in self.routers
                 ):
                     continue  # everything drained: let the periodic events die out
-                (self._on_push if ev == _PUSH else self._on_scrape)(t, a)
+                if ev == _SCALE:
+                    self._on_scale(t)
+                else:
+                    (self._on_push if ev == _PUSH else self._on_scrape)(t, a)
         self.stats.end_ms = t
+        self._account_gpu(t)
         self.stats.preemptions = sum(r.engine.counters.num_preemptions for r in self.replicas)
         errs = [e for r in self.replicas if r.calibrator is not None
                 and (e := r.calibrator.mean_abs_rel_error()) == e]  # fmt: skip
@@ -876,5 +1026,5 @@ def run_fleet(cfg: FleetConfig, requests: Sequence[FleetRequest]) -> FleetResult
     return FleetSim(cfg, requests).run()
 
 
-__all__ = ["BASELINE_POLICIES", "FleetConfig", "FleetRequest", "FleetResult", "FleetStats", "POLICIES",
+__all__ = ["AUTOSCALE_SIGNALS", "AutoscaleConfig", "BASELINE_POLICIES", "FleetConfig", "FleetRequest", "FleetResult", "FleetStats", "POLICIES",
            "replica_state", "run_fleet"]  # fmt: skip

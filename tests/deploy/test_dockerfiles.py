@@ -52,3 +52,33 @@ def test_python_images_run_as_non_root_console_script(name: str) -> None:
     assert users and not users[-1].startswith(("root", "0"))
     script = "fairbatch-router" if name.endswith("router") else "fairbatch-agent"
     assert f'ENTRYPOINT ["{script}"]' in text
+
+
+LOADGEN_ONLY = {"matplotlib", "rich", "tqdm", "loadgen"}
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.router", "Dockerfile.agent"])
+def test_router_and_agent_images_install_runtime_dependencies_only(name: str) -> None:
+    text = (REPO / "deploy" / "docker" / name).read_text()
+    assert not re.search(r"^COPY\s+loadgen", text, flags=re.M)
+    assert re.search(r"pip install --no-cache-dir \.\s", text)  # the package alone, no extra
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    runtime = {re.split(r"[=<>;\[ ]", d, maxsplit=1)[0].lower() for d in project["dependencies"]}
+    assert not runtime & LOADGEN_ONLY, runtime & LOADGEN_ONLY
+    extra = {re.split(r"[=<>;\[ ]", d, maxsplit=1)[0].lower() for d in project["optional-dependencies"]["loadgen"]}
+    assert {"matplotlib", "rich", "tqdm"} <= extra
+
+
+def test_router_and_agent_code_import_nothing_of_the_loadgen_extra() -> None:
+    import ast
+
+    bad = []
+    for pkg in ("router", "replica_agent", "proto"):
+        for path in (REPO / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                bad += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] in LOADGEN_ONLY]
+    assert not bad, bad

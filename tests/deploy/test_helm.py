@@ -10,6 +10,7 @@ objects are checked here by hand instead.
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,8 @@ BAD_VALUES = sorted((Path(__file__).parent / "bad-values").glob("*.yaml"))
 KUBE_VERSION = "1.30"
 RELEASE = "fb"
 NAMESPACE = "llm"
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule"),
+             ("keda.sh/v1alpha1", "ScaledObject")}
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -124,7 +126,14 @@ def test_rendered_objects_validate_against_kubernetes_schemas(helm: Path, values
         assert obj["metadata"]["labels"]["app.kubernetes.io/name"] == "fairbatch"
         if (obj["apiVersion"], obj["kind"]) in CRD_KINDS:
             # No schema for CRDs in kubernetes-validate: check the shape by hand.
-            assert obj["spec"]["endpoints"] and obj["spec"]["selector"]["matchLabels"]
+            if obj["kind"] == "ServiceMonitor":
+                assert obj["spec"]["endpoints"] and obj["spec"]["selector"]["matchLabels"]
+            elif obj["kind"] == "ScaledObject":
+                assert obj["spec"]["scaleTargetRef"]["name"] and obj["spec"]["triggers"]
+            else:
+                assert all(g["name"] and g["rules"] for g in obj["spec"]["groups"])
+                assert all(("alert" in r) != ("record" in r) and r["expr"] for g in obj["spec"]["groups"]
+                           for r in g["rules"])  # fmt: skip
             continue
         try:
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
@@ -148,7 +157,7 @@ def test_router_config_loads_with_the_routers_own_loader(
     assert cfg.replicas if cfg.discovery.mode == "static" else cfg.discovery.service
     # The agents read the ConfigMap: it must load as well, and carry no API keys.
     cm_path = tmp_path / "configmap.yaml"
-    cm_path.write_text(one(objs, "ConfigMap")["data"]["fairbatch.yaml"])
+    cm_path.write_text(one(objs, "ConfigMap", f"{RELEASE}-fairbatch-config")["data"]["fairbatch.yaml"])
     assert load_config(cm_path).api_keys == {}
 
 
@@ -160,7 +169,9 @@ def test_default_values_render_the_whole_stack(helm: Path) -> None:
             ("ConfigMap", "fb-fairbatch-config"),
             ("Deployment", "fb-fairbatch-router"),
             ("NetworkPolicy", "fb-fairbatch-agents"),
+            ("Pod", "fb-fairbatch-router-test"),  # the helm test hook
             ("PodDisruptionBudget", "fb-fairbatch-router"),
+            ("PodDisruptionBudget", "fb-fairbatch-vllm"),
             ("Role", "fb-fairbatch-router-discovery"),
             ("RoleBinding", "fb-fairbatch-router-discovery"),
             ("Service", "fb-fairbatch-agents"),
@@ -192,7 +203,7 @@ def test_router_deployment_is_hardened_and_drains(helm: Path) -> None:
     sleep = c["lifecycle"]["preStop"]["exec"]["command"]
     assert sleep[0] == "sleep" and int(sleep[1]) > 0
     assert pod["terminationGracePeriodSeconds"] > int(sleep[1])
-    pdb = one(objs, "PodDisruptionBudget")
+    pdb = one(objs, "PodDisruptionBudget", "fb-fairbatch-router")
     assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
     svc = one(objs, "Service", "fb-fairbatch-router")
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
@@ -274,7 +285,7 @@ def test_router_config_lists_statefulset_dns_names(helm: Path) -> None:
 
 def test_api_keys_go_to_a_secret_that_the_router_mounts(helm: Path) -> None:
     objs = render(helm, _ci("multi-tenant-redis-values.yaml"))
-    cm = one(objs, "ConfigMap")
+    cm = one(objs, "ConfigMap", f"{RELEASE}-fairbatch-config")
     assert "api_keys" not in yaml.safe_load(cm["data"]["fairbatch.yaml"])
     pod = one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"]
     vol = next(v for v in pod["volumes"] if v["name"] == "config")
@@ -302,27 +313,34 @@ def test_multi_tenant_values_render_redis_hpa_and_servicemonitors(helm: Path) ->
     assert {e["port"] for e in agents_sm["spec"]["endpoints"]} == {"http", "engine"}
 
 
-def test_config_change_changes_the_checksum_annotation(helm: Path) -> None:
-    def checksums(*set_: str) -> tuple[str, str]:
+def test_config_change_rolls_the_router_and_no_gpu_pod(helm: Path) -> None:
+    def rendered(*set_: str) -> tuple[str, dict[str, Any], str]:
         objs = render(helm, set_=set_)
         router = one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["metadata"]["annotations"]
-        sts = one(objs, "StatefulSet")["spec"]["template"]["metadata"]["annotations"]
-        return router["checksum/config"], sts["checksum/slo-classes"]
+        config = one(objs, "ConfigMap", f"{RELEASE}-fairbatch-config")["data"]["fairbatch.yaml"]
+        return router["checksum/config"], one(objs, "StatefulSet"), config
 
-    base_router, base_sts = checksums()
+    base_router, base_sts, base_config = rendered()
     assert len(base_router) == 64
-    assert checksums() == (base_router, base_sts)  # deterministic
-    tenant_router, tenant_sts = checksums(
-        "config.tenants.default.weight=5", "config.tenants.default.slo_class=interactive"
-    )
+    assert rendered()[:2] == (base_router, base_sts)  # deterministic
+    tenant_router, tenant_sts, _ = rendered("config.tenants.default.weight=5", "config.tenants.default.slo_class=interactive")
     assert tenant_router != base_router
     assert tenant_sts == base_sts  # a tenant edit does not restart GPU pods
-    slo_router, slo_sts = checksums(
-        "config.slo_classes.interactive.ttft_ms=800", "config.slo_classes.interactive.tpot_ms=50"
-    )
-    assert slo_router != base_router and slo_sts != base_sts
+    # an SLO edit: the router rolls; the StatefulSet is the same object (no GPU pod restarts); the
+    # agents read the new classes from the ConfigMap they mount (tests/integration/test_agent_reload.py)
+    slo_router, slo_sts, slo_config = rendered(
+        "config.slo_classes.interactive.ttft_ms=800", "config.slo_classes.interactive.tpot_ms=50")
+    assert slo_router != base_router
+    assert slo_sts == base_sts
+    assert yaml.safe_load(slo_config)["slo_classes"]["interactive"]["ttft_ms"] == 800
+    assert yaml.safe_load(base_config)["slo_classes"]["interactive"]["ttft_ms"] != 800
+    pod = base_sts["spec"]["template"]
+    agent = container(pod["spec"], "agent")
+    assert "--config" in agent["args"]
+    mount = next(m for m in agent["volumeMounts"] if m["name"] == "config")
+    assert "subPath" not in mount  # a subPath mount would never see the ConfigMap update
     key = hashlib.sha256(b"k").hexdigest()
-    key_router, _ = checksums(f"auth.apiKeys.{key}=default")
+    key_router, _, _ = rendered(f"auth.apiKeys.{key}=default")
     assert key_router != base_router
 
 
@@ -331,7 +349,7 @@ def test_existing_fleet_mode_renders_router_only(helm: Path) -> None:
     kinds = {o["kind"] for o in objs}
     assert "StatefulSet" not in kinds
     assert not [o for o in by_kind(objs, "Service") if o["spec"].get("clusterIP") == "None"]
-    cfg = yaml.safe_load(one(objs, "ConfigMap")["data"]["fairbatch.yaml"])
+    cfg = yaml.safe_load(one(objs, "ConfigMap", f"{RELEASE}-fairbatch-config")["data"]["fairbatch.yaml"])
     assert [r["id"] for r in cfg["replicas"]] == ["vllm-0", "vllm-1"]
     assert cfg["replicas"][0]["grpc_target"] == "vllm-0.vllm.inference.svc.cluster.local:9001"
     assert cfg["redis_url"] == "redis://redis.shared.svc.cluster.local:6379/3"
@@ -355,7 +373,7 @@ def test_existing_fleet_merge_script_produces_a_loadable_config(helm: Path, tmp_
     out = tmp_path / "fairbatch"
     for d in (base, keys, out):
         d.mkdir()
-    (base / "fairbatch.yaml").write_text(one(objs, "ConfigMap")["data"]["fairbatch.yaml"])
+    (base / "fairbatch.yaml").write_text(one(objs, "ConfigMap", f"{RELEASE}-fairbatch-config")["data"]["fairbatch.yaml"])
     digest = hashlib.sha256(b"team-a-key").hexdigest()
     (keys / "api_keys.yaml").write_text(f'"{digest}": team-a\n')
     pod = one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"]
@@ -553,7 +571,7 @@ def test_existing_fleet_can_use_discovery_of_its_headless_service(helm: Path, tm
     binding = one(objs, "RoleBinding")
     assert binding["metadata"]["namespace"] == "inference"
     assert binding["subjects"][0]["namespace"] == NAMESPACE  # the router's ServiceAccount stays home
-    cm = yaml.safe_load(one(objs, "ConfigMap")["data"]["fairbatch.yaml"])
+    cm = yaml.safe_load(one(objs, "ConfigMap", f"{RELEASE}-fairbatch-config")["data"]["fairbatch.yaml"])
     assert "replicas" not in cm
     assert cm["discovery"]["service"] == "vllm" and cm["discovery"]["namespace"] == "inference"
     assert cm["discovery"]["dns_name"] == "vllm.inference.svc.cluster.local"
@@ -609,3 +627,164 @@ def test_agent_token_and_engine_key_come_from_secrets(helm: Path) -> None:
     pod = one(plain, "StatefulSet")["spec"]["template"]["spec"]
     assert "FAIRBATCH_AGENT_TOKEN" not in env(container(pod, "agent")) and "VLLM_API_KEY" not in env(container(pod, "vllm"))
 
+
+
+def _exported_names() -> set[str]:
+    """Every series name the router exports (histograms with their _bucket/_count/_sum)."""
+    from prometheus_client import generate_latest
+
+    from router.metrics import RouterMetrics
+
+    m = RouterMetrics([500.0], [50.0])
+    m.observe_answer("acme", "interactive", "ok", 200, 1.0, 0.2, 0.02, 0.5, 0.05)
+    m.observe_answer("acme", "interactive", "queue_full", 429, 0.0, None, None, 0.5, 0.05)
+    for g in (m.replica_pab.labels("r0", "interactive"), m.fleet_pab.labels("interactive"),
+              m.fleet_replicas_without_pab.labels("interactive"), m.budget_age.labels("r0")):
+        g.set(1)
+    m.queue_wait.observe(0.1)
+    text = generate_latest(m.registry).decode()
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def _series_in(expr: str) -> set[str]:
+    return set(re.findall(r"\bfairbatch_[a-z_]+\b", expr))
+
+
+def test_vllm_pods_have_a_disruption_budget(helm: Path) -> None:
+    objs = render(helm)
+    pdb = one(objs, "PodDisruptionBudget", "fb-fairbatch-vllm")
+    sts = one(objs, "StatefulSet")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    # one GPU pod: no PDB (it would block every node drain); router-only install: none either
+    assert not [o for o in by_kind(render(helm, set_=("vllm.replicaCount=1",)), "PodDisruptionBudget")
+                if o["metadata"]["name"] == "fb-fairbatch-vllm"]  # fmt: skip
+    fleet = render(helm, _ci("existing-fleet-values.yaml"))
+    assert not [o for o in by_kind(fleet, "PodDisruptionBudget") if o["metadata"]["name"] == "fb-fairbatch-vllm"]
+
+
+def test_dashboard_queries_only_series_the_router_exports(helm: Path) -> None:
+    import json
+
+    objs = render(helm, _ci("multi-tenant-redis-values.yaml"))
+    cm = one(objs, "ConfigMap", "fb-fairbatch-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dash = json.loads(cm["data"]["fairbatch.json"])
+    titles = {p["title"] for p in dash["panels"]}
+    assert {"SLO attainment per class and tenant", "PAB per replica", "Queue depth and wait",
+            "Shed and refused requests by reason"} <= titles  # fmt: skip
+    exported = _exported_names()
+    used = set().union(*(_series_in(t["expr"]) for p in dash["panels"] for t in p["targets"]))
+    assert used and used <= exported, used - exported
+    assert not by_kind(render(helm), "PrometheusRule")  # off by default
+
+
+def test_alert_rules_use_exported_series_and_pass_promtool(helm: Path, tmp_path: Path) -> None:
+    objs = render(helm, _ci("multi-tenant-redis-values.yaml"))
+    rule = one(objs, "PrometheusRule")
+    groups = rule["spec"]["groups"]
+    alerts = {r["alert"]: r for g in groups for r in g["rules"] if "alert" in r}
+    assert set(alerts) == {"FairbatchSloBurnFast", "FairbatchSloBurnSlow", "FairbatchNoSparePab",
+                           "FairbatchReplicaBudgetStale"}  # fmt: skip
+    # the objective of the values (0.99) sets the burn thresholds: 14.4 x 1 % over 1 h and 5 min
+    assert "> (14.4 * (1 - 0.99))" in alerts["FairbatchSloBurnFast"]["expr"]
+    exported = _exported_names()
+    used = set().union(*(_series_in(r["expr"]) for g in groups for r in g["rules"]))
+    assert used and used <= exported, used - exported
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package prometheus)")
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": groups}))
+    proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_helm_test_hook_sends_one_request(helm: Path) -> None:
+    objs = render(helm, set_=("helmTest.apiKeySecret.name=fairbatch-test-key",))
+    pod = one(objs, "Pod", "fb-fairbatch-router-test")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    c = pod["spec"]["containers"][0]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["ROUTER_URL"]["value"] == "http://fb-fairbatch-router:8080"
+    assert env["API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "fairbatch-test-key", "key": "api-key"}
+    script = c["args"][0]
+    compile(script, "helm-test", "exec")  # valid Python for the router image
+    assert "/v1/completions" in script and "Bearer" in script
+    plain = one(render(helm), "Pod", "fb-fairbatch-router-test")
+    assert "API_KEY" not in {e["name"] for e in plain["spec"]["containers"][0]["env"]}
+    assert not by_kind(render(helm, set_=("helmTest.enabled=false",)), "Pod")
+
+
+def _rules_file(groups: list[dict[str, Any]], path: Path) -> Path:
+    path.write_text(yaml.safe_dump({"groups": groups}))
+    return path
+
+
+def test_vllm_autoscaling_with_keda_scales_the_statefulset_on_pab(helm: Path, tmp_path: Path) -> None:
+    objs = render(helm, set_=("vllm.autoscaling.enabled=true", "vllm.autoscaling.maxReplicas=6"))
+    so = one(objs, "ScaledObject")
+    assert so["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "fb-fairbatch-vllm"}
+    assert (so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"]) == (2, 6)
+    hpa_cfg = so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]
+    assert hpa_cfg["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
+    (trigger,) = so["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert trigger["metadata"]["threshold"] == "1"
+    query = trigger["metadata"]["query"]
+    assert "> bool 0.45" in query  # one idle replica's horizon: 500 ms x (1 - 0.1), in seconds
+    assert _series_in(query) <= _exported_names()
+    assert "replicas" not in one(objs, "StatefulSet")["spec"]  # the autoscaler owns it
+    assert not by_kind(objs, "HorizontalPodAutoscaler")  # KEDA makes its own
+    promtool = shutil.which("promtool")
+    if promtool is not None:  # the query parses
+        path = _rules_file([{"name": "q", "rules": [{"record": "q", "expr": query}]}], tmp_path / "q.yaml")
+        proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_vllm_autoscaling_unknown_class_fails_with_a_readable_message(helm: Path) -> None:
+    proc = _run(helm, "template", RELEASE, str(CHART), "--set", "vllm.autoscaling.enabled=true",
+                "--set", "vllm.autoscaling.sloClass=nope")  # fmt: skip
+    assert proc.returncode != 0 and 'vllm.autoscaling.sloClass "nope" is not in config.slo_classes' in proc.stderr
+
+
+def test_the_desired_replicas_rule_computes_the_pab_rule(helm: Path, tmp_path: Path) -> None:
+    """``promtool test rules`` evaluates the chart's recording rule on given series; the expected values
+    are router/autoscale.py ``pab_desired`` worked by hand (H = 0.45 s)."""
+    objs = render(helm, _ci("autoscaling-values.yaml"))
+    hpa = one(objs, "HorizontalPodAutoscaler", "fb-fairbatch-vllm")
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "StatefulSet"
+    metric = hpa["spec"]["metrics"][0]["external"]
+    assert metric["metric"]["name"] == "fairbatch_vllm_desired_replicas" and metric["target"]["averageValue"] == "1"
+    from router.autoscale import FleetSignal, pab_desired
+
+    groups = one(objs, "PrometheusRule")["spec"]["groups"]
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package prometheus)")
+    rules = _rules_file(groups, tmp_path / "rules.yaml")
+    lbl = 'namespace="llm"'
+    # minute by minute: (replicas, queue depth, fleet PAB s, refusals so far)
+    steps = [(3, 0, 0.3, 0), (3, 2, 0.0, 0), (3, 0, 0.2, 4), (3, 0, 1.2, 4), (3, 0, 0.45, 4), (3, 1, 1.2, 4)]
+    series = [
+        {"series": f"fairbatch_router_replicas{{{lbl}}}", "values": " ".join(str(s[0]) for s in steps)},
+        {"series": f"fairbatch_router_queue_depth{{{lbl}}}", "values": " ".join(str(s[1]) for s in steps)},
+        {"series": f'fairbatch_router_fleet_pab_seconds{{{lbl},slo_class="interactive"}}',
+         "values": " ".join(str(s[2]) for s in steps)},
+        {"series": f'fairbatch_router_requests_total{{{lbl},outcome="slo_infeasible",tenant="a",slo_class="interactive"}}',
+         "values": " ".join(str(s[3]) for s in steps)},
+    ]
+    cases = []
+    for i, (n, queue, pab, total) in enumerate(steps):
+        refused = total - (steps[i - 1][3] if i else 0)  # increase over the last minute
+        want = pab_desired(FleetSignal(n, pab * 1000.0, queue, refused=refused), 450.0)
+        cases.append({"eval_time": f"{i}m", "expr": "fairbatch_vllm_desired_replicas",
+                      "exp_samples": [{"labels": f"fairbatch_vllm_desired_replicas{{{lbl}}}", "value": want}]})
+    assert [c["exp_samples"][0]["value"] for c in cases] == [3, 4, 4, 2, 3, 3]  # by hand, as the docstring's rule
+    test = tmp_path / "test.yaml"
+    test.write_text(yaml.safe_dump({"rule_files": [str(rules)], "evaluation_interval": "1m",
+                                    "tests": [{"interval": "1m", "input_series": series, "promql_expr_test": cases}]}))
+    proc = subprocess.run([promtool, "test", "rules", str(test)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -192,7 +192,7 @@ async def test_frozen_engine_ends_streams_within_the_stall_timeout_and_marks_the
 
 def test_stall_timeouts_per_class_come_from_the_router_yaml(tmp_path) -> None:
     from replica_agent.cli import load_stall_timeouts
-    from router.config import parse_config
+    from router.config import ConfigError, parse_config
 
     text = ("slo_classes:\n  interactive: {ttft_ms: 500, tpot_ms: 50, stall_timeout_ms: 1500}\n"
             "  batch: {ttft_ms: 20000, tpot_ms: 200}\n"
@@ -202,5 +202,7 @@ def test_stall_timeouts_per_class_come_from_the_router_yaml(tmp_path) -> None:
     assert parse_config(text).slo_classes["interactive"].stall_timeout_ms == 1500  # the router accepts the field
     assert load_stall_timeouts(path) == {"interactive": 1500.0}  # batch: the default, max(1000, 80000 + 4000)
     path.write_text(text.replace("1500", "-1"))
-    with pytest.raises(ValueError, match="stall_timeout_ms must be a positive number"):
+    # the router's own model refuses it, with the same file:line message
+    with pytest.raises(ConfigError, match=r"^fairbatch.yaml:2: slo_classes.interactive.stall_timeout_ms: Input should be "
+                                          r"greater than 0$"):  # fmt: skip
         load_stall_timeouts(path)

@@ -349,10 +349,10 @@ def test_cli_agent_exposes_pab_per_class(engine, tmp_path):
         group.wait_http_ok(child, base + "/health", timeout_s=30)
         text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
         for cls in ("interactive", "batch", "tiny"):
-            assert f'fairbatch_agent_pab_ms{{slo_class="{cls}"}}' in text
+            assert f'fairbatch_agent_pab_seconds{{slo_class="{cls}"}}' in text
             assert f'fairbatch_agent_pab_tokens{{slo_class="{cls}"}}' in text
         # interactive: H = 450 ms on an idle engine
-        assert 'fairbatch_agent_pab_ms{slo_class="interactive"} 450.0' in text
+        assert 'fairbatch_agent_pab_seconds{slo_class="interactive"} 0.45' in text
         assert "fairbatch_agent_leases_active 0.0" in text
         assert child.popen.poll() is None
     assert child.popen.returncode is not None

@@ -31,4 +31,4 @@ def test_demo_runs_the_fleet_and_reports(tmp_path) -> None:
     for key in ("ttft_ms", "tpot_ms", "itl_ms"):
         assert 0 < doc[key]["p50"] <= doc[key]["p99"]
     assert 0 <= doc["slo_attainment"] <= 1 and doc["goodput_rps"] > 0
-    assert "SLO attained" in proc.stdout
+    assert "attained" in proc.stdout  # the header "SLO attained", wrapped over two lines

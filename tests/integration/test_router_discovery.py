@@ -215,7 +215,7 @@ async def test_replicas_come_and_go_without_restart(fleet: Fleet) -> None:
     assert all(r.status == 200 and r.headers["x-fairbatch-replica"] == "r0" for r in resps)
     assert len(fleet.upstreams["r1"].hits) == 1
     metrics = await (await fleet.session.get(fleet.url + "/metrics")).text()  # type: ignore[union-attr]
-    assert 'fairbatch_router_budget_age_ms{replica="r1"}' not in metrics
+    assert 'fairbatch_router_budget_age_seconds{replica="r1"}' not in metrics
     assert 'fairbatch_router_replica_changes_total{change="removed"} 1.0' in metrics
     assert "fairbatch_router_replicas 1.0" in metrics
 

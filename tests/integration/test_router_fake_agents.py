@@ -576,11 +576,38 @@ async def test_models_health_metrics(fleet: Fleet) -> None:
     assert "x-request-id" in health.headers
     await fleet.post(completion())
     text = await (await fleet.session.get(fleet.url + "/metrics")).text()
-    for name in ("fairbatch_router_requests_total", "fairbatch_router_queue_depth", "fairbatch_router_queue_wait_ms",
-                 "fairbatch_router_placement_seconds", "fairbatch_router_reserve_seconds",
-                 'fairbatch_router_replica_pab_ms{replica="r0",slo_class="interactive"}',
-                 'fairbatch_router_budget_age_ms{replica="r0"}'):
+    for name in ("fairbatch_router_requests_total", "fairbatch_router_queue_depth",
+                 "fairbatch_router_queue_wait_seconds", "fairbatch_router_placement_seconds",
+                 "fairbatch_router_reserve_seconds", 'fairbatch_router_budget_age_seconds{replica="r0"}',
+                 'fairbatch_router_ttft_seconds_count{slo_class="interactive",tenant="acme"}', "process_cpu_seconds_total",
+                 'fairbatch_build_info{component="router"'):
         assert name in text, name
+    # the fake agent advertises 400 ms of PAB: exported in seconds, per replica and summed over the fleet
+    assert "fairbatch_router_inflight_requests 0.0" in text  # the one request ended
+    assert "_ms" not in "".join(line.split("{")[0] for line in text.splitlines() if line.startswith("fairbatch_"))
+
+
+async def test_fleet_spare_capacity_metrics(fleet: Fleet) -> None:
+    """The autoscaling signal: PAB per replica in seconds, its sum over the fleet, and the count of
+    replicas without PAB (400 ms + 300 ms advertised = 0.7 s; r1 at 0 -> one replica without)."""
+    await fleet.start({"r0": 400.0, "r1": 300.0})
+    assert fleet.session is not None
+
+    async def sample(name: str) -> float:
+        text = await (await fleet.session.get(fleet.url + "/metrics")).text()  # type: ignore[union-attr]
+        return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+    assert await sample('fairbatch_router_replica_pab_seconds{replica="r0",slo_class="interactive"}') == 0.4
+    assert await sample('fairbatch_router_replica_pab_seconds{replica="r1",slo_class="interactive"}') == 0.3
+    assert abs(await sample('fairbatch_router_fleet_pab_seconds{slo_class="interactive"}') - 0.7) < 1e-9
+    assert await sample('fairbatch_router_fleet_replicas_without_pab{slo_class="interactive"}') == 0.0
+    fleet.admission["r1"].set_budget(0.0)
+    for _ in range(250):  # the fake agent pushes every 50 ms
+        if await sample('fairbatch_router_fleet_replicas_without_pab{slo_class="interactive"}') == 1.0:
+            break
+        await asyncio.sleep(0.02)
+    assert abs(await sample('fairbatch_router_fleet_pab_seconds{slo_class="interactive"}') - 0.4) < 1e-9
+    assert await sample('fairbatch_router_fleet_replicas_without_pab{slo_class="interactive"}') == 1.0
 
 
 async def test_unknown_path_and_wrong_method_answer_openai_errors(fleet: Fleet) -> None:

@@ -11,7 +11,7 @@ import asyncio
 import re
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -34,6 +34,8 @@ class ReceivedSpan:
     span_id: str  # 16 hex
     parent_span_id: str  # 16 hex, "" for a root span
     kind: int
+    attributes: dict = field(default_factory=dict, compare=False)
+    status_code: int = 0  # 0 unset, 1 ok, 2 error
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
@@ -49,8 +51,10 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
             )
             for ss in rs.scope_spans:
                 for s in ss.spans:
+                    attrs = {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in s.attributes}
                     self.spans.append(ReceivedSpan(
-                        service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.kind))
+                        service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.kind,
+                        attrs, s.status.code))
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def of_trace(self, trace_id: str) -> list[ReceivedSpan]:
@@ -118,6 +122,18 @@ async def test_trace_context_flows_router_agent_engine(tmp_path: Path, monkeypat
         assert agent_span.service == "fairbatch-agent"
         assert agent_span.parent_span_id in {s.span_id for s in router_spans}, "agent span's parent must be a router span"
         assert agent_span.parent_span_id == by_name["router.relay"].span_id
+        # semantic conventions: HTTP and GenAI on the server spans, status unset on success
+        for span in (root, agent_span):
+            a = span.attributes
+            assert a["http.request.method"] == "POST" and a["url.path"] == "/v1/completions"
+            assert a["http.response.status_code"] == 200 and span.status_code == 0
+            assert a["gen_ai.operation.name"] == "text_completion"
+            assert a["gen_ai.request.model"] == "llama-3-8b-a100" and a["gen_ai.request.max_tokens"] == 4
+        # the agent counted the tokens: make_prompt(50) is 50 tokens, ignore_eos gives all 4
+        assert agent_span.attributes["gen_ai.usage.input_tokens"] == 50
+        assert agent_span.attributes["gen_ai.usage.output_tokens"] == 4
+        relay = by_name["router.relay"].attributes
+        assert relay["http.response.status_code"] == 200 and relay["url.full"].endswith("/v1/completions")
 
         # The engine received a traceparent of the same trace, whose parent is the agent's span.
         log_path = fleet.children["engine0"].log_path  # type: ignore[attr-defined]

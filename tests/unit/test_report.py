@@ -85,3 +85,44 @@ def test_print_report_names_the_window_in_arrival_seconds() -> None:
     buf = io.StringIO()
     print_report(doc, Console(file=buf, width=200))
     assert "scenario flooder: 25 s of arrivals" in buf.getvalue() and "None" not in buf.getvalue()
+
+
+def _doc_for_tables() -> dict:
+    d = {"requests_total": 785, "completed": 762, "rejected": {"slo-infeasible": 23}, "failed": 0,
+         "slo_attainment": 0.957, "goodput_rps": 19.31, "goodput_tokens_per_s": 5186, "output_tokens_per_s": 5196}
+    lat = {"p50": 107.2, "p95": 279.5, "p99": 393.5, "mean": 122.5}
+    d.update({k: lat for k in ("ttft_ms", "tpot_ms", "itl_ms")})
+    return {**d, "trace": "azure-conv", "duration_s": 180, "rate_scale": 7, "time_scale": 4.0,
+            "per_tenant": {"acme": d, "beta": d}}
+
+
+def _render(width: int) -> str:
+    import io
+
+    from rich.console import Console
+
+    from loadgen.report import print_report
+
+    buf = io.StringIO()
+    print_report(_doc_for_tables(), Console(width=width, file=buf, force_terminal=False))
+    return buf.getvalue()
+
+
+def test_summary_table_fits_80_columns_and_keeps_set_and_ok() -> None:
+    out = _render(80)
+    assert max(len(line) for line in out.splitlines()) <= 80
+    header = "\n".join(out.splitlines()[2:6])
+    for word in ("set", "requests", "ok", "rejected", "failed", "attained", "goodput"):
+        assert word in header, word
+    assert "out" not in header  # the lowest-priority column went
+    assert "│ acme │      785 │ 762 │" in out  # the rows keep their set and ok cells
+
+
+def test_summary_table_shows_every_column_when_wide() -> None:
+    out = _render(120)
+    assert "│ all  │      785 │ 762 │       23 │      0 │   95.7 % │   19.31 │   5,186 │ 5,196 │" in out
+
+
+def test_summary_table_on_a_very_narrow_console_keeps_the_essentials() -> None:
+    out = _render(50)
+    assert "│ all  │      785 │ 762 │" in out and "95.7 %" in out and "19.31" not in out

@@ -239,3 +239,26 @@ The router's fairbatch.yaml. Call with (dict "root" $ "withKeys" true|false).
 {{- define "fairbatch.configInSecret" -}}
 {{- if and .Values.auth.apiKeys (not .Values.auth.existingSecret) }}true{{- end }}
 {{- end }}
+
+{{/*
+PromQL: the raw desired number of vLLM replicas by the PAB rule (router/autoscale.py pab_desired):
+the ready replicas, +1 when the router refused requests for capacity in the last minute or requests
+queue while no replica has PAB for the class, -1 when the spare PAB exceeds one idle replica's
+horizon (ttft_ms x (1 - agent.marginFrac)) and nothing queues. An HPA with an AverageValue target
+of 1 runs that many replicas; its scale-down stabilization holds a replica while it starts.
+*/}}
+{{- define "fairbatch.vllmDesiredReplicasQuery" -}}
+{{- $as := .Values.vllm.autoscaling }}
+{{- $classes := (include "fairbatch.baseConfig" . | fromYaml).slo_classes }}
+{{- $cls := index $classes $as.sloClass }}
+{{- $h := divf (mulf (float64 $cls.ttft_ms) (subf 1.0 (float64 .Values.agent.marginFrac))) 1000.0 }}
+{{- $ns := printf "namespace=%q" .Release.Namespace }}
+{{- $pab := printf "fairbatch_router_fleet_pab_seconds{%s,slo_class=%q}" $ns $as.sloClass }}
+{{- $queue := printf "(sum(fairbatch_router_queue_depth{%s}) or vector(0))" $ns -}}
+(max(fairbatch_router_replicas{ {{- $ns -}} }) or vector(0))
++ clamp_max(
+    ((sum(increase(fairbatch_router_requests_total{ {{- $ns -}} ,outcome=~"slo_infeasible|queue_full|queue_timeout"}[1m])) or vector(0)) > bool 0)
+  + (({{ $queue }} > bool 0) * ((max({{ $pab }}) or vector(0)) <= bool 0)),
+  1)
+- ((min({{ $pab }}) or vector(0)) > bool {{ $h }}) * ({{ $queue }} == bool 0)
+{{- end }}
