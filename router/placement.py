@@ -151,6 +151,10 @@ class PlacementRequest:
             next ``window_steps`` engine steps by the replica's own time model), or when nothing
             is pending at all (so a prompt longer than the window still starts). 0 = no window.
         step_tokens: tokens per engine step in that window (vLLM's ``max_num_batched_tokens``).
+        cached_tokens: replica id -> prompt tokens estimated to be in that replica's prefix cache
+            (router/prefix_index.py; 0 for a replica not listed). The PAB rules and scorers price
+            the prompt there at its uncached tokens ``P - cached`` (:func:`effective_prompt_tokens`);
+            the max-prompt filter keeps the whole P. Empty = no prefix awareness.
     """
 
     slo_class: str
@@ -160,6 +164,14 @@ class PlacementRequest:
     on_time_only: bool = False
     window_steps: float = 0.0
     step_tokens: int = 2048
+    cached_tokens: Mapping[str, int] = field(default_factory=dict, compare=False)
+
+
+def effective_prompt_tokens(request: PlacementRequest, replica_id: str) -> int:
+    """Prompt tokens the replica must compute: ``P - cached_tokens[replica]`` (at least 0); P itself
+    when nothing is cached there (a negative P stays negative, for the rules to refuse)."""
+    c = request.cached_tokens.get(replica_id, 0) if request.cached_tokens else 0
+    return request.prompt_tokens if c <= 0 else max(0, request.prompt_tokens - c)
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,12 +272,13 @@ def _keep_by_budget(
     rule: Callable[[int, ClassBudget, TimeModel, float], bool],
 ) -> list[ReplicaView]:
     """The replicas with a budget for the request's class and a time model on which
-    ``rule(prompt_tokens, budget, time_model, waited_ms)`` holds (pab.fits, pab.on_time)."""
+    ``rule(uncached prompt tokens, budget, time_model, waited_ms)`` holds (pab.fits, pab.on_time)."""
     out = []
     for r in replicas:
         budget = r.classes.get(request.slo_class)
-        if budget is not None and r.time_model is not None and rule(request.prompt_tokens, budget, r.time_model,
-                                                                    request.waited_ms):  # fmt: skip
+        if budget is not None and r.time_model is not None and rule(
+            effective_prompt_tokens(request, r.replica_id), budget, r.time_model, request.waited_ms
+        ):
             out.append(r)
     return out
 
@@ -283,9 +296,11 @@ class OnTimeFilter:
         return _keep_by_budget(request, replicas, on_time)
 
 
-def window_admits(request: PlacementRequest, budget: ClassBudget, time_model: TimeModel) -> bool:
+def window_admits(request: PlacementRequest, budget: ClassBudget, time_model: TimeModel,
+                  prompt_tokens: int | None = None) -> bool:  # fmt: skip
     """The start-window rule of :class:`PlacementRequest` (``window_steps`` > 0), for one replica:
-    ``inflight_ms <= 1e-9 or inflight_ms + b*P <= window_steps * (a + b*step_tokens) + 1e-9``."""
+    ``inflight_ms <= 1e-9 or inflight_ms + b*P <= window_steps * (a + b*step_tokens) + 1e-9``
+    (P = ``prompt_tokens``, default the request's whole prompt)."""
     if request.window_steps <= 0:
         return True
     inflight = budget.inflight_reservation_ms
@@ -293,7 +308,8 @@ def window_admits(request: PlacementRequest, budget: ClassBudget, time_model: Ti
         return True
     b = time_model.b_ms_per_new_token
     window = request.window_steps * (time_model.a_ms + b * request.step_tokens)
-    return inflight + b * request.prompt_tokens <= window + _EPS
+    p = request.prompt_tokens if prompt_tokens is None else prompt_tokens
+    return inflight + b * p <= window + _EPS
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,7 +324,9 @@ class WindowFilter:
         out = []
         for r in replicas:
             budget = r.classes.get(request.slo_class)
-            if budget is not None and r.time_model is not None and window_admits(request, budget, r.time_model):
+            if budget is not None and r.time_model is not None and window_admits(
+                request, budget, r.time_model, effective_prompt_tokens(request, r.replica_id)
+            ):
                 out.append(r)
         return out
 
@@ -319,7 +337,12 @@ class WindowFilter:
 @dataclass(frozen=True, slots=True)
 class HeadroomScorer:
     """``(pab_ms - w - (a + b*P)) / horizon_ms``: share of the class horizon left after this prefill
-    (``w`` = ``request.waited_ms``, 0 for a fresh request; the ms it already waited are gone too)."""
+    (``w`` = ``request.waited_ms``, 0 for a fresh request; the ms it already waited are gone too).
+
+    P is the prompt's uncached tokens on that replica (:func:`effective_prompt_tokens`), so a
+    replica that holds the prefix scores higher by the prefill time it saves, ``b * cached / H``,
+    and a busier one lower by the budget its queued work took: affinity is weighed against load
+    in one unit (ms of the TTFT horizon), and the fit filter before it bounds both."""
 
     name: str = "headroom"
 
@@ -328,9 +351,8 @@ class HeadroomScorer:
         if budget is None or replica.time_model is None or budget.horizon_ms <= 0:
             return float("-inf")
         tm = replica.time_model
-        return (
-            budget.pab_ms - request.waited_ms - tm.a_ms - tm.b_ms_per_new_token * request.prompt_tokens
-        ) / budget.horizon_ms
+        p = effective_prompt_tokens(request, replica.replica_id)
+        return (budget.pab_ms - request.waited_ms - tm.a_ms - tm.b_ms_per_new_token * p) / budget.horizon_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,7 +369,7 @@ class KvHeadroomScorer:
         if budget is None:
             return float("-inf")
         scale = max(budget.kv_free_tokens, budget.kv_limited_tokens, 1)
-        return (budget.kv_limited_tokens - request.prompt_tokens) / scale
+        return (budget.kv_limited_tokens - effective_prompt_tokens(request, replica.replica_id)) / scale
 
 
 # ---------------------------------------------------------------- pickers
@@ -453,9 +475,10 @@ class FusedPabPolicy(PlacementPolicy):
 
     def place(self, request: PlacementRequest, replicas: Sequence[ReplicaView]) -> PlacementResult:
         """Ordered candidate replica ids (at most ``max_candidates``), or none with the chain's reason."""
-        p = request.prompt_tokens
+        p_full = request.prompt_tokens
         w = request.waited_ms
-        if p < 0 or not w >= 0.0:  # negative (or NaN) waited_ms: the chain raises like fits()
+        cached = request.cached_tokens
+        if p_full < 0 or not w >= 0.0:  # negative (or NaN) waited_ms: the chain raises like fits()
             res = self.place_chain(request, replicas)
             k = self.max_candidates
             return res if k is None else PlacementResult(res.candidates[:k], res.reason)
@@ -479,6 +502,14 @@ class FusedPabPolicy(PlacementPolicy):
             rid, a, b, horizon_eps, pab_eps, pab_minus_a, h, normal_max, oversize_max, pab, infl, kv_lim, kv_scale = f
             if exclude and rid in exclude:
                 continue
+            p = p_full
+            if cached:  # prefix-aware: price the uncached tokens; the max-prompt rule keeps the whole prompt
+                c = cached.get(rid, 0)
+                if c > 0:
+                    mp = v.max_prompt_tokens
+                    if mp > 0 and p_full > mp:
+                        continue
+                    p = p_full - c if c < p_full else 0
             bp = b * p
             prefill_ms = a + bp  # fits(): a + b*P, fresh prompt (the same rule for an aged one)
             if prefill_ms > horizon_eps:  # oversize: only where nothing is reserved and the KV holds it
@@ -536,7 +567,7 @@ def _refusal_reason(request: PlacementRequest, replicas: Sequence[ReplicaView]) 
     A view passes the filters in order; the survivors of filter i are the views that passed more
     than i of them, so the first empty filter is the furthest any view got.
     """
-    p = request.prompt_tokens
+    p_full = request.prompt_tokens
     furthest = 0
     last = len(_PAB_FILTERS) - 1
     for v in replicas:
@@ -546,9 +577,10 @@ def _refusal_reason(request: PlacementRequest, replicas: Sequence[ReplicaView]) 
             stage = 1
         elif not (v.fresh and v.time_model is not None):
             stage = 2
-        elif not (v.max_prompt_tokens <= 0 or p <= v.max_prompt_tokens):
+        elif not (v.max_prompt_tokens <= 0 or p_full <= v.max_prompt_tokens):
             stage = 3
         else:
+            p = effective_prompt_tokens(request, v.replica_id)
             budget = v.classes.get(request.slo_class)
             tm = v.time_model
             if budget is None or not fits(p, budget, tm, request.waited_ms):
