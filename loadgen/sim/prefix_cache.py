@@ -47,6 +47,21 @@ def block_hashes_from_tokens(token_ids: Sequence[int], block_size: int) -> list[
     return chain_hashes([tuple(token_ids[i * block_size:(i + 1) * block_size]) for i in range(full)])
 
 
+def block_hashes_from_bytes(data: bytes, bytes_per_token: int, block_size: int) -> list[int]:
+    """Chained hashes of the full blocks of a prompt whose tokens are fixed-size byte pieces (the
+    simulated tokenizer: one token per ``bytes_per_token`` bytes), hashing each block's bytes:
+    equal bytes = equal token ids, so the hashes agree with :func:`block_hashes_from_tokens`'s
+    equality without building the ids.
+
+    Raises:
+        ValueError: if ``bytes_per_token`` or ``block_size`` < 1.
+    """
+    if bytes_per_token < 1 or block_size < 1:
+        raise ValueError(f"bytes_per_token and block_size must be >= 1, got {bytes_per_token}, {block_size}")
+    step = bytes_per_token * block_size
+    return chain_hashes([data[i * step:(i + 1) * step] for i in range(len(data) // step)])
+
+
 def block_hashes_from_ids(hash_ids: Sequence[int], id_block_tokens: int, block_size: int, prompt_tokens: int) -> list[int]:
     """Chained hashes of the full engine blocks of a prompt described by coarse prefix-block ids.
 

@@ -39,6 +39,8 @@ class VirtualRequest:
         prompt_tokens: prompt length (tokens, >= 1).
         output_tokens: output length (tokens, >= 1).
         ttft_ms, tpot_ms: SLO given to the engine (ms); None -> the policy's default.
+        block_hashes: the prompt's full-block hashes for the engine's prefix cache
+            (loadgen/sim/prefix_cache.py); empty = the prompt shares nothing.
     """
 
     request_id: str
@@ -47,6 +49,7 @@ class VirtualRequest:
     output_tokens: int
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    block_hashes: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -144,7 +147,7 @@ def run_virtual(
             req = rec.request
             try:
                 engine.add_request(req.request_id, req.prompt_tokens, req.output_tokens, req.arrival_ms,
-                                   req.ttft_ms, req.tpot_ms)  # fmt: skip
+                                   req.ttft_ms, req.tpot_ms, req.block_hashes)  # fmt: skip
                 by_id[req.request_id] = rec
             except ValueError as e:
                 rec.rejected = str(e)

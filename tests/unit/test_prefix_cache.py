@@ -132,3 +132,15 @@ def test_preempted_request_looks_up_again() -> None:
     s = eng.step(10.0)
     assert s.batch.items == [("a", 17)]  # 32 + 1 output token - 16 cached
     assert eng.prefix_cache_hits == 16
+
+
+def test_virtual_replay_hits_the_cache_for_a_repeated_prompt() -> None:
+    from loadgen.sim.virtual import VirtualRequest, run_virtual
+
+    hashes = tuple(block_hashes_from_tokens(list(range(64)), 16))
+    eng = SimEngine(EngineConfig(TM, num_gpu_blocks=100, block_size=16))
+    reqs = [VirtualRequest("a", 0.0, 64, 1, block_hashes=hashes), VirtualRequest("b", 100.0, 64, 1, block_hashes=hashes)]
+    run = run_virtual(reqs, eng)
+    # a: cold prefill 10 + 6.4 = 16.4 ms; b: 16 new tokens over 48 cached, 10 + 1.6 + 0.048 = 11.648 ms
+    assert [r.token_times_ms[0] - r.request.arrival_ms for r in run.records] == pytest.approx([16.4, 11.648])
+    assert (eng.prefix_cache_queries, eng.prefix_cache_hits) == (128, 48)
