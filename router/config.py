@@ -17,7 +17,8 @@ Schema (docs/architecture.md, section "Router"; DESIGN.md section 6)::
     admission: {bytes_per_token: 4.0, reserve_timeout_ms: 200, estimate_refuse_factor: 2.0,
                 start_window_steps: 4, step_tokens: 2048}
     http: {max_body_bytes: 4194304, body_timeout_s: 10}
-    placement: {seed: null}            # tie-break RNG seed; null = random per process
+    placement: {seed: null,            # tie-break RNG seed; null = random per process
+                prefix_cache: {enabled: false, chunk_chars: 64, capacity_tokens: 500000}}
     telemetry: {otlp_endpoint: null, service_name: fairbatch-router}
     auth: {trusted_header: x-tenant, trusted_networks: ["10.0.0.0/8"]}   # optional gateway identity
     fairness: {w_prefill: 1.0, w_decode: 2.0, default_max_tokens: 256, counter_sync_ms: 100}
@@ -212,6 +213,22 @@ class AdmissionConfig(_Strict):
     contention_max_inflight: int = Field(default=32, ge=0)
 
 
+class PrefixCacheConfig(_Strict):
+    """Prefix-cache-aware placement (router/prefix_index.py; docs/design.md "Prefix-aware PAB").
+
+    Attributes:
+        enabled: keep a map of which replica holds which prompt prefix and price each candidate's
+            prefill at its uncached tokens (False, the default: every prompt priced whole).
+        chunk_chars: characters of prompt text per map key (64 = about 16 tokens at 4 bytes per
+            token, vLLM's default block size).
+        capacity_tokens: prompt tokens remembered per replica (about one replica's KV cache), LRU.
+    """
+
+    enabled: bool = False
+    chunk_chars: int = Field(default=64, ge=1)
+    capacity_tokens: int = Field(default=500_000, ge=1)
+
+
 class PlacementConfig(_Strict):
     """Placement knobs.
 
@@ -219,9 +236,11 @@ class PlacementConfig(_Strict):
         seed: seed of the tie-break RNG among replicas of equal score (None, the default: a
             random seed per router process, so that routers and restarts do not all prefer one
             replica; set it for a reproducible run).
+        prefix_cache: prefix-cache-aware placement (:class:`PrefixCacheConfig`), off by default.
     """
 
     seed: int | None = None
+    prefix_cache: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig)
 
 
 class HttpConfig(_Strict):

@@ -228,3 +228,22 @@ async def test_late_requests_start_on_a_busy_replica(fleet_factory) -> None:
             page = await resp.text()
     assert 'fairbatch_router_replica_inflight_requests{replica="r0"} 0.0' in page  # every lease ended
     assert 'fairbatch_router_replica_queued_requests{replica="r0"}' in page
+
+
+async def test_prefix_aware_placement_keeps_a_conversation_on_its_warm_replica(fleet_factory) -> None:
+    # placement.prefix_cache on: a 6000-token prompt, then the same prompt three more times. The first
+    # goes to either idle replica; each repeat is priced there at 6000 - 5999 = 1 uncached token
+    # (headroom (900 - a - b) / 900) against 6000 on the cold one ((900 - a - 436) / 900), so every
+    # repeat lands on the first one's replica, and that engine's prefix cache hits: 3 x 5984 tokens
+    # (the 374 full 16-token blocks of 5999 tokens), the cold engine's none.
+    fleet = fleet_factory(2, time_scale=0.2,
+                          placement={"seed": 1, "prefix_cache": {"enabled": True, "chunk_chars": 64}})
+    async with aiohttp.ClientSession() as s:
+        first = await complete(s, fleet, 6000, 2, stream=False)
+        repeats = [await complete(s, fleet, 6000, 2, stream=False) for _ in range(3)]
+        warm = first["headers"]["x-fairbatch-replica"]
+        assert [r["status"] for r in [first, *repeats]] == [200] * 4
+        assert [r["headers"]["x-fairbatch-replica"] for r in repeats] == [warm] * 3
+        wi = int(warm[1:])
+        assert await metric(s, fleet.engine_urls[wi], "vllm:prefix_cache_hits_total") == 3 * 5984
+        assert await metric(s, fleet.engine_urls[1 - wi], "vllm:prefix_cache_queries_total") == 0
