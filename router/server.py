@@ -265,7 +265,9 @@ class Router:
         if seed is None:
             seed = random.SystemRandom().randrange(2**63)
         self.seed = seed
-        self.policy: PlacementPolicy = default_registry().build(policy, seed=seed)
+        self._policy_name = policy
+        self.policy: PlacementPolicy = self._build_policy(config)
+        self._applied_placement = config.placement.model_dump(exclude={"prefix_cache"})
         self.prefix: PrefixIndex | None = None  # prefix-aware placement (placement.prefix_cache)
         self._prefix_keys: dict[str, list[int]] = {}  # request id -> its prompt's prefix keys, while placing
         self._configure_prefix(config)
@@ -429,6 +431,13 @@ class Router:
 
     # ------------------------------------------------------------------ configuration and ledger
 
+    def _build_policy(self, config: RouterConfig) -> PlacementPolicy:
+        """The placement policy: the YAML's ``placement`` section (profile or plugin chain), or the
+        registry policy named at construction when it is not the default ``pab``."""
+        if self._policy_name != "pab":
+            return default_registry().build(self._policy_name, seed=self.seed)
+        return config.placement.build(self.seed)  # type: ignore[no-any-return]
+
     def _configure_prefix(self, config: RouterConfig) -> None:
         """Build (or drop) the prefix map for ``placement.prefix_cache``; a map whose settings did not
         change is kept, with what it learned."""
@@ -465,6 +474,13 @@ class Router:
         self.queue.default_max_tokens = fc.default_max_tokens
         self.queue.aging_floor_share = config.queue.aging_floor_share
         self.dispatcher.max_bypass = config.queue.max_bypass
+        old_pl = self._applied_placement
+        new_pl = config.placement.model_dump(exclude={"prefix_cache"})
+        if new_pl != old_pl:  # a new profile or chain: rebuilt now (the tie-break seed kept unless changed)
+            if new_pl.get("seed") is not None:
+                self.seed = new_pl["seed"]
+            self.policy = self._build_policy(config)
+            self._applied_placement = new_pl
         self._configure_prefix(config)
         self.metrics.config_generation.inc()
         self.dispatcher.wake()
@@ -577,14 +593,13 @@ class Router:
         capped = self._contention_excluded()
         prefix, keys = self.prefix, self._prefix_keys.get(request_id)
         cached = prefix.cached_tokens(keys, prompt_tokens) if prefix is not None and keys else {}
-        result = self.policy.place(
-            PlacementRequest(
-                slo_class, prompt_tokens, exclude | attempt.avoid | capped, waited_ms,
-                on_time_only=attempt.on_time_only, window_steps=adm.start_window_steps, step_tokens=adm.step_tokens,
-                cached_tokens=cached,
-            ),
-            self.book.views(),
+        preq = PlacementRequest(
+            slo_class, prompt_tokens, exclude | attempt.avoid | capped, waited_ms,
+            on_time_only=attempt.on_time_only, window_steps=adm.start_window_steps, step_tokens=adm.step_tokens,
+            cached_tokens=cached,
         )
+        policy = self.policy  # a reload may swap it while the Reserves below are awaited
+        result = policy.place(preq, self.book.views())
         self.metrics.placement_seconds.observe(time.perf_counter() - t0)
         for replica_id in result.candidates[:MAX_RESERVE_CANDIDATES]:
             uncached = prompt_tokens - cached.get(replica_id, 0)  # the lease covers the prefill left to compute
@@ -598,6 +613,7 @@ class Router:
             if answer.granted:
                 if prefix is not None and keys:  # post-decision: the replica now holds this prompt
                     prefix.insert(replica_id, keys)
+                policy.after_decision(preq, replica_id)  # post-decision hooks of the placement plugins
                 grant = Grant(replica_id, answer.lease_id)
                 self._leased[grant.lease_id] = replica_id
                 self._replica_load[replica_id] += 1
