@@ -1,6 +1,6 @@
 """Router configuration: one YAML file validated by pydantic (the only place pydantic is used).
 
-Schema (docs/architecture.md, section "Router"; DESIGN.md section 6)::
+Schema (docs/architecture.md, section "Router"; docs/design.md section 6)::
 
     model: llama-3-8b-a100            # optional: served model name for /v1/models
     slo_classes:
@@ -333,7 +333,7 @@ class TelemetryConfig(_Strict):
 
 
 class AuthConfig(_Strict):
-    """Tenant identity from a header set by a trusted gateway (DESIGN.md section 5 step 1).
+    """Tenant identity from a header set by a trusted gateway (docs/design.md section 5 step 1).
 
     Attributes:
         trusted_header: header naming the tenant (e.g. ``x-tenant``); None = API keys only.

@@ -1,6 +1,6 @@
 """The router's HTTP front door (aiohttp): OpenAI-compatible endpoints, request path, metrics.
 
-One request's path (DESIGN.md section 5): authenticate (API key -> tenant, or a trusted gateway
+One request's path (docs/design.md section 5): authenticate (API key -> tenant, or a trusted gateway
 header) -> classify (tenant -> SLO class) -> estimate prompt tokens -> quotas (ledger: request and
 token buckets, concurrency; 429 tenant-rate / tenant-concurrency) -> place (filters -> scorers ->
 picker) and Reserve on the best replica, falling back to the next on refusal -> else, unless a

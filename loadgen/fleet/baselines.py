@@ -1,7 +1,7 @@
 """Baseline routers as placement plugins (filters -> scorers -> picker, router/placement.py).
 
 The routers people run in front of vLLM today, expressed as plugins of the same kind as our PAB
-policy (STYLE.md, llm-d endpoint picker) and registered by name in a
+policy (the shape of llm-d's endpoint picker) and registered by name in a
 :class:`~router.placement.PlacementRegistry` built from :func:`router.placement.default_registry`
 (no module-level state: :func:`fleet_registry` returns a fresh registry).
 

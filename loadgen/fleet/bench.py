@@ -9,7 +9,7 @@ rate of the sweep, one fleet simulation (loadgen/fleet/sim.py) of a ``--duration
 every request then drains (at most ``--drain-s``; still unfinished = failed). Reported per rate:
 SLO attainment (TTFT <= ttft_ms and TPOT <= tpot_ms, loadgen/stats.py; rejected and failed
 requests are misses), goodput, TTFT/TPOT p50/p99, rejections by reason, per-tenant attainment,
-double-spends, placement decision time. ``capacity_rps`` (DESIGN section 2) = highest rate with
+double-spends, placement decision time. ``capacity_rps`` (docs/design.md section 2) = highest rate with
 attainment >= 0.9, linearly interpolated (``loadgen.bench_policies.capacity``). A policy's sweep
 stops after two rates below the target (higher rates cannot change its capacity).
 
@@ -23,7 +23,7 @@ Analytic upper bound (:func:`analytic_bound`): the most requests/s N replicas co
 batches were perfectly packed. Request i (prompt P_i, output O_i tokens) needs, beyond per-iteration
 fixed costs, ``W_i = b * (P_i + O_i - 1) + c * ((O_i - 1) * P_i + (O_i - 1) * O_i / 2)`` ms: its
 prompt once (context 0) and O_i - 1 decode tokens, the j-th reading P_i + j context tokens
-(time model of seed 000: a + b * new + c * context). Let the replica run back-to-back iterations of
+(time model of FairBatching, arXiv 2510.14392; docs/design.md section 3: a + b * new + c * context). Let the replica run back-to-back iterations of
 length T ms. Every decode must emit a token per TPOT on average, so T <= tpot_ms, and the fixed
 cost ``a`` is paid 1000 / T times per second. At λ requests/s per replica:
 

@@ -10,7 +10,7 @@ ends; time jumps from one to the next:
    one ended).
 
 The result is every request's token times (simulated ms, same origin as the arrivals), so TTFT,
-TPOT and SLO attainment follow exactly (DESIGN section 2). Requests the engine refuses
+TPOT and SLO attainment follow exactly (docs/design.md section 2). Requests the engine refuses
 (``add_request`` raises: longer than max_model_len or the KV cache) are recorded with
 ``rejected`` set and no tokens. Optional: a per-step log (step_log.py) and an online time model
 (replica_agent/policy/calibration.py) that learns from every step and gives the policy its
@@ -73,7 +73,7 @@ class VirtualRecord:
 
     @property
     def tpot_ms(self) -> float | None:
-        """(last - first token time) / (tokens - 1) (ms, DESIGN section 2), None below 2 tokens."""
+        """(last - first token time) / (tokens - 1) (ms, docs/design.md section 2), None below 2 tokens."""
         n = len(self.token_times_ms)
         return (self.token_times_ms[-1] - self.token_times_ms[0]) / (n - 1) if n >= 2 else None
 
