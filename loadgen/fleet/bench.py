@@ -19,6 +19,14 @@ is compressed by ``s = rate / (K * native_rps)``; the merged stream has ``rate``
 average and keeps the trace's burstiness and length mix. Each request goes to one of 4 tenants
 (shares 0.4 / 0.3 / 0.2 / 0.1, seeded), all in one SLO class of weight 1.
 
+Prefix caching: the engines keep vLLM's automatic prefix cache; traces with ``hash_ids``
+(mooncake-conv, mooncake-syn) give the prompts' shared prefixes. ``--windows 1`` replays one
+stretch of the trace so its conversations stay whole (the prefix-cache study,
+docs/bench/prefix-cache.md); rows report ``prefix_cache_hit_rate`` (hit / queried prompt tokens,
+all engines) and ``max_load_ratio`` (max / mean replica busy time). Cache-aware policies:
+``pab-prefix`` (+fairbatching), ``llm-d-prefix``, ``sglang-cache-aware``, ``vllm-router-cache-aware``
+(docs/design.md section 9).
+
 Analytic upper bound (:func:`analytic_bound`): the most requests/s N replicas could serve if
 batches were perfectly packed. Request i (prompt P_i, output O_i tokens) needs, beyond per-iteration
 fixed costs, ``W_i = b * (P_i + O_i - 1) + c * ((O_i - 1) * P_i + (O_i - 1) * O_i / 2)`` ms: its
