@@ -472,6 +472,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.trace, args.replicas, args.profile, args.seed, args.window_offset
         ):
             raise SystemExit(f"--merge: {args.out} is a run of another trace, fleet size, profile, seed or window offset")
+        if (old.get("windows_interleaved", args.replicas), old.get("prefix_caching", True)) != (
+            args.windows or args.replicas, not args.no_prefix_caching
+        ):
+            raise SystemExit(f"--merge: {args.out} was run with other --windows or prefix caching")
         if old.get("engine_time_model", {"name": "policy"}) != describe_engine(engine_time):
             raise SystemExit(f"--merge: {args.out} was run with another engine time model "
                              f"({old.get('engine_time_model', {'name': 'policy'})['name']})")
