@@ -1,9 +1,9 @@
-"""Benchmark the batching policies on one replica in virtual time (issue 4, DESIGN section 8).
+"""Benchmark the batching policies on one replica in virtual time (issue 4, docs/design.md section 8).
 
 For each arrival rate of a sweep and each policy, replay the trace through one
 :class:`~loadgen.sim.engine.SimEngine` on a virtual clock (loadgen/sim/virtual.py) and record:
 SLO attainment (TTFT <= ttft_ms and TPOT <= tpot_ms, TPOT = (last - first token) / (n - 1),
-DESIGN section 2; loadgen/stats.py), TTFT and TPOT p50/p99, throughput and goodput (SLO-meeting
+docs/design.md section 2; loadgen/stats.py), TTFT and TPOT p50/p99, throughput and goodput (SLO-meeting
 requests and their output tokens per second of the window).
 
 Engine step time: ``--engine-time-model`` (default: the profile's shipped file, loadgen/data/engine_time/;
@@ -15,12 +15,12 @@ trace span), then the first ``--duration-s`` seconds are kept; every kept reques
 completion. Requests whose prompt + output exceed ``--max-model-len`` are dropped before the
 sweep (counted in the JSON) since no single replica could serve them.
 
-``envelope_attainment`` is the other yardstick, the one FairBatching optimises (seed 000, the
+``envelope_attainment`` is the other yardstick, the one FairBatching optimises (arXiv 2510.14392, the
 token-deadline envelope): the share of requests whose every token j came by arrival + ttft +
 j * tpot (a request may bank time by running ahead and spend it later). ``--attainment envelope``
-makes it define capacity; the default is the TTFT-and-TPOT attainment of DESIGN section 2.
+makes it define capacity; the default is the TTFT-and-TPOT attainment of docs/design.md section 2.
 
-capacity_rps (DESIGN section 2, DistServe's definition) = the highest rate with attainment >=
+capacity_rps (docs/design.md section 2, DistServe's definition) = the highest rate with attainment >=
 ``--target`` (0.9): the last sweep point before attainment first falls below the target, linearly
 interpolated between it and the next point (``capacity_bound`` says "interpolated",
 "below-sweep" (the first point already misses: 0) or "at-least" (no point missed)). Each policy is
@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-attainment", "--target", dest="target", type=float, default=0.9,
                    help="SLO attainment that defines capacity (default: 0.9)")
     p.add_argument("--attainment", choices=("tpot", "envelope"), default="tpot",
-                   help="what a met SLO means for capacity: TTFT and TPOT targets (DESIGN section 2, default) or "
+                   help="what a met SLO means for capacity: TTFT and TPOT targets (docs/design.md section 2, default) or "
                         "every token inside the seed's deadline envelope")  # fmt: skip
     add_engine_and_trace_args(p)
     add_engine_time_arg(p)

@@ -209,6 +209,19 @@ def tenants_from_config(path: str | Path) -> tuple[dict[str, float], dict[str, S
 # ----------------------------------------------------------------------------- request bodies
 
 
+_TAG_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+def _tag(index: int) -> str:
+    """Four base-36 ASCII characters (one simulated token) naming request ``index`` (mod 36**4)."""
+    n = index % 36**4
+    out = ""
+    for _ in range(4):
+        n, d = divmod(n, 36)
+        out = _TAG_DIGITS[d] + out
+    return out
+
+
 @dataclass(slots=True)
 class _BodyMaker:
     """Builds request bodies cheaply: prompt texts are slices of one long base text."""
@@ -220,12 +233,16 @@ class _BodyMaker:
     chat_overhead_tokens: int = 0
 
     def prompt_text(self, n_tokens: int, seed: int) -> str:
-        """Exactly ``n_tokens`` tokens; equal to ``make_prompt(n_tokens, seed % 12)``."""
+        """Exactly ``n_tokens`` tokens: ``make_prompt(n_tokens, seed % 12)`` with its first 4-byte word
+        replaced by :func:`_tag` ``(seed)``, so prompts of different requests share no KV block and an
+        engine's prefix cache does not hit across them (a trace's requests share nothing it does not say)."""
         need = (n_tokens + _PROMPT_WORDS) * 4
         if len(self.base_text) < need:
             self.base_text = make_prompt(max(n_tokens * 2, 1024) + _PROMPT_WORDS)
         s = (seed % _PROMPT_WORDS) * 4
-        return self.base_text[s : s + n_tokens * 4]
+        if n_tokens <= 0:
+            return ""
+        return _tag(seed) + self.base_text[s + 4 : s + n_tokens * 4]
 
     def body(self, req: TraceRequest, index: int) -> bytes:
         """JSON body for ``req`` (max_tokens >= 1)."""

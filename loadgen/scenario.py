@@ -1,4 +1,4 @@
-"""``fairbatch-loadgen demo --scenario FILE``: a multi-tenant fairness run (issue 5, item 5; seed 001 section 13).
+"""``fairbatch-loadgen demo --scenario FILE``: a multi-tenant fairness run (issue 5, item 5; docs/design.md section 2).
 
 A scenario file (``loadgen/scenarios/*.yaml``) names the fleet, the SLO classes, the tenants with
 their contract (weight, class, min_share, quotas: copied into the router YAML) and their load::
@@ -31,14 +31,14 @@ between them. The report is the replay report (loadgen/report.py) plus fairness 
 - ``backlogged``: refused anything that arrived in the window, had a request still waiting past
   its TTFT target when the window closed, or offered in it more than 1.05x the tokens it was
   served in it. ``jain_index``: Jain over served tokens / weight among the
-  backlogged tenants (``jain_tenants``; DESIGN.md section 2). ``jain_maxmin``: Jain over every
+  backlogged tenants (``jain_tenants``; docs/design.md section 2). ``jain_maxmin``: Jain over every
   tenant's service / its weighted max-min fair service (:func:`maxmin_fair` of the window's
   service over the window's offered tokens; ``fair_share``): 1 when each tenant that asked less
   than its part got all it asked and the rest was split by weight.
 - ``max_wait_ms``: the longest TTFT of a completed request (an upper bound of its wait in the
   router queue: the client cannot see the queue). ``starved``: requests that waited longer than
   their class's ``max_queue_ms`` (TTFT above it, or a 429 queue-timeout).
-- ``slowdown`` (seed 001 section 13): mean completion time (arrival to last token) in the shared
+- ``slowdown`` (docs/design.md section 2): mean completion time (arrival to last token) in the shared
   run / in a run of the tenant alone with the same load, when ``slowdown_alone_s`` > 0: after the
   shared run each tenant replays the first ``slowdown_alone_s`` seconds of its own trace on the
   idle fleet (``alone_mean_completion_ms``).

@@ -1,6 +1,6 @@
 """Latency figures, SLO attainment and goodput of a replay (pure: records in, figures out).
 
-Definitions (DESIGN section 2), all times in simulated ms:
+Definitions (docs/design.md section 2), all times in simulated ms:
 
 - TTFT = first-token time - arrival (send) time.
 - TPOT = (last-token time - first-token time) / (output tokens - 1); undefined for 1 token.

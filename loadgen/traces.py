@@ -6,7 +6,8 @@ Two formats are recognised from the file's first line:
   ``TIMESTAMP`` is an absolute wall-clock time ``YYYY-MM-DD HH:MM:SS.fffffff`` (7 fraction
   digits, 100 ns); ``ContextTokens`` prompt tokens; ``GeneratedTokens`` output tokens.
 - Mooncake FAST'25 (JSON lines): ``timestamp`` ms relative to the trace start,
-  ``input_length`` prompt tokens, ``output_length`` output tokens (other keys ignored).
+  ``input_length`` prompt tokens, ``output_length`` output tokens, ``hash_ids`` (optional) one id per
+  :data:`PREFIX_BLOCK_TOKENS` prompt tokens, equal leading ids = equal prompt prefix (other keys ignored).
 
 Arrivals are returned in ms relative to the first arrival, sorted. The embedded traces (origin
 and licence in ``loadgen/traces/SOURCES.md``) are named by :data:`EMBEDDED_TRACES`.
@@ -25,10 +26,14 @@ EMBEDDED_TRACES: dict[str, str] = {
     "azure-conv": "azure_llm_2023_conv_first30min.csv",
     "azure-code": "azure_llm_2023_code.csv",
     "mooncake-conv": "mooncake_fast25_conversation.jsonl",
+    "mooncake-syn": "mooncake_fast25_synthetic.jsonl",
 }
 """Name -> file name inside the ``loadgen/traces`` package-data folder."""
 
 ARRIVAL_GRANULARITY_MS: dict[str, float] = {"mooncake-conv": 3000.0}
+
+PREFIX_BLOCK_TOKENS = 512
+"""Tokens per prefix-block id of the Mooncake FAST'25 traces' ``hash_ids`` (the paper's block size)."""
 """Timestamp granularity (ms) of embedded traces whose arrivals are quantised (Mooncake FAST'25
 logs arrivals in 3 s steps: ~10 requests share each timestamp). Traces not listed have sub-ms
 resolution (Azure 2023: 100 ns)."""
@@ -49,15 +54,18 @@ class TraceRequest:
             selected window, after :func:`select`).
         prompt_tokens: prompt length (tokens).
         output_tokens: output length (tokens).
+        hash_ids: prefix-block ids of the prompt, one per :data:`PREFIX_BLOCK_TOKENS` tokens (Mooncake
+            traces; empty for traces without prompt structure).
     """
 
     arrival_ms: float
     prompt_tokens: int
     output_tokens: int
+    hash_ids: tuple[int, ...] = ()
 
 
 def embedded_trace(name: str) -> Path:
-    """Path of an embedded trace by name (``azure-conv``, ``azure-code``, ``mooncake-conv``).
+    """Path of an embedded trace by name (``azure-conv``, ``azure-code``, ``mooncake-conv``, ``mooncake-syn``).
 
     Raises:
         KeyError: for an unknown name (the message lists the known ones).
@@ -115,7 +123,7 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
         raise TraceFormatError(f"{path}: trace has no requests")
     reqs.sort(key=lambda r: r.arrival_ms)
     t0 = reqs[0].arrival_ms
-    return [TraceRequest(r.arrival_ms - t0, r.prompt_tokens, r.output_tokens) for r in reqs]
+    return [TraceRequest(r.arrival_ms - t0, r.prompt_tokens, r.output_tokens, r.hash_ids) for r in reqs]
 
 
 def _tokens(path: Path, lineno: int, field_name: str, raw: object) -> int:
@@ -195,11 +203,15 @@ def _parse_mooncake(path: Path, lines: list[str]) -> list[TraceRequest]:
         ts = obj["timestamp"]
         if isinstance(ts, bool) or not isinstance(ts, int | float) or ts < 0:
             raise TraceFormatError(f"{path}:{lineno}: timestamp must be a number of ms >= 0, got {ts!r}")
+        ids = obj.get("hash_ids", [])
+        if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+            raise TraceFormatError(f"{path}:{lineno}: hash_ids must be a list of integers")
         out.append(
             TraceRequest(
                 float(ts),
                 _tokens(path, lineno, "input_length", obj["input_length"]),
                 _tokens(path, lineno, "output_length", obj["output_length"]),
+                tuple(ids),
             )
         )
     return out
@@ -226,7 +238,7 @@ def select(
     lo_ms = start_s * 1000.0
     hi_ms = float("inf") if duration_s is None else lo_ms + duration_s * 1000.0
     return [
-        TraceRequest((r.arrival_ms - lo_ms) / rate_scale, r.prompt_tokens, r.output_tokens)
+        TraceRequest((r.arrival_ms - lo_ms) / rate_scale, r.prompt_tokens, r.output_tokens, r.hash_ids)
         for r in reqs
         if lo_ms <= r.arrival_ms < hi_ms
     ]
@@ -262,6 +274,7 @@ def spread_arrivals(reqs: list[TraceRequest], granularity_ms: float, seed: int =
     if granularity_ms == 0.0:
         return sorted(reqs, key=lambda r: r.arrival_ms)
     rng = random.Random(seed)
-    out = [TraceRequest(r.arrival_ms + rng.random() * granularity_ms, r.prompt_tokens, r.output_tokens) for r in reqs]
+    out = [TraceRequest(r.arrival_ms + rng.random() * granularity_ms, r.prompt_tokens, r.output_tokens, r.hash_ids)
+           for r in reqs]
     out.sort(key=lambda r: r.arrival_ms)
     return out

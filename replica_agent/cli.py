@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser(
         "calibrate",
         help="fit a, b, c of the batch-time model from a per-step log",
-        description="Least-squares fit of batch_ms = a + b*new_tokens + c*context_tokens (seed 000) from a "
+        description="Least-squares fit of batch_ms = a + b*new_tokens + c*context_tokens (FairBatching, arXiv 2510.14392) from a "
         "per-step log: JSON lines or CSV with new_tokens, context_tokens, measured_ms (the simulator writes "
         "one with --step-log). Prints the coefficients, R^2 and the max and mean relative error.",
     )

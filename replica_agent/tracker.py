@@ -3,7 +3,7 @@
 Lifecycle (docs/architecture.md "Agent"): ``prefill`` (arrived, no token yet; counts in PAB's
 in-flight reservation with its prompt tokens) -> ``decode`` (first token seen; counts in the decode
 reservation with its next-token deadline) -> removed at finish or abort. Deadlines follow the
-latency envelope of seed 000 (:mod:`replica_agent.policy.envelope`):
+latency envelope of FairBatching (arXiv 2510.14392; docs/design.md section 2) (:mod:`replica_agent.policy.envelope`):
 ``deadline(j) = arrival + ttft + j * tpot``.
 
 Tokens out are counted per content-bearing chunk; the engine's final ``usage`` corrects the prompt

@@ -1,4 +1,4 @@
-"""Requests that no replica can take right now wait here (DESIGN.md section 5, steps 5-6).
+"""Requests that no replica can take right now wait here (docs/design.md section 5, steps 5-6).
 
 :class:`FifoQueue` is the plain bounded FIFO; the router uses the weighted fair queue
 (:class:`router.fair_queue.FairQueue`) behind the same :class:`AdmissionQueue` protocol (``push``,

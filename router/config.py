@@ -1,6 +1,6 @@
 """Router configuration: one YAML file validated by pydantic (the only place pydantic is used).
 
-Schema (docs/architecture.md, section "Router"; DESIGN.md section 6)::
+Schema (docs/architecture.md, section "Router"; docs/design.md section 6)::
 
     model: llama-3-8b-a100            # optional: served model name for /v1/models
     slo_classes:
@@ -17,7 +17,8 @@ Schema (docs/architecture.md, section "Router"; DESIGN.md section 6)::
     admission: {bytes_per_token: 4.0, reserve_timeout_ms: 200, estimate_refuse_factor: 2.0,
                 start_window_steps: 4, step_tokens: 2048, lease_mode: inline}
     http: {max_body_bytes: 4194304, body_timeout_s: 10}
-    placement: {seed: null}            # tie-break RNG seed; null = random per process
+    placement: {seed: null,            # tie-break RNG seed; null = random per process
+                prefix_cache: {enabled: false, chunk_chars: 64, capacity_tokens: 500000}}
     telemetry: {otlp_endpoint: null, service_name: fairbatch-router, sample_ratio: 1.0}
     auth: {trusted_header: x-tenant, trusted_networks: ["10.0.0.0/8"]}   # optional gateway identity
     fairness: {w_prefill: 1.0, w_decode: 2.0, default_max_tokens: 256, counter_sync_ms: 100}
@@ -220,16 +221,94 @@ class AdmissionConfig(_Strict):
     lease_mode: Literal["inline", "reserve"] = "inline"
 
 
+class PrefixCacheConfig(_Strict):
+    """Prefix-cache-aware placement (router/prefix_index.py; docs/design.md "Prefix-aware PAB").
+
+    Attributes:
+        enabled: keep a map of which replica holds which prompt prefix and price each candidate's
+            prefill at its uncached tokens (False, the default: every prompt priced whole).
+        chunk_chars: characters of prompt text per map key (64 = about 16 tokens at 4 bytes per
+            token, vLLM's default block size).
+        capacity_tokens: prompt tokens remembered per replica (about one replica's KV cache), LRU.
+    """
+
+    enabled: bool = False
+    chunk_chars: int = Field(default=64, ge=1)
+    capacity_tokens: int = Field(default=500_000, ge=1)
+
+
+class ScorerEntry(_Strict):
+    """One scorer of a custom placement chain: plugin name, weight, the plugin's parameters."""
+
+    name: str
+    weight: float = 1.0
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class PickerEntry(_Strict):
+    """The picker of a custom placement chain: plugin name and parameters (``seed`` comes from ``placement.seed``)."""
+
+    name: str = "highest"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
 class PlacementConfig(_Strict):
-    """Placement knobs.
+    """Placement knobs: a named profile, or a filters -> scorers -> picker chain of plugins
+    (router/placement/registry.py; docs/architecture.md "Placement plugins").
 
     Attributes:
         seed: seed of the tie-break RNG among replicas of equal score (None, the default: a
             random seed per router process, so that routers and restarts do not all prefer one
             replica; set it for a reproducible run).
+        profile: a named policy (``pab``, the default: the fused one-pass form of the default
+            chain; ``pab-chain``: the same chain from the plugins) used when no chain is given.
+        filters: filter names in order (None: the profile's).
+        scorers: scorers with weights (None: the profile's).
+        picker: the picker (None: ``highest``).
+        hooks: post-decision hook names (plugins told of every granted placement).
+        prefix_cache: prefix-cache-aware placement (:class:`PrefixCacheConfig`), off by default.
     """
 
     seed: int | None = None
+    profile: str = "pab"
+    filters: list[str] | None = None
+    scorers: list[ScorerEntry] | None = None
+    picker: PickerEntry | None = None
+    hooks: list[str] = Field(default_factory=list)
+    prefix_cache: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig)
+
+    @model_validator(mode="after")
+    def _known_plugins(self) -> PlacementConfig:
+        from router.placement.registry import default_registry  # placement imports no config: no cycle
+
+        reg = default_registry()
+        if self.profile not in reg.policies:
+            raise ValueError(f"placement.profile {self.profile!r} is not one of {', '.join(sorted(reg.policies))}")
+        for kind, names, known in (
+            ("filters", self.filters or [], reg.filters),
+            ("scorers", [e.name for e in self.scorers or []], reg.scorers),
+            ("picker", [self.picker.name] if self.picker else [], reg.pickers),
+            ("hooks", self.hooks, reg.hooks),
+        ):
+            for n in names:
+                if n not in known:
+                    raise ValueError(f"placement.{kind}: unknown plugin {n!r}; known: {', '.join(sorted(known))}")
+        return self
+
+    def build(self, seed: int | None) -> Any:
+        """The :class:`~router.placement.core.PlacementPolicy` of this section (``seed`` for the picker).
+
+        Raises:
+            TypeError: a plugin parameter the plugin does not take.
+        """
+        from router.placement.registry import build_policy, default_registry
+
+        return build_policy(
+            default_registry(), self.profile, seed, self.filters,
+            None if self.scorers is None else [(e.name, e.weight, e.params) for e in self.scorers],
+            None if self.picker is None else self.picker.name, None if self.picker is None else self.picker.params,
+            self.hooks,
+        )  # fmt: skip
 
 
 class HttpConfig(_Strict):
@@ -265,7 +344,7 @@ class TelemetryConfig(_Strict):
 
 
 class AuthConfig(_Strict):
-    """Tenant identity from a header set by a trusted gateway (DESIGN.md section 5 step 1).
+    """Tenant identity from a header set by a trusted gateway (docs/design.md section 5 step 1).
 
     Attributes:
         trusted_header: header naming the tenant (e.g. ``x-tenant``); None = API keys only.

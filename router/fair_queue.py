@@ -2,8 +2,8 @@
 
 Plain data in, plain data out; no I/O and no clock reads (``now_ms`` is passed to :meth:`expire`).
 It implements the :class:`router.admission_queue.AdmissionQueue` protocol, so the
-:class:`~router.admission_queue.Dispatcher` serves it as it served the FIFO (DESIGN.md section 5,
-step 5; seed 001: "tenant quota / class reservation -> weighted fair queue -> deadline ordering").
+:class:`~router.admission_queue.Dispatcher` serves it as it served the FIFO (docs/design.md section 5,
+step 5: tenant quota, then the weighted fair queue, then deadline order).
 
 Order of service (``ordered()``), one pick at a time:
 

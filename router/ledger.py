@@ -1,6 +1,6 @@
 """Tenant quotas and fairness counters: in-process (default) or shared by router copies through Redis.
 
-What the ledger holds per tenant (DESIGN.md section 5, step 3; seed 001, section 12 "多租户隔离"):
+What the ledger holds per tenant (docs/design.md section 5, step 3):
 
 - a request bucket (``requests_per_minute``) and a token bucket (``tokens_per_minute``; a request
   costs ``prompt_tokens + max_tokens``, clamped to the bucket size so that one large request can

@@ -1,6 +1,6 @@
 """The router's HTTP front door (aiohttp): OpenAI-compatible endpoints, request path, metrics.
 
-One request's path (DESIGN.md section 5): authenticate (API key -> tenant, or a trusted gateway
+One request's path (docs/design.md section 5): authenticate (API key -> tenant, or a trusted gateway
 header) -> classify (tenant -> SLO class) -> estimate prompt tokens -> quotas (ledger: request and
 token buckets, concurrency; 429 tenant-rate / tenant-concurrency) -> place (filters -> scorers ->
 picker) and Reserve on the best replica, falling back to the next on refusal -> else, unless a
@@ -81,7 +81,8 @@ from router.placement import (
 )
 from router.relay import Relay, RelayOutcome, UpstreamAbort
 from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start, queue_decision
-from router.tokens import PromptError, estimate_prompt_tokens, prompt_is_exact
+from router.prefix_index import PrefixIndex, text_block_keys
+from router.tokens import PromptError, estimate_prompt_tokens, prompt_is_exact, prompt_text
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,8 @@ class Grant:
         lease_id: the agent's lease id (``reserve`` mode), or the router's own key of an inline
             admission (``inline`` mode: no lease exists on the agent until the request arrives).
         inline: admitted on the router's view; the agent decides on arrival (``x-fairbatch-admit``).
-        prompt_tokens: the prompt tokens placed (sent in ``x-fairbatch-admit``).
+        prompt_tokens: the prompt tokens placed, less those the replica is estimated to hold in its
+            prefix cache (sent in ``x-fairbatch-admit``).
     """
 
     replica_id: str
@@ -216,7 +218,12 @@ class Router:
         if seed is None:
             seed = random.SystemRandom().randrange(2**63)
         self.seed = seed
-        self.policy: PlacementPolicy = default_registry().build(policy, seed=seed)
+        self._policy_name = policy
+        self.policy: PlacementPolicy = self._build_policy(config)
+        self._applied_placement = config.placement.model_dump(exclude={"prefix_cache"})
+        self.prefix: PrefixIndex | None = None  # prefix-aware placement (placement.prefix_cache)
+        self._prefix_keys: dict[str, list[int]] = {}  # request id -> its prompt's prefix keys, while placing
+        self._configure_prefix(config)
         fc = config.fairness
         self.queue = FairQueue(
             config.queue.max_requests, config.queue.max_tokens, tenant_shares(config),
@@ -360,12 +367,33 @@ class Router:
             handle.abort(f"replica {rid} was removed")
         self.metrics.replica_aborts.inc(len(aborts))
         self.book.remove_replica(rid)
+        if self.prefix is not None:
+            self.prefix.forget(rid)
         self.budgets.remove(rid)
         self.metrics.replica_changes.labels("removed").inc()
         self.metrics.forget_replica(rid)
         log.info("replica %s removed (%d in-flight requests failed over)", rid, len(aborts))
 
     # ------------------------------------------------------------------ configuration and ledger
+
+    def _build_policy(self, config: RouterConfig) -> PlacementPolicy:
+        """The placement policy: the YAML's ``placement`` section (profile or plugin chain), or the
+        registry policy named at construction when it is not the default ``pab``."""
+        if self._policy_name != "pab":
+            return default_registry().build(self._policy_name, seed=self.seed)
+        return config.placement.build(self.seed)  # type: ignore[no-any-return]
+
+    def _configure_prefix(self, config: RouterConfig) -> None:
+        """Build (or drop) the prefix map for ``placement.prefix_cache``; a map whose settings did not
+        change is kept, with what it learned."""
+        pc = config.placement.prefix_cache
+        if not pc.enabled:
+            self.prefix = None
+            return
+        tokens_per_key = max(1, round(pc.chunk_chars / config.admission.bytes_per_token))
+        capacity = max(1, pc.capacity_tokens // tokens_per_key)
+        if self.prefix is None or (self.prefix.capacity_keys, self.prefix.tokens_per_key) != (capacity, tokens_per_key):
+            self.prefix = PrefixIndex(capacity, tokens_per_key)
 
     def apply_config(self, config: RouterConfig) -> list[str]:
         """Swap in a validated configuration while serving; returns warnings for parts that need a
@@ -391,6 +419,14 @@ class Router:
         self.queue.default_max_tokens = fc.default_max_tokens
         self.queue.aging_floor_share = config.queue.aging_floor_share
         self.dispatcher.max_bypass = config.queue.max_bypass
+        old_pl = self._applied_placement
+        new_pl = config.placement.model_dump(exclude={"prefix_cache"})
+        if new_pl != old_pl:  # a new profile or chain: rebuilt now (the tie-break seed kept unless changed)
+            if new_pl.get("seed") is not None:
+                self.seed = new_pl["seed"]
+            self.policy = self._build_policy(config)
+            self._applied_placement = new_pl
+        self._configure_prefix(config)
         self.metrics.config_generation.inc()
         self.dispatcher.wake()
         return warnings
@@ -507,33 +543,43 @@ class Router:
         adm = self.config.admission
         t0 = time.perf_counter()
         capped = self._contention_excluded()
-        result = self.policy.place(
-            PlacementRequest(
-                slo_class, prompt_tokens, exclude | attempt.avoid | capped, waited_ms,
-                on_time_only=attempt.on_time_only, window_steps=adm.start_window_steps, step_tokens=adm.step_tokens,
-            ),
-            self.book.views(),
+        prefix, keys = self.prefix, self._prefix_keys.get(request_id)
+        cached = prefix.cached_tokens(keys, prompt_tokens) if prefix is not None and keys else {}
+        preq = PlacementRequest(
+            slo_class, prompt_tokens, exclude | attempt.avoid | capped, waited_ms,
+            on_time_only=attempt.on_time_only, window_steps=adm.start_window_steps, step_tokens=adm.step_tokens,
+            cached_tokens=cached,
         )
+        policy = self.policy  # a reload may swap it while the Reserves below are awaited
+        result = policy.place(preq, self.book.views())
         self.metrics.placement_seconds.observe(time.perf_counter() - t0)
         if adm.lease_mode == "inline":  # no round trip: the agent decides when the request arrives
             if not result.candidates:
                 return None
             replica_id = result.candidates[0]
-            self.book.take_local(replica_id, slo_class, prompt_tokens)
+            uncached = prompt_tokens - cached.get(replica_id, 0)  # the admission covers the prefill left to compute
+            self.book.take_local(replica_id, slo_class, uncached)
             self._inline_seq += 1
-            grant = Grant(replica_id, f"inline-{self._inline_seq}", True, prompt_tokens)
+            grant = Grant(replica_id, f"inline-{self._inline_seq}", True, uncached)
+            if prefix is not None and keys:  # post-decision: the replica will hold this prompt
+                prefix.insert(replica_id, keys)
+            policy.after_decision(preq, replica_id)
             self._leased[grant.lease_id] = replica_id
             self._replica_load[replica_id] += 1
             return grant
         for replica_id in result.candidates[:MAX_RESERVE_CANDIDATES]:
-            self.book.take_local(replica_id, slo_class, prompt_tokens)
+            uncached = prompt_tokens - cached.get(replica_id, 0)  # the lease covers the prefill left to compute
+            self.book.take_local(replica_id, slo_class, uncached)
             t1 = time.perf_counter()
             waited_ms = max(0.0, self.clock.now_ms() - arrival_ms)  # refused Reserves before took time
             answer = await self.budgets.reserve(
-                replica_id, slo_class, prompt_tokens, request_id, max_tokens, waited_ms
+                replica_id, slo_class, uncached, request_id, max_tokens, waited_ms
             )
             self.metrics.reserve_seconds.observe(time.perf_counter() - t1)
             if answer.granted:
+                if prefix is not None and keys:  # post-decision: the replica now holds this prompt
+                    prefix.insert(replica_id, keys)
+                policy.after_decision(preq, replica_id)  # post-decision hooks of the placement plugins
                 grant = Grant(replica_id, answer.lease_id)
                 self._leased[grant.lease_id] = replica_id
                 self._replica_load[replica_id] += 1
@@ -813,10 +859,14 @@ class Router:
                 + "; retry later.",
                 math.ceil(self.clock.to_wall_s(quota.retry_after_ms)),
             )
+        if self.prefix is not None:
+            self._prefix_keys[request_id] = text_block_keys(prompt_text(body, chat),
+                                                            self.config.placement.prefix_cache.chunk_chars)
         try:
             return await self._serve_placed(request, principal, raw, request_id, arrival_ms, prompt_tokens, max_tokens,
                                             valid.stream)
         finally:
+            self._prefix_keys.pop(request_id, None)
             self._spawn(self.ledger.release(quota))
 
     async def _serve_placed(

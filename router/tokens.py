@@ -113,3 +113,34 @@ def estimate_prompt_tokens(body: Mapping[str, Any], chat: bool, bytes_per_token:
     if chat:
         return chat_prompt_tokens(body.get("messages"), bytes_per_token)
     return completion_prompt_tokens(body.get("prompt"), bytes_per_token)
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p if isinstance(p, str) else str(p.get("text", "")) if isinstance(p, Mapping) else ""
+                       for p in content)  # fmt: skip
+    return ""
+
+
+def prompt_text(body: Mapping[str, Any], chat: bool) -> str:
+    """The prompt as one string for the prefix map's keys (router/prefix_index.py): a completion's
+    ``prompt`` text (token ids as decimal numbers, one space after each), or the chat messages as
+    ``<|role|>\\ncontent\\n`` in order, so that a conversation's next turn starts with the text of
+    the turn before. Call after :func:`estimate_prompt_tokens` accepted the body (never raises)."""
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list):
+            return ""
+        return "".join(f"<|{m.get('role', '')}|>\n{_content_text(m.get('content'))}\n" for m in msgs
+                       if isinstance(m, Mapping))  # fmt: skip
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        if _is_token_ids(prompt):
+            return "".join(f"{t} " for t in prompt)
+        return "".join(p if isinstance(p, str) else "".join(f"{t} " for t in p) if isinstance(p, list) else ""
+                       for p in prompt)  # fmt: skip
+    return ""

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Regenerate docs/bench/*: one replica, llama-3-8b-a100, every batching policy on the three
 # embedded traces (issue 4). Virtual time; about a minute on 2 cores.
-#   <trace>.json/.png           `vllm serve` defaults on A100 (2048 tokens / 256 seqs), DESIGN yardstick
+#   <trace>.json/.png           `vllm serve` defaults on A100 (2048 tokens / 256 seqs), docs/design.md yardstick
 #   <trace>-envelope.json/.png  same engine, seed 000's envelope yardstick, FairBatching on the seed envelope
-#   <trace>-8192.json/.png      tuned engine (8192 tokens), DESIGN yardstick
+#   <trace>-8192.json/.png      tuned engine (8192 tokens), docs/design.md yardstick
 #   <trace>-tpot50[-envelope]   TPOT 50 ms under both yardsticks
 #   azure-code-start183*        azure-code after its opening gap (--trace-start-s 183)
 #   pd/, tb512/                 fairbatching-pd, and a 512-token vllm-default baseline

@@ -1,7 +1,7 @@
 """Baseline routers as placement plugins (filters -> scorers -> picker, router/placement.py).
 
 The routers people run in front of vLLM today, expressed as plugins of the same kind as our PAB
-policy (STYLE.md, llm-d endpoint picker) and registered by name in a
+policy (the shape of llm-d's endpoint picker) and registered by name in a
 :class:`~router.placement.PlacementRegistry` built from :func:`router.placement.default_registry`
 (no module-level state: :func:`fleet_registry` returns a fresh registry).
 
@@ -27,8 +27,21 @@ router: the engine's own waiting queue absorbs bursts, as in front of plain vLLM
   Randomized Load Balancing", 2001; vllm-router / SGLang gateway ``power_of_two``).
 - ``llm-d-scorer``: llm-d / Gateway API Inference Extension default scorers, weight 1 each:
   queue scorer ``(max_q - q) / (max_q - min_q)`` over the waiting queues (1 when all equal) and
-  KV-cache-utilisation scorer ``1 - kv_usage``; max-score picker with random tie-break. (The
-  prefix-cache scorer is left out: the traces carry no prompt contents.)
+  KV-cache-utilisation scorer ``1 - kv_usage``; max-score picker with random tie-break (no
+  prefix scorer: ``llm-d-prefix`` adds it).
+- ``llm-d-prefix``: llm-d's default scheduling profile with prefix-cache awareness: prefix-cache
+  scorer ``matched / prompt`` (weight 3; the router's approximate prefix map, router/prefix_index.py,
+  as llm-d's approximate prefix-cache plugin learns from its own picks), queue scorer (weight 2) and
+  KV-cache-utilisation scorer (weight 2), max-score picker.
+- ``sglang-cache-aware`` and ``vllm-router-cache-aware``: the cache-aware policy of the SGLang
+  router and of vllm-router (a fork of it), rule :class:`CacheAwarePolicy`, each with its own
+  defaults: the load (router-local in-flight requests) is *imbalanced* when ``max - min >
+  balance_abs`` and ``max > balance_rel * min``: then the least loaded replica; otherwise the
+  replica with the longest cached prefix when ``matched / prompt > cache_threshold``, else the
+  least loaded. SGLang (sgl-model-gateway ``router_args.py``): threshold 0.3, abs 64, rel 1.5;
+  vllm-router (``CacheAwareConfig::default``): 0.5, 32, 1.1. Their radix trees of prompt text are
+  modelled by the same prefix map as every cache-aware policy here (one replica's KV cache of
+  keys per replica), so the policies differ in their rules only.
 - ``static-queue-cap``: least-outstanding routing; the replica refuses (429) a prompt when its
   waiting prompt tokens plus the new prompt exceed a static bound (vLLM-style
   ``max-num-queued-tokens`` admission cap; the cap itself is applied by the fleet simulation's
@@ -49,12 +62,13 @@ from router.placement import (
     PlacementPolicy,
     PlacementRegistry,
     PlacementRequest,
+    PlacementResult,
     ReplicaView,
     default_registry,
 )
 
 BASELINE_POLICIES = ("round-robin", "least-outstanding", "least-outstanding-tokens", "power-of-two", "llm-d-scorer",
-                     "static-queue-cap")  # fmt: skip
+                     "static-queue-cap", "llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware")  # fmt: skip
 """Names of the baseline placement policies in :func:`fleet_registry`."""
 
 
@@ -170,6 +184,68 @@ class KvUsageScorer:
         return 1.0 if m is None else 1.0 - m.kv_usage
 
 
+@dataclass(slots=True)
+class PrefixCacheScorer:
+    """llm-d prefix-cache scorer: ``cached / prompt`` (0..1), the share of the prompt the replica
+    is estimated to hold (``PlacementRequest.cached_tokens``, from the router's prefix map)."""
+
+    name: str = "prefix-cache"
+
+    def score(self, request: PlacementRequest, replica: ReplicaView) -> float:
+        if request.prompt_tokens <= 0 or not request.cached_tokens:
+            return 0.0
+        return request.cached_tokens.get(replica.replica_id, 0) / request.prompt_tokens
+
+
+@dataclass(slots=True)
+class CacheAwarePolicy(PlacementPolicy):
+    """SGLang / vllm-router cache-aware rule (module docstring) after the filters.
+
+    Order returned: the chosen replica, then the others by ascending load (ties by input order).
+
+    Attributes:
+        load: the router's in-flight request counts (:class:`RouterLoad` ``outstanding``).
+        cache_threshold: least ``matched / prompt`` for cache affinity (strictly above it).
+        balance_abs: absolute load gap (requests) of the imbalance test.
+        balance_rel: load ratio of the imbalance test.
+    """
+
+    load: RouterLoad = field(default_factory=RouterLoad)
+    cache_threshold: float = 0.5
+    balance_abs: int = 32
+    balance_rel: float = 1.1
+
+    def place(self, request: PlacementRequest, replicas: Sequence[ReplicaView]) -> PlacementResult:
+        remaining: Sequence[ReplicaView] = replicas
+        for f in self.filters:
+            remaining = f.filter(request, remaining)
+            if not remaining:
+                return PlacementResult((), f.name)
+        out = self.load.outstanding
+        loads = [out.get(r.replica_id, 0) for r in remaining]
+        lo, hi = min(loads), max(loads)
+        by_load = sorted(range(len(remaining)), key=lambda i: loads[i])  # stable: first minimum first
+        chosen = by_load[0]
+        if not (hi - lo > self.balance_abs and hi > lo * self.balance_rel) and request.prompt_tokens > 0:
+            cached = request.cached_tokens
+            best, best_rate = -1, 0.0
+            for i, r in enumerate(remaining):
+                rate = cached.get(r.replica_id, 0) / request.prompt_tokens if cached else 0.0
+                if rate > best_rate:
+                    best, best_rate = i, rate
+            if best >= 0 and best_rate > self.cache_threshold:
+                chosen = best
+        order = [chosen] + [i for i in by_load if i != chosen]
+        return PlacementResult(tuple(remaining[i].replica_id for i in order))
+
+
+SGLANG_CACHE_AWARE = {"cache_threshold": 0.3, "balance_abs": 64, "balance_rel": 1.5}
+"""SGLang router (sgl-model-gateway) cache-aware defaults."""
+
+VLLM_ROUTER_CACHE_AWARE = {"cache_threshold": 0.5, "balance_abs": 32, "balance_rel": 1.1}
+"""vllm-router cache-aware defaults."""
+
+
 # ---------------------------------------------------------------- pickers
 
 
@@ -233,6 +309,7 @@ def fleet_registry() -> PlacementRegistry:
             "kv-usage": KvUsageScorer,  # type: ignore[dict-item]
         }
     )
+    reg.scorers["prefix-cache"] = PrefixCacheScorer  # type: ignore[assignment]
     reg.pickers.update({"round-robin": RoundRobinPicker, "power-of-two": PowerOfTwoPicker})
 
     def round_robin(load: RouterLoad, seed: int | None = None) -> PlacementPolicy:
@@ -258,8 +335,24 @@ def fleet_registry() -> PlacementRegistry:
             HighestScorePicker(seed=seed),
         )
 
+    def llmd_prefix(load: RouterLoad, seed: int | None = None) -> PlacementPolicy:
+        return PlacementPolicy(
+            _base_filters(),  # type: ignore[arg-type]
+            [(PrefixCacheScorer(), 3.0), (LlmdQueueScorer(load), 2.0), (KvUsageScorer(load), 2.0)],
+            HighestScorePicker(seed=seed),
+        )
+
+    def sglang(load: RouterLoad, seed: int | None = None) -> PlacementPolicy:
+        return CacheAwarePolicy(_base_filters(), [], HighestScorePicker(), load, **SGLANG_CACHE_AWARE)  # type: ignore[arg-type]
+
+    def vllm_router(load: RouterLoad, seed: int | None = None) -> PlacementPolicy:
+        return CacheAwarePolicy(_base_filters(), [], HighestScorePicker(), load, **VLLM_ROUTER_CACHE_AWARE)  # type: ignore[arg-type]
+
     reg.policies.update(
         {
+            "llm-d-prefix": llmd_prefix,
+            "sglang-cache-aware": sglang,
+            "vllm-router-cache-aware": vllm_router,
             "round-robin": round_robin,
             "least-outstanding": least_outstanding,
             "least-outstanding-tokens": least_outstanding_tokens,

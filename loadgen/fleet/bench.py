@@ -9,7 +9,7 @@ rate of the sweep, one fleet simulation (loadgen/fleet/sim.py) of a ``--duration
 every request then drains (at most ``--drain-s``; still unfinished = failed). Reported per rate:
 SLO attainment (TTFT <= ttft_ms and TPOT <= tpot_ms, loadgen/stats.py; rejected and failed
 requests are misses), goodput, TTFT/TPOT p50/p99, rejections by reason, per-tenant attainment,
-double-spends, placement decision time. ``capacity_rps`` (DESIGN section 2) = highest rate with
+double-spends, placement decision time. ``capacity_rps`` (docs/design.md section 2) = highest rate with
 attainment >= 0.9, linearly interpolated (``loadgen.bench_policies.capacity``). A policy's sweep
 stops after two rates below the target (higher rates cannot change its capacity).
 
@@ -19,11 +19,19 @@ is compressed by ``s = rate / (K * native_rps)``; the merged stream has ``rate``
 average and keeps the trace's burstiness and length mix. Each request goes to one of 4 tenants
 (shares 0.4 / 0.3 / 0.2 / 0.1, seeded), all in one SLO class of weight 1.
 
+Prefix caching: the engines keep vLLM's automatic prefix cache; traces with ``hash_ids``
+(mooncake-conv, mooncake-syn) give the prompts' shared prefixes. ``--windows 1`` replays one
+stretch of the trace so its conversations stay whole (the prefix-cache study,
+docs/bench/prefix-cache.md); rows report ``prefix_cache_hit_rate`` (hit / queried prompt tokens,
+all engines) and ``max_load_ratio`` (max / mean replica busy time). Cache-aware policies:
+``pab-prefix`` (+fairbatching), ``llm-d-prefix``, ``sglang-cache-aware``, ``vllm-router-cache-aware``
+(docs/design.md section 9).
+
 Analytic upper bound (:func:`analytic_bound`): the most requests/s N replicas could serve if
 batches were perfectly packed. Request i (prompt P_i, output O_i tokens) needs, beyond per-iteration
 fixed costs, ``W_i = b * (P_i + O_i - 1) + c * ((O_i - 1) * P_i + (O_i - 1) * O_i / 2)`` ms: its
 prompt once (context 0) and O_i - 1 decode tokens, the j-th reading P_i + j context tokens
-(time model of seed 000: a + b * new + c * context). Let the replica run back-to-back iterations of
+(time model of FairBatching, arXiv 2510.14392; docs/design.md section 3: a + b * new + c * context). Let the replica run back-to-back iterations of
 length T ms. Every decode must emit a token per TPOT on average, so T <= tpot_ms, and the fixed
 cost ``a`` is paid 1000 / T times per second. At λ requests/s per replica:
 
@@ -83,7 +91,8 @@ TENANTS = (("t0", 0.4), ("t1", 0.3), ("t2", 0.2), ("t3", 0.1))
 """Tenant names and their shares of the requests."""
 
 BASELINES = ("round-robin", "least-outstanding", "least-outstanding-tokens", "power-of-two", "llm-d-scorer",
-             "static-queue-cap", "least-outstanding+fairbatching", "static-queue-cap+fairbatching")  # fmt: skip
+             "static-queue-cap", "least-outstanding+fairbatching", "static-queue-cap+fairbatching",
+             "llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +165,12 @@ def build_arrivals(
     ``window_offset`` in [0, 1) shifts every window start by that fraction of ``span / windows``
     (window w starts at ``(w + window_offset) * span / windows``): other trace segments, same mix.
 
+    Prefix ids (``TraceRequest.hash_ids``) are kept; with several windows each window's ids are
+    its own (id ``i`` of window w becomes ``i * windows + w``): two windows are two populations of
+    users, and a request replayed in two windows shares nothing with itself. ``windows = 1`` keeps
+    the trace's conversations whole (every follow-up turn after its predecessor, gaps divided by
+    the scale), which is what a prefix-cache study needs.
+
     Raises:
         ValueError: if ``window_offset`` is outside [0, 1).
     """
@@ -167,15 +182,16 @@ def build_arrivals(
     rng = random.Random(seed)
     names = [t for t, _ in TENANTS]
     shares = [s for _, s in TENANTS]
-    out: list[tuple[float, int, int]] = []
+    out: list[tuple[float, int, int, tuple[int, ...]]] = []
     for w in range(windows):
         start = trace[0].arrival_ms + (w + window_offset) * span / windows
         for r in trace:
             t = ((r.arrival_ms - start) % span) / scale
             if t < horizon_ms:
-                out.append((t, max(1, r.prompt_tokens), max(1, r.output_tokens)))
+                ids = r.hash_ids if windows == 1 else tuple(i * windows + w for i in r.hash_ids)
+                out.append((t, max(1, r.prompt_tokens), max(1, r.output_tokens), ids))
     out.sort()
-    return [FleetRequest(t, p, o, rng.choices(names, shares)[0]) for t, p, o in out]
+    return [FleetRequest(t, p, o, rng.choices(names, shares)[0], ids) for t, p, o, ids in out]
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +222,8 @@ class Setup:
     start_window_steps: float = 0.0
     lease_mode: str = "reserve"
     min_push_interval_ms: float | None = None
+    windows: int = 0
+    prefix_caching: bool = True
 
 
 def fleet_config(setup: Setup, policy: str) -> FleetConfig:
@@ -221,7 +239,14 @@ def fleet_config(setup: Setup, policy: str) -> FleetConfig:
         max_num_batched_tokens=setup.max_num_batched_tokens, max_num_seqs=setup.max_num_seqs,
         engine_time=setup.engine_time, start_window_steps=setup.start_window_steps,
         lease_mode=setup.lease_mode, min_push_interval_ms=setup.min_push_interval_ms,
+        prefix_caching=setup.prefix_caching,
     )  # fmt: skip
+
+
+def _max_ratio(xs: Sequence[float]) -> float | None:
+    """max / mean of per-replica loads (1 = perfectly even), None when all are 0."""
+    mean = sum(xs) / len(xs) if xs else 0.0
+    return max(xs) / mean if mean > 0 else None
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -230,8 +255,8 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 def run_point(setup: Setup, policy: str, rate_rps: float) -> dict[str, Any]:
     """One policy at one rate: a row of fleet.json."""
-    reqs = build_arrivals(setup.trace, setup.native_rps, rate_rps, setup.duration_s, setup.replicas, setup.seed,
-                          setup.window_offset)  # fmt: skip
+    reqs = build_arrivals(setup.trace, setup.native_rps, rate_rps, setup.duration_s, setup.windows or setup.replicas,
+                          setup.seed, setup.window_offset)  # fmt: skip
     res = run_fleet(fleet_config(setup, policy), reqs)
     slo = Slo(setup.ttft_ms, setup.tpot_ms)
     slos = {t: slo for t, _ in TENANTS}
@@ -268,6 +293,9 @@ def run_point(setup: Setup, policy: str, rate_rps: float) -> dict[str, Any]:
         "snapshots_per_s_per_router": st.snapshots_delivered / max(1e-9, st.end_ms / 1000.0) / setup.routers,
         "pushes_per_s_per_replica": st.pushes / max(1e-9, st.end_ms / 1000.0) / setup.replicas,
         "reserve_answers": st.reserve_answers,
+        "prefix_cache_hit_rate": st.prefix_cache_hits / st.prefix_cache_queries if st.prefix_cache_queries else None,
+        "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
+        "max_load_ratio": _max_ratio(st.replica_busy_ms), "max_requests_ratio": _max_ratio(st.replica_requests),
         "preemptions": st.preemptions, "steps": st.steps, "dispatch_passes": st.dispatch_passes,
         "sim_end_s": st.end_ms / 1000.0, "wall_s": round(res.wall_s, 2),
     }  # fmt: skip
@@ -304,6 +332,7 @@ def sweep(setup: Setup, policy: str, rates: Sequence[float], target: float = 0.9
               f"attainment {row['slo_attainment']:.3f} (tokens {row['token_slo_attainment']:.3f})  "
               f"TPOT p99 {row['tpot_p99_ms'] or 0:.1f} ms  late steps {100 * row['late_step_frac']:.1f} %  "
               f"model err {100 * row['time_model_mean_abs_error']:.1f} %  "
+              f"prefix hits {100 * (row['prefix_cache_hit_rate'] or 0):.1f} %  max/mean load {row['max_load_ratio'] or 0:.2f}  "
               f"wall {row['wall_s']:.1f}s", file=sys.stderr, flush=True)  # fmt: skip
         if (row["slo_attainment"] or 0.0) < target:
             below += 1
@@ -384,6 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-push-interval-ms", type=float, default=None,
                    help="agents also push on change, at most one snapshot per this many ms (default: periodic only)")
     p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--windows", type=int, default=None,
+                   help="interleaved trace windows (default: --replicas); 1 = one stretch of the trace, its "
+                        "conversations whole (the prefix-cache study)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="engines without automatic prefix caching")
     add_engine_and_trace_args(p)
     add_engine_time_arg(p)
     p.add_argument("--seed", type=int, default=0, help="tenant draw, push phases, power-of-two choices, arrival spread")
@@ -423,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   args.drain_s, args.routers, args.push_period_ms, args.net_delay_ms, args.queue, cap_tokens,
                   not args.no_leases, args.max_model_len, args.seed, max_tokens, max_seqs,
                   args.window_offset, engine_time, args.warmup_s, args.start_window_steps, args.lease_mode,
-                  args.min_push_interval_ms)  # fmt: skip
+                  args.min_push_interval_ms, args.windows or args.replicas, not args.no_prefix_caching)  # fmt: skip
     if not 0.0 <= args.warmup_s < args.duration_s:
         raise SystemExit("bench-fleet: --warmup-s must be in [0, --duration-s)")
     t0 = time.perf_counter()
@@ -449,6 +482,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.trace, args.replicas, args.profile, args.seed, args.window_offset
         ):
             raise SystemExit(f"--merge: {args.out} is a run of another trace, fleet size, profile, seed or window offset")
+        if (old.get("windows_interleaved", args.replicas), old.get("prefix_caching", True)) != (
+            args.windows or args.replicas, not args.no_prefix_caching
+        ):
+            raise SystemExit(f"--merge: {args.out} was run with other --windows or prefix caching")
         if old.get("engine_time_model", {"name": "policy"}) != describe_engine(engine_time):
             raise SystemExit(f"--merge: {args.out} was run with another engine time model "
                              f"({old.get('engine_time_model', {'name': 'policy'})['name']})")
@@ -489,7 +526,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "vllm_serve_defaults": {"max_num_batched_tokens": serve.max_num_batched_tokens,
                                            "max_num_seqs": serve.max_num_seqs, "gpu": prof.gpu}},
         "arrival_spread_ms": spread_ms,
-        "native_rps": round(native, 4), "windows_interleaved": args.replicas,
+        "native_rps": round(native, 4), "windows_interleaved": args.windows or args.replicas,
+        "prefix_caching": not args.no_prefix_caching,
         "requests_in_trace": len(full), "requests_dropped_over_max_model_len": len(full) - len(kept),
         "time_model": {"a_ms": prof.time_model.a_ms, "b_ms_per_new_token": prof.time_model.b_ms_per_new_token,
                        "c_ms_per_context_token": prof.time_model.c_ms_per_context_token},
@@ -512,7 +550,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"engine step time {engine_label(engine_time)}")  # fmt: skip
     print("capacity = highest rate with SLO attainment >= 0.9, on the rate label and on the offered rate "
           "(requests in the window / window)")
-    print(f"{'policy':<18} {'capacity':>9} {'offered':>9} {'of bound':>9} {'of steady':>9} {'x RR':>6} {'x best':>7}")
+    print("hits / load @cap: prefix-cache hit rate (hit / queried prompt tokens) and max / mean replica busy time "
+          "at the highest swept rate with attainment >= 0.9")
+    print(f"{'policy':<24} {'capacity':>9} {'offered':>9} {'of bound':>9} {'of steady':>9} {'x RR':>6} {'x best':>7} "
+          f"{'hits @cap':>9} {'load @cap':>9}")
     for name, pol in policies.items():
         xr = pol["x_round_robin"]
         xb = pol["x_best_baseline"]
@@ -521,8 +562,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         offered = capacity_text(pol["offered_capacity_rps"], pol["offered_capacity_bound"], offered_by_policy[name])
         frac = "-" if below or pol["fraction_of_bound"] is None else f"{pol['fraction_of_bound']:.3f}"
         sfrac = "-" if below or pol.get("fraction_of_steady_bound") is None else f"{pol['fraction_of_steady_bound']:.3f}"
-        print(f"{name:<18} {label:>9} {offered:>9} {frac:>9} {sfrac:>9} "
-              f"{'-' if xr is None or below else f'{xr:.2f}':>6} {'-' if xb is None or below else f'{xb:.2f}':>7}")  # fmt: skip
+        at = [r for r in pol["rows"] if (r.get("slo_attainment") or 0.0) >= 0.9]
+        top = max(at, key=lambda r: r["rate_rps"]) if at else None
+        hits = "-" if top is None or top.get("prefix_cache_hit_rate") is None else f"{top['prefix_cache_hit_rate']:.3f}"
+        load = "-" if top is None or top.get("max_load_ratio") is None else f"{top['max_load_ratio']:.2f}"
+        print(f"{name:<24} {label:>9} {offered:>9} {frac:>9} {sfrac:>9} "
+              f"{'-' if xr is None or below else f'{xr:.2f}':>6} {'-' if xb is None or below else f'{xb:.2f}':>7} "
+              f"{hits:>9} {load:>9}")  # fmt: skip
     return 0
 
 

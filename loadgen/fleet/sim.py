@@ -72,6 +72,7 @@ from typing import Any
 from loadgen.fleet.baselines import BASELINE_POLICIES, MetricsSample, RouterLoad, fleet_registry
 from loadgen.sim.engine import EngineConfig, SimEngine, StepResult
 from loadgen.sim.engine_time import EngineTimeModel
+from loadgen.sim.prefix_cache import block_hashes_from_ids, chain_hashes
 from loadgen.stats import FAILED, OK, REJECTED, RequestRecord
 from replica_agent.policy.batching import PolicyConfig, make_policy
 from replica_agent.policy.calibration import CalibratorConfig, OnlineTimeModel
@@ -92,6 +93,7 @@ from router.admission_queue import Attempt, Dispatcher, FifoQueue, QueueFull, Qu
 from router.budgets import BudgetBook
 from router.fair_queue import FairQueue, TenantShare
 from router.placement import DEFAULT_MAX_CANDIDATES, PlacementRequest, ReplicaView
+from router.prefix_index import PrefixIndex
 from router.shedding import agent_margin_ms, infeasible, predict_start, queue_decision
 
 POLICIES: dict[str, tuple[str, str]] = {
@@ -103,12 +105,22 @@ POLICIES: dict[str, tuple[str, str]] = {
     "least-outstanding-tokens": ("direct", "vllm-default"),
     "least-outstanding+fairbatching": ("direct", "fairbatching"),
     "static-queue-cap+fairbatching": ("queue-cap", "fairbatching"),
+    "llm-d-prefix": ("direct", "vllm-default"),
+    "sglang-cache-aware": ("direct", "vllm-default"),
+    "vllm-router-cache-aware": ("direct", "vllm-default"),
     "pab": ("pab", "vllm-default"),
     "pab+fairbatching": ("pab", "fairbatching"),
+    "pab-prefix": ("pab", "vllm-default"),
+    "pab-prefix+fairbatching": ("pab", "fairbatching"),
 }
 """Fleet policy name -> (router kind, replica batching policy). ``X+fairbatching`` for a baseline
 router X: the same placement in front of FairBatching replicas (what an operator who installed the
 scheduler plugin but kept their router would run)."""
+
+
+PREFIX_POLICIES = frozenset({"llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware", "pab-prefix",
+                             "pab-prefix+fairbatching"})  # fmt: skip
+"""Fleet policies whose routers keep a prefix map (router/prefix_index.py) and place with it."""
 
 
 def placement_name(policy: str) -> str:
@@ -165,12 +177,16 @@ class FleetRequest:
         arrival_ms: arrival at the router (simulated ms).
         prompt_tokens, output_tokens: lengths (tokens, >= 1).
         tenant: tenant name.
+        prefix_ids: ids of the prompt's prefix blocks, one per ``FleetConfig.prefix_block_tokens``
+            tokens (equal leading ids = equal prompt prefix; Mooncake ``hash_ids``); empty = a
+            prompt that shares nothing.
     """
 
     arrival_ms: float
     prompt_tokens: int
     output_tokens: int
     tenant: str = "t0"
+    prefix_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +237,9 @@ class FleetConfig:
         calibration: the online time model's settings.
         autoscale: add and remove replicas while running (:class:`AutoscaleConfig`; signal ``pab``
             needs a ``pab`` policy, ``num-waiting`` runs with any); None: all ``replicas`` serve from the start.
+        prefix_caching: the engines' automatic prefix caching (vLLM's default; loadgen/sim/kv_cache.py).
+        prefix_block_tokens: tokens per id of ``FleetRequest.prefix_ids`` (512 for Mooncake); also
+            the unit of the routers' prefix maps, which hold about one replica's KV cache each.
     """
 
     policy: str
@@ -258,6 +277,8 @@ class FleetConfig:
     online_time_model: bool = True
     calibration: CalibratorConfig = field(default_factory=lambda: CalibratorConfig(refit_every=8))
     autoscale: AutoscaleConfig | None = None
+    prefix_caching: bool = True
+    prefix_block_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -305,6 +326,10 @@ class FleetStats:
             included), from 0 to the end of the arrivals plus the drain of the requests.
         replica_timeline: ``(ms, allocated replicas)`` at every change (autoscale runs).
         scale_outs, scale_ins: replicas added and removed by the autoscaler.
+        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in the engines' prefix
+            caches and found there, all replicas (``vllm:prefix_cache_queries`` / ``_hits``).
+        replica_busy_ms: per replica, the sum of its step times (ms): its load.
+        replica_requests: per replica, requests it was given.
     """
 
     grants: int = 0
@@ -325,6 +350,10 @@ class FleetStats:
     replica_timeline: list[tuple[float, int]] = field(default_factory=list)
     scale_outs: int = 0
     scale_ins: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    replica_busy_ms: list[float] = field(default_factory=list)
+    replica_requests: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -404,6 +433,8 @@ class _Replica:
     allocated: bool = True  # holds a GPU (serving, starting or draining)
     ready_ms: float = 0.0  # serves from then on (autoscale: decision + startup)
     draining: bool = False  # removed: takes no new work, released when idle
+    busy_ms: float = 0.0
+    requests: int = 0
 
 
 @dataclass(slots=True)
@@ -461,6 +492,10 @@ class _Router:
         self.pass_at: float | None = None  # time of the pending dispatcher pass, None when none
         self.pass_token = 0  # a _DISPATCH event with an older token was superseded by an earlier pass
         self.last_pass_ms = float("-inf")
+        # the router's prefix map (prefix-aware policies only), about one replica's KV cache per replica
+        self.prefix: PrefixIndex | None = None
+        if cfg.policy in PREFIX_POLICIES:
+            self.prefix = PrefixIndex(max(1, cfg.kv_capacity_tokens // cfg.prefix_block_tokens), cfg.prefix_block_tokens)
         if self.kind == "pab":
             self.book = BudgetBook(self.clock, self.ids)  # type: ignore[arg-type]
             self.policy = reg.build("pab", seed=seed)
@@ -478,19 +513,28 @@ class _Router:
 
     # ------------------------------------------------------------ pab path
 
-    def _place(self, slo_class: str, prompt_tokens: int, exclude: frozenset[str], arrival_ms: float,
+    def _place(self, idx: int, slo_class: str, prompt_tokens: int, exclude: frozenset[str], arrival_ms: float,
                on_time_only: bool = False) -> _Grant | None:
         """router/server.py ``_place_and_reserve``: placement, then Reserve on up to 3 candidates,
         both with the request's age ``waited_ms = now - arrival_ms`` (arrival at the router), and
         the router's start window (``FleetConfig.start_window_steps`` steps of the engine's
-        ``max_num_batched_tokens``; 0 = none). The contention cap and holds are not modelled."""
+        ``max_num_batched_tokens``; 0 = none). The contention cap and holds are not modelled.
+
+        Prefix-aware (``pab-prefix``): placement gets each replica's estimated cached tokens from
+        this router's prefix map; the Reserve on a candidate asks for its uncached tokens (the lease
+        and the book take that much), and the granted replica is recorded in the map."""
         sim = self.sim
         now = self.clock.t
         waited_ms = max(0.0, now - arrival_ms)
         t0 = time.perf_counter()
         cfg = sim.cfg
+        cached: dict[str, int] = {}
+        keys: list[int] = []
+        if self.prefix is not None:
+            keys = sim.router_keys(idx)
+            cached = self.prefix.cached_tokens(keys, prompt_tokens)
         result = self.policy.place(PlacementRequest(slo_class, prompt_tokens, exclude, waited_ms, on_time_only,
-                                                    cfg.start_window_steps, cfg.max_num_batched_tokens),
+                                                    cfg.start_window_steps, cfg.max_num_batched_tokens, cached),
                                    self.book.views(now))  # fmt: skip
         sim.sample_decision(time.perf_counter() - t0)
         if cfg.leases and cfg.lease_mode == "inline":  # no round trip: the agent decides on arrival
@@ -501,16 +545,27 @@ class _Router:
             return _Grant(sim.index_of[rid], "", 0, inline=True)
         refusals = 0
         for rid in result.candidates[:MAX_RESERVE_CANDIDATES]:
-            self.book.take_local(rid, slo_class, prompt_tokens)
+            p = max(0, prompt_tokens - cached.get(rid, 0))
+            self.book.take_local(rid, slo_class, p)
             ri = sim.index_of[rid]
-            granted, lease_id, after = sim.reserve(ri, prompt_tokens, now, waited_ms)
+            granted, lease_id, after = sim.reserve(ri, p, now, waited_ms)
             sim.stats.reserve_answers += 1
             if after is not None:
                 self.book.apply_reserve(rid, slo_class, after.pab_ms, after.pab_tokens)
             if granted:
+                if self.prefix is not None:  # the post-decision update of the prefix map
+                    self.prefix.insert(rid, keys)
                 return _Grant(ri, lease_id, refusals)
             refusals += 1
         return None
+
+    def _uncached(self, idx: int, prompt_tokens: int) -> int:
+        """The prompt's tokens left to compute on the warmest replica of this router's prefix map
+        (the whole prompt without one): what the shedding rule prices (its best case)."""
+        if self.prefix is None:
+            return prompt_tokens
+        cached = self.prefix.cached_tokens(self.sim.router_keys(idx), prompt_tokens)
+        return prompt_tokens - max(cached.values(), default=0)
 
     def _predict(self, prompt_tokens: int, own_tokens: int) -> tuple[float, float] | None:
         """router/server.py ``predict``: router/shedding.py ``predict_start`` on this router's book."""
@@ -520,12 +575,13 @@ class _Router:
 
     def _shed(self, entry: WaitingRequest, now_ms: float) -> bool:
         """router/server.py ``_shed``: a blocked queued request that can no longer start in time."""
-        return infeasible(now_ms, entry.first_token_deadline_ms, self._predict(entry.prompt_tokens, entry.prompt_tokens),
+        p = self._uncached(int(entry.request_id), entry.prompt_tokens)
+        return infeasible(now_ms, entry.first_token_deadline_ms, self._predict(p, entry.prompt_tokens),
                           agent_margin_ms(self.book.views(now_ms), SLO_CLASS))  # fmt: skip
 
     async def _admit(self, entry: WaitingRequest, attempt: Attempt) -> _Grant | None:
-        return self._place(entry.slo_class, entry.prompt_tokens, entry.exclude | attempt.avoid, entry.arrived_ms,
-                           attempt.on_time_only)
+        return self._place(int(entry.request_id), entry.slo_class, entry.prompt_tokens,
+                           entry.exclude | attempt.avoid, entry.arrived_ms, attempt.on_time_only)
 
     async def _orphan(self, grant: _Grant) -> None:  # never happens: simulated waiters do not leave
         self.sim.replicas[grant.replica].leases.release(grant.lease_id)
@@ -574,15 +630,16 @@ class _Router:
             return
         cfg = sim.cfg
         if len(self.queue) == 0:
-            grant = self._place(SLO_CLASS, req.prompt_tokens, avoid if len(avoid) < len(self.ids) else frozenset(),
-                                req.arrival_ms)
+            grant = self._place(idx, SLO_CLASS, req.prompt_tokens,
+                                avoid if len(avoid) < len(self.ids) else frozenset(), req.arrival_ms)
             if grant is not None:
                 self._charge(req)
                 sim.forward_granted(idx, grant, now)
                 return
         # the router's own rule (router/shedding.py)
         decision = queue_decision(now, req.arrival_ms, cfg.ttft_ms, cfg.max_queue_ms, cfg.sheddable,
-                                  self._predict(req.prompt_tokens, 0), agent_margin_ms(self.book.views(now), SLO_CLASS))  # fmt: skip
+                                  self._predict(self._uncached(idx, req.prompt_tokens), 0),
+                                  agent_margin_ms(self.book.views(now), SLO_CLASS))  # fmt: skip
         deadline, reason = decision.deadline_ms, decision.expire_reason
         if decision.refuse or deadline <= now:
             sim.reject(idx, reason)
@@ -634,12 +691,20 @@ class _Router:
         req = sim.requests[idx]
         t0 = time.perf_counter()
         exclude = exclude | sim.not_serving(self.clock.t)
-        result = self.policy.place(PlacementRequest(SLO_CLASS, req.prompt_tokens, exclude), self.static_views)
+        cached: dict[str, int] = {}
+        keys: list[int] = []
+        if self.prefix is not None:
+            keys = sim.router_keys(idx)
+            cached = self.prefix.cached_tokens(keys, req.prompt_tokens)
+        result = self.policy.place(PlacementRequest(SLO_CLASS, req.prompt_tokens, exclude, cached_tokens=cached),
+                                   self.static_views)  # fmt: skip
         sim.sample_decision(time.perf_counter() - t0)
         if not result.candidates:
             sim.reject(idx, result.reason or "no-replica")
             return
         cands = [sim.index_of[c] for c in result.candidates[:MAX_RESERVE_CANDIDATES]]
+        if self.prefix is not None:  # SGLang / vllm-router / llm-d learn from their own decision
+            self.prefix.insert(result.candidates[0], keys)
         self.load.add(sim.replicas[cands[0]].rid, req.prompt_tokens + req.output_tokens)
         sim.push_event(self.clock.t + sim.cfg.net_delay_ms, _FORWARD, idx, tuple(cands))
 
@@ -656,7 +721,8 @@ class FleetSim:
         self.slo = SloClass(SLO_CLASS, cfg.ttft_ms, cfg.tpot_ms)
         batching = POLICIES[cfg.policy][1]
         ecfg = EngineConfig(cfg.time_model, cfg.kv_capacity_tokens // cfg.block_size, cfg.block_size,
-                            cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len, cfg.engine_time)  # fmt: skip
+                            cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len, cfg.engine_time,
+                            cfg.prefix_caching)  # fmt: skip
         pcfg = PolicyConfig(cfg.ttft_ms, cfg.tpot_ms)
         self.replicas = [
             _Replica(f"r{i}", SimEngine(ecfg, make_policy(batching, pcfg), noise_stream=i), LeaseTable(1 << 20, f"r{i}"),
@@ -676,6 +742,22 @@ class FleetSim:
             for rep in self.replicas[a.initial_replicas:]:
                 rep.allocated = False
         self.stats.replica_timeline.append((0.0, self._allocated()))
+        self._router_keys: dict[int, list[int]] = {}
+
+    def router_keys(self, idx: int) -> list[int]:
+        """Request ``idx``'s prefix-map keys: its ``prefix_ids`` chained (key i = prompt up to block i)."""
+        keys = self._router_keys.get(idx)
+        if keys is None:
+            keys = self._router_keys[idx] = chain_hashes(self.requests[idx].prefix_ids)
+        return keys
+
+    def engine_hashes(self, idx: int) -> list[int]:
+        """Request ``idx``'s prompt block hashes as the engine computes them (loadgen/sim/prefix_cache.py)."""
+        req = self.requests[idx]
+        if not (self.cfg.prefix_caching and req.prefix_ids):
+            return []
+        return block_hashes_from_ids(req.prefix_ids, self.cfg.prefix_block_tokens, self.cfg.block_size,
+                                     req.prompt_tokens)  # fmt: skip
 
     # ------------------------------------------------------------ events
 
@@ -783,8 +865,9 @@ class FleetSim:
             else:
                 self._admission_check(rep, req.prompt_tokens, t, max(0.0, t - req.arrival_ms))
         rep.seq += 1
+        rep.requests += 1
         rep.engine.add_request(str(idx), req.prompt_tokens, req.output_tokens, req.arrival_ms,
-                               self.cfg.ttft_ms, self.cfg.tpot_ms)  # fmt: skip
+                               self.cfg.ttft_ms, self.cfg.tpot_ms, self.engine_hashes(idx))  # fmt: skip
         st.replica = ri
         self.changed(ri, t)
         self._start_step(ri, t)
@@ -799,6 +882,7 @@ class FleetSim:
             if result.duration_ms > 0:
                 rep.stepping = True
                 rep.result = result
+                rep.busy_ms += result.duration_ms
                 self.stats.steps += 1
                 self.push_event(result.end_ms, _STEP_END, ri, 0)
                 return
@@ -958,7 +1042,7 @@ class FleetSim:
         for ri in range(cfg.replicas):
             if kind == "pab":
                 self.push_event(self.rng.uniform(0.0, cfg.push_period_ms), _PUSH, ri, 0)
-            elif cfg.policy in ("power-of-two", "llm-d-scorer"):
+            elif cfg.policy in ("power-of-two", "llm-d-scorer", "llm-d-prefix"):
                 self.push_event(self.rng.uniform(0.0, cfg.scrape_period_ms), _SCRAPE, ri, 0)
         pending = len(self.requests)
         heap = self._heap
@@ -1005,6 +1089,10 @@ class FleetSim:
         self.stats.end_ms = t
         self._account_gpu(t)
         self.stats.preemptions = sum(r.engine.counters.num_preemptions for r in self.replicas)
+        self.stats.prefix_cache_queries = sum(r.engine.prefix_cache_queries for r in self.replicas)
+        self.stats.prefix_cache_hits = sum(r.engine.prefix_cache_hits for r in self.replicas)
+        self.stats.replica_busy_ms = [r.busy_ms for r in self.replicas]
+        self.stats.replica_requests = [r.requests for r in self.replicas]
         errs = [e for r in self.replicas if r.calibrator is not None
                 and (e := r.calibrator.mean_abs_rel_error()) == e]  # fmt: skip
         if errs:
@@ -1026,5 +1114,5 @@ def run_fleet(cfg: FleetConfig, requests: Sequence[FleetRequest]) -> FleetResult
     return FleetSim(cfg, requests).run()
 
 
-__all__ = ["AUTOSCALE_SIGNALS", "AutoscaleConfig", "BASELINE_POLICIES", "FleetConfig", "FleetRequest", "FleetResult", "FleetStats", "POLICIES",
-           "replica_state", "run_fleet"]  # fmt: skip
+__all__ = ["AUTOSCALE_SIGNALS", "AutoscaleConfig", "BASELINE_POLICIES", "FleetConfig", "FleetRequest", "FleetResult",
+           "FleetStats", "POLICIES", "PREFIX_POLICIES", "replica_state", "run_fleet"]  # fmt: skip

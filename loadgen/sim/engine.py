@@ -25,6 +25,7 @@ server sleeps ``duration_ms`` and then delivers; a discrete-event simulation jum
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -55,12 +56,19 @@ class EngineRequest(SchedRequest):
         status: see :class:`RequestStatus`.
         last_token_ms: time of the latest output token (simulated ms), None before the first.
         num_preemptions: times this request was preempted.
+        block_hashes: chained hashes of its prompt's full KV blocks (loadgen/sim/prefix_cache.py);
+            empty = its prompt never hits the prefix cache.
+        prefix_attached: the prefix cache was looked up since admission or the last preemption.
+        cached_tokens: prompt tokens the latest lookup found cached (its prefill skips them).
     """
 
     seq: int = 0
     status: RequestStatus = RequestStatus.WAITING
     last_token_ms: float | None = None
     num_preemptions: int = 0
+    block_hashes: Sequence[int] = ()
+    prefix_attached: bool = False
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +84,7 @@ class EngineConfig:
         max_num_seqs: cap on running requests, > 0.
         max_model_len: cap on prompt + output tokens of one request (tokens), > 0.
         engine_time: the engine's own step time (loadgen/sim/engine_time.py), None = ``time_model``.
+        enable_prefix_caching: vLLM's automatic prefix caching (its default; loadgen/sim/kv_cache.py).
     """
 
     time_model: TimeModel
@@ -85,6 +94,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int = 32768
     engine_time: EngineTimeModel | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -182,7 +192,7 @@ class SimEngine:
         self._engine_time = config.engine_time.sampler(noise_stream) if config.engine_time is not None else None
         self.policy: BatchingPolicy = policy if policy is not None else VllmDefaultPolicy()
         self.policy_time_model: TimeModel = config.time_model
-        self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size)
+        self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
         self.counters = EngineCounters()
         self.requests: dict[str, EngineRequest] = {}
         self.running: list[EngineRequest] = []
@@ -206,6 +216,16 @@ class SimEngine:
         """Fraction of KV blocks in use, 0..1."""
         return self.kv.usage
 
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache since start (``vllm:prefix_cache_queries``)."""
+        return self.kv.queries_tokens
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of those, tokens found cached (``vllm:prefix_cache_hits``)."""
+        return self.kv.hits_tokens
+
     def has_work(self) -> bool:
         """True while any request is running or waiting."""
         return bool(self.running) or bool(self.waiting)
@@ -225,8 +245,15 @@ class SimEngine:
         arrival_ms: float,
         ttft_ms: float | None = None,
         tpot_ms: float | None = None,
+        block_hashes: Sequence[int] = (),
     ) -> EngineRequest:
-        """Queue a new request at the tail of the waiting queue.
+        """Queue a new request at the tail of the waiting queue and look its prompt up in the prefix cache.
+
+        The cached prefix (at most ``prompt_tokens - 1`` tokens, whole blocks) counts as computed:
+        the request holds those blocks from now on and its prefill computes only the rest (vLLM
+        looks up when it first schedules the request; here at once, so that the agent's view of
+        pending prefill work is the uncached part). A preempted request looks up again before its
+        next step.
 
         Args:
             request_id: engine-unique id.
@@ -234,6 +261,8 @@ class SimEngine:
             max_tokens: output length (tokens, >= 1); the request finishes after exactly this many.
             arrival_ms: arrival time (simulated ms).
             ttft_ms, tpot_ms: SLO targets for deadline-aware policies (ms), optional.
+            block_hashes: chained hashes of the prompt's full blocks (loadgen/sim/prefix_cache.py);
+                empty = no prefix-cache lookup.
 
         Raises:
             ValueError: on a duplicate id, prompt_tokens < 1, max_tokens < 1, or
@@ -264,10 +293,21 @@ class SimEngine:
             ttft_ms=ttft_ms,
             tpot_ms=tpot_ms,
             seq=self._seq,
+            block_hashes=block_hashes,
         )
         self.requests[request_id] = req
         self.waiting.append(req)
+        self._attach_prefix(req)
         return req
+
+    def _attach_prefix(self, req: EngineRequest) -> None:
+        """Look ``req``'s prompt up in the prefix cache (once per admission or preemption)."""
+        req.prefix_attached = True
+        if not req.block_hashes or not self.config.enable_prefix_caching:
+            req.cached_tokens = 0
+            return
+        req.cached_tokens = self.kv.attach_prefix(req.request_id, req.block_hashes, req.prompt_tokens)
+        req.computed_tokens = req.cached_tokens
 
     def abort(self, request_id: str) -> bool:
         """Stop a request: free its KV blocks and drop it from the queues.
@@ -280,9 +320,9 @@ class SimEngine:
             return False
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self.kv.free(request_id)
         else:
             self.waiting.remove(req)
+        self.kv.free(request_id)  # a waiting request may hold its cached prefix
         req.status = RequestStatus.ABORTED
         self.counters.num_aborted += 1
         return True
@@ -295,6 +335,7 @@ class SimEngine:
         self.running.remove(victim)
         self.kv.free(victim.request_id)
         victim.computed_tokens = 0
+        victim.prefix_attached = False
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
@@ -309,6 +350,9 @@ class SimEngine:
                 1..remaining_tokens.
         """
         cfg = self.config
+        for req in self.waiting:
+            if not req.prefix_attached:  # preempted since its lookup
+                self._attach_prefix(req)
         proposal = self.policy.form_batch(
             SchedState(
                 now_ms=now_ms,

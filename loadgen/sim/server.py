@@ -55,7 +55,8 @@ from loadgen.sim.engine_time import POLICY, engine_label, load_engine_time_model
 from loadgen.sim.step_log import write_step
 from loadgen.sim.sampling import (EOS_ID, VOCAB, VOCAB_ID_BASE, ChoiceOutput, Sampling, SamplingError,
                                   chat_logprob_entry, completion_logprobs, generate, parse_sampling, token_id)
-from loadgen.sim.tokenizer import OUTPUT_TOKEN_TEXT, count_tokens, render_chat
+from loadgen.sim.prefix_cache import block_hashes_from_bytes, block_hashes_from_tokens
+from loadgen.sim.tokenizer import BYTES_PER_TOKEN, OUTPUT_TOKEN_TEXT, count_tokens, render_chat
 from replica_agent.aio import stop_task, wait_event
 from replica_agent.clock import Clock
 from replica_agent.policy.batching import POLICIES, PolicyConfig, make_policy
@@ -179,6 +180,7 @@ class _Parsed:
     ttft_ms: float | None = None  # from vllm_xargs.fairbatch_ttft_ms (as the vLLM plugin reads it)
     tpot_ms: float | None = None
     sampling: Sampling = field(default_factory=Sampling)  # n, seed, stop, logprobs, ... (loadgen/sim/sampling.py)
+    block_hashes: list[int] = field(default_factory=list)  # the prompt's full-block hashes (prefix caching)
 
 
 class _EngineCollector:
@@ -211,12 +213,17 @@ class _EngineCollector:
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", eng.kv_usage)
         info_labels = ["engine", "block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"]
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=info_labels)
-        info.add_metric(["0", str(eng.config.block_size), str(eng.config.num_gpu_blocks), "auto", "False"], 1.0)
+        info.add_metric(["0", str(eng.config.block_size), str(eng.config.num_gpu_blocks), "auto",
+                         str(eng.config.enable_prefix_caching)], 1.0)  # fmt: skip
         yield info
         cnt = eng.counters
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", cnt.num_preemptions)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", cnt.prompt_tokens)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", cnt.generation_tokens)
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      eng.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      eng.prefix_cache_hits)
         ok = CounterMetricFamily(
             "vllm:request_success", "Count of successfully processed requests.", labels=[*names, "finished_reason"]
         )
@@ -439,6 +446,19 @@ class SimServer:
                        _positive_ms(xargs.get("fairbatch_ttft_ms")), _positive_ms(xargs.get("fairbatch_tpot_ms")),
                        sampling)
 
+    def _block_hashes(self, prompt: Any) -> list[int]:
+        """The prompt's full-block hashes for the prefix cache (loadgen/sim/prefix_cache.py): text
+        hashed per block of ``block_size`` 4-byte tokens, token ids per block of ids; [] when the
+        engine runs without prefix caching. Call after the prompt was validated."""
+        cfg = self.engine.config
+        if not cfg.enable_prefix_caching:
+            return []
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return block_hashes_from_bytes(prompt.encode("utf-8"), BYTES_PER_TOKEN, cfg.block_size)
+        return block_hashes_from_tokens(prompt, cfg.block_size)
+
     @staticmethod
     def _prompt_tokens(prompt: Any) -> int:
         """Tokens of a completions ``prompt``: string, [string], token ids, or [token ids]."""
@@ -466,6 +486,7 @@ class SimServer:
             parsed = self._check_common(
                 body, self._prompt_tokens(body.get("prompt")), DEFAULT_COMPLETION_MAX_TOKENS, chat=False
             )
+            parsed.block_hashes = self._block_hashes(body.get("prompt"))
         except RequestError as e:
             return error_response(e.message, e.status, e.param, request.headers.get("X-Request-Id"))
         return await self._generate(request, parsed, chat=False)
@@ -482,6 +503,7 @@ class SimServer:
             except (ValueError, AttributeError) as e:
                 raise RequestError(f"invalid 'messages': {e}", param="messages") from None
             parsed = self._check_common(body, count_tokens(text), DEFAULT_CHAT_MAX_TOKENS, chat=True)
+            parsed.block_hashes = self._block_hashes(text)
         except RequestError as e:
             return error_response(e.message, e.status, e.param, request.headers.get("X-Request-Id"))
         return await self._generate(request, parsed, chat=True)
@@ -503,7 +525,8 @@ class SimServer:
                                                 header_id, ttft_ms, tpot_ms)  # fmt: skip
         try:
             self.engine.add_request(
-                engine_id, parsed.prompt_tokens, parsed.max_tokens, self.clock.now_ms(), ttft_ms, tpot_ms
+                engine_id, parsed.prompt_tokens, parsed.max_tokens, self.clock.now_ms(), ttft_ms, tpot_ms,
+                parsed.block_hashes,
             )
         except ValueError as e:
             return error_response(str(e), 400, request_id=header_id)
@@ -635,8 +658,8 @@ class SimServer:
         header_id: str | None, ttft_ms: float | None, tpot_ms: float | None,
     ) -> web.StreamResponse:  # fmt: skip
         """One engine sequence per choice, each as long as that choice's output (vLLM fans ``n``
-        out to n child requests the same way; the sim has no prefix cache, so each child
-        prefills the prompt). The handler waits on one event shared by the children's mailboxes."""
+        out to n child requests the same way; with prefix caching each child looks the
+        prompt up when it is added, before any is scheduled, so only blocks of earlier requests hit). The handler waits on one event shared by the children's mailboxes."""
         sp = parsed.sampling
         outputs = generate(sp)
         event = asyncio.Event()
@@ -645,7 +668,8 @@ class SimServer:
         added: list[str] = []
         try:
             for eid, out in zip(ids, outputs, strict=True):
-                self.engine.add_request(eid, parsed.prompt_tokens, len(out.tokens), self.clock.now_ms(), ttft_ms, tpot_ms)
+                self.engine.add_request(eid, parsed.prompt_tokens, len(out.tokens), self.clock.now_ms(), ttft_ms, tpot_ms,
+                                        parsed.block_hashes)  # fmt: skip
                 added.append(eid)
         except ValueError as e:
             for eid in added:

@@ -10,7 +10,7 @@ ends; time jumps from one to the next:
    one ended).
 
 The result is every request's token times (simulated ms, same origin as the arrivals), so TTFT,
-TPOT and SLO attainment follow exactly (DESIGN section 2). Requests the engine refuses
+TPOT and SLO attainment follow exactly (docs/design.md section 2). Requests the engine refuses
 (``add_request`` raises: longer than max_model_len or the KV cache) are recorded with
 ``rejected`` set and no tokens. Optional: a per-step log (step_log.py) and an online time model
 (replica_agent/policy/calibration.py) that learns from every step and gives the policy its
@@ -39,6 +39,8 @@ class VirtualRequest:
         prompt_tokens: prompt length (tokens, >= 1).
         output_tokens: output length (tokens, >= 1).
         ttft_ms, tpot_ms: SLO given to the engine (ms); None -> the policy's default.
+        block_hashes: the prompt's full-block hashes for the engine's prefix cache
+            (loadgen/sim/prefix_cache.py); empty = the prompt shares nothing.
     """
 
     request_id: str
@@ -47,6 +49,7 @@ class VirtualRequest:
     output_tokens: int
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    block_hashes: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -70,7 +73,7 @@ class VirtualRecord:
 
     @property
     def tpot_ms(self) -> float | None:
-        """(last - first token time) / (tokens - 1) (ms, DESIGN section 2), None below 2 tokens."""
+        """(last - first token time) / (tokens - 1) (ms, docs/design.md section 2), None below 2 tokens."""
         n = len(self.token_times_ms)
         return (self.token_times_ms[-1] - self.token_times_ms[0]) / (n - 1) if n >= 2 else None
 
@@ -144,7 +147,7 @@ def run_virtual(
             req = rec.request
             try:
                 engine.add_request(req.request_id, req.prompt_tokens, req.output_tokens, req.arrival_ms,
-                                   req.ttft_ms, req.tpot_ms)  # fmt: skip
+                                   req.ttft_ms, req.tpot_ms, req.block_hashes)  # fmt: skip
                 by_id[req.request_id] = rec
             except ValueError as e:
                 rec.rejected = str(e)

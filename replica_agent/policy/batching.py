@@ -17,7 +17,7 @@ Policies live in :data:`POLICIES` (name -> class); :func:`make_policy` builds on
 - ``vllm-default`` (:class:`VllmDefaultPolicy`): decode first (running order), then FCFS waiting
   prefills chunked to a fixed token budget (vLLM v1 chunked prefill, Sarathi-style).
 - ``fairbatching`` (:class:`FairBatchingPolicy`): deadline/slack batch formation inside a
-  predicted time budget (seed 000, FairBatching, arXiv 2510.14392; DESIGN.md section 3).
+  predicted time budget (FairBatching, arXiv 2510.14392; docs/design.md section 3).
 - ``fairbatching-pd`` (:class:`PrefillDeadlineFairBatchingPolicy`): FairBatching whose budget may
   grow so the most urgent waiting prefill meets its first-token deadline (our extension).
 - ``fcfs`` (:class:`FcfsPolicy`): arrival order, prefill and decode alike.
@@ -328,13 +328,13 @@ _SLACK = itemgetter(0)
 
 @dataclass(slots=True)
 class FairBatchingPolicy:
-    """FairBatching batch formation (seed 000; FairBatching, arXiv 2510.14392; DESIGN.md section 3).
+    """FairBatching batch formation (FairBatching, arXiv 2510.14392; docs/design.md section 3).
 
     Slack of a request (ms) = deadline of its next token - now, deadline(j) = arrival + ttft +
     tpot * j with j = tokens_out (the first-token deadline for a prefill; envelope.py). With
     ``tpot_from_first_token`` (default) a request that has its first token also keeps
     deadline(j) <= first_token_ms + tpot * j: SLO attainment judges TPOT = (last - first) /
-    (n - 1) (DESIGN section 2), so TTFT slack left over at the first token is not spendable on
+    (n - 1) (docs/design.md section 2), so TTFT slack left over at the first token is not spendable on
     decodes (with the seed's envelope alone, a request whose first token came 400 ms early could
     be paced to TPOT = tpot + 400 / (n - 1) and miss its TPOT target). Then:
 
@@ -377,7 +377,7 @@ class FairBatchingPolicy:
         return cls(config.default_ttft_ms, config.default_tpot_ms, config.tpot_from_first_token)
 
     def form_batch(self, state: SchedState) -> Batch:
-        """Propose the batch of DESIGN.md section 3 (see the class docstring).
+        """Propose the batch of docs/design.md section 3 (see the class docstring).
 
         Raises:
             ValueError: if ``state.time_model`` is None (the budget needs it).
@@ -397,7 +397,7 @@ class FairBatchingPolicy:
 
         # 1. slack of every request; split decodes from prefills.
         def slack_of(r: SchedRequest, out: int) -> tuple[float, float]:
-            """(slack of the next token in ms, tpot in ms): seed 000's envelope, optionally also
+            """(slack of the next token in ms, tpot in ms): FairBatching's (arXiv 2510.14392) envelope, optionally also
             bounded by first_token + tpot * out (see the class docstring)."""
             tpot = d_tpot if r.tpot_ms is None else r.tpot_ms
             ttft = d_ttft if r.ttft_ms is None else r.ttft_ms
@@ -521,7 +521,7 @@ def prefill_deadline_budget(
 ) -> float:
     """Step-time budget (ms) raised so that the most urgent prefill can still meet its first-token deadline.
 
-    Our extension of FairBatching's budget (seed 000 / DESIGN section 3 look only at decode slack;
+    Our extension of FairBatching's budget (FairBatching / docs/design.md section 3 look only at decode slack;
     measured on Mooncake at TPOT 50 ms, long prompts then miss TTFT at low load, docs/bench). With
     steps of T ms, each step gives the prefill (T - F) / b tokens, F = ``fixed_ms`` (the step's fixed
     cost a, the running decodes and the prefill's own context), so R remaining tokens take about

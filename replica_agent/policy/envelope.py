@@ -1,4 +1,4 @@
-"""Token-deadline latency envelope and slack (seed 000; FairBatching, arXiv 2510.14392, section 3).
+"""Token-deadline latency envelope and slack (FairBatching, arXiv 2510.14392, section 3; docs/design.md section 2).
 
 A request that arrives at ``arrival_ms`` with SLO (``ttft_ms``, ``tpot_ms``) must emit its token j
 (j = 0 is the first output token) no later than::
@@ -62,7 +62,7 @@ def ttft_ms(arrival_ms: float, token_times_ms: Sequence[float]) -> float | None:
 def tpot_ms(token_times_ms: Sequence[float]) -> float | None:
     """TPOT = (last token time - first token time) / (tokens - 1), in ms; None with < 2 tokens.
 
-    Source: DESIGN.md section 2 (the usual definition, as in vLLM's benchmarks).
+    Source: docs/design.md section 2 (the usual definition, as in vLLM's benchmarks).
     """
     if len(token_times_ms) < 2:
         return None

@@ -1,7 +1,7 @@
 """Lease table: prefill budget reserved by a router before its request reaches this replica.
 
 A router calls Reserve (proto/admission.proto) before forwarding a prompt; the agent grants a
-lease, which counts in the in-flight reservation of PAB (DESIGN section 4) until the request
+lease, which counts in the in-flight reservation of PAB (docs/design.md section 4) until the request
 arrives (:meth:`LeaseTable.consume`: the lease becomes an in-flight prefill on the tracker), the
 router gives it back (:meth:`LeaseTable.release`), or it lapses (:meth:`LeaseTable.expire`). Two
 routers therefore cannot spend one budget twice.

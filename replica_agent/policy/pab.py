@@ -1,6 +1,6 @@
 """Prefill Admission Budget (PAB): how much new prefill a replica can still take per SLO class.
 
-Source: DESIGN.md section 4 and docs/architecture.md section "PAB" (our own definition; the
+Source: docs/design.md section 4 and docs/architecture.md section "PAB" (our own definition; the
 FairBatching preprint, arXiv 2510.14392, gives the idea, not a formula we could confirm). This
 module is PURE: plain data in (time passed in as ``now_ms``), one :class:`ClassBudget` out per
 class; no I/O, no clock reads.
@@ -17,7 +17,7 @@ Inside [t, t + H] the replica's time is claimed, before any new prompt, by two k
 were admitted earlier and whose promises we must keep:
 
 1. Running decodes. Decode d (first token already emitted, ``tokens_out`` tokens so far) has a
-   deadline for its next token ``ddl_d = arrival_d + ttft_d + tokens_out_d * tpot_d`` (seed 000's
+   deadline for its next token ``ddl_d = arrival_d + ttft_d + tokens_out_d * tpot_d`` (FairBatching's (arXiv 2510.14392)
    latency envelope) and one more every ``tpot_d`` after that. The tokens whose deadlines fall at
    or before t + H are those j = 0, 1, ... with ``ddl_d + j * tpot_d <= t + H``, so their number is::
 
@@ -25,7 +25,7 @@ were admitted earlier and whose promises we must keep:
 
    (a decode already behind its envelope, ddl_d < t, needs even more, which the formula counts).
    Continuous batching runs all decodes together, one token each per iteration, so the replica
-   needs ``N = max_d n_d`` iterations, each predicted by the batch-time model (TimeModel, seed 000
+   needs ``N = max_d n_d`` iterations, each predicted by the batch-time model (TimeModel, FairBatching arXiv 2510.14392
    section 4) with |D| new tokens and the decodes' contexts read::
 
        decode_reservation = N * (a + (b + d) * |D| + c * sum_d ctx_d)   (0 when D is empty)
@@ -255,7 +255,7 @@ class ClassBudget:
 
 
 def decode_iterations(now_ms: float, horizon_ms: float, decodes: Iterable[DecodeState]) -> int:
-    """N = max_d max(0, floor((t + H - ddl_d) / tpot_d) + 1); 0 without decodes (DESIGN section 4)."""
+    """N = max_d max(0, floor((t + H - ddl_d) / tpot_d) + 1); 0 without decodes (docs/design.md section 4)."""
     n = 0
     end = now_ms + horizon_ms
     for d in decodes:

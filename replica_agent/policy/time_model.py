@@ -1,6 +1,6 @@
 """Batch-time model: predicted iteration time = a + b * new_tokens + c * context_tokens + e * chunk_prefix_tokens.
 
-Source: seed 000 (FairBatching, arXiv 2510.14392, section 4, "batch time model"); the coefficients
+Source: FairBatching (arXiv 2510.14392, section 4, "batch time model"); the coefficients
 shipped in ``replica_agent/data/fitted_coefficients.csv`` were fitted on Vidur/Splitwise GPU
 profiles (see ``replica_agent/data/SOURCES.md``).
 

@@ -9,6 +9,7 @@ fits a fresh prompt of floor((900 - 9.8626) / 0.0726711) = 12,248 tokens.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -29,10 +30,21 @@ def auth(fleet, tenant: str = "acme") -> dict[str, str]:
     return {"Authorization": f"Bearer {fleet.api_keys[tenant]}"}
 
 
+_PROMPT_IDS = itertools.count()
+
+
+def prompt_of(n: int, unique: bool = True) -> str:
+    """``make_prompt(n)``, its first 4-byte token made unique per call when ``unique`` (so that the
+    engines' prefix caches do not hit across the tests' requests; False: the same text every call)."""
+    text = make_prompt(n)
+    return f"{next(_PROMPT_IDS) % 10**4:04d}" + text[4:] if unique and n > 0 else text
+
+
 async def complete(session: aiohttp.ClientSession, fleet, prompt_tokens: int, max_tokens: int, *, stream: bool = True,
-                   tenant: str = "acme") -> dict:
-    """One completion through the router; returns status, headers, first/last token times (s) and token count."""
-    body = {"model": "llama-3-8b-a100", "prompt": make_prompt(prompt_tokens), "max_tokens": max_tokens,
+                   tenant: str = "acme", unique: bool = True) -> dict:
+    """One completion through the router; returns status, headers, first/last token times (s) and token count.
+    ``unique``: a prompt no other request shares (see :func:`prompt_of`)."""
+    body = {"model": "llama-3-8b-a100", "prompt": prompt_of(prompt_tokens, unique), "max_tokens": max_tokens,
             "stream": stream, "ignore_eos": True}
     if stream:
         body["stream_options"] = {"include_usage": True}
@@ -228,3 +240,28 @@ async def test_late_requests_start_on_a_busy_replica(fleet_factory) -> None:
             page = await resp.text()
     assert 'fairbatch_router_replica_inflight_requests{replica="r0"} 0.0' in page  # every lease ended
     assert 'fairbatch_router_replica_queued_requests{replica="r0"}' in page
+
+
+async def test_prefix_aware_placement_keeps_a_conversation_on_its_warm_replica(fleet_factory) -> None:
+    # placement.prefix_cache on: a 6000-token prompt, then the same prompt three more times. The first
+    # goes to either idle replica; each repeat is priced there at 6000 - 5999 = 1 uncached token
+    # (headroom (900 - a - b) / 900) against 6000 on the cold one ((900 - a - 436) / 900), so every
+    # repeat lands on the first one's replica, and that engine's prefix cache hits: 3 x 5984 tokens
+    # (the 374 full 16-token blocks of 5999 tokens), the cold engine's none.
+    fleet = fleet_factory(2, time_scale=0.2,
+                          placement={"seed": 1, "prefix_cache": {"enabled": True, "chunk_chars": 64}})
+    async with aiohttp.ClientSession() as s:
+        first = await complete(s, fleet, 6000, 2, stream=False, unique=False)
+        repeats = []
+        for _ in range(3):
+            # until the agent's next snapshot the router's book still holds the previous prompt's local
+            # take (b x 6000 = 436 ms off the warm replica's PAB), which would make warm and cold tie;
+            # a fresh snapshot (pushed on change, every 100 ms at most) shows the warm replica idle again
+            await asyncio.sleep(0.5)
+            repeats.append(await complete(s, fleet, 6000, 2, stream=False, unique=False))
+        warm = first["headers"]["x-fairbatch-replica"]
+        assert [r["status"] for r in [first, *repeats]] == [200] * 4
+        assert [r["headers"]["x-fairbatch-replica"] for r in repeats] == [warm] * 3
+        wi = int(warm[1:])
+        assert await metric(s, fleet.engine_urls[wi], "vllm:prefix_cache_hits_total") == 3 * 5984
+        assert await metric(s, fleet.engine_urls[1 - wi], "vllm:prefix_cache_queries_total") == 0

@@ -177,6 +177,22 @@ async def test_health_models_metrics() -> None:
         assert 0.005 < m["vllm:time_to_first_token_seconds_sum"] < 1.0
 
 
+async def test_prefix_cache_metrics_count_a_repeated_prompt() -> None:
+    # A 100-token prompt (400 bytes) twice: block 16 -> 6 full blocks; the repeat hits
+    # min(6, 99 // 16 = 6) blocks = 96 tokens. Queries count whole prompts: 200 tokens.
+    async with running(block_size=16, num_gpu_blocks=512) as (base, _sim, s):
+        prompt = make_prompt(100)
+        for _ in range(2):
+            async with s.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": 2}) as r:
+                assert r.status == 200
+        m = await scrape(s, base)
+        labels = f'{{engine="0",model_name="{MODEL}"}}'
+        assert m[f"vllm:prefix_cache_queries_total{labels}"] == 200
+        assert m[f"vllm:prefix_cache_hits_total{labels}"] == 96
+        info = [k for k in m if k.startswith("vllm:cache_config_info{")]
+        assert 'enable_prefix_caching="True"' in info[0]
+
+
 async def test_kv_pressure_preempts_and_everyone_finishes() -> None:
     # 32 blocks * 16 = 512 KV tokens; 8 requests of 100 + 60 tokens need up to 8 * 10 = 80 blocks.
     async with running(num_gpu_blocks=32) as (base, sim, s):

@@ -1,4 +1,4 @@
-"""The latency envelope of seed 000 (replica_agent/policy/envelope.py)."""
+"""The latency envelope of FairBatching (arXiv 2510.14392; docs/design.md section 2) (replica_agent/policy/envelope.py)."""
 
 from __future__ import annotations
 

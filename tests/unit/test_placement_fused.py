@@ -281,9 +281,13 @@ def test_fused_equals_chain_on_random_fleets(seed: int | None) -> None:
         for _ in range(4):
             cls = rng.choice(CLASSES + ("unknown",)) if rng.random() < 0.1 else rng.choice(CLASSES)
             exclude = frozenset(rid for rid in ids if rng.random() < 0.15)
-            req = PlacementRequest(cls, random_prompt(rng, reps), exclude, random_waited(rng, reps),
+            prompt = random_prompt(rng, reps)
+            cached = {}  # prefix-aware requests: some replicas hold part (or more than all) of the prompt
+            if rng.random() < 0.3:
+                cached = {rid: rng.choice([0, rng.randint(1, prompt + 10)]) for rid in ids if rng.random() < 0.5}
+            req = PlacementRequest(cls, prompt, exclude, random_waited(rng, reps),
                                    on_time_only=rng.random() < 0.3, window_steps=rng.choice([0, 0, 1, 4]),
-                                   step_tokens=rng.choice([512, 2048]))
+                                   step_tokens=rng.choice([512, 2048]), cached_tokens=cached)
             for k in ks:
                 want = chains[k].place(req, reps)
                 got = fused[k].place(req, reps)

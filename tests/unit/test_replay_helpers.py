@@ -72,7 +72,12 @@ def test_prompts_have_exact_token_counts() -> None:
     for n, seed in ((0, 0), (1, 5), (374, 13), (5000, 11), (20_000, 3)):
         text = maker.prompt_text(n, seed)
         assert count_tokens(text) == n
-        assert text == make_prompt(n, seed % 12)
+        # make_prompt's text but for the first word: the request's tag (base 36 of the seed, 4 characters)
+        assert text[4:] == make_prompt(n, seed % 12)[4:]
+    assert maker.prompt_text(3, 13)[:4] == "000d" and maker.prompt_text(3, 36**4 + 37)[:4] == "0011"
+    # two requests' prompts differ in their first 16-token block: no prefix-cache hit between them
+    a, b = maker.prompt_text(64, 1), maker.prompt_text(64, 13)
+    assert a[4:] == b[4:] and a[:64] != b[:64]
     overhead = count_tokens(render_chat([{"role": "user", "content": ""}]))
     chat = _BodyMaker("chat", "text", "m", chat_overhead_tokens=overhead)
     body = json.loads(chat.body(TraceRequest(0.0, 300, 0), 7))

@@ -52,3 +52,17 @@ def test_prompt_is_exact_only_for_token_ids() -> None:
     assert not prompt_is_exact({"prompt": []}, chat=False)
     assert not prompt_is_exact({"prompt": [True, 2]}, chat=False)  # bools are not token ids
     assert not prompt_is_exact({"messages": [{"role": "user", "content": "hi"}]}, chat=True)
+
+
+def test_prompt_text_is_prefix_stable_across_chat_turns() -> None:
+    from router.tokens import prompt_text
+
+    turn1 = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
+    turn2 = {"messages": [*turn1["messages"], {"role": "assistant", "content": [{"type": "text", "text": "hello"}]},
+                          {"role": "user", "content": "more"}]}
+    t1, t2 = prompt_text(turn1, True), prompt_text(turn2, True)
+    assert t1 == "<|system|>\nbe brief\n<|user|>\nhi\n"
+    assert t2 == t1 + "<|assistant|>\nhello\n<|user|>\nmore\n"
+    assert prompt_text({"prompt": "abc"}, False) == "abc"
+    assert prompt_text({"prompt": [1, 22]}, False) == "1 22 "
+    assert prompt_text({"prompt": [[1], "x"]}, False) == "1 x"

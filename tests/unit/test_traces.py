@@ -50,9 +50,20 @@ def test_azure_code_whole_file() -> None:
 def test_mooncake_first_rows() -> None:
     reqs = load_trace(embedded_trace("mooncake-conv"))
     assert len(reqs) == 12_031
-    assert reqs[0] == TraceRequest(0.0, 6758, 500)
-    assert reqs[1] == TraceRequest(0.0, 7322, 490)
+    # the file's first two lines (hash_ids: 14 and 15 ids of 512-token blocks, both starting at 0)
+    assert reqs[0] == TraceRequest(0.0, 6758, 500, tuple(range(14)))
+    assert reqs[1] == TraceRequest(0.0, 7322, 490, (0, *range(14, 28)))
     assert reqs[-1].arrival_ms == 3_536_999.0
+
+
+def test_mooncake_synthetic_and_bad_hash_ids(tmp_path: Path) -> None:
+    reqs = load_trace(embedded_trace("mooncake-syn"))
+    assert len(reqs) == 3_993
+    assert reqs[0] == TraceRequest(0.0, 40160, 6, tuple(range(79)))  # first line of the file
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp": 5, "input_length": 3, "output_length": 2, "hash_ids": [1, "x"]}\n')
+    with pytest.raises(TraceFormatError, match="t.jsonl:1: hash_ids"):
+        load_trace(p)
 
 
 def test_resolve_trace_name_or_path(tmp_path: Path) -> None:
@@ -71,7 +82,7 @@ def test_arrivals_relative_to_first_and_sorted(tmp_path: Path) -> None:
         "\n"
         '{"timestamp": 1000, "input_length": 20, "output_length": 2, "hash_ids": [1]}\n'
     )
-    assert load_trace(p) == [TraceRequest(0.0, 20, 2), TraceRequest(2000.0, 10, 1)]
+    assert load_trace(p) == [TraceRequest(0.0, 20, 2, (1,)), TraceRequest(2000.0, 10, 1)]
 
 
 def test_azure_crlf_and_fraction_digits(tmp_path: Path) -> None:

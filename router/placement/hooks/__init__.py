@@ -1,0 +1,1 @@
+"""Post-decision hooks, one per module; each module names its class ``PLUGIN`` (router/placement/registry.py)."""

@@ -1,0 +1,1 @@
+"""Placement scorers, one per module; each module names its class ``PLUGIN`` (router/placement/registry.py)."""
