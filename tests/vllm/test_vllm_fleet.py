@@ -77,9 +77,9 @@ def pab_tokens(r: VllmReplica, slo_class: str = "interactive") -> float:
 
 
 def pab_ms(r: VllmReplica, slo_class: str = "interactive") -> float:
-    v = metric_value(agent_metrics(r), "fairbatch_agent_pab_ms", slo_class=slo_class)
+    v = metric_value(agent_metrics(r), "fairbatch_agent_pab_seconds", slo_class=slo_class)
     assert v is not None
-    return v
+    return v * 1000.0
 
 
 def first_snapshot(r: VllmReplica, timeout_s: float = 10.0) -> Any:
@@ -580,11 +580,14 @@ async def test_killed_replica_reroutes_and_ends_streams_cleanly(vllm_fleet: Vllm
             async with s.get(url + "/metrics") as resp:
                 rm = parse_prometheus(await resp.text())
             am = await asyncio.to_thread(agent_metrics, victim)
+            def ms(v: float | None) -> float | None:
+                return None if v is None else v * 1000.0
+
             return {
-                "router_pab_ms": metric_value(rm, "fairbatch_router_replica_pab_ms", replica=victim_id,
-                                              slo_class="interactive"),
-                "router_budget_age_ms": metric_value(rm, "fairbatch_router_budget_age_ms", replica=victim_id),
-                "agent_pab_ms": metric_value(am, "fairbatch_agent_pab_ms", slo_class="interactive"),
+                "router_pab_ms": ms(metric_value(rm, "fairbatch_router_replica_pab_seconds", replica=victim_id,
+                                                 slo_class="interactive")),
+                "router_budget_age_ms": ms(metric_value(rm, "fairbatch_router_budget_age_seconds", replica=victim_id)),
+                "agent_pab_ms": ms(metric_value(am, "fairbatch_agent_pab_seconds", slo_class="interactive")),
                 "agent_margin": metric_value(am, "fairbatch_agent_time_model_margin_ratio"),
                 "agent_healthy": metric_value(am, "fairbatch_agent_healthy"),
             }
