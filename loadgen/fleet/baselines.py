@@ -64,6 +64,7 @@ from router.placement import (
     PlacementRequest,
     PlacementResult,
     ReplicaView,
+    apply_filters,
     default_registry,
 )
 
@@ -216,11 +217,9 @@ class CacheAwarePolicy(PlacementPolicy):
     balance_rel: float = 1.1
 
     def place(self, request: PlacementRequest, replicas: Sequence[ReplicaView]) -> PlacementResult:
-        remaining: Sequence[ReplicaView] = replicas
-        for f in self.filters:
-            remaining = f.filter(request, remaining)
-            if not remaining:
-                return PlacementResult((), f.name)
+        remaining, dropped_by = apply_filters(self.filters, request, replicas)
+        if not remaining:
+            return PlacementResult((), dropped_by)
         out = self.load.outstanding
         loads = [out.get(r.replica_id, 0) for r in remaining]
         lo, hi = min(loads), max(loads)

@@ -33,7 +33,8 @@ active set: a coefficient the unconstrained solution puts below its floor is fix
 rest re-solved (at most 5 passes).
 
 Margin: for each step, before the update, ``r = measured / predicted`` with the current point
-model (a one-step-ahead, out-of-sample error). ``margin = clamp(quantile_q(r over the last
+model (a one-step-ahead, out-of-sample error); observations with a weight below 1 (a step seen as k
+samples of weight 1/k) add one entry to the window per unit of weight. ``margin = clamp(quantile_q(r over the last
 window steps), 1, max_margin)``; until ``min_samples`` steps are seen it is ``initial_margin``.
 The planning model is the point model with every coefficient times ``margin``
 (:meth:`OnlineTimeModel.conservative`), so a step of the shape just seen runs longer than planned
@@ -179,6 +180,7 @@ class OnlineTimeModel:
         self._margin_cache: float | None = None
         self._conservative: TimeModel | None = None
         self._since_fit = 0
+        self._step_share = 0.0  # weight seen since the error window's last entry
         self.count = 0
 
     def observe(self, features: StepFeatures, measured_ms: float, weight: float = 1.0) -> float | None:
@@ -207,8 +209,12 @@ class OnlineTimeModel:
         g += (w * measured_ms) * xv
         self._n += weight
         self.count += 1
-        if math.isfinite(ratio):
+        # the error window holds one ratio per step: proxy mode's k samples of one step (weight 1/k
+        # each) add one entry, not k (k entries would shorten the window's memory to window / k steps)
+        self._step_share += weight
+        if math.isfinite(ratio) and self._step_share >= 1.0 - 1e-9:
             self._ratios.append(ratio)
+            self._step_share = 0.0
         self._since_fit += 1
         if self._since_fit >= self.config.refit_every:
             self._refit()

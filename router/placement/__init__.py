@@ -45,6 +45,7 @@ from router.placement.core import (
     PostDecisionHook,
     ReplicaView,
     Scorer,
+    apply_filters,
     effective_prompt_tokens,
     largest_max_prompt,
     prompt_exceeds_every_replica,
@@ -69,6 +70,6 @@ __all__ = [
     "FusedPabPolicy", "HeadroomScorer", "HealthyFilter", "HighestScorePicker", "KvHeadroomScorer",
     "MaxPromptFilter", "OnTimeFilter", "PabFitEntry", "Picker", "PlacementPolicy", "PlacementRegistry",
     "PlacementRequest", "PlacementResult", "PostDecisionHook", "ReplicaView", "Scorer", "WindowFilter",
-    "build_policy", "default_registry", "discover", "effective_prompt_tokens", "fits", "largest_max_prompt",
+    "apply_filters", "build_policy", "default_registry", "discover", "effective_prompt_tokens", "fits", "largest_max_prompt",
     "on_time", "prompt_exceeds_every_replica", "window_admits",
 ]

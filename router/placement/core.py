@@ -221,6 +221,19 @@ def window_admits(request: PlacementRequest, budget: ClassBudget, time_model: Ti
     return inflight + b * p <= window + _EPS
 
 
+def apply_filters(
+    filters: Sequence[Filter], request: PlacementRequest, replicas: Sequence[ReplicaView]
+) -> tuple[Sequence[ReplicaView], str]:
+    """Run ``filters`` in order: (the replicas every filter kept, "") or ((), name of the filter that
+    left none)."""
+    remaining = replicas
+    for f in filters:
+        remaining = f.filter(request, remaining)
+        if not remaining:
+            return (), f.name
+    return remaining, ""
+
+
 class PostDecisionHook(Protocol):
     """Told of every placement that ended in a granted Reserve (plugins that learn: a prefix map,
     a load tracker). Must not raise and must not block (it runs on the request path)."""
@@ -253,11 +266,9 @@ class PlacementPolicy:
 
     def place(self, request: PlacementRequest, replicas: Sequence[ReplicaView]) -> PlacementResult:
         """Ordered candidate replica ids for ``request`` (empty with a reason when none fits)."""
-        remaining: Sequence[ReplicaView] = replicas
-        for f in self.filters:
-            remaining = f.filter(request, remaining)
-            if not remaining:
-                return PlacementResult((), f.name)
+        remaining, dropped_by = apply_filters(self.filters, request, replicas)
+        if not remaining:
+            return PlacementResult((), dropped_by)
         if len(self.scorers) == 1:  # the common case, without a generator per replica
             scorer, weight = self.scorers[0]
             scored = [(r, weight * scorer.score(request, r)) for r in remaining]

@@ -119,3 +119,18 @@ def test_bad_observations_are_ignored_and_config_validated():
         CalibratorConfig(margin_quantile=1.0)
     with pytest.raises(ValueError):
         CalibratorConfig(initial_margin=3.0, max_margin=2.0)
+
+
+def test_k_weighted_samples_of_one_step_add_one_entry_to_the_error_window() -> None:
+    # proxy mode sees one step as k = 4 samples of weight 1/4: the window must hold one ratio per
+    # step, so 20 such steps (80 samples) fill 20 entries, as 20 whole-step observations do
+    prior = TimeModel(10.0, 0.1, 0.0)
+    whole, split = OnlineTimeModel(prior), OnlineTimeModel(prior)
+    f = StepFeatures(4, 400, 400, 4, 4, 0, 4)  # four decodes
+    for i in range(20):
+        ms = 12.0 + (i % 5)
+        whole.observe(f, ms)
+        for _ in range(4):
+            split.observe(f, ms, weight=0.25)
+    assert len(whole._ratios) == 20  # noqa: SLF001
+    assert len(split._ratios) == 20  # noqa: SLF001
