@@ -112,6 +112,15 @@ def usage_counts(obj: Mapping[str, Any]) -> tuple[int | None, int | None] | None
     return (p if isinstance(p, int) else None, c if isinstance(c, int) else None)
 
 
+def finish_reasons(obj: Mapping[str, Any]) -> list[str]:
+    """The ``finish_reason`` of every choice of an answer or stream chunk that has one (choice order;
+    ``[]`` while none has finished): what ``gen_ai.response.finish_reasons`` reports."""
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        return []
+    return [r for ch in choices if isinstance(ch, Mapping) and isinstance(r := ch.get("finish_reason"), str)]
+
+
 def requested_choices(body: Mapping[str, Any]) -> int:
     """``n`` of a request body (sequences the engine runs for it), 1 when absent or malformed."""
     n = body.get("n")

@@ -58,7 +58,13 @@ from replica_agent.http_guard import (
     read_body,
 )
 from replica_agent.openai_errors import map_engine_error
-from replica_agent.openai_stream import fast_event_tokens, generated_tokens, requested_choices, usage_counts
+from replica_agent.openai_stream import (
+    fast_event_tokens,
+    finish_reasons,
+    generated_tokens,
+    requested_choices,
+    usage_counts,
+)
 from replica_agent.telemetry import extract_context, genai_request_attributes, inject_context, set_http_status
 from replica_agent.tracker import TrackerFull
 
@@ -496,12 +502,17 @@ class Proxy:
                 dict(self._cfg.class_stall_ms).get(tracked.slo_class)
                 or default_stall_ms(tracked.envelope.ttft_ms, tracked.envelope.tpot_ms))
             outcome = "aborted"
+            finished: list[str] = []  # finish_reason of each choice, as the engine reported them
             try:
                 if stream:
-                    resp, outcome = await self._relay_stream(request, path, raw, up_headers, key, request_id, stall_s)
+                    resp, outcome = await self._relay_stream(request, path, raw, up_headers, key, request_id, stall_s,
+                                                             finished)
                 else:
-                    resp, outcome = await self._relay_whole(request, path, raw, up_headers, key, request_id, stall_s)
+                    resp, outcome = await self._relay_whole(request, path, raw, up_headers, key, request_id, stall_s,
+                                                            finished)
                 span.set_attribute("fairbatch.outcome", outcome)
+                if finished:
+                    span.set_attribute("gen_ai.response.finish_reasons", finished)
                 broke = resp.status == 200 and outcome not in ("ok", "client_disconnect")  # failed after its 200
                 set_http_status(span, resp.status, outcome if broke else None)
                 return resp
@@ -595,7 +606,7 @@ class Proxy:
 
     async def _relay_stream(
         self, request: web.Request, path: str, raw: bytes, headers: dict[str, str], key: str, request_id: str,
-        stall_s: float,
+        stall_s: float, finished: list[str] | None = None,
     ) -> tuple[web.StreamResponse, str]:
         agent = self._agent
         up = await self._open_upstream(path, raw, headers, stall_s)
@@ -645,6 +656,8 @@ class Proxy:
                         if not isinstance(event, dict):
                             continue
                         n = generated_tokens(event)
+                        if finished is not None:
+                            finished.extend(finish_reasons(event))
                         counts = usage_counts(event)
                         if counts is not None:
                             agent.request_usage(key, *counts)
@@ -675,7 +688,7 @@ class Proxy:
 
     async def _relay_whole(
         self, request: web.Request, path: str, raw: bytes, headers: dict[str, str], key: str, request_id: str,
-        stall_s: float | None = None,
+        stall_s: float | None = None, finished: list[str] | None = None,
     ) -> tuple[web.StreamResponse, str]:
         """Relay a non-stream request unchanged and the engine's answer byte for byte.
 
@@ -719,6 +732,8 @@ class Proxy:
         except orjson.JSONDecodeError:
             answer = None
         if isinstance(answer, dict):
+            if finished is not None:
+                finished.extend(finish_reasons(answer))
             counts = usage_counts(answer)
             if counts is not None:
                 self._agent.request_usage(key, *counts)

@@ -38,6 +38,14 @@ class ReceivedSpan:
     status_code: int = 0  # 0 unset, 1 ok, 2 error
 
 
+def _any_value(v) -> object:
+    """An OTLP AnyValue as Python (an array as a list)."""
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_any_value(x) for x in v.array_value.values]
+    return getattr(v, kind)
+
+
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
     """Minimal OTLP/gRPC trace receiver: keeps every span it is sent."""
 
@@ -51,7 +59,7 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
             )
             for ss in rs.scope_spans:
                 for s in ss.spans:
-                    attrs = {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in s.attributes}
+                    attrs = {a.key: _any_value(a.value) for a in s.attributes}
                     self.spans.append(ReceivedSpan(
                         service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.kind,
                         attrs, s.status.code))
@@ -132,6 +140,7 @@ async def test_trace_context_flows_router_agent_engine(tmp_path: Path, monkeypat
         # the agent counted the tokens: make_prompt(50) is 50 tokens, ignore_eos gives all 4
         assert agent_span.attributes["gen_ai.usage.input_tokens"] == 50
         assert agent_span.attributes["gen_ai.usage.output_tokens"] == 4
+        assert agent_span.attributes["gen_ai.response.finish_reasons"] == ["length"]  # 4 of max_tokens 4
         relay = by_name["router.relay"].attributes
         assert relay["http.response.status_code"] == 200 and relay["url.full"].endswith("/v1/completions")
 

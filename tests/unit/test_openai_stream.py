@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from replica_agent.openai_stream import fast_event_tokens, generated_tokens, requested_choices, usage_counts
+from replica_agent.openai_stream import (
+    fast_event_tokens,
+    finish_reasons,
+    generated_tokens,
+    requested_choices,
+    usage_counts,
+)
 
 
 def chunk(**choice) -> dict:
@@ -106,3 +112,13 @@ def test_sse_parser_payloads_across_chunk_boundaries() -> None:
         assert got == [b'{"a":1}', b'{"b":2}'] and p.done
     p = SseParser()
     assert p.feed(b'data: {"a":1}\n\ndata: not json\n\n') == [{"a": 1}]
+
+
+def test_finish_reasons_of_answers_and_chunks() -> None:
+    # a whole answer with n = 2, a stream chunk whose first choice is still running, a usage chunk
+    assert finish_reasons({"choices": [{"index": 0, "finish_reason": "stop"},
+                                       {"index": 1, "finish_reason": "length"}]}) == ["stop", "length"]
+    assert finish_reasons({"choices": [{"index": 0, "finish_reason": None},
+                                       {"index": 1, "finish_reason": "tool_calls"}]}) == ["tool_calls"]
+    assert finish_reasons({"choices": [], "usage": {"completion_tokens": 3}}) == []
+    assert finish_reasons({"error": {"message": "x"}}) == []
