@@ -61,6 +61,7 @@ from replica_agent.http_guard import (
 from replica_agent.openai_stream import requested_choices
 from replica_agent.telemetry import extract_context, genai_request_attributes, inject_context, make_tracer
 from replica_agent.telemetry import set_http_status
+from router.admission import contention_excluded, hold_replica, prompt_decision
 from router.admission_queue import Attempt, Dispatcher, PlacementFailed, QueueFull, QueueTimeout, WaitingRequest
 from router.auth import ApiKeyAuthenticator, Principal
 from router.budget_client import BudgetClient
@@ -77,7 +78,6 @@ from router.placement import (
     PlacementRequest,
     default_registry,
     largest_max_prompt,
-    prompt_exceeds_every_replica,
 )
 from router.relay import Relay, RelayOutcome, UpstreamAbort
 from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start, queue_decision
@@ -600,14 +600,9 @@ class Router:
         return self._replica_load.get(replica_id, 0)
 
     def _contention_excluded(self) -> frozenset[str]:
-        """Replicas at the contention cap (``admission.contention_max_inflight``): while requests of
-        two tenants or more wait in the fair queue, a replica already running that many of this
-        router's requests takes no more, so the rest waits where the weights decide (issue 18,
-        docs/architecture.md "Start window"). Empty without contention or with the cap off (0)."""
-        cap = self.config.admission.contention_max_inflight
-        if cap <= 0 or self.queue.backlogged_tenants() < 2:
-            return frozenset()
-        return frozenset(rid for rid, n in self._replica_load.items() if n >= cap)
+        """Replicas at the contention cap (router/admission.py ``contention_excluded``)."""
+        return contention_excluded(self.config.admission.contention_max_inflight, self.queue.backlogged_tenants(),
+                                   self._replica_load)  # fmt: skip
 
     async def _admit_waiting(self, entry: WaitingRequest, attempt: Attempt = Attempt()) -> Grant | None:
         return await self._place_and_reserve(
@@ -616,23 +611,8 @@ class Router:
         )
 
     def _hold_for(self, entry: WaitingRequest) -> str | None:
-        """The replica to hold for a starving queue head (:class:`Dispatcher`, "Holds"): among the
-        usable replicas it may use (not excluded, its prompt within the max length, its class
-        budgeted), the one with the least reserved for its class (largest ``horizon - decode -
-        in-flight reservation``, then most ``kv_limited_tokens``), where it fits soonest; None
-        when there is none."""
-        best: tuple[float, int, str] | None = None
-        for v in self.book.views():
-            cb = v.classes.get(entry.slo_class)
-            if not (v.healthy and v.fresh and cb is not None) or v.replica_id in entry.exclude:
-                continue
-            if v.max_prompt_tokens > 0 and entry.prompt_tokens > v.max_prompt_tokens:
-                continue
-            key = (cb.horizon_ms - cb.decode_reservation_ms - cb.inflight_reservation_ms, cb.kv_limited_tokens,
-                   v.replica_id)
-            if best is None or key[:2] > best[:2]:
-                best = key
-        return None if best is None else best[2]
+        """The replica to hold for a starving queue head (router/admission.py ``hold_replica``)."""
+        return hold_replica(entry.slo_class, entry.prompt_tokens, entry.exclude, self.book.views())
 
     async def _acquire(
         self,
@@ -823,30 +803,13 @@ class Router:
             request[STREAM_SHAPE] = (requested_choices(body), with_usage)
         genai_request_attributes(trace.get_current_span(), chat, body, valid.max_tokens)
         max_tokens = (valid.max_tokens or 0) * requested_choices(body)  # n > 1: n sequences decode, each up to max_tokens
-        if prompt_is_exact(body, chat):
-            if prompt_exceeds_every_replica(prompt_tokens, views):
-                return "bad_request", openai_error(
-                    400,
-                    f"The prompt ({prompt_tokens} tokens) is longer than every replica's maximum context "
-                    f"({largest_max_prompt(views)} tokens).",
-                    param="prompt",
-                    code="context_length_exceeded",
-                )
-        else:
-            factor = self.config.admission.estimate_refuse_factor
-            if prompt_exceeds_every_replica(math.ceil(prompt_tokens / factor), views):
-                return "bad_request", openai_error(
-                    400,
-                    f"The prompt (about {prompt_tokens} tokens, estimated at "
-                    f"{self.config.admission.bytes_per_token:g} bytes per token) is longer than every replica's "
-                    f"maximum context ({largest_max_prompt(views)} tokens) by more than {factor:g}x.",
-                    param="messages" if chat else "prompt",
-                    code="context_length_exceeded",
-                )
-            # an estimate may overcount: place with at most the largest context, the engine's tokenizer decides
-            cap = largest_max_prompt(views)
-            if cap > 0:
-                prompt_tokens = min(prompt_tokens, cap)
+        adm = self.config.admission
+        cap = prompt_decision(prompt_tokens, prompt_is_exact(body, chat), views, adm.bytes_per_token,
+                              adm.estimate_refuse_factor)  # fmt: skip
+        if cap.refusal is not None:
+            return "bad_request", openai_error(400, cap.refusal, param="messages" if chat else "prompt",
+                                               code="context_length_exceeded")  # fmt: skip
+        prompt_tokens = cap.tokens
 
         quota = await self.ledger.acquire(
             principal.tenant, request_id, limits, prompt_tokens + self._decode_estimate(max_tokens)

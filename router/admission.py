@@ -1,0 +1,100 @@
+"""The router's admission rules that are neither placement nor shedding (pure: state in, decision out).
+
+One module for the decisions :mod:`router.server` used to make inline, so each can be tested by hand
+without HTTP, gRPC or a clock (issue 16, "router core without I/O"); the server only gathers the
+state and acts on the answer.
+
+- :func:`prompt_decision`: the prompt cap. An exact prompt (token ids) longer than every replica's
+  context is refused (400 ``context_length_exceeded``); an estimated one (text at
+  ``bytes_per_token``) only when even ``estimate / refuse_factor`` is, because an estimate may
+  overcount; an estimate that is kept is placed as at most the largest context (the engine's
+  tokenizer has the last word).
+- :func:`contention_excluded`: the contention cap (docs/architecture.md "Start window"): while
+  requests of two tenants or more wait in the fair queue, a replica already running ``cap`` of this
+  router's requests takes no more, so the rest waits where the weights decide.
+- :func:`hold_replica`: the replica held for a starving queue head (:class:`router.admission_queue.
+  Dispatcher`, "Holds"): the usable one it may use where it will fit soonest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from router.placement import ReplicaView, largest_max_prompt, prompt_exceeds_every_replica
+
+
+@dataclass(frozen=True, slots=True)
+class PromptDecision:
+    """What the prompt cap decided.
+
+    Attributes:
+        tokens: prompt tokens to place with (the estimate, capped at the largest context).
+        refusal: None, or the message of a 400 ``context_length_exceeded``.
+    """
+
+    tokens: int
+    refusal: str | None = None
+
+
+def prompt_decision(
+    prompt_tokens: int, exact: bool, views: Iterable[ReplicaView], bytes_per_token: float, refuse_factor: float
+) -> PromptDecision:
+    """The prompt cap of the module docstring.
+
+    Args:
+        prompt_tokens: the prompt's tokens (counted when ``exact``, else estimated).
+        exact: the prompt came as token ids.
+        views: the replicas now (their ``max_prompt_tokens``; 0 = unknown, never refuses).
+        bytes_per_token: the estimate's rate (for the message).
+        refuse_factor: an estimate is refused only when ``ceil(estimate / refuse_factor)`` exceeds
+            every replica (>= 1).
+    """
+    views = list(views)
+    largest = largest_max_prompt(views)
+    if exact:
+        if prompt_exceeds_every_replica(prompt_tokens, views):
+            return PromptDecision(prompt_tokens, f"The prompt ({prompt_tokens} tokens) is longer than every "
+                                                 f"replica's maximum context ({largest} tokens).")
+        return PromptDecision(prompt_tokens)
+    if prompt_exceeds_every_replica(math.ceil(prompt_tokens / refuse_factor), views):
+        return PromptDecision(prompt_tokens, (
+            f"The prompt (about {prompt_tokens} tokens, estimated at {bytes_per_token:g} bytes per token) is "
+            f"longer than every replica's maximum context ({largest} tokens) by more than {refuse_factor:g}x."))
+    return PromptDecision(min(prompt_tokens, largest) if largest > 0 else prompt_tokens)
+
+
+def contention_excluded(cap: int, backlogged_tenants: int, replica_load: Mapping[str, int]) -> frozenset[str]:
+    """Replicas at the contention cap (module docstring); empty with the cap off (``cap <= 0``) or
+    fewer than two tenants waiting.
+
+    Args:
+        cap: ``admission.contention_max_inflight``.
+        backlogged_tenants: tenants with requests in the fair queue.
+        replica_load: requests this router holds a lease for, per replica.
+    """
+    if cap <= 0 or backlogged_tenants < 2:
+        return frozenset()
+    return frozenset(rid for rid, n in replica_load.items() if n >= cap)
+
+
+def hold_replica(
+    slo_class: str, prompt_tokens: int, exclude: frozenset[str], views: Iterable[ReplicaView]
+) -> str | None:
+    """The replica to hold for a starving head: among the usable replicas it may use (healthy,
+    fresh, not excluded, the prompt within its max length, its class budgeted), the one with the
+    least reserved for its class (largest ``horizon - decode - in-flight reservation``), then the
+    most ``kv_limited_tokens``, then the first in ``views`` order; None when there is none."""
+    best: tuple[float, int, str] | None = None
+    for v in views:
+        cb = v.classes.get(slo_class)
+        if not (v.healthy and v.fresh and cb is not None) or v.replica_id in exclude:
+            continue
+        if v.max_prompt_tokens > 0 and prompt_tokens > v.max_prompt_tokens:
+            continue
+        key = (cb.horizon_ms - cb.decode_reservation_ms - cb.inflight_reservation_ms, cb.kv_limited_tokens,
+               v.replica_id)
+        if best is None or key[:2] > best[:2]:
+            best = key
+    return None if best is None else best[2]

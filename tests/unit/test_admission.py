@@ -1,0 +1,64 @@
+"""router/admission.py: the prompt cap, the contention cap and the held replica, worked by hand."""
+
+from __future__ import annotations
+
+from replica_agent.policy.pab import ClassBudget
+from replica_agent.policy.time_model import TimeModel
+from router.admission import PromptDecision, contention_excluded, hold_replica, prompt_decision
+from router.placement import ReplicaView
+
+TM = TimeModel(10.0, 0.1, 0.0)
+
+
+def view(rid: str, max_prompt: int, decode_ms: float = 0.0, inflight_ms: float = 0.0, kv_tokens: int = 10**6,
+         healthy: bool = True, fresh: bool = True) -> ReplicaView:
+    pab = max(0.0, 900.0 - decode_ms - inflight_ms)
+    cb = ClassBudget("c", 900.0, pab, TM.tokens_within_ms(pab), kv_tokens, 1000.0, 100.0, decode_ms, inflight_ms)
+    return ReplicaView(rid, healthy, fresh, TM, {"c": cb}, max_prompt)
+
+
+def test_an_exact_prompt_over_every_context_is_refused_and_one_within_is_kept() -> None:
+    views = [view("r0", 4096), view("r1", 8192)]
+    assert prompt_decision(8192, True, views, 4.0, 1.5) == PromptDecision(8192)  # fits r1
+    d = prompt_decision(8193, True, views, 4.0, 1.5)
+    assert d.tokens == 8193 and d.refusal == ("The prompt (8193 tokens) is longer than every replica's maximum "
+                                              "context (8192 tokens).")  # fmt: skip
+
+
+def test_an_estimate_is_refused_only_beyond_the_factor_and_otherwise_capped() -> None:
+    views = [view("r0", 4096), view("r1", 8192)]
+    # 12288 / 1.5 = 8192: not beyond r1's context, so kept, and placed as the largest context 8192
+    assert prompt_decision(12288, False, views, 4.0, 1.5) == PromptDecision(8192)
+    # 12290 / 1.5 = 8193.3 -> 8194 > 8192: refused
+    d = prompt_decision(12290, False, views, 4.0, 1.5)
+    assert d.refusal is not None and "about 12290 tokens, estimated at 4 bytes per token" in d.refusal
+    assert "(8192 tokens) by more than 1.5x" in d.refusal
+    # within every context: placed as estimated
+    assert prompt_decision(3000, False, views, 4.0, 1.5) == PromptDecision(3000)
+
+
+def test_unknown_contexts_never_refuse_or_cap() -> None:
+    views = [view("r0", 0)]
+    assert prompt_decision(10**6, True, views, 4.0, 1.5) == PromptDecision(10**6)
+    assert prompt_decision(10**6, False, views, 4.0, 1.5) == PromptDecision(10**6)
+
+
+def test_contention_cap_applies_only_with_two_tenants_waiting_and_a_positive_cap() -> None:
+    load = {"r0": 32, "r1": 31, "r2": 40}
+    assert contention_excluded(32, 2, load) == frozenset({"r0", "r2"})
+    assert contention_excluded(32, 1, load) == frozenset()  # one tenant: its own FCFS, nothing to weigh
+    assert contention_excluded(0, 5, load) == frozenset()  # cap off
+
+
+def test_the_hold_goes_where_least_is_reserved_then_most_kv() -> None:
+    views = [
+        view("r0", 8192, decode_ms=300.0, inflight_ms=200.0),  # 900 - 500 = 400 left
+        view("r1", 8192, decode_ms=100.0, inflight_ms=100.0, kv_tokens=5000),  # 700 left
+        view("r2", 8192, decode_ms=200.0, inflight_ms=0.0, kv_tokens=9000),  # 700 left, more KV
+        view("r3", 8192, healthy=False),  # 900 left, but not usable
+        view("r4", 2048),  # 900 left, but the prompt is longer than its context
+    ]
+    assert hold_replica("c", 3000, frozenset(), views) == "r2"
+    assert hold_replica("c", 3000, frozenset({"r2"}), views) == "r1"
+    assert hold_replica("c", 1000, frozenset({"r2"}), views) == "r4"  # now within r4's context
+    assert hold_replica("other-class", 1000, frozenset(), views) is None
