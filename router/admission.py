@@ -14,6 +14,8 @@ state and acts on the answer.
   router's requests takes no more, so the rest waits where the weights decide.
 - :func:`hold_replica`: the replica held for a starving queue head (:class:`router.admission_queue.
   Dispatcher`, "Holds"): the usable one it may use where it will fit soonest.
+- :func:`after_relay`: what a relay attempt's outcome means for the charge, the lease and the next
+  step (answer, place again, try another replica, give up).
 """
 
 from __future__ import annotations
@@ -98,3 +100,62 @@ def hold_replica(
         if best is None or key[:2] > best[:2]:
             best = key
     return None if best is None else best[2]
+
+
+@dataclass(frozen=True, slots=True)
+class RelayAction:
+    """What the router does after one relay attempt (:func:`after_relay`).
+
+    Attributes:
+        refund: give the tenant back the dispatch charge (nothing was generated).
+        release: why the lease is released (``upstream-refused``, ``upstream-error``,
+            ``client-disconnect``), or None when the request is done with it another way (``ok``:
+            the agent consumed it; ``lease_refused``: no lease exists).
+        next: ``answer`` (the attempt's outcome is the answer), ``replace`` (place again, the
+            attempt not counted: an inline admission the agent refused), ``retry`` (place again on
+            another replica, the attempt counted: it failed before its first byte) or ``give_up``
+            (``replace`` once too often: answer 503 ``no-budget``).
+        outcome: the request's outcome label for ``answer``.
+    """
+
+    refund: bool
+    release: str | None
+    next: str
+    outcome: str = ""
+
+
+def after_relay(kind: str, refusals: int, max_refusals: int) -> RelayAction:
+    """The rule after a relay attempt whose outcome is ``kind`` (:class:`router.relay.RelayOutcome`):
+
+    ==============  ======  =================  ==========================================
+    kind            refund  release            next
+    ==============  ======  =================  ==========================================
+    ok              no      (consumed)         answer ``ok``
+    lease_refused   yes     (none held)        replace, or give_up at ``max_refusals``
+    refused         yes     upstream-refused   answer ``upstream_refused`` (engine's 4xx)
+    retryable       yes     upstream-error     retry on another replica
+    client_gone     no      client-disconnect  answer ``client_disconnect``
+    upstream_error  no      upstream-error     answer ``upstream_error`` (tokens went out)
+    ==============  ======  =================  ==========================================
+
+    Args:
+        kind: the attempt's outcome kind.
+        refusals: inline refusals of this request so far, this one included.
+        max_refusals: refusals after which the request is given up.
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
+    if kind == "ok":
+        return RelayAction(False, None, "answer", "ok")
+    if kind == "lease_refused":
+        return RelayAction(True, None, "give_up" if refusals >= max_refusals else "replace")
+    if kind == "refused":
+        return RelayAction(True, "upstream-refused", "answer", "upstream_refused")
+    if kind == "retryable":
+        return RelayAction(True, "upstream-error", "retry")
+    if kind == "client_gone":
+        return RelayAction(False, "client-disconnect", "answer", "client_disconnect")
+    if kind == "upstream_error":
+        return RelayAction(False, "upstream-error", "answer", "upstream_error")
+    raise ValueError(f"unknown relay outcome {kind!r}")

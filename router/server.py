@@ -61,7 +61,7 @@ from replica_agent.http_guard import (
 from replica_agent.openai_stream import requested_choices
 from replica_agent.telemetry import extract_context, genai_request_attributes, inject_context, make_tracer
 from replica_agent.telemetry import set_http_status
-from router.admission import contention_excluded, hold_replica, prompt_decision
+from router.admission import after_relay, contention_excluded, hold_replica, prompt_decision
 from router.admission_queue import Attempt, Dispatcher, PlacementFailed, QueueFull, QueueTimeout, WaitingRequest
 from router.auth import ApiKeyAuthenticator, Principal
 from router.budget_client import BudgetClient
@@ -887,40 +887,39 @@ class Router:
                     headers={"Retry-After": str(RETRY_AFTER_S), "x-fairbatch-reason": "placement-error"},
                 )
             outcome = await self._forward(request, principal, grant, raw, request_id, arrival_ms)
-            if outcome.kind == "lease_refused":  # the agent's budget was gone on arrival: nothing ran
+            if outcome.kind == "lease_refused":
+                refusals += 1
+            action = after_relay(outcome.kind, refusals, MAX_ADMIT_REFUSALS)  # router/admission.py
+            if action.refund:  # nothing was generated: the dispatch charge goes back
                 self._charge(principal.tenant, -prompt_tokens, -decode_estimate)
+            if action.release is not None:
+                self._release(grant, action.release)
+            else:
                 self._lease_done(grant)
+            if outcome.kind == "lease_refused":  # the agent's budget was gone on arrival: nothing ran
                 if outcome.pab_ms >= 0:
                     self.book.apply_reserve(grant.replica_id, principal.slo_class, outcome.pab_ms, outcome.pab_tokens)
                 self.metrics.admit_refusals.labels(grant.replica_id).inc()
-                refusals += 1
-                if refusals >= MAX_ADMIT_REFUSALS:
-                    return "upstream_error", openai_error(
-                        503, "No replica could take the request (its budget was gone on arrival, "
-                        f"{refusals} times).", "service_unavailable", "no-budget",
-                        headers={"Retry-After": str(RETRY_AFTER_S), "x-fairbatch-reason": "no-budget"},
-                    )
+            if action.next == "give_up":
+                return "upstream_error", openai_error(
+                    503, "No replica could take the request (its budget was gone on arrival, "
+                    f"{refusals} times).", "service_unavailable", "no-budget",
+                    headers={"Retry-After": str(RETRY_AFTER_S), "x-fairbatch-reason": "no-budget"},
+                )
+            if action.next == "replace":  # not a failure of the replica: re-place as after a refused Reserve
                 refused_on = refused_on | {grant.replica_id}
-                attempt -= 1  # not a failure of the replica: re-place as after a refused Reserve
+                attempt -= 1
                 continue
-            if outcome.kind == "ok":
-                self.budgets.forget(grant.lease_id)
-                self._lease_done(grant)
-                if not stream and isinstance(outcome.response, web.Response):
-                    self._correct_decode(principal.tenant, outcome.response, decode_estimate)
-                return "ok", outcome.response  # type: ignore[return-value]
-            if outcome.kind == "refused":  # the engine refused the request: relay its error, nothing ran
-                self._charge(principal.tenant, -prompt_tokens, -decode_estimate)
-                self._release(grant, "upstream-refused")
-                log.info("request %s: replica %s refused it: %s", request_id, grant.replica_id, outcome.detail)
-                return "upstream_refused", outcome.response  # type: ignore[return-value]
-            if outcome.kind == "retryable":  # no token produced: refund the dispatch charge
-                self._charge(principal.tenant, -prompt_tokens, -decode_estimate)
-            self._release(grant, "upstream-error" if outcome.kind != "client_gone" else "client-disconnect")
-            if outcome.kind == "client_gone":
-                return "client_disconnect", outcome.response or web.Response(status=499)
-            if outcome.kind == "upstream_error":
-                return "upstream_error", outcome.response  # type: ignore[return-value]
+            if action.next == "answer":
+                if outcome.kind == "ok":
+                    self.budgets.forget(grant.lease_id)
+                    if not stream and isinstance(outcome.response, web.Response):
+                        self._correct_decode(principal.tenant, outcome.response, decode_estimate)
+                elif outcome.kind == "refused":
+                    log.info("request %s: replica %s refused it: %s", request_id, grant.replica_id, outcome.detail)
+                elif outcome.kind == "client_gone":
+                    return action.outcome, outcome.response or web.Response(status=499)
+                return action.outcome, outcome.response  # type: ignore[return-value]
             log.warning("request %s: replica %s failed before the first byte: %s",
                         request_id, grant.replica_id, outcome.detail)
             exclude = exclude | {grant.replica_id}

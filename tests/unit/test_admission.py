@@ -1,10 +1,20 @@
-"""router/admission.py: the prompt cap, the contention cap and the held replica, worked by hand."""
+"""router/admission.py: the prompt cap, the contention cap, the held replica and the rule after a
+relay attempt, worked by hand."""
 
 from __future__ import annotations
 
+import pytest
+
 from replica_agent.policy.pab import ClassBudget
 from replica_agent.policy.time_model import TimeModel
-from router.admission import PromptDecision, contention_excluded, hold_replica, prompt_decision
+from router.admission import (
+    PromptDecision,
+    RelayAction,
+    after_relay,
+    contention_excluded,
+    hold_replica,
+    prompt_decision,
+)
 from router.placement import ReplicaView
 
 TM = TimeModel(10.0, 0.1, 0.0)
@@ -62,3 +72,26 @@ def test_the_hold_goes_where_least_is_reserved_then_most_kv() -> None:
     assert hold_replica("c", 3000, frozenset({"r2"}), views) == "r1"
     assert hold_replica("c", 1000, frozenset({"r2"}), views) == "r4"  # now within r4's context
     assert hold_replica("other-class", 1000, frozenset(), views) is None
+
+
+@pytest.mark.parametrize(("kind", "refusals", "expected"), [
+    # the answer is the outcome; the agent consumed the lease, nothing to refund
+    ("ok", 0, RelayAction(False, None, "answer", "ok")),
+    # an inline admission refused on arrival: refund, no lease to release, placed again (not a failure)
+    ("lease_refused", 3, RelayAction(True, None, "replace")),
+    ("lease_refused", 8, RelayAction(True, None, "give_up")),  # the 8th refusal with at most 8
+    # the engine's 4xx: nothing ran, the engine's answer is relayed
+    ("refused", 0, RelayAction(True, "upstream-refused", "answer", "upstream_refused")),
+    # failed before the first byte: refund and try another replica
+    ("retryable", 0, RelayAction(True, "upstream-error", "retry")),
+    # tokens went out: no refund
+    ("client_gone", 0, RelayAction(False, "client-disconnect", "answer", "client_disconnect")),
+    ("upstream_error", 0, RelayAction(False, "upstream-error", "answer", "upstream_error")),
+])
+def test_after_relay_table(kind: str, refusals: int, expected: RelayAction) -> None:
+    assert after_relay(kind, refusals, 8) == expected
+
+
+def test_after_relay_unknown_kind() -> None:
+    with pytest.raises(ValueError, match="teapot"):
+        after_relay("teapot", 0, 8)
