@@ -93,7 +93,9 @@ async def agent_proxy(engine):
     )
     clock = Clock(SCALE)
     agent = SpyAgent(cfg, clock, lease_id_prefix="t")
-    pcfg = ProxyConfig(engine_url=engine)
+    # the class's stall rule at this time scale is 3000 simulated ms = 0.15 wall s, which a loaded
+    # machine's engine process missed once (an "engine stalled" mid-test); no test here is about stalls
+    pcfg = ProxyConfig(engine_url=engine, stall_timeout_s=5.0)
     session = make_session(pcfg)
     proxy = Proxy(agent, pcfg, session, make_tracer("fairbatch-agent-test"))
     runner = make_runner(proxy.app())
