@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--time-model-initial-margin", type=float, default=1.0,
                    help="planning margin until --time-model-min-samples steps are seen")
     s.add_argument("--time-model-min-samples", type=int, default=16, help="steps before the margin is learned")
+    s.add_argument("--time-model-refit-every", type=int, default=32,
+                   help="observations between two solves of the time model (proxy mode observes one per relayed "
+                        "token and stream; a solve costs ~50-90 us, an observation ~3 us)")
     s.add_argument("--time-model-window", type=int, default=256, help="steps of relative errors the margin is taken over")
     s.add_argument("--time-model-prior-weight", type=float, default=5.0,
                    help="the profile's coefficients count as this many steps in the online fit (ridge prior)")
@@ -256,7 +259,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
             forgetting=args.time_model_forgetting, prior_weight=args.time_model_prior_weight,
             margin_quantile=args.time_model_margin_quantile, window=args.time_model_window,
             min_samples=args.time_model_min_samples, initial_margin=args.time_model_initial_margin,
-            max_margin=args.time_model_max_margin),
+            max_margin=args.time_model_max_margin, refit_every=args.time_model_refit_every),
         proxy_step_estimates=not args.no_proxy_step_estimates,
     )
 

@@ -181,6 +181,7 @@ class OnlineTimeModel:
         self._conservative: TimeModel | None = None
         self._since_fit = 0
         self._step_share = 0.0  # weight seen since the error window's last entry
+        self._pending: list[tuple[tuple[float, ...], float, float, float, float]] = []  # (x, w, y, lam, weight)
         self.count = 0
 
     def observe(self, features: StepFeatures, measured_ms: float, weight: float = 1.0) -> float | None:
@@ -198,16 +199,9 @@ class OnlineTimeModel:
         predicted = self._model.step_ms(features)
         ratio = measured_ms / predicted if predicted > 0 else math.inf
         lam = self.config.forgetting if weight == 1.0 else self.config.forgetting**weight  # per step, not per share
-        w = weight / (measured_ms * measured_ms)
-        a, g = self._a, self._g
-        if lam < 1.0:
-            a *= lam
-            g *= lam
-            self._n *= lam
-        xv = np.array(x)
-        a += w * np.outer(xv, xv)
-        g += (w * measured_ms) * xv
-        self._n += weight
+        # folded into A, g and N at the next refit (:meth:`_fold`): the same sums, one numpy pass per
+        # refit instead of an outer product per observation (proxy mode observes every relayed token)
+        self._pending.append((x, weight / (measured_ms * measured_ms), measured_ms, lam, weight))
         self.count += 1
         # the error window holds one ratio per step: proxy mode's k samples of one step (weight 1/k
         # each) add one entry, not k (k entries would shorten the window's memory to window / k steps)
@@ -220,9 +214,37 @@ class OnlineTimeModel:
             self._refit()
         return ratio if math.isfinite(ratio) else None
 
+    def _fold(self) -> None:
+        """Add the pending observations to ``A``, ``g`` and ``N``, exactly as one update each in
+        order would: observation i of k is discounted by the product of the forgetting factors of
+        the observations after it, and the old sums by the product of all k."""
+        pending = self._pending
+        if not pending:
+            return
+        if len(pending) == 1:  # one update as it is (refit_every 1)
+            x, w, y, lam, weight = pending.pop()
+            xv = np.array(x)
+            self._a = lam * self._a + w * np.outer(xv, xv)
+            self._g = lam * self._g + (w * y) * xv
+            self._n = lam * self._n + weight
+            return
+        lams = np.array([p[3] for p in pending])
+        after = np.ones(len(pending))  # prod of lam_j for j > i
+        if len(pending) > 1:
+            after[:-1] = np.cumprod(lams[::-1])[::-1][1:]
+        total = float(np.prod(lams))
+        xs = np.array([p[0] for p in pending])  # (k, 5)
+        w = np.array([p[1] for p in pending]) * after
+        y = np.array([p[2] for p in pending])
+        self._a = total * self._a + (xs * w[:, None]).T @ xs
+        self._g = total * self._g + xs.T @ (w * y)
+        self._n = total * self._n + float(np.dot(after, [p[4] for p in pending]))
+        pending.clear()
+
     def _refit(self) -> None:
         self._since_fit = 0
         self._margin_cache = None
+        self._fold()
         theta = solve_ridge(self._a, self._g, self._n, self._theta0, self.config.prior_weight)
         self._model = _model(theta)
         self._conservative = None

@@ -103,7 +103,7 @@ async def test_agent_plugin_mode_exact_pab_staleness_and_learned_margin(tmp_path
             "--margin-frac", "0.1", "--plugin-export", f"unix:{sock}", "--plugin-stale-ms", "300", "--no-proxy",
             "--time-model-prior-weight", "1e12", "--time-model-min-samples", "1", "--time-model-window", "8",
             "--time-model-initial-margin", "1.0", "--time-model-margin-quantile", "0.95", "--push-interval-ms", "50",
-            "--metrics-interval-ms", "50",
+            "--metrics-interval-ms", "50", "--time-model-refit-every", "1",  # the hand-worked values are per step
         ])
         await asyncio.to_thread(group.wait_http_ok, child, f"http://127.0.0.1:{http_port}/metrics", 30.0)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
