@@ -134,3 +134,25 @@ def test_k_weighted_samples_of_one_step_add_one_entry_to_the_error_window() -> N
             split.observe(f, ms, weight=0.25)
     assert len(whole._ratios) == 20  # noqa: SLF001
     assert len(split._ratios) == 20  # noqa: SLF001
+
+
+def test_folding_observations_at_refit_gives_the_sums_of_one_update_each() -> None:
+    # 50 random steps of mixed weights: solving every step and every 5 steps must give the same
+    # statistics and the same model at a common refit (the forgetting of each observation is the
+    # product of the factors of the ones after it)
+    import random
+
+    prior = TimeModel(9.86, 0.0727, 7.94e-5)
+    each, batched = OnlineTimeModel(prior, CalibratorConfig(refit_every=1)), OnlineTimeModel(
+        prior, CalibratorConfig(refit_every=5))
+    rng = random.Random(1)
+    for _ in range(50):
+        k = rng.randint(1, 8)
+        f = StepFeatures(k + rng.randint(0, 500), rng.randint(0, 20000), rng.randint(0, 20000), k, k, 0, k)
+        ms, w = rng.uniform(10.0, 60.0), rng.choice([1.0, 0.5, 0.25])
+        each.observe(f, ms, w)
+        batched.observe(f, ms, w)
+    m1, m2 = each.model(), batched.model()  # 50 = 10 x 5: both just solved
+    for t1, t2 in zip((m1.a_ms, m1.b_ms_per_new_token, m1.c_ms_per_context_token, m1.d_ms_per_decode),
+                      (m2.a_ms, m2.b_ms_per_new_token, m2.c_ms_per_context_token, m2.d_ms_per_decode), strict=True):
+        assert t2 == pytest.approx(t1, rel=1e-9, abs=1e-12)
