@@ -422,6 +422,14 @@ class Dispatcher(Generic[G]):
         late: list[int] = []
         blocked: list[int] = []
 
+        def not_placed(i: int, entry: WaitingRequest, phase: int) -> None:
+            """Entry ``i`` was not placed in this phase: phase 1 leaves it to phase 2 (the normal fit)
+            unless it is sheddable; the first one phase 1 could not place is the blocked head."""
+            nonlocal head_at
+            (late if phase == 1 and not entry.sheddable else blocked).append(i)
+            if head_at is None and phase == 1:
+                head_at = i
+
         def take_hold(i: int) -> None:
             nonlocal hold, holder_at
             if hold is None and self.hold_for is not None:
@@ -448,9 +456,7 @@ class Dispatcher(Generic[G]):
                 if self.skip_dominated and any(
                     p <= entry.prompt_tokens and (phase == 2 or w <= waited) for p, w in failed.get(key, ())
                 ):
-                    (late if phase == 1 and not entry.sheddable else blocked).append(i)
-                    if head_at is None and phase == 1:
-                        head_at = i
+                    not_placed(i, entry, phase)
                     continue
                 if stats.admit_calls >= self.max_scan:
                     stats.truncated = True
@@ -471,9 +477,7 @@ class Dispatcher(Generic[G]):
                     continue
                 if grant is None:
                     failed.setdefault(key, []).append((entry.prompt_tokens, waited))
-                    (late if phase == 1 and not entry.sheddable else blocked).append(i)
-                    if head_at is None and phase == 1:
-                        head_at = i
+                    not_placed(i, entry, phase)
                     continue
                 self.queue.remove(entry)
                 if entry.future.done():

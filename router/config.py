@@ -37,7 +37,7 @@ import hashlib
 import ipaddress
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -549,6 +549,19 @@ def _compose(text: str, path: Path) -> tuple[yaml.Node | None, dict[str, Any]]:
     return root, data
 
 
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _validate(model: type[_M], text: str, path: Path | str) -> _M:
+    """``model`` validated from YAML text, errors as ``file:line: field.path: reason`` (:class:`ConfigError`)."""
+    path = Path(path)
+    root, data = _compose(text, path)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation(path, root, exc)) from None
+
+
 def parse_config(text: str, path: Path | str = "<config>") -> RouterConfig:
     """Validate YAML text as a :class:`RouterConfig`.
 
@@ -556,12 +569,7 @@ def parse_config(text: str, path: Path | str = "<config>") -> RouterConfig:
         ConfigError: YAML syntax error (line of the parser's mark) or a field that fails
             validation (line of that field's node), message ``file:line: field.path: reason``.
     """
-    path = Path(path)
-    root, data = _compose(text, path)
-    try:
-        return RouterConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_format_validation(path, root, exc)) from None
+    return _validate(RouterConfig, text, path)
 
 
 class AgentSection(BaseModel):
@@ -578,12 +586,7 @@ def parse_agent_section(text: str, path: Path | str = "<config>") -> AgentSectio
     Raises:
         ConfigError: YAML syntax error, no ``slo_classes``, or a class field that fails validation.
     """
-    path = Path(path)
-    root, data = _compose(text, path)
-    try:
-        return AgentSection.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_format_validation(path, root, exc)) from None
+    return _validate(AgentSection, text, path)
 
 
 def load_agent_section(path: Path | str) -> AgentSection:
