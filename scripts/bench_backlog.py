@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import itertools
 import json
 import math
 import platform
@@ -48,6 +49,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,7 +147,7 @@ class Result:
 async def send(session: aiohttp.ClientSession, url: str, headers: dict[str, str], tenant: str, prompt: int,
                out: int, stream: bool, t0: float) -> Result:
     """One completion request with ``prompt`` token ids; returns what the client saw."""
-    body = {"model": PROFILE, "prompt": [7] * prompt, "max_tokens": out, "stream": stream}
+    body = {"model": PROFILE, "prompt": distinct_prompt(prompt), "max_tokens": out, "stream": stream}
     res = Result(tenant, 0, sent_s=time.monotonic() - t0, prompt_tokens=prompt)
     async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
         res.status = r.status
@@ -164,6 +166,18 @@ async def send(session: aiohttp.ClientSession, url: str, headers: dict[str, str]
                 res.first_s = time.monotonic() - t0
     res.end_s = time.monotonic() - t0
     return res
+
+
+_PROMPT_IDS = itertools.count(1000)
+CHAT_CLIENT_FIRST_ID = 1_000_000
+"""First prompt id of the ``--chat-client`` process (its own range: the ids never meet the scenario's)."""
+
+
+def distinct_prompt(tokens: int, ids: Iterator[int] = _PROMPT_IDS) -> list[int]:
+    """``tokens`` token ids that share no prefix block with any other prompt of the run (its first id,
+    from ``ids``, is its own): the engines cache prompt prefixes as vLLM does, and identical prompts
+    would all hit."""
+    return [next(ids)] + [7] * (tokens - 1)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -281,9 +295,10 @@ async def chat_client(url: str, key: str, seconds: float, period_s: float) -> li
     """
     out: list[dict[str, Any]] = []
     h = {"Authorization": f"Bearer {key}"}
+    ids = itertools.count(CHAT_CLIENT_FIRST_ID)
 
     async def one(s: aiohttp.ClientSession) -> None:
-        body = {"model": PROFILE, "prompt": [7] * 2000, "max_tokens": 16, "stream": True}
+        body = {"model": PROFILE, "prompt": distinct_prompt(2000, ids), "max_tokens": 16, "stream": True}
         t = time.monotonic()
         async with s.post(url + "/v1/completions", json=body, headers=h) as r:
             raw = await r.read()
@@ -330,16 +345,15 @@ async def scenario_infeasible(work: Path, seconds: float) -> dict[str, Any]:
         fleet.group.stop()
     refused = [r for r in chat if r["reason"] == "slo-infeasible"]
     lat = [r["latency_ms"] for r in refused]
+    by_kind = {k: sorted(round(r["latency_ms"], 1) for r in refused if r["kind"] == k) for k in ("arrival", "queued")}
     ok = [r for r in chat if r["status"] == 200]
     ttft_ok = [r["latency_ms"] for r in ok]  # upper bound of TTFT: the whole 16-token answer
     return {"chat_sent": len(chat), "chat_ok": len(ok), "slo_infeasible": len(refused),
-            "refused_at_arrival": sum(1 for r in refused if r["kind"] == "arrival"),
-            "refused_while_queued": sum(1 for r in refused if r["kind"] == "queued"),
+            "refused_at_arrival": len(by_kind["arrival"]), "refused_while_queued": len(by_kind["queued"]),
             "other_refusals": dict(Counter(r["reason"] or str(r["status"]) for r in chat
                                            if r["status"] != 200 and r["reason"] != "slo-infeasible")),
             "refusal_ms": sorted(round(v, 1) for v in lat), "refusal_ms_p50": pct(lat, 50),
-            "refusal_ms_at_arrival": sorted(round(r["latency_ms"], 1) for r in refused if r["kind"] == "arrival"),
-            "refusal_ms_while_queued": sorted(round(r["latency_ms"], 1) for r in refused if r["kind"] == "queued"),
+            "refusal_ms_at_arrival": by_kind["arrival"], "refusal_ms_while_queued": by_kind["queued"],
             "refusal_ms_max": max(lat, default=math.nan),
             "chat_ok_latency_p95_ms": pct(ttft_ok, 95), "chat_ok_late": sum(1 for v in ttft_ok if v > 500),
             "jobs_ok": sum(1 for r in jobs if r.status == 200),
