@@ -66,6 +66,8 @@ def snapshot_pb(agent: Agent, view: BudgetView) -> admission_pb2.BudgetSnapshot:
         active_leases=view.active_leases,
         max_prompt_tokens=view.max_prompt_tokens,
         status_detail=view.status_detail,
+        inflight_prefill_ms=view.inflight_prefill_ms,
+        inflight_prefill_done_ms=view.inflight_prefill_done_ms,
     )
 
 

@@ -32,6 +32,7 @@ from replica_agent.policy.leases import Lease, LeaseTable, LeaseTableFull
 from replica_agent.plugin_mode import PLUGIN, STALE, export_mode, lease_matches, parse_record, record_kind
 from replica_agent.plugin_mode import replica_state_from_record
 from replica_agent.policy.pab import ClassBudget, PendingPrefill, ReplicaState, SloClass, compute_budgets
+from replica_agent.policy.prefill_eta import inflight_schedule
 from replica_agent.policy.reserve import reserve_decision
 from replica_agent.policy.preemption import account_preempted
 from replica_agent.policy.calibration import TERMS, CalibratorConfig, OnlineTimeModel
@@ -67,6 +68,10 @@ class AgentConfig:
         proxy_tracking: the agent relays HTTP and tracks requests (False: ``--no-proxy``).
         calibration: settings of the online time model (replica_agent/policy/calibration.py).
         proxy_step_estimates: in proxy mode, learn from the decode-only steps timed from token gaps.
+        max_num_batched_tokens: the engine's token budget per step (vLLM's flag; the default of
+            ``vllm serve`` on the profile's GPU, replica_agent/profiles.py), for the predicted end
+            of each in-flight prefill (replica_agent/policy/prefill_eta.py); plugin mode uses the
+            scheduler's own figure.
     """
 
     replica_id: str
@@ -89,6 +94,7 @@ class AgentConfig:
     proxy_tracking: bool = True
     calibration: CalibratorConfig = field(default_factory=CalibratorConfig)
     proxy_step_estimates: bool = True
+    max_num_batched_tokens: int = 8192
 
     def __post_init__(self) -> None:
         if not self.slo_classes:
@@ -127,6 +133,10 @@ class BudgetView:
         kv_capacity_tokens: capacity used for kv_free (tokens).
         active_leases: leases granted, not arrived.
         max_prompt_tokens: engine max model length (0 = unknown).
+        inflight_prefill_ms: the in-flight reservation per prefill, in engine order (ms; pab.py
+            ``inflight_lumps``).
+        inflight_prefill_done_ms: when each of those ends, ms after ``now_ms`` (same length;
+            replica_agent/policy/prefill_eta.py).
     """
 
     now_ms: float
@@ -139,6 +149,8 @@ class BudgetView:
     kv_capacity_tokens: int
     active_leases: int
     max_prompt_tokens: int
+    inflight_prefill_ms: tuple[float, ...] = ()
+    inflight_prefill_done_ms: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,6 +490,7 @@ class Agent:
         if state is None:
             state = self.replica_state(now_ms)
         classes = compute_budgets(state, self.config.slo_classes)
+        lumps, done = self._inflight_schedule(state, now_ms)
         healthy, detail = self.health(now_ms)
         m = self._engine.metrics
         running = 0 if m is None else m.num_running
@@ -504,7 +517,23 @@ class Agent:
             kv_capacity_tokens=capacity,
             active_leases=len(self.leases),
             max_prompt_tokens=self.max_prompt_tokens,
+            inflight_prefill_ms=lumps,
+            inflight_prefill_done_ms=done,
         )
+
+    def _inflight_schedule(self, state: ReplicaState, now_ms: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The in-flight prefills' lumps and predicted ends (prefill_eta.py ``inflight_schedule``).
+        In proxy mode the head prompt has been served since the previous prefill ended (or since
+        it reached an idle replica); plugin mode's computed tokens already count its progress, and
+        the scheduler's record gives its token budget per step."""
+        if not state.prefills:
+            return (), ()
+        step_tokens = self.config.max_num_batched_tokens
+        rec = self._plugin.record
+        if self.config.plugin_mode and rec is not None and self._plugin.mode == PLUGIN:
+            return inflight_schedule(state, int(rec.get("token_cap") or step_tokens), 0.0)
+        since = self.tracker.prefill_head_since_ms
+        return inflight_schedule(state, step_tokens, 0.0 if since is None else max(0.0, now_ms - since))
 
     def refresh_gauges(self, now_ms: float) -> BudgetView:
         """Set the Prometheus gauges from a fresh computation (called by GET /metrics)."""
@@ -620,7 +649,7 @@ class Agent:
         cls = self.classes[name]
         req = self.tracker.on_arrival(
             key, name, cls.ttft_ms, cls.tpot_ms, now_ms - max(0.0, queued_ms), prompt_tokens, max_tokens,
-            lease.lease_id if lease else "",
+            lease.lease_id if lease else "", now_ms,
         )
         self.notify()
         return req

@@ -40,7 +40,7 @@ from replica_agent.plugin_mode import PluginExportReader, parse_export_target
 from replica_agent.policy.pab import SloClass
 from replica_agent.policy.calibration import CalibratorConfig
 from replica_agent.policy.time_model import TimeModel
-from replica_agent.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile
+from replica_agent.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile, vllm_serve_batch_defaults
 from replica_agent.proxy import Proxy, ProxyConfig, make_session
 from replica_agent.http_guard import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, make_runner
 from replica_agent.runtime import hold_grpc_aio, run, setup_logging
@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--variant", default=DEFAULT_VARIANT, help="fit variant of the profile")
     s.add_argument("--coefficients", type=parse_coefficients, default=None, metavar="A,B,C",
                    help="time-model coefficients in ms (overrides the profile's)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the engine's vLLM --max-num-batched-tokens (default: vllm serve's default on the "
+                        "profile's GPU), for the predicted end of each in-flight prefill")
     s.add_argument("--kv-capacity-tokens", type=int, default=None,
                    help="KV capacity in tokens (default: engine's cache_config_info, else the profile's)")
     s.add_argument("--config", type=Path, default=None,
@@ -217,6 +220,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+
+def _step_tokens(gpu: str, flag: int | None) -> int:
+    """The engine's token budget per step: the flag, else ``vllm serve``'s default on ``gpu``
+    (replica_agent/profiles.py), else 2048 (vLLM's smallest default) for a GPU it does not know."""
+    if flag is not None:
+        if flag < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {flag}")
+        return flag
+    try:
+        return vllm_serve_batch_defaults(gpu).max_num_batched_tokens
+    except KeyError:
+        return 2048
+
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     """AgentConfig from parsed ``serve`` arguments.
 
@@ -255,6 +271,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         plugin_mode=plugin,
         plugin_stale_ms=args.plugin_stale_ms,
         proxy_tracking=not args.no_proxy,
+        max_num_batched_tokens=_step_tokens(profile.gpu, args.max_num_batched_tokens),
         calibration=CalibratorConfig(
             forgetting=args.time_model_forgetting, prior_weight=args.time_model_prior_weight,
             margin_quantile=args.time_model_margin_quantile, window=args.time_model_window,

@@ -99,6 +99,9 @@ class Tracker:
         num_prefills: requests in prefill.
         prefill_idle_since_ms: since when no request has been in prefill (ms); None while one is;
             -inf before any request.
+        prefill_head_since_ms: since when the engine has served its head prefill, first come
+            first served (ms): the arrival of a prefill at an idle replica, or the end of the
+            previous one (the next starts); None while none is in prefill.
     """
 
     max_requests: int = 65536
@@ -107,6 +110,7 @@ class Tracker:
     decode_context_tokens: int = 0
     num_prefills: int = 0
     prefill_idle_since_ms: float | None = float("-inf")
+    prefill_head_since_ms: float | None = None
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -128,12 +132,14 @@ class Tracker:
         prompt_tokens: int,
         max_tokens: int | None = None,
         lease_id: str = "",
+        now_ms: float | None = None,
     ) -> TrackedRequest:
         """Start tracking a request in the prefill phase.
 
         Args:
             arrival_ms: arrival time (ms); the proxy passes now - router queue time.
             prompt_tokens: prompt length (tokens), >= 0.
+            now_ms: when it reaches the engine (ms; default ``arrival_ms``).
 
         Raises:
             KeyError: if ``request_id`` is already tracked.
@@ -155,6 +161,8 @@ class Tracker:
             lease_id=lease_id,
         )
         self._requests[request_id] = req
+        if self.num_prefills == 0:
+            self.prefill_head_since_ms = arrival_ms if now_ms is None else now_ms
         self.num_prefills += 1
         self.prefill_idle_since_ms = None
         return req
@@ -163,6 +171,9 @@ class Tracker:
         self.num_prefills -= 1
         if self.num_prefills == 0:
             self.prefill_idle_since_ms = now_ms
+            self.prefill_head_since_ms = None
+        else:
+            self.prefill_head_since_ms = now_ms
 
     def on_token(self, request_id: str, now_ms: float, n: int = 1) -> bool:
         """``n`` output tokens seen at ``now_ms``. Returns True when this was the first token

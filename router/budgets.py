@@ -40,6 +40,11 @@ class ReplicaBudget:
         classes: PAB per SLO class (updated by snapshots and Reserve answers).
         max_prompt_tokens: engine max model length (0 = unknown).
         status_detail: agent's reason when unhealthy.
+        inflight_prefill_ms: the snapshot's in-flight reservation per prefill in engine order (ms),
+            then the prompts this router placed since (:meth:`take_local`).
+        inflight_prefill_done_at_ms: when each of those ends (router clock, ms): the agent's
+            prediction, and for the router's own placements the end of the one before plus the
+            placement's ``b * P`` (empty when the agent sends no prediction).
         view: the placement view last built from this state (:meth:`BudgetBook.views`), dropped on
             every change so that a decision never sees old figures.
     """
@@ -56,7 +61,13 @@ class ReplicaBudget:
     status_detail: str = ""
     num_running: int = 0
     num_waiting: int = 0
+    inflight_prefill_ms: tuple[float, ...] = ()
+    inflight_prefill_done_at_ms: tuple[float, ...] = ()
     view: ReplicaView | None = None  # cached placement view; None after any change
+
+
+MAX_LOCAL_LUMPS = 16
+"""Entries of a replica's ``inflight_prefill_ms`` the router keeps (its own placements included)."""
 
 
 class BudgetBook:
@@ -122,7 +133,11 @@ class BudgetBook:
         budget.status_detail = snapshot.status_detail  # type: ignore[attr-defined]
         budget.num_running = max(0, int(getattr(snapshot, "num_running", 0)))
         budget.num_waiting = max(0, int(getattr(snapshot, "num_waiting", 0)))
-        budget.received_ms = self._clock.now_ms()
+        budget.received_ms = now = self._clock.now_ms()
+        lumps = tuple(getattr(snapshot, "inflight_prefill_ms", ()))
+        done = getattr(snapshot, "inflight_prefill_done_ms", ())
+        budget.inflight_prefill_ms = lumps
+        budget.inflight_prefill_done_at_ms = tuple(now + d for d in done) if len(done) == len(lumps) else ()
         self.drain.observe(
             replica_id, budget.received_ms,
             {n: c.decode_reservation_ms + c.inflight_reservation_ms for n, c in budget.classes.items()},
@@ -175,6 +190,16 @@ class BudgetBook:
                 inflight_reservation_ms=cur.inflight_reservation_ms + cost,
             )
         self.drain.note_added(replica_id, tm.b_ms_per_new_token * p)
+        lump = tm.b_ms_per_new_token * p
+        lumps, done = budget.inflight_prefill_ms, budget.inflight_prefill_done_at_ms
+        timed = len(done) == len(lumps)
+        end = max(self._clock.now_ms(), done[-1] if timed and done else 0.0) + lump
+        if len(lumps) < MAX_LOCAL_LUMPS:
+            budget.inflight_prefill_ms = (*lumps, lump)
+            budget.inflight_prefill_done_at_ms = (*done, end) if timed else ()
+        else:  # bounded: later placements join the last lump (it frees when they all have)
+            budget.inflight_prefill_ms = (*lumps[:-1], lumps[-1] + lump)
+            budget.inflight_prefill_done_at_ms = (*done[:-1], end) if timed else ()
         budget.view = None
 
     def add_replica(self, replica_id: str) -> bool:
@@ -255,6 +280,8 @@ class BudgetBook:
                     time_model=b.time_model,
                     classes=dict(b.classes) if b.classes else {},  # a snapshot: the view precomputes from it
                     max_prompt_tokens=b.max_prompt_tokens,
+                    inflight_prefill_ms=b.inflight_prefill_ms,
+                    inflight_prefill_done_at_ms=b.inflight_prefill_done_at_ms,
                 )
             out.append(view)
         return out

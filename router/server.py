@@ -473,7 +473,8 @@ class Router:
         """A queued sheddable request that the dispatcher could not place: True when the prediction
         (:meth:`predict`, its own tokens not counted as ahead of it) says it can no longer start in
         time (router/shedding.py ``infeasible``)."""
-        prediction = self.predict(entry.slo_class, entry.priority, entry.prompt_tokens, entry.prompt_tokens)
+        prediction = self.predict(entry.slo_class, entry.priority, entry.prompt_tokens, entry.prompt_tokens,
+                                  max(0.0, now_ms - entry.arrival_ms))
         return infeasible(now_ms, entry.first_token_deadline_ms, prediction, self._margin_ms(entry.slo_class))
 
     def _margin_ms(self, slo_class: str) -> float:
@@ -481,13 +482,14 @@ class Router:
         return agent_margin_ms(self.book.views(), slo_class)
 
     def predict(
-        self, slo_class: str, band: int, prompt_tokens: int, own_tokens: int = 0
+        self, slo_class: str, band: int, prompt_tokens: int, own_tokens: int = 0, waited_ms: float = 0.0
     ) -> tuple[float, float] | None:
         """(predicted queue wait, predicted prefill) in simulated ms, or None without a usable replica
         (router/shedding.py ``predict_start``; ``own_tokens``: the request's own when it is queued
-        already, not counted as ahead of it)."""
+        already, not counted as ahead of it; ``waited_ms``: since its arrival)."""
         tokens = max(0, self.queue.tokens_ahead(band) - own_tokens)
-        return predict_start(self.book.views(), self.book.drain, slo_class, prompt_tokens, tokens, MAX_DRAIN_RATE)
+        return predict_start(self.book.views(), self.book.drain, slo_class, prompt_tokens, tokens, MAX_DRAIN_RATE,
+                             self.clock.now_ms(), waited_ms)
 
     async def _on_startup(self, app: web.Application) -> None:
         await self.start()
@@ -657,7 +659,8 @@ class Router:
             raise QueueTimeout()
         band = principal.slo.priority
         first_token_deadline = arrival_ms + principal.slo.ttft_ms
-        prediction = self.predict(principal.slo_class, band, prompt_tokens) if principal.slo.sheddable else None
+        prediction = (self.predict(principal.slo_class, band, prompt_tokens, 0, max(0.0, now - arrival_ms))
+                      if principal.slo.sheddable else None)  # fmt: skip
         decision = queue_decision(now, arrival_ms, principal.slo.ttft_ms, principal.slo.max_queue_ms,
                                   principal.slo.sheddable, prediction, self._margin_ms(principal.slo_class))  # fmt: skip
         if decision.refuse:
@@ -857,7 +860,7 @@ class Router:
                     "slo-infeasible",
                     f"The first-token deadline ({principal.slo.ttft_ms:g} ms) of class {principal.slo_class!r} "
                     f"cannot be met (predicted wait {exc.wait_ms:.0f} ms).",
-                    math.ceil(self.clock.to_wall_s(exc.wait_ms)),
+                    math.ceil(self.clock.to_wall_s(exc.wait_ms)) if math.isfinite(exc.wait_ms) else RETRY_AFTER_S,
                 )
             except QueueTimeout as exc:
                 if exc.reason == "slo-infeasible":

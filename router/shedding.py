@@ -5,8 +5,13 @@ One module for the router (router/server.py) and the fleet simulation's routers
 
 :func:`predict_start`, per usable replica r (healthy, fresh, with a budget for the class):
 ``prefill_r = a + b*P``; the budget it lacks, ``deficit_r = prefill_r - (H - decode_reservation -
-inflight_reservation)`` (unclamped: a replica deep in debt lacks more than its PAB_ms of 0 shows),
-frees at the replica's measured drain rate (:class:`router.drain.DrainEstimator` over its budget
+inflight_reservation)`` (unclamped: a replica deep in debt lacks more than its PAB_ms of 0 shows).
+When the snapshot lists its in-flight prefills with the agent's prediction of when each ends
+(``inflight_prefill_ms`` and ``inflight_prefill_done_ms``, replica_agent/policy/prefill_eta.py), the
+budget frees in their lumps, and ``wait_r`` is the first lump end at which the prompt fits what is
+left of its horizon by the router's aged rule (:func:`lump_start_ms`; inf when none: it cannot
+start in time there). Otherwise (an agent that does not send them) the deficit frees at the
+replica's measured drain rate (:class:`router.drain.DrainEstimator` over its budget
 stream, at most ``max_drain_rate`` = 1 ms/ms: a burst of finished decodes must not make a replica
 look faster than time; 1 ms/ms before it has two snapshots), so ``wait_r = deficit_r / rate_r``
 (inf at rate 0), and no longer than the replica takes to finish its admitted prefills when they
@@ -28,7 +33,7 @@ until ``first-token deadline - prefill`` (the last dispatch that can still make 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from router.drain import DrainEstimator, wait_for_budget_ms
@@ -40,7 +45,7 @@ MAX_DRAIN_RATE = 1.0
 
 def predict_start(
     views: Iterable[ReplicaView], drain: DrainEstimator, slo_class: str, prompt_tokens: int, tokens_ahead: int,
-    max_drain_rate: float = MAX_DRAIN_RATE,
+    max_drain_rate: float = MAX_DRAIN_RATE, now_ms: float | None = None, waited_ms: float = 0.0,
 ) -> tuple[float, float] | None:
     """(predicted queue wait, predicted prefill) in simulated ms (module docstring), None without a
     usable replica.
@@ -50,6 +55,10 @@ def predict_start(
         drain: the per-replica drain estimator of the router's budget book.
         slo_class: the request's class; prompt_tokens: P.
         tokens_ahead: prompt tokens queued ahead of the request (bands as urgent or more).
+        max_drain_rate: cap of the measured drain rate (ms/ms).
+        now_ms: router clock now; without it the views' in-flight lumps are not used.
+        waited_ms: ms the request has waited since its arrival (its horizon is that much shorter;
+            used with the lumps).
     """
     prefill = math.inf
     budget_wait = math.inf
@@ -74,17 +83,61 @@ def predict_start(
         else:
             avail = min(cb.pab_ms, cb.horizon_ms - cb.decode_reservation_ms - cb.inflight_reservation_ms)
         deficit = p_ms - avail
-        wait_r = wait_for_budget_ms(deficit, rate)
-        if 0.0 < deficit <= cb.inflight_reservation_ms and cb.horizon_ms > 0:
-            prefill_share = 1.0 - cb.decode_reservation_ms / cb.horizon_ms
-            if prefill_share > 0.0:
-                wait_r = min(wait_r, cb.inflight_reservation_ms / prefill_share)
+        lumps = v.inflight_prefill_ms
+        if lumps and now_ms is not None and len(v.inflight_prefill_done_at_ms) == len(lumps):
+            reserved = cb.decode_reservation_ms + cb.inflight_reservation_ms
+            horizon_w = cb.horizon_ms - waited_ms
+            if p_ms + reserved <= horizon_w + 1e-9 or (not waited_ms and deficit <= 0.0):
+                wait_r = 0.0
+            else:
+                wait_r = lump_start_ms(p_ms, reserved, horizon_w, lumps, v.inflight_prefill_done_at_ms, now_ms)
+        else:
+            wait_r = wait_for_budget_ms(deficit, rate)
+            if 0.0 < deficit <= cb.inflight_reservation_ms and cb.horizon_ms > 0:
+                prefill_share = 1.0 - cb.decode_reservation_ms / cb.horizon_ms
+                if prefill_share > 0.0:
+                    wait_r = min(wait_r, cb.inflight_reservation_ms / prefill_share)
         budget_wait = min(budget_wait, wait_r)
     if not seen:
         return None
     tokens = max(0, tokens_ahead)
     ahead = 0.0 if tokens == 0 else (b * tokens / total_rate if total_rate > 0 else math.inf)
     return budget_wait + ahead, prefill
+
+
+def lump_start_ms(prefill_ms: float, reserved_ms: float, horizon_ms: float, lumps_ms: Sequence[float],
+                  done_at_ms: Sequence[float], now_ms: float) -> float:  # fmt: skip
+    """ms from now until a prompt can be placed here and still meet its TTFT, when the in-flight
+    prefills free their budget in lumps (inf: not before its deadline).
+
+    A prefill holds its whole reservation until its first token, so lump ``i`` (ms of budget,
+    engine order) frees at ``done_at_ms[i]`` (router clock; the agent's prediction,
+    replica_agent/policy/prefill_eta.py). Placed at ``s``, the prompt must fit what is then left of
+    its horizon (pab.py ``on_time``, the router's aged rule): with the first ``i`` lumps freed,
+    ``prefill + reserved - (lumps_0 + ... + lumps_i) <= horizon - (s - now)``. The answer is the
+    first lump end that satisfies this. Decode reservations are taken as they are now (a decode's
+    reservation frees as fast as the horizon shrinks, at most), so after the last lump nothing
+    new becomes feasible: inf.
+
+    Args:
+        prefill_ms: the prompt's predicted prefill ``a + b*P`` (ms).
+        reserved_ms: ``decode_reservation + inflight_reservation`` now (ms).
+        horizon_ms: what is left of the request's horizon now, ``H - waited`` (ms).
+        lumps_ms: the replica's ``inflight_prefill_ms`` (ms, engine order).
+        done_at_ms: when each lump frees (router clock, ms; same length).
+        now_ms: router clock now.
+
+    Example: prefill 155, reserved 581.4 in lumps 290.7 + 290.7 ending in 150 and 460 ms, horizon
+    448: now 736.4 > 448; after the first, 445.7 > 448 - 150 = 298: no; after the second 155 >
+    448 - 460 < 0: no -> inf. The same with the first ending in 2 ms: 445.7 <= 446 -> 2 ms.
+    """
+    cum = 0.0
+    for lump, done in zip(lumps_ms, done_at_ms, strict=False):
+        cum += lump
+        s = max(0.0, done - now_ms)
+        if prefill_ms + reserved_ms - cum <= horizon_ms - s + 1e-9:
+            return s
+    return math.inf
 
 
 def agent_margin_ms(views: Iterable[ReplicaView], slo_class: str) -> float:

@@ -39,6 +39,7 @@ on 2 cores); ``--only burst,ties`` runs a subset. No timed asserts: this reports
 from __future__ import annotations
 
 import argparse
+import os
 import asyncio
 import hashlib
 import itertools
@@ -202,9 +203,10 @@ async def burst_once(url: str, headers: dict[str, str]) -> dict[str, Any]:
             "makespan_s": max(r.end_s for r in results), "ttft_p95_ms": pct(ttft, 95), "ttft_max_ms": max(ttft, default=math.nan)}
 
 
-async def scenario_burst(work: Path) -> dict[str, Any]:
+async def scenario_burst(work: Path, lease_mode: str | None = None) -> dict[str, Any]:
     classes = {"std": {"ttft_ms": 1000, "tpot_ms": 100, "priority": 0, "sheddable": False, "max_queue_ms": 30000}}
-    fleet = start_fleet(work, 1, classes, {"acme": {"weight": 1, "slo_class": "std"}}, "std")
+    fleet = start_fleet(work, 1, classes, {"acme": {"weight": 1, "slo_class": "std"}}, "std",
+                        {"lease_mode": lease_mode} if lease_mode else None)
     try:
         await wait_usable(fleet, 1)
         direct = await burst_once(fleet.agent_urls[0], {"x-fairbatch-slo-class": "std"})
@@ -437,11 +439,12 @@ def table(doc: dict[str, Any]) -> str:
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     only = set(args.only.split(",")) if args.only else {"burst", "ties", "weights", "sizes", "infeasible", "starve"}
     doc: dict[str, Any] = {"profile": PROFILE, "time_scale": 1.0, "python": platform.python_version(), "scenarios": {}}
-    with tempfile.TemporaryDirectory(prefix="fairbatch-backlog-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="fairbatch-backlog-") as tmp0:
+        tmp = os.environ.get("BACKLOG_WORK") or tmp0
         work = Path(tmp)
         runs: list[tuple[str, Any]] = []
         if "burst" in only:
-            runs.append(("burst", lambda d: scenario_burst(d)))
+            runs.append(("burst", lambda d: scenario_burst(d, args.lease_mode)))
         if "ties" in only:
             runs.append(("ties", lambda d: scenario_ties(d)))
         if "weights" in only:
@@ -470,6 +473,8 @@ def main() -> int:
     p.add_argument("--weights-s", type=float, default=25.0, help="seconds of load in the weights scenario")
     p.add_argument("--infeasible-s", type=float, default=15.0, help="seconds of load in the infeasible scenario")
     p.add_argument("--starve-s", type=float, default=45.0, help="seconds of load in the starve scenario")
+    p.add_argument("--lease-mode", choices=["inline", "reserve"], default=None,
+                   help="the burst scenario's admission.lease_mode (default: the router's default)")
     p.add_argument("--chat-client", nargs=3, metavar=("URL", "KEY", "SECONDS"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.chat_client:  # the infeasible scenario's chat tenant, in its own process (JSON on stdout)

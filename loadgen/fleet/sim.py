@@ -86,6 +86,7 @@ from replica_agent.policy.pab import (
     admits,
     class_budget,
 )
+from replica_agent.policy.prefill_eta import inflight_schedule
 from replica_agent.policy.reserve import reserve_decision
 from replica_agent.policy.time_model import TimeModel
 from router.autoscale import FleetSignal, Stabilizer, pab_desired, waiting_desired
@@ -94,7 +95,7 @@ from router.budgets import BudgetBook
 from router.fair_queue import FairQueue, TenantShare
 from router.placement import DEFAULT_MAX_CANDIDATES, PlacementRequest, ReplicaView
 from router.prefix_index import PrefixIndex
-from router.shedding import agent_margin_ms, infeasible, predict_start, queue_decision
+from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start, queue_decision
 
 POLICIES: dict[str, tuple[str, str]] = {
     "round-robin": ("direct", "vllm-default"),
@@ -376,6 +377,8 @@ class _Snapshot:
     healthy: bool = True
     max_prompt_tokens: int = 0
     status_detail: str = ""
+    inflight_prefill_ms: tuple[float, ...] = ()
+    inflight_prefill_done_ms: tuple[float, ...] = ()
 
 
 @dataclass(slots=True)
@@ -567,16 +570,17 @@ class _Router:
         cached = self.prefix.cached_tokens(self.sim.router_keys(idx), prompt_tokens)
         return prompt_tokens - max(cached.values(), default=0)
 
-    def _predict(self, prompt_tokens: int, own_tokens: int) -> tuple[float, float] | None:
+    def _predict(self, prompt_tokens: int, own_tokens: int, waited_ms: float) -> tuple[float, float] | None:
         """router/server.py ``predict``: router/shedding.py ``predict_start`` on this router's book."""
         ahead = self.queue.tokens_ahead(0) if isinstance(self.queue, FairQueue) else 0
         return predict_start(self.book.views(self.clock.t), self.book.drain, SLO_CLASS, prompt_tokens,
-                             max(0, ahead - own_tokens))  # fmt: skip
+                             max(0, ahead - own_tokens), MAX_DRAIN_RATE, self.clock.t, max(0.0, waited_ms))  # fmt: skip
 
     def _shed(self, entry: WaitingRequest, now_ms: float) -> bool:
         """router/server.py ``_shed``: a blocked queued request that can no longer start in time."""
         p = self._uncached(int(entry.request_id), entry.prompt_tokens)
-        return infeasible(now_ms, entry.first_token_deadline_ms, self._predict(p, entry.prompt_tokens),
+        return infeasible(now_ms, entry.first_token_deadline_ms,
+                          self._predict(p, entry.prompt_tokens, now_ms - entry.arrival_ms),
                           agent_margin_ms(self.book.views(now_ms), SLO_CLASS))  # fmt: skip
 
     async def _admit(self, entry: WaitingRequest, attempt: Attempt) -> _Grant | None:
@@ -638,7 +642,7 @@ class _Router:
                 return
         # the router's own rule (router/shedding.py)
         decision = queue_decision(now, req.arrival_ms, cfg.ttft_ms, cfg.max_queue_ms, cfg.sheddable,
-                                  self._predict(self._uncached(idx, req.prompt_tokens), 0),
+                                  self._predict(self._uncached(idx, req.prompt_tokens), 0, now - req.arrival_ms),
                                   agent_margin_ms(self.book.views(now), SLO_CLASS))  # fmt: skip
         deadline, reason = decision.deadline_ms, decision.expire_reason
         if decision.refuse or deadline <= now:
@@ -930,10 +934,12 @@ class FleetSim:
         rep.leases.expire(t)
         if rep.draining and not rep.engine.has_work() and len(rep.leases) == 0:
             self._set_allocated(rep, False, t)  # drained: the pod goes, its GPU is free
-        b = class_budget(replica_state(rep.engine, rep.leases, t, cfg.margin_frac), self.slo)
+        state = replica_state(rep.engine, rep.leases, t, cfg.margin_frac)
+        b = class_budget(state, self.slo)
         rep.seq += 1
         snap = _Snapshot(rep.seq, rep.engine.policy_time_model, [b], cfg.budget_ttl_ms,
-                         rep.allocated and not rep.draining, cfg.max_model_len)  # fmt: skip
+                         rep.allocated and not rep.draining, cfg.max_model_len, "",
+                         *inflight_schedule(state, cfg.max_num_batched_tokens))  # fmt: skip
         for r in self.routers:
             self.push_event(t + cfg.net_delay_ms, _DELIVER, r.index, (ri, snap))
         if periodic:

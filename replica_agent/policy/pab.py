@@ -131,7 +131,7 @@ Floating point: floors and ceils are taken with a 1e-9 tolerance so that exact m
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from replica_agent.policy.time_model import TimeModel
@@ -304,11 +304,7 @@ def class_budget(state: ReplicaState, slo: SloClass, waited_ms: float = 0.0) -> 
         decode_res = n_iter * tm.batch_ms(len(state.decodes), ctx, 0, len(state.decodes))
     else:
         decode_res = 0.0
-    b, c, e = tm.b_ms_per_new_token, tm.c_ms_per_context_token, tm.e_ms_per_chunk_prefix
-    inflight_res = sum(  # each rides in batches that already pay a: its tokens, prefix and chunk x prefix
-        b * p.remaining_tokens + c * p.computed_tokens + e * p.remaining_tokens * p.computed_tokens
-        for p in state.prefills
-    )
+    inflight_res = sum(_inflight_terms(tm, state.prefills))
     pab_ms = max(0.0, horizon - decode_res - inflight_res)
     kv_free = max(0, int(state.kv_free_tokens))
     pending_prompt = sum(p.remaining_tokens for p in state.prefills)
@@ -327,6 +323,43 @@ def class_budget(state: ReplicaState, slo: SloClass, waited_ms: float = 0.0) -> 
         kv_limited_tokens=kv_limited,
         decode_iterations=n_iter,
     )
+
+
+def _inflight_terms(tm: TimeModel, prefills: Iterable[PendingPrefill]) -> Iterator[float]:
+    """Each in-flight prefill's reservation ``b*r + c*computed + e*r*computed`` (ms; module docstring,
+    item 2): it rides in batches that already pay ``a``."""
+    b, c, e = tm.b_ms_per_new_token, tm.c_ms_per_context_token, tm.e_ms_per_chunk_prefix
+    for p in prefills:
+        r = p.remaining_tokens
+        yield b * r + c * p.computed_tokens + e * r * p.computed_tokens
+
+
+MAX_INFLIGHT_LUMPS = 8
+"""Entries of :func:`inflight_lumps` (the rest are summed into the last one)."""
+
+
+def inflight_lumps(state: ReplicaState, max_lumps: int = MAX_INFLIGHT_LUMPS) -> tuple[float, ...]:
+    """The in-flight reservation split per prefill, in the order the engine serves them (ms).
+
+    ``sum(inflight_lumps(state)) == class_budget(state, k).inflight_reservation_ms`` for every class
+    k. A prefill holds its whole reservation until its first token, so the budget a replica's
+    snapshots show frees in these lumps, not smoothly: the router's wait prediction
+    (router/shedding.py ``predict_start``) needs them to know when a deficit frees. The engine runs
+    its waiting prompts first come, first served (vLLM's default), which is the order of
+    ``state.prefills`` (tracked arrivals, then leases whose requests have not arrived).
+
+    Args:
+        state: the replica now.
+        max_lumps: at most this many entries (>= 1); the reservations from the ``max_lumps``-th on
+            are summed into the last entry, which frees, conservatively, when the last of them does.
+
+    Returns:
+        One float per prefill (ms, >= 0), at most ``max_lumps``; ``()`` without in-flight prefills.
+    """
+    lumps = list(_inflight_terms(state.time_model, state.prefills))
+    if len(lumps) > max_lumps:
+        lumps[max_lumps - 1 :] = [sum(lumps[max_lumps - 1 :])]
+    return tuple(lumps)
 
 
 def compute_budgets(state: ReplicaState, classes: Iterable[SloClass]) -> dict[str, ClassBudget]:

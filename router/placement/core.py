@@ -58,6 +58,10 @@ class ReplicaView:
         time_model: a, b, c (ms) from the snapshot; None before the first snapshot.
         classes: PAB per SLO class name.
         max_prompt_tokens: engine max model length in tokens (0 = unknown).
+        inflight_prefill_ms: the in-flight reservation per prefill, in the order the engine serves
+            them (ms; replica_agent/policy/pab.py ``inflight_lumps``); ``()`` when unknown.
+        inflight_prefill_done_at_ms: when each of those ends (router clock, ms; the same length, or
+            ``()`` when unknown).
         pab_fit: derived, not an argument: per SLO class, the :data:`PabFitEntry` constants of the
             fit rule and headroom; empty when the view is unhealthy, stale or has no time model
             (then the ``pab`` chain drops it before the fit test).
@@ -69,6 +73,8 @@ class ReplicaView:
     time_model: TimeModel | None
     classes: Mapping[str, ClassBudget]
     max_prompt_tokens: int = 0
+    inflight_prefill_ms: tuple[float, ...] = ()
+    inflight_prefill_done_at_ms: tuple[float, ...] = ()
     pab_fit: Mapping[str, PabFitEntry] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from proto import admission_pb2
 from router.budgets import BudgetBook
 from tests.fakes import FakeClock
@@ -99,3 +101,30 @@ def test_take_local_deducts_predicted_prefill_before_the_answer() -> None:
     book.apply_reserve("r0", "interactive", 195.0, 1850)  # the agent's figures win
     b = book.usable("r0", "interactive")
     assert (b.pab_ms, b.pab_tokens) == (195.0, 1850)
+
+
+def test_inflight_lumps_come_from_the_snapshot_then_the_routers_own_placements() -> None:
+    book = BudgetBook(FakeClock(1000.0), ["r0"])  # type: ignore[arg-type]
+    snap = snapshot()
+    snap.inflight_prefill_ms.extend([40.0, 25.0])
+    snap.inflight_prefill_done_ms.extend([50.0, 80.0])  # ms after the snapshot: router clock 1050, 1080
+    book.update("r0", snap)
+    v = book.views()[0]
+    assert (v.inflight_prefill_ms, v.inflight_prefill_done_at_ms) == ((40.0, 25.0), (1050.0, 1080.0))
+    # its lump is b * P = 100 ms (no a: it rides in a batch), ending 100 ms after the last one
+    book.take_local("r0", "interactive", 1000)
+    v = book.views()[0]
+    assert (v.inflight_prefill_ms, v.inflight_prefill_done_at_ms) == ((40.0, 25.0, 100.0), (1050.0, 1080.0, 1180.0))
+    for _ in range(20):  # bounded at MAX_LOCAL_LUMPS = 16 entries: the rest join the last one
+        book.take_local("r0", "interactive", 10)
+    v = book.views()[0]
+    assert len(v.inflight_prefill_ms) == len(v.inflight_prefill_done_at_ms) == 16
+    assert v.inflight_prefill_ms[-1] == pytest.approx(1.0 + 7) and sum(v.inflight_prefill_ms) == pytest.approx(185.0)
+    assert v.inflight_prefill_done_at_ms[-1] == pytest.approx(1180.0 + 20)
+    # the next snapshot replaces them; ends without lumps of the same count are dropped
+    bad = snapshot(seq=2)
+    bad.inflight_prefill_ms.extend([40.0])
+    bad.inflight_prefill_done_ms.extend([50.0, 60.0])
+    book.update("r0", bad)
+    v = book.views()[0]
+    assert (v.inflight_prefill_ms, v.inflight_prefill_done_at_ms) == ((40.0,), ())

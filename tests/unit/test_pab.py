@@ -21,6 +21,7 @@ from replica_agent.policy.pab import (
     class_budget,
     compute_budgets,
     fits,
+    inflight_lumps,
     on_time,
 )
 from replica_agent.policy.time_model import TimeModel
@@ -126,6 +127,17 @@ def test_chunked_prefill_counts_remaining_and_context():
     # 0.1 * 600 + 0.001 * 400 = 60.4 ms; pending KV 600
     assert b.inflight_reservation_ms == pytest.approx(60.4)
     assert b.kv_limited_tokens == 9_400
+
+
+def test_inflight_lumps_split_the_reservation_in_engine_order():
+    # TM b = 0.1, c = 0.001: 1000 tokens with 400 computed -> 60.4 ms; 500 fresh -> 50; 20 -> 2
+    prefills = [PendingPrefill(1000, 400), PendingPrefill(500), PendingPrefill(20)]
+    s = state(prefills=prefills)
+    assert inflight_lumps(s) == pytest.approx((60.4, 50.0, 2.0))
+    assert sum(inflight_lumps(s)) == pytest.approx(class_budget(s, INTERACTIVE).inflight_reservation_ms)
+    # at most 2 entries: the second holds the rest (52 ms), freeing when the last of them does
+    assert inflight_lumps(s, max_lumps=2) == pytest.approx((60.4, 52.0))
+    assert inflight_lumps(state()) == ()
 
 
 def test_prompt_longer_than_horizon_takes_a_whole_idle_replica():

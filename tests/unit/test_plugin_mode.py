@@ -192,7 +192,12 @@ def test_agent_learned_margin_and_consume_leases() -> None:
     # a lease counts until its request shows up in the engine's record (--no-proxy)
     res = agent.reserve("interactive", 100, None, "W", 20.0)
     assert res.granted and len(agent.leases) == 1
-    assert agent.compute_budget(20.0).classes["interactive"].pab_tokens == 2306 - 100
+    view = agent.compute_budget(20.0)
+    assert view.classes["interactive"].pab_tokens == 2306 - 100
+    # the snapshot lists the in-flight reservation per prefill, the lease last: b * 100 = 10 ms
+    assert view.inflight_prefill_ms[-1] == pytest.approx(10.0)
+    assert sum(view.inflight_prefill_ms) == pytest.approx(view.classes["interactive"].inflight_reservation_ms)
+    assert len(view.inflight_prefill_done_ms) == len(view.inflight_prefill_ms)
     agent.on_plugin_datagram(json.dumps(hand_record()).encode(), now_ms=30.0)  # lists cmpl-W-0-ef
     assert len(agent.leases) == 0
     # bad datagrams are counted, never raise

@@ -10,15 +10,16 @@ from replica_agent.policy.pab import ClassBudget
 from replica_agent.policy.time_model import TimeModel
 from router.drain import DrainEstimator
 from router.placement import ReplicaView
-from router.shedding import agent_margin_ms, infeasible, predict_start, queue_decision
+from router.shedding import agent_margin_ms, infeasible, lump_start_ms, predict_start, queue_decision
 
 TM = TimeModel(10.0, 0.1, 0.0)
 
 
-def view(decode_ms: float, inflight_ms: float, rid: str = "r0") -> ReplicaView:
+def view(decode_ms: float, inflight_ms: float, rid: str = "r0", lumps: tuple[float, ...] = (),
+         done_at: tuple[float, ...] = ()) -> ReplicaView:
     pab = 900.0 - decode_ms - inflight_ms
     cb = ClassBudget("c", 900.0, pab, TM.tokens_within_ms(pab), 10**6, 1000.0, 100.0, decode_ms, inflight_ms)
-    return ReplicaView(rid, True, True, TM, {"c": cb}, 32768)
+    return ReplicaView(rid, True, True, TM, {"c": cb}, 32768, lumps, done_at)
 
 
 def stalled_drain(rid: str, reserved: float) -> DrainEstimator:
@@ -45,6 +46,42 @@ def test_an_admitted_prefill_bounds_the_wait_though_the_drain_reads_zero() -> No
     assert math.isinf(w3)
     # no usable view: no prediction
     assert predict_start([], DrainEstimator(), "c", 10, 0) is None
+
+
+def test_lump_start_by_hand() -> None:
+    # the docstring's case: prefill 155, reserved 581.4 in two lumps of 290.7, horizon left 448
+    lumps = (290.7, 290.7)
+    assert math.isinf(lump_start_ms(155.0, 581.4, 448.0, lumps, (1150.0, 1460.0), 1000.0))
+    # the first lump ends in 2 ms: 155 + 290.7 = 445.7 <= 448 - 2
+    assert lump_start_ms(155.0, 581.4, 448.0, lumps, (1002.0, 1460.0), 1000.0) == pytest.approx(2.0)
+    # a lump already due frees now
+    assert lump_start_ms(155.0, 581.4, 448.0, lumps, (990.0, 1460.0), 1000.0) == 0.0
+    # both needed: 155 + 0 <= 448 - 200 at 200 ms
+    assert lump_start_ms(155.0, 581.4, 448.0, lumps, (1100.0, 1200.0), 1000.0) == pytest.approx(200.0)
+
+
+def test_the_deficit_frees_in_the_lumps_the_snapshot_lists() -> None:
+    # H = 900; two in-flight prefills of 300 and 136 ms (436 in all) predicted to end at t = 1400 and
+    # 1700; decodes hold 450 ms (PAB 14). Now t = 1000.
+    v = view(450.0, 436.0, lumps=(300.0, 136.0), done_at=(1400.0, 1700.0))
+    # P = 1000 -> prefill 110 ms: at 1400, 110 + 886 - 300 = 696 <= 900 - 400 = 500? no; at 1700,
+    # 110 + 450 = 560 <= 900 - 700? no: it cannot start in time here (the drain rate, 1 ms/ms, said 96)
+    w, p = predict_start([v], stalled_drain("r0", 886.0), "c", 1000, 0, now_ms=1000.0)
+    assert math.isinf(w) and p == pytest.approx(110.0)
+    # decodes holding 100 ms (reserved 536, PAB 364), the first lump ending at 1100. P = 4000 (410 ms):
+    # now 946 > 900; at 1100, 410 + 536 - 300 = 646 <= 900 - 100 -> 100 ms
+    v2 = view(100.0, 436.0, lumps=(300.0, 136.0), done_at=(1100.0, 1700.0))
+    assert predict_start([v2], DrainEstimator(), "c", 4000, 0, now_ms=1000.0)[0] == pytest.approx(100.0)
+    # it waited 160 ms already: 646 <= 740 - 100 = 640? no; at 1700 410 + 100 <= 740 - 700? no -> inf
+    assert math.isinf(predict_start([v2], DrainEstimator(), "c", 4000, 0, now_ms=1000.0, waited_ms=160.0)[0])
+    # fits now: 0; the smallest wait over the replicas: an idle second replica takes it at once
+    assert predict_start([v2], DrainEstimator(), "c", 3000, 0, now_ms=1000.0)[0] == 0.0  # 310 + 536 <= 900
+    assert predict_start([v, view(0.0, 0.0, "r1")], DrainEstimator(), "c", 1000, 0, now_ms=1000.0)[0] == 0.0
+    # without the predicted ends (an older agent) or without a clock: the measured drain, a fresh
+    # estimator's 1 ms/ms -> 110 - 14 = 96 ms
+    assert predict_start([view(450.0, 436.0, lumps=(300.0, 136.0))], DrainEstimator(), "c", 1000, 0,
+                         now_ms=1000.0)[0] == pytest.approx(96.0)  # fmt: skip
+    assert predict_start([v], DrainEstimator(), "c", 1000, 0)[0] == pytest.approx(96.0)
 
 
 def test_queue_decision_by_hand() -> None:

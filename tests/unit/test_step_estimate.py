@@ -46,6 +46,21 @@ def test_tracker_aggregates_follow_every_event():
     assert t.decode_context_tokens == sum(r.context_tokens for r in t._requests.values())
 
 
+def test_tracker_knows_since_when_the_head_prefill_runs():
+    t = Tracker()
+    assert t.prefill_head_since_ms is None
+    # queued 30 ms at the router (arrival 70), reached the idle engine at 100: the head runs from 100
+    t.on_arrival("a", "c", 500, 50, 70.0, 100, now_ms=100.0)
+    t.on_arrival("b", "c", 500, 50, 110.0, 100, now_ms=110.0)  # waits behind a
+    assert t.prefill_head_since_ms == 100.0
+    t.on_token("a", 150.0)  # a's prefill ended: b is the head from 150
+    assert t.prefill_head_since_ms == 150.0
+    t.on_token("b", 190.0)
+    assert t.prefill_head_since_ms is None
+    t.on_arrival("c", "c", 500, 50, 200.0, 10)  # without now_ms: its arrival
+    assert t.prefill_head_since_ms == 200.0
+
+
 PRIOR = TimeModel(10.0, 0.07, 1e-4)
 ENGINE = TimeModel(14.0, 0.07, 2e-4, 0.0, -0.03)  # decodes cost 14 + 0.04 per decode + 2e-4 per context token
 
