@@ -39,7 +39,6 @@ on 2 cores); ``--only burst,ties`` runs a subset. No timed asserts: this reports
 from __future__ import annotations
 
 import argparse
-import os
 import asyncio
 import hashlib
 import itertools
@@ -440,7 +439,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     only = set(args.only.split(",")) if args.only else {"burst", "ties", "weights", "sizes", "infeasible", "starve"}
     doc: dict[str, Any] = {"profile": PROFILE, "time_scale": 1.0, "python": platform.python_version(), "scenarios": {}}
     with tempfile.TemporaryDirectory(prefix="fairbatch-backlog-") as tmp0:
-        tmp = os.environ.get("BACKLOG_WORK") or tmp0
+        tmp = args.work_dir or tmp0
         work = Path(tmp)
         runs: list[tuple[str, Any]] = []
         if "burst" in only:
@@ -460,7 +459,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             runs.append(("starve", lambda d: scenario_starve(d, args.starve_s)))
         for name, run in runs:
             d = work / name
-            d.mkdir()
+            d.mkdir(parents=True, exist_ok=True)
             print(f"running {name} ...", flush=True)
             doc["scenarios"][name] = await run(d)
     return doc
@@ -473,6 +472,8 @@ def main() -> int:
     p.add_argument("--weights-s", type=float, default=25.0, help="seconds of load in the weights scenario")
     p.add_argument("--infeasible-s", type=float, default=15.0, help="seconds of load in the infeasible scenario")
     p.add_argument("--starve-s", type=float, default=45.0, help="seconds of load in the starve scenario")
+    p.add_argument("--work-dir", default="", help="keep each scenario's config and process logs here "
+                   "(default: a temporary directory, removed at the end)")
     p.add_argument("--lease-mode", choices=["inline", "reserve"], default=None,
                    help="the burst scenario's admission.lease_mode (default: the router's default)")
     p.add_argument("--chat-client", nargs=3, metavar=("URL", "KEY", "SECONDS"), help=argparse.SUPPRESS)
