@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from replica_agent.policy.engine_state import next_token_deadline
 from replica_agent.policy.envelope import Envelope
 from replica_agent.policy.pab import DecodeState, PendingPrefill
 
@@ -60,8 +61,11 @@ class TrackedRequest:
     last_token_ms: float | None = None
 
     def next_deadline_ms(self) -> float:
-        """Deadline (ms) of the next output token."""
-        return self.envelope.deadline_ms(self.tokens_out)
+        """Deadline (ms) of the next output token as PAB reserves for it (the rule of
+        replica_agent/policy/engine_state.py ``next_token_deadline``: paced from the first token once
+        it exists)."""
+        e = self.envelope
+        return next_token_deadline(e.arrival_ms, e.ttft_ms, e.tpot_ms, self.tokens_out, self.first_token_ms)
 
     def slack_ms(self, now_ms: float) -> float:
         """Next token's deadline minus ``now_ms`` (ms); negative = behind its envelope."""

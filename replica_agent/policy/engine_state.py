@@ -8,10 +8,18 @@ the fleet simulation (loadgen/fleet/sim.py) reads its simulated engines directly
 fleet simulation once used ``arrival + ttft + n x tpot`` alone, 14 % more PAB on one 16-request
 state than the real path).
 
-- Deadline of the next token (the design's envelope, section 2): ``arrival + ttft + tpot * n``
-  with ``n`` = tokens out, and, once the first token exists, no later than ``first + tpot * n``:
-  SLO attainment judges TPOT from the first token, so TTFT slack left over at the first token is
-  not spendable on decodes (replica_agent/policy/batching.py, FairBatchingPolicy).
+- Deadline of the next token, as PAB reserves for it: ``arrival + ttft`` before the first token
+  (the design's envelope, section 2), and ``first + tpot * n`` after it, with ``n`` = tokens out.
+  SLO attainment judges TPOT from the first token (loadgen/stats.py ``meets_slo``, as vLLM's
+  benchmarks do), so TTFT slack left over at an early first token is not spendable on decodes,
+  and a first token that came late has failed its TTFT already: the tokens such a request is
+  behind its arrival-based envelope (``arrival + ttft + tpot * n``) cannot be won back for any
+  SLO, and PAB does not hold new prefills back for it to catch up. It did (the earlier of the
+  two deadlines): in a burst of 60 prompts of 1,000 tokens on one replica every late decode then
+  reserved up to H / step iterations, PAB stayed 0 and the router served the burst in 1.5-2.3x
+  the engine's own makespan under load; paced from their first tokens, 0.95-0.99x
+  (scripts/bench_backlog.py burst, issue 18). Batch formation keeps the earlier of the two
+  (replica_agent/policy/batching.py, FairBatchingPolicy: a late decode is still served first).
 - A decode is a running request with its first token and one token to compute; every other
   request (waiting, chunked prefill, preempted and recomputing) is a pending prefill of its whole
   context (prompt + tokens out) with its computed tokens.
@@ -27,11 +35,10 @@ from replica_agent.policy.pab import DecodeState, PendingPrefill
 
 def next_token_deadline(arrival_ms: float, ttft_ms: float, tpot_ms: float, tokens_out: int,
                         first_token_ms: float | None) -> float:  # fmt: skip
-    """Deadline (ms) of token ``tokens_out`` (0-based: the next one): module docstring."""
-    deadline = arrival_ms + ttft_ms + tpot_ms * tokens_out
+    """Deadline (ms) of token ``tokens_out`` (0-based: the next one) for PAB: module docstring."""
     if first_token_ms is not None:
-        deadline = min(deadline, first_token_ms + tpot_ms * tokens_out)
-    return deadline
+        return first_token_ms + tpot_ms * tokens_out
+    return arrival_ms + ttft_ms + tpot_ms * tokens_out
 
 
 def is_decode(r: SchedRequest, running: bool) -> bool:

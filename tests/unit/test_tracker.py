@@ -20,8 +20,9 @@ def test_lifecycle_prefill_decode_done():
     assert t.on_token("r1", 120.0) is True  # first token: prefill -> decode
     assert t.on_token("r1", 170.0) is False
     assert req.phase is Phase.DECODE and req.tokens_out == 2 and req.first_token_ms == 120.0
-    # next token is j = 2: deadline 0 + 300 + 2 * 50 = 400
-    assert t.decodes() == (DecodeState(400.0, 50.0, 102, 2, 8),)
+    # next token is j = 2: PAB paces it from the first token, 120 + 2 * 50 = 220 (engine_state.py
+    # next_token_deadline; the arrival-based envelope, which slack still reports, says 300 + 100 = 400)
+    assert t.decodes() == (DecodeState(220.0, 50.0, 102, 2, 8),)
     assert t.prefills() == ()
     assert t.min_slack_ms(380.0) == 20.0
     done = t.on_finish("r1", 500.0)
@@ -65,3 +66,19 @@ def test_duplicates_bounds_and_validation():
         t.on_arrival("s", "c", 300.0, 50.0, 0.0, 1)
     with pytest.raises(ValueError):
         Tracker().on_arrival("x", "c", 300.0, 50.0, 0.0, -1)
+
+
+def test_pab_paces_a_decode_from_its_first_token() -> None:
+    from replica_agent.policy.engine_state import next_token_deadline
+
+    # TTFT 300 / TPOT 50, arrival 0. Before the first token: the TTFT deadline, 300
+    assert next_token_deadline(0.0, 300.0, 50.0, 0, None) == 300.0
+    # an early first token (120): its TTFT slack is not spent on decodes, token 2 by 120 + 100 = 220
+    assert next_token_deadline(0.0, 300.0, 50.0, 2, 120.0) == 220.0
+    # a late first token (4000, TTFT lost): paced from it, 4000 + 100 = 4100, not the arrival-based
+    # 300 + 100 = 400 that would have it catch up on tokens no SLO can win back
+    assert next_token_deadline(0.0, 300.0, 50.0, 2, 4000.0) == 4100.0
+    t = Tracker()
+    t.on_arrival("late", "c", 300.0, 50.0, 0.0, 100, 8)
+    t.on_token("late", 4000.0, 2)
+    assert t.decodes()[0].next_deadline_ms == 4100.0
