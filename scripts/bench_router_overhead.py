@@ -200,7 +200,7 @@ def run_load(name: str, load: Load, args: argparse.Namespace) -> dict[str, Any]:
     rounds and return the load's report (per path: TTFT, requests/s, CPU per request)."""
     tmp = Path(tempfile.mkdtemp(prefix=f"fb-overhead-{name}-"))
     group = ProcessGroup(tmp / "logs")
-    eport, ahttp, agrpc, rport, vport = (free_port() for _ in range(5))
+    eport, ahttp, agrpc, rport, vport, vprom = (free_port() for _ in range(6))
     cfg_path = tmp / "fairbatch.yaml"
     write_router_config(cfg_path, ahttp, agrpc, json.loads(args.router_config) if args.router_config else None)
     ts = str(load.time_scale)
@@ -232,7 +232,9 @@ def run_load(name: str, load: Load, args: argparse.Namespace) -> dict[str, Any]:
         if args.vllm_router:
             children["vllm-router"] = group.start("vllm-router", pinned(3, [
                 args.vllm_router, "--host", "127.0.0.1", "--port", str(vport),
-                "--worker-urls", f"http://127.0.0.1:{eport}", "--policy", "round_robin", "--log-level", "warning"]))
+                "--worker-urls", f"http://127.0.0.1:{eport}", "--policy", "round_robin", "--log-level", "warning",
+                # its own metrics port (its default, 29000, may be taken by another process)
+                "--prometheus-port", str(vprom)]))
             group.wait_http_ok(children["vllm-router"], f"http://127.0.0.1:{vport}/health", timeout_s=60)
             paths["vllm-router"] = f"http://127.0.0.1:{vport}"
         if args.paths:
