@@ -275,7 +275,7 @@ async def _next_chunk(it: Any, stall_s: float) -> bytes:
     ended its healthy streams as stalled before reading the bytes waiting on their sockets (seen in
     the real-vLLM kill test). ``it`` must survive a cancelled ``__anext__`` (aiohttp's
     ``iter_any()`` does: the bytes stay buffered). A chunk within the first slice costs one
-    ``wait_for``, as before.
+    timer handle (``asyncio.timeout``).
 
     Raises:
         EngineStalled: nothing arrived within ``stall_s`` wall seconds of the agent running.
@@ -286,7 +286,8 @@ async def _next_chunk(it: Any, stall_s: float) -> bytes:
     while True:
         t0 = loop.time()
         try:
-            return await asyncio.wait_for(it.__anext__(), slice_s)
+            async with asyncio.timeout(slice_s):  # a timer handle, not a task per chunk as wait_for
+                return await it.__anext__()
         except TimeoutError:
             silent += min(loop.time() - t0, 2.0 * slice_s)
             if silent >= stall_s - 1e-9:
@@ -642,11 +643,15 @@ class Proxy:
                     upstream_error = f"engine stream failed: {type(e).__name__}"
                     break
                 now = agent.clock.now_ms()
+                payloads = parser.feed_raw(chunk)  # splits the bytes only; parsed after the write
                 try:
-                    await resp.write(chunk)
+                    if parser.done:  # the last event and the end of the body in one write: the router's
+                        await resp.write_eof(chunk)  # pooled connection is free at once, never dropped
+                    else:
+                        await resp.write(chunk)
                 except (ConnectionError, aiohttp.ClientConnectionResetError, OSError):
                     return resp, "client_disconnect"
-                for payload in parser.feed_raw(chunk):
+                for payload in payloads:
                     n = fast_event_tokens(payload)  # nearly every token chunk: counted from its bytes
                     if n is None:  # first, finish, usage, error, logprobs, tools: parsed
                         try:
