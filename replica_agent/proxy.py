@@ -46,6 +46,7 @@ from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from replica_agent.agent import Agent
+from replica_agent.aio import release_at_eof
 from replica_agent.api_schema import ApiError, validate_request
 from replica_agent.http_guard import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -716,7 +717,7 @@ class Proxy:
             if watch is not None:
                 watch.close()
             if clean:
-                up.release()
+                release_at_eof(up)  # the engine's end of body may still be on its way after [DONE]
             else:
                 up.close()  # drops the connection: the engine sees the disconnect and aborts
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from replica_agent.aio import release_at_eof
+
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
@@ -233,10 +235,14 @@ class Relay:
             raise
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             return RelayOutcome("retryable", detail=f"connect: {exc.__class__.__name__}: {exc}")
+        outcome: RelayOutcome | None = None
         try:
-            return await self._relay(request, upstream, response_headers)
+            outcome = await self._relay(request, upstream, response_headers)
+            return outcome
         finally:
-            if not upstream.closed:
+            if outcome is not None and outcome.kind == "ok":
+                release_at_eof(upstream)  # answered at [DONE]: the end of body may still be on its way
+            elif not upstream.closed:
                 upstream.release()
 
     async def _post_abortable(
