@@ -92,8 +92,10 @@ class AdmissionService(admission_pb2_grpc.AdmissionServiceServicer):
             sent = loop.time()
             if await wait_event(changed, period_s) and min_s > 0:
                 rest = min_s - (loop.time() - sent)
-                if rest > 0:  # coalesce: the changes of the rest of the interval go in one snapshot
-                    await asyncio.sleep(rest)
+                # coalesce: the changes of the rest of the interval go in one snapshot; and at least one
+                # loop pass, so the request whose arrival or token woke this goes on first (its upstream
+                # write is a task of its own, scheduled after this wake-up)
+                await asyncio.sleep(max(0.0, rest))
 
     async def Reserve(  # noqa: N802
         self, request: admission_pb2.ReserveRequest, context: grpc.aio.ServicerContext

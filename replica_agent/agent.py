@@ -584,16 +584,18 @@ class Agent:
             reason = "bad-request"
         else:
             state = self.replica_state(now_ms)
-            view = self.compute_budget(now_ms, state)
-            budget = view.classes[slo_class]
-            reason = reserve_decision(prompt_tokens, state, cls, waited_ms, view.healthy, self.max_prompt_tokens)[0]
-            if not reason:
+            healthy = self.health(now_ms)[0]  # what compute_budget's view would say
+            reason = reserve_decision(prompt_tokens, state, cls, waited_ms, healthy, self.max_prompt_tokens)[0]
+            if reason:  # the refusal's answer carries the class budget before the decision
+                budget = self.compute_budget(now_ms, state).classes[slo_class]
+            else:
                 try:
                     lease_id = self.leases.grant(
                         prompt_tokens, slo_class, max_tokens, now_ms, self.config.lease_ttl_ms, request_id
                     )
                 except LeaseTableFull:
                     reason = "too-many-leases"
+                    budget = self.compute_budget(now_ms, state).classes[slo_class]
                 else:
                     after = self.compute_budget(now_ms).classes[slo_class] if answer_budget else None
                     self.metrics.reserve_total.labels("granted").inc()

@@ -16,12 +16,14 @@ tokens without logprobs) only delays the correction, never leaves it wrong at th
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 _DELTA_TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "refusal")
-# Keys whose presence sends an event to the full parse (a token may be counted differently there).
-_SLOW_KEYS = (b'"tool_calls"', b'"role"', b'"reasoning', b'"refusal"', b'"error"')
+# Keys whose presence sends an event to the full parse (a token may be counted differently there):
+# tool_calls, role, reasoning*, refusal, error, and a usage or logprobs that is not null. One scan.
+_SLOW_EVENT = re.compile(rb'"(?:tool_calls"|role"|reasoning|refusal"|error")|"usage"(?!:null)|"logprobs"(?!:null)')
 
 
 def fast_event_tokens(payload: bytes) -> int | None:
@@ -38,14 +40,7 @@ def fast_event_tokens(payload: bytes) -> int | None:
     every ``"`` is escaped (``\"``), so none of the quoted keys searched for can match text the
     model generated; a test checks it against the full parse on every shape.
     """
-    if payload.count(b'"index"') != 1 or b'"finish_reason":null' not in payload:
-        return None
-    for key in _SLOW_KEYS:
-        if key in payload:
-            return None
-    if b'"usage"' in payload and b'"usage":null' not in payload:
-        return None
-    if b'"logprobs"' in payload and b'"logprobs":null' not in payload:
+    if payload.count(b'"index"') != 1 or b'"finish_reason":null' not in payload or _SLOW_EVENT.search(payload):
         return None
     if b'"text":"' in payload:
         return 0 if b'"text":""' in payload else 1

@@ -35,7 +35,7 @@ import hmac
 import json
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -46,6 +46,7 @@ from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from replica_agent.agent import Agent
+from replica_agent.aio import release_at_eof
 from replica_agent.api_schema import ApiError, validate_request
 from replica_agent.http_guard import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -266,31 +267,56 @@ class EngineStalled(Exception):
         self.timeout_s = timeout_s
 
 
-async def _next_chunk(it: Any, stall_s: float) -> bytes:
-    """The next upstream chunk; StopAsyncIteration at the end.
+class StallWatch:
+    """The stall rule of one engine stream, on one loop timer for the whole stream (not a timer per chunk).
 
-    The silence is measured in four slices of ``stall_s / 4``; a slice that lasted more than twice
-    its length counts as two: the agent itself did not run then (SIGSTOP, a blocked loop, a starved
-    machine), which says nothing about the engine. Without this, an agent resumed after 12 s paused
-    ended its healthy streams as stalled before reading the bytes waiting on their sockets (seen in
-    the real-vLLM kill test). ``it`` must survive a cancelled ``__anext__`` (aiohttp's
-    ``iter_any()`` does: the bytes stay buffered). A chunk within the first slice costs one
-    ``wait_for``, as before.
+    The silence since the last chunk is measured in slices of ``stall_s / 4``; a slice that lasted
+    more than twice its length counts as two: the agent itself did not run then (SIGSTOP, a blocked
+    loop, a starved machine), which says nothing about the engine. Without this, an agent resumed
+    after 12 s paused ended its healthy streams as stalled before reading the bytes waiting on their
+    sockets (seen in the real-vLLM kill test). The reader calls :meth:`saw_chunk` per chunk (one
+    clock read); the timer, when it fires, restarts its slice from the last chunk, or adds the slice
+    to the silence, and calls ``on_stall(EngineStalled(stall_s))`` once the silence reaches
+    ``stall_s`` (the proxy fails the pending upstream read with it). :meth:`close` stops it.
 
-    Raises:
-        EngineStalled: nothing arrived within ``stall_s`` wall seconds of the agent running.
+    Args:
+        stall_s: wall seconds of silence, while the agent runs, that make a stall.
+        on_stall: called once, from the loop, with the :class:`EngineStalled` to raise.
     """
-    loop = asyncio.get_running_loop()
-    slice_s = stall_s / 4.0
-    silent = 0.0
-    while True:
-        t0 = loop.time()
-        try:
-            return await asyncio.wait_for(it.__anext__(), slice_s)
-        except TimeoutError:
-            silent += min(loop.time() - t0, 2.0 * slice_s)
-            if silent >= stall_s - 1e-9:
-                raise EngineStalled(stall_s) from None
+
+    __slots__ = ("_loop", "_slice", "_stall_s", "_on_stall", "_silent", "_mark", "_last", "_handle")
+
+    def __init__(self, stall_s: float, on_stall: Callable[[EngineStalled], None]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._slice = stall_s / 4.0
+        self._stall_s = stall_s
+        self._on_stall = on_stall
+        self._silent = 0.0
+        self._mark = self._last = self._loop.time()  # start of the slice being timed; last chunk seen
+        self._handle: asyncio.TimerHandle | None = self._loop.call_at(self._mark + self._slice, self._check)
+
+    def saw_chunk(self) -> None:
+        """A chunk arrived: the silence restarts now."""
+        self._last = self._loop.time()
+
+    def close(self) -> None:
+        """Stop watching (the stream ended, either way)."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if self._last > self._mark:  # a chunk within this slice: time a new slice from it
+            self._silent, self._mark = 0.0, self._last
+        else:
+            self._silent += min(now - self._mark, 2.0 * self._slice)
+            if self._silent >= self._stall_s - 1e-9:
+                self._handle = None
+                self._on_stall(EngineStalled(self._stall_s))
+                return
+            self._mark = now
+        self._handle = self._loop.call_at(self._mark + self._slice, self._check)
 
 
 def make_session(config: ProxyConfig) -> aiohttp.ClientSession:
@@ -613,6 +639,7 @@ class Proxy:
         if isinstance(up, web.Response):
             return up, "upstream_unreachable"
         clean = False
+        watch: StallWatch | None = None
         try:
             if up.status != 200:
                 clean = True
@@ -628,12 +655,14 @@ class Proxy:
             await resp.prepare(request)
             parser = SseParser()
             upstream_error = ""
-            it = up.content.iter_any().__aiter__()
+            content = up.content
+            watch = StallWatch(stall_s, content.set_exception)  # a stall fails the pending read below
             while True:
                 try:
-                    chunk = await _next_chunk(it, stall_s)
-                except StopAsyncIteration:
-                    break
+                    chunk = await content.readany()
+                    watch.saw_chunk()
+                    if not chunk:
+                        break
                 except EngineStalled as e:
                     self._stalled(e)
                     upstream_error = f"engine stalled: no byte for {e.timeout_s:g} s"
@@ -642,11 +671,15 @@ class Proxy:
                     upstream_error = f"engine stream failed: {type(e).__name__}"
                     break
                 now = agent.clock.now_ms()
+                payloads = parser.feed_raw(chunk)  # splits the bytes only; parsed after the write
                 try:
-                    await resp.write(chunk)
+                    if parser.done:  # the last event and the end of the body in one write: the router's
+                        await resp.write_eof(chunk)  # pooled connection is free at once, never dropped
+                    else:
+                        await resp.write(chunk)
                 except (ConnectionError, aiohttp.ClientConnectionResetError, OSError):
                     return resp, "client_disconnect"
-                for payload in parser.feed_raw(chunk):
+                for payload in payloads:
                     n = fast_event_tokens(payload)  # nearly every token chunk: counted from its bytes
                     if n is None:  # first, finish, usage, error, logprobs, tools: parsed
                         try:
@@ -681,8 +714,10 @@ class Proxy:
                     pass
             return resp, "upstream_error"
         finally:
+            if watch is not None:
+                watch.close()
             if clean:
-                up.release()
+                release_at_eof(up)  # the engine's end of body may still be on its way after [DONE]
             else:
                 up.close()  # drops the connection: the engine sees the disconnect and aborts
 

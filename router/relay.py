@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from replica_agent.aio import release_at_eof
+
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
@@ -233,10 +235,14 @@ class Relay:
             raise
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             return RelayOutcome("retryable", detail=f"connect: {exc.__class__.__name__}: {exc}")
+        outcome: RelayOutcome | None = None
         try:
-            return await self._relay(request, upstream, response_headers)
+            outcome = await self._relay(request, upstream, response_headers)
+            return outcome
         finally:
-            if not upstream.closed:
+            if outcome is not None and outcome.kind == "ok":
+                release_at_eof(upstream)  # answered at [DONE]: the end of body may still be on its way
+            elif not upstream.closed:
                 upstream.release()
 
     async def _post_abortable(
@@ -340,16 +346,18 @@ class Relay:
         resp.content_type = ctype.split(";", 1)[0]
         resp.headers["Cache-Control"] = "no-cache"
         events, tail = count_events(first, b"\n"), first[-16:]
+        complete = tail.rstrip().endswith(b"[DONE]")
         try:
             await resp.prepare(request)
-            await resp.write(first)
+            # the chunk that ends the answer goes out with the end of the body, in one write
+            await (resp.write_eof(first) if complete else resp.write(first))
         except asyncio.CancelledError:
             upstream.close()
             raise
         except (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError):
             upstream.close()
             return RelayOutcome("client_gone", None, status, "client disconnected")
-        while True:
+        while not complete:
             try:
                 chunk = await content.readany()
             except asyncio.CancelledError:
@@ -368,20 +376,20 @@ class Relay:
                 return RelayOutcome("upstream_error", resp, status, detail)
             if not chunk:
                 break
-            events, tail = events + count_events(chunk, tail), (tail + chunk)[-16:]
+            events += count_events(chunk, tail)
+            tail = chunk[-16:] if len(chunk) >= 16 else (tail + chunk)[-16:]
+            # the stream is complete at [DONE]: a client that closes now is done, not gone
+            complete = tail.rstrip().endswith(b"[DONE]")
             try:
-                await resp.write(chunk)
+                await (resp.write_eof(chunk) if complete else resp.write(chunk))
             except asyncio.CancelledError:
                 upstream.close()
                 raise
             except (ConnectionError, RuntimeError):
                 upstream.close()
                 return RelayOutcome("client_gone", resp, status, "client disconnected")
-            if tail.rstrip().endswith(b"[DONE]"):  # the stream is complete: a client that closes now is done, not gone
-                break
         try:
             await resp.write_eof()
         except (ConnectionError, RuntimeError):
             return RelayOutcome("client_gone", resp, status, "client disconnected")
-        done = 1 if tail.rstrip().endswith(b"[DONE]") else 0
-        return RelayOutcome("ok", resp, status, events=events - done)
+        return RelayOutcome("ok", resp, status, events=events - complete)

@@ -17,8 +17,8 @@ slow spell of a shared machine hits all of them. TTFT is measured by the client 
 token chunk). "Added TTFT" is the path's percentile minus the direct path's percentile. CPU is
 utime + stime of each process from ``/proc/<pid>/stat`` (all threads) before and after a path's
 runs, per 1000 requests; the idle rate is the same process's CPU per wall second while the load went
-to another path (background work: budget pushes, engine /metrics scrapes, health checks), and
-``net`` subtracts that rate times the path's wall time. With at least one core per server process
+to paths that do not go through it (background work: budget pushes, engine /metrics scrapes, health
+checks), and ``net`` subtracts that rate times the path's wall time. With at least one core per server process
 plus one for the client, engine, agent, router and vllm-router are each pinned to their own core
 (``taskset``); otherwise nothing is pinned and the JSON says ``pinned: false``.
 
@@ -200,7 +200,7 @@ def run_load(name: str, load: Load, args: argparse.Namespace) -> dict[str, Any]:
     rounds and return the load's report (per path: TTFT, requests/s, CPU per request)."""
     tmp = Path(tempfile.mkdtemp(prefix=f"fb-overhead-{name}-"))
     group = ProcessGroup(tmp / "logs")
-    eport, ahttp, agrpc, rport, vport = (free_port() for _ in range(5))
+    eport, ahttp, agrpc, rport, vport, vprom = (free_port() for _ in range(6))
     cfg_path = tmp / "fairbatch.yaml"
     write_router_config(cfg_path, ahttp, agrpc, json.loads(args.router_config) if args.router_config else None)
     ts = str(load.time_scale)
@@ -232,7 +232,9 @@ def run_load(name: str, load: Load, args: argparse.Namespace) -> dict[str, Any]:
         if args.vllm_router:
             children["vllm-router"] = group.start("vllm-router", pinned(3, [
                 args.vllm_router, "--host", "127.0.0.1", "--port", str(vport),
-                "--worker-urls", f"http://127.0.0.1:{eport}", "--policy", "round_robin", "--log-level", "warning"]))
+                "--worker-urls", f"http://127.0.0.1:{eport}", "--policy", "round_robin", "--log-level", "warning",
+                # its own metrics port (its default, 29000, may be taken by another process)
+                "--prometheus-port", str(vprom)]))
             group.wait_http_ok(children["vllm-router"], f"http://127.0.0.1:{vport}/health", timeout_s=60)
             paths["vllm-router"] = f"http://127.0.0.1:{vport}"
         if args.paths:
@@ -287,8 +289,16 @@ def run_load(name: str, load: Load, args: argparse.Namespace) -> dict[str, Any]:
             if proc not in children:
                 continue
             busy = cpu_busy[pname][proc]
-            idle_s = t_all - wall[pname]
-            idle_rate = (cpu_all[proc] - busy) / idle_s if idle_s > 0 else 0.0  # CPU s per wall s when not loaded
+            # Idle rate: CPU s per wall s while the load went to paths that do not go through this process
+            # (direct, and the other hops): its background work only. Not the whole run minus this path:
+            # the agent also carries the agent-only path, whose load would count as "idle" and be subtracted.
+            apart = [q for q in paths if proc not in involved[q]]
+            idle_s = sum(wall[q] for q in apart)
+            if idle_s > 0:
+                idle_rate = sum(cpu_busy[q][proc] for q in apart) / idle_s
+            else:  # on every path (the engine): the rest of the run, warm-up and gaps included
+                idle_s = t_all - sum(wall.values())
+                idle_rate = (cpu_all[proc] - sum(cpu_busy[q][proc] for q in paths)) / idle_s if idle_s > 0 else 0.0
             cpu[proc] = {"cpu_s_per_1000": busy * 1000.0 / n_ok,
                          "net_cpu_s_per_1000": (busy - idle_rate * wall[pname]) * 1000.0 / n_ok,
                          "idle_cpu_frac": idle_rate}

@@ -1,44 +1,70 @@
-"""The agent's stall rule (replica_agent/proxy.py ``_next_chunk``): engine silence counts only while
-the agent runs."""
+"""The agent's stall rule (replica_agent/proxy.py ``StallWatch``): engine silence counts only while
+the agent runs, and restarts at every chunk."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-import pytest
-
-from replica_agent.proxy import EngineStalled, _next_chunk
+from replica_agent.proxy import EngineStalled, StallWatch
 
 
-class _Late:
-    """An upstream iterator whose one chunk arrives ``after_s`` after creation (never when None)."""
+class _Recorder:
+    """``on_stall`` of a watch: when (monotonic s) and with what it was called."""
 
-    def __init__(self, after_s: float | None) -> None:
-        self.after_s = after_s
-        self.t0 = time.monotonic()
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, EngineStalled]] = []
 
-    def __aiter__(self) -> _Late:
-        return self
-
-    async def __anext__(self) -> bytes:
-        if self.after_s is None:
-            await asyncio.sleep(3600)
-        await asyncio.sleep(max(0.0, self.t0 + self.after_s - time.monotonic()))
-        return b"data: x\n\n"
+    def __call__(self, exc: EngineStalled) -> None:
+        self.calls.append((time.monotonic(), exc))
 
 
 async def test_silent_engine_is_a_stall() -> None:
+    rec = _Recorder()
     t0 = time.monotonic()
-    with pytest.raises(EngineStalled):
-        await _next_chunk(_Late(None), 0.4)
-    assert 0.35 < time.monotonic() - t0 < 1.0
+    watch = StallWatch(0.4, rec)
+    await asyncio.sleep(1.2)
+    watch.close()
+    assert len(rec.calls) == 1  # once, not once per slice after the stall
+    at, exc = rec.calls[0]
+    assert 0.35 < at - t0 < 1.0
+    assert exc.timeout_s == 0.4
+
+
+async def test_chunks_restart_the_silence() -> None:
+    # A chunk every 0.15 s for 0.9 s (six times the 0.4 s rule's slice of 0.1 s, 2.25 rules long):
+    # never 0.4 s of silence, so no stall; then silence: the stall comes 0.4 s after the last chunk.
+    rec = _Recorder()
+    watch = StallWatch(0.4, rec)
+    for _ in range(6):
+        await asyncio.sleep(0.15)
+        watch.saw_chunk()
+    last = time.monotonic()
+    assert rec.calls == []
+    await asyncio.sleep(1.2)
+    watch.close()
+    assert len(rec.calls) == 1
+    assert 0.35 < rec.calls[0][0] - last < 1.0
 
 
 async def test_a_paused_agent_is_not_a_stalled_engine() -> None:
     # The loop is blocked from 0.05 s to 0.55 s (the agent did not run); the chunk is there at 0.7 s.
     # Slices of 0.1 s: the blocked one counts 0.2, the next 0.1, and the chunk comes in the third:
     # 0.3 s of silence < 0.4. A single 0.4 s timer would have fired on resuming, at 0.55 s.
+    rec = _Recorder()
     loop = asyncio.get_running_loop()
+    t0 = time.monotonic()
+    watch = StallWatch(0.4, rec)
     loop.call_later(0.05, time.sleep, 0.5)
-    assert await _next_chunk(_Late(0.7), 0.4) == b"data: x\n\n"
+    await asyncio.sleep(max(0.0, t0 + 0.7 - time.monotonic()))
+    watch.saw_chunk()
+    assert rec.calls == []
+    watch.close()
+
+
+async def test_close_stops_the_watch() -> None:
+    rec = _Recorder()
+    watch = StallWatch(0.2, rec)
+    watch.close()
+    await asyncio.sleep(0.5)
+    assert rec.calls == []

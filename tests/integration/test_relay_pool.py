@@ -1,0 +1,99 @@
+"""A stream answered at ``[DONE]`` gives its pooled connection back (replica_agent/aio.py
+``release_at_eof``): over real loopback HTTP, against a server that sends the end of its chunked
+body 50 ms after ``[DONE]``, as an engine or an agent that writes them apart does."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+
+from loadgen.procs import free_port
+from replica_agent.aio import release_at_eof
+
+_TAIL_DELAY_S = 0.05
+
+
+def _app(peers: list[object], tail_delay_s: float) -> web.Application:
+    async def stream(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: {\"x\": 1}\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(tail_delay_s)  # the end of the chunked body comes later
+        await resp.write_eof()
+        return resp
+
+    async def plain(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/stream", stream)
+    app.router.add_get("/plain", plain)
+    return app
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, shutdown_timeout=1.0)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def _read_to_done(resp: aiohttp.ClientResponse) -> bytes:
+    """The body up to and including ``[DONE]``, as the relays read it (not waiting for the end)."""
+    got = b""
+    while not got.rstrip().endswith(b"[DONE]"):
+        chunk = await resp.content.readany()
+        assert chunk, "the body ended before [DONE]"
+        got += chunk
+    return got
+
+
+async def _two_streams(base: str, release: str) -> None:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+        for _ in range(2):
+            resp = await session.get(f"{base}/stream")
+            assert resp.status == 200
+            assert (await _read_to_done(resp)).endswith(b"data: [DONE]\n\n")
+            if release == "at_eof":
+                release_at_eof(resp)
+            else:
+                resp.release()
+        await asyncio.sleep(2 * _TAIL_DELAY_S)
+
+
+async def test_the_connection_is_reused_after_done() -> None:
+    peers: list[object] = []
+    runner, base = await _serve(_app(peers, _TAIL_DELAY_S))
+    try:
+        await asyncio.wait_for(_two_streams(base, "at_eof"), 10.0)
+        assert len(peers) == 2 and peers[0] == peers[1]  # one connection (same client port) for both
+        # control: released before the end of body arrived, the connection is dropped each time
+        peers.clear()
+        await asyncio.wait_for(_two_streams(base, "release"), 10.0)
+        assert len(peers) == 2 and peers[0] != peers[1]
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_body_that_never_ends_frees_the_connection_after_the_bound() -> None:
+    peers: list[object] = []
+    runner, base = await _serve(_app(peers, 30.0))  # the end of body never comes within the test
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+            resp = await session.get(f"{base}/stream")
+            await _read_to_done(resp)
+            release_at_eof(resp, timeout_s=0.2)
+            assert not resp.closed
+            # limit=1: this request can only go once the bound closed the stream's connection
+            async with asyncio.timeout(10.0), session.get(f"{base}/plain") as plain:
+                assert await plain.text() == "ok"
+            assert resp.closed
+            assert peers[0] != peers[1]  # a new connection: the old one was dropped, not reused mid-body
+    finally:
+        await runner.cleanup()
