@@ -8,6 +8,12 @@ sheddable request's first-token deadline is already out of reach (429 slo-infeas
 bounded weighted fair queue (:mod:`router.fair_queue`), woken on every budget update and release
 -> relay to the replica's agent, bytes unchanged.
 
+The decisions on that path are pure functions this module only carries out (docs/architecture.md
+"Who decides what"): router/arrival.py (queue-full before the body, place now or queue, queue or
+refuse), router/admission.py (prompt cap, contention cap, held replica, which candidates get a
+Reserve and for how many tokens, what follows a relay attempt), router/answers.py (which status
+and reason a refusal gets) and router/charges.py (the fair-queue charge).
+
 Fairness accounting (VTC): a request is charged ``w_prefill * prompt + w_decode * max_tokens`` when
 it gets its lease (``fairness.default_max_tokens`` when it gives no max_tokens). The relay does not
 parse stream chunks, so a streamed request keeps that estimate; a non-stream answer is buffered
