@@ -76,7 +76,7 @@ from router.admission import (
     prompt_decision,
 )
 from router.admission_queue import Attempt, Dispatcher, PlacementFailed, QueueFull, QueueTimeout, WaitingRequest
-from router.answers import RETRY_AFTER_S, Answer, no_budget, placement_error, queue_expired, queue_full
+from router.answers import Answer, no_budget, placement_error, queue_expired, queue_full
 from router.answers import slo_infeasible, tenant_over
 from router.arrival import Refuse, no_replica_left, place_now_exclude, queue_full_before_body, queue_or_refuse
 from router.auth import ApiKeyAuthenticator, Principal
