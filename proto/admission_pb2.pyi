@@ -49,7 +49,7 @@ class ClassBudget(_message.Message):
     def __init__(self, slo_class: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., horizon_ms: _Optional[float] = ..., pab_ms: _Optional[float] = ..., pab_tokens: _Optional[int] = ..., decode_reservation_ms: _Optional[float] = ..., inflight_reservation_ms: _Optional[float] = ..., kv_free_tokens: _Optional[int] = ..., kv_limited_tokens: _Optional[int] = ..., decode_iterations: _Optional[int] = ...) -> None: ...
 
 class BudgetSnapshot(_message.Message):
-    __slots__ = ("replica_id", "seq", "timestamp_ms", "ttl_ms", "coefficients", "classes", "healthy", "num_running", "num_waiting", "kv_usage", "kv_capacity_tokens", "active_leases", "max_prompt_tokens", "status_detail")
+    __slots__ = ("replica_id", "seq", "timestamp_ms", "ttl_ms", "coefficients", "classes", "healthy", "num_running", "num_waiting", "kv_usage", "kv_capacity_tokens", "active_leases", "max_prompt_tokens", "status_detail", "prefix_queries_tokens", "prefix_hits_tokens")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,8 @@ class BudgetSnapshot(_message.Message):
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATUS_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIES_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HITS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     seq: int
     timestamp_ms: int
@@ -78,7 +80,9 @@ class BudgetSnapshot(_message.Message):
     active_leases: int
     max_prompt_tokens: int
     status_detail: str
-    def __init__(self, replica_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., coefficients: _Optional[_Union[TimeModelCoefficients, _Mapping]] = ..., classes: _Optional[_Iterable[_Union[ClassBudget, _Mapping]]] = ..., healthy: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_capacity_tokens: _Optional[int] = ..., active_leases: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., status_detail: _Optional[str] = ...) -> None: ...
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+    def __init__(self, replica_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., coefficients: _Optional[_Union[TimeModelCoefficients, _Mapping]] = ..., classes: _Optional[_Iterable[_Union[ClassBudget, _Mapping]]] = ..., healthy: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_capacity_tokens: _Optional[int] = ..., active_leases: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., status_detail: _Optional[str] = ..., prefix_queries_tokens: _Optional[int] = ..., prefix_hits_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("slo_class", "prompt_tokens", "request_id", "router_id", "max_tokens", "waited_ms")

@@ -66,6 +66,8 @@ def snapshot_pb(agent: Agent, view: BudgetView) -> admission_pb2.BudgetSnapshot:
         active_leases=view.active_leases,
         max_prompt_tokens=view.max_prompt_tokens,
         status_detail=view.status_detail,
+        prefix_queries_tokens=view.prefix_queries_tokens,
+        prefix_hits_tokens=view.prefix_hits_tokens,
     )
 
 

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from replica_agent.clock import Clock
-from replica_agent.engine_metrics import EngineMetrics
+from replica_agent.engine_metrics import EngineMetrics, PrefixHitWindow
 from replica_agent.metrics import AgentMetrics
 from replica_agent.policy.leases import Lease, LeaseTable, LeaseTableFull
 from replica_agent.plugin_mode import PLUGIN, STALE, export_mode, lease_matches, parse_record, record_kind
@@ -127,6 +127,9 @@ class BudgetView:
         kv_capacity_tokens: capacity used for kv_free (tokens).
         active_leases: leases granted, not arrived.
         max_prompt_tokens: engine max model length (0 = unknown).
+        prefix_queries_tokens, prefix_hits_tokens: the engine's prefix cache over the agent's recent
+            window (:class:`~replica_agent.engine_metrics.PrefixHitWindow`): prompt tokens looked up
+            and found cached (0, 0 = unknown).
     """
 
     now_ms: float
@@ -139,6 +142,8 @@ class BudgetView:
     kv_capacity_tokens: int
     active_leases: int
     max_prompt_tokens: int
+    prefix_queries_tokens: int = 0
+    prefix_hits_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +200,7 @@ class Agent:
         self.classes = {c.name: c for c in config.slo_classes}
         self.max_prompt_tokens = 0
         self._engine = _EngineView()
+        self.prefix_window = PrefixHitWindow()  # the engine's recent prefix-cache hit ratio (snapshots)
         self._plugin = _PluginView()
         self.calibrator = OnlineTimeModel(config.time_model, config.calibration)
         self._export_time_model()
@@ -268,6 +274,7 @@ class Agent:
                 log.warning("engine /metrics lacks %s; treated conservatively", name)
         old = ev.metrics
         ev.metrics, ev.ok_ms, ev.error, ev.missing = metrics, now, "", tuple(missing)
+        self.prefix_window.add(now, metrics.prefix_queries, metrics.prefix_hits)
         material = (
             old is None
             or not was_healthy
@@ -484,6 +491,7 @@ class Agent:
         waiting = 0 if m is None else m.num_waiting
         kv_usage = 1.0 if m is None else m.kv_usage
         capacity = self.kv_capacity_tokens()
+        queried, hit = self.prefix_window.delta()
         rec = self._plugin.record
         if self.config.plugin_mode and rec is not None and self._plugin.mode == PLUGIN:
             reqs = rec.get("reqs") or ()  # the engine's own figures, as of the record's step
@@ -504,6 +512,8 @@ class Agent:
             kv_capacity_tokens=capacity,
             active_leases=len(self.leases),
             max_prompt_tokens=self.max_prompt_tokens,
+            prefix_queries_tokens=queried,
+            prefix_hits_tokens=hit,
         )
 
     def refresh_gauges(self, now_ms: float) -> BudgetView:

@@ -40,6 +40,8 @@ class ReplicaBudget:
         classes: PAB per SLO class (updated by snapshots and Reserve answers).
         max_prompt_tokens: engine max model length (0 = unknown).
         status_detail: agent's reason when unhealthy.
+        prefix_queries_tokens, prefix_hits_tokens: the engine's prefix cache over the agent's
+            recent window (prompt tokens looked up, found cached; 0, 0 = unknown).
         view: the placement view last built from this state (:meth:`BudgetBook.views`), dropped on
             every change so that a decision never sees old figures.
     """
@@ -56,6 +58,8 @@ class ReplicaBudget:
     status_detail: str = ""
     num_running: int = 0
     num_waiting: int = 0
+    prefix_queries_tokens: int = 0
+    prefix_hits_tokens: int = 0
     view: ReplicaView | None = None  # cached placement view; None after any change
 
 
@@ -122,6 +126,8 @@ class BudgetBook:
         budget.status_detail = snapshot.status_detail  # type: ignore[attr-defined]
         budget.num_running = max(0, int(getattr(snapshot, "num_running", 0)))
         budget.num_waiting = max(0, int(getattr(snapshot, "num_waiting", 0)))
+        budget.prefix_queries_tokens = max(0, int(getattr(snapshot, "prefix_queries_tokens", 0)))
+        budget.prefix_hits_tokens = max(0, int(getattr(snapshot, "prefix_hits_tokens", 0)))
         budget.received_ms = self._clock.now_ms()
         self.drain.observe(
             replica_id, budget.received_ms,
@@ -221,6 +227,14 @@ class BudgetBook:
     def get(self, replica_id: str) -> ReplicaBudget | None:
         """The stored budget of a replica (mutable; read only)."""
         return self._budgets.get(replica_id)
+
+    def prefix_measured(self, replica_id: str) -> tuple[int, int]:
+        """(queried, hit) prompt tokens of the replica's prefix cache over its agent's recent window,
+        from its latest snapshot; (0, 0) when unknown or not fresh (router/prefix_correction.py)."""
+        b = self._budgets.get(replica_id)
+        if b is None or not self.is_fresh(b, self._clock.now_ms()):
+            return 0, 0
+        return b.prefix_queries_tokens, b.prefix_hits_tokens
 
     def is_fresh(self, budget: ReplicaBudget, now_ms: float) -> bool:
         """True when the latest snapshot arrived less than ``ttl_ms`` ago (simulated ms)."""

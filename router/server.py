@@ -98,6 +98,7 @@ from router.placement import (
 )
 from router.relay import Relay, RelayOutcome, UpstreamAbort
 from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start
+from router.prefix_correction import PrefixCorrection
 from router.prefix_index import PrefixIndex, text_block_keys
 from router.tokens import PromptError, estimate_prompt_tokens, prompt_is_exact, prompt_text
 
@@ -233,6 +234,7 @@ class Router:
         self.policy: PlacementPolicy = self._build_policy(config)
         self._applied_placement = config.placement.model_dump(exclude={"prefix_cache"})
         self.prefix: PrefixIndex | None = None  # prefix-aware placement (placement.prefix_cache)
+        self.prefix_correction = PrefixCorrection()  # the map discounted by the engines' measured hits
         self._prefix_keys: dict[str, list[int]] = {}  # request id -> its prompt's prefix keys, while placing
         self._configure_prefix(config)
         fc = config.fairness
@@ -380,6 +382,7 @@ class Router:
         self.book.remove_replica(rid)
         if self.prefix is not None:
             self.prefix.forget(rid)
+        self.prefix_correction.forget(rid)
         self.budgets.remove(rid)
         self.metrics.replica_changes.labels("removed").inc()
         self.metrics.forget_replica(rid)
@@ -405,6 +408,7 @@ class Router:
         capacity = max(1, pc.capacity_tokens // tokens_per_key)
         if self.prefix is None or (self.prefix.capacity_keys, self.prefix.tokens_per_key) != (capacity, tokens_per_key):
             self.prefix = PrefixIndex(capacity, tokens_per_key)
+            self.prefix_correction = PrefixCorrection()
 
     def apply_config(self, config: RouterConfig) -> list[str]:
         """Swap in a validated configuration while serving; returns warnings for parts that need a
@@ -556,7 +560,9 @@ class Router:
         t0 = time.perf_counter()
         capped = self._contention_excluded()
         prefix, keys = self.prefix, self._prefix_keys.get(request_id)
-        cached = prefix.cached_tokens(keys, prompt_tokens) if prefix is not None and keys else {}
+        # the map's estimate, discounted where its engine measured fewer hits than it promised
+        raw = prefix.cached_tokens(keys, prompt_tokens) if prefix is not None and keys else {}
+        cached = self.prefix_correction.discount(raw, self.book.prefix_measured) if raw else raw
         preq = PlacementRequest(
             slo_class, prompt_tokens, exclude | attempt.avoid | capped, waited_ms,
             on_time_only=attempt.on_time_only, window_steps=adm.start_window_steps, step_tokens=adm.step_tokens,
@@ -585,6 +591,7 @@ class Router:
                 grant = Grant(replica_id, answer.lease_id)
             if prefix is not None and keys:  # post-decision: the replica now holds this prompt
                 prefix.insert(replica_id, keys)
+                self.prefix_correction.record(replica_id, raw.get(replica_id, 0), prompt_tokens)
             policy.after_decision(preq, replica_id)  # post-decision hooks of the placement plugins
             self._leased[grant.lease_id] = replica_id
             self._replica_load[replica_id] += 1
