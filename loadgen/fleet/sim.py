@@ -682,6 +682,7 @@ class _Router:
         st = sim.states[idx]
         if st.attempts is None:
             st.attempts = RelayAttempts(1, MAX_ADMIT_REFUSALS)
+        st.attempts.next_try()  # the attempt that just came back (a refusal gives it back)
         action = st.attempts.after("lease_refused", rid)
         if action.refund and isinstance(self.queue, FairQueue):
             self.queue.charge(req.tenant, -req.prompt_tokens, -req.output_tokens)
