@@ -10,6 +10,13 @@ Engine step time: ``--engine-time-model`` (default: the profile's shipped file, 
 ``policy`` = the profile's linear model, which the policies always plan with); the JSON names it
 (``engine_time_model``, docs/engine-time-model.md).
 
+Prefix caching: the engine keeps vLLM's automatic prefix cache (``--no-prefix-caching``: off); a
+trace with ``hash_ids`` (the Mooncake traces: one id per 512-token prompt block, equal ids = equal
+content) gives each prompt its block hashes (loadgen/sim/prefix_cache.py ``block_hashes_from_ids``),
+as bench-fleet does, so prompts that share a prefix hit the cache; each row reports
+``prefix_hit_ratio`` (hit tokens / queried prompt tokens, vLLM's ``prefix_cache_hits /
+prefix_cache_queries``).
+
 Rates: the trace's arrival times are divided by ``rate / native_rate`` (native_rate = requests /
 trace span), then the first ``--duration-s`` seconds are kept; every kept request runs to
 completion. Requests whose prompt + output exceed ``--max-model-len`` are dropped before the
@@ -43,6 +50,7 @@ from typing import Any
 
 from loadgen.sim.engine import EngineConfig, SimEngine
 from loadgen.sim.engine_time import EngineTimeModel, describe_engine, engine_label
+from loadgen.sim.prefix_cache import block_hashes_from_ids
 from loadgen.bench_args import (
     add_engine_and_trace_args,
     add_engine_time_arg,
@@ -51,7 +59,7 @@ from loadgen.bench_args import (
 )
 from loadgen.sim.virtual import LivelockError, VirtualRequest, run_virtual
 from loadgen.stats import OK, REJECTED, RequestRecord, Slo, figures
-from loadgen.traces import TraceRequest, load_trace, resolve_trace, spread_arrivals
+from loadgen.traces import PREFIX_BLOCK_TOKENS, TraceRequest, load_trace, resolve_trace, spread_arrivals
 from replica_agent.policy.batching import POLICIES, PolicyConfig, make_policy
 from replica_agent.policy.calibration import CalibratorConfig, OnlineTimeModel
 from replica_agent.policy.envelope import Envelope
@@ -76,6 +84,8 @@ class BenchSetup:
         online_time_model: with ``engine_time``, the policy plans with an online time model learned from
             every step (replica_agent/policy/calibration.py, as the vLLM plugin does), starting from the
             profile; False: it keeps the profile's fixed model.
+        prefix_caching: the engine's automatic prefix caching (vLLM's default); with it, a request's
+            ``hash_ids`` give its prompt's block hashes (module docstring).
     """
 
     trace: tuple[TraceRequest, ...]
@@ -92,6 +102,7 @@ class BenchSetup:
     token_budget: int | None
     engine_time: EngineTimeModel | None = None
     online_time_model: bool = True
+    prefix_caching: bool = True
 
 
 def run_point(setup: BenchSetup, policy: str, rate_rps: float, tpot_from_first_token: bool = True) -> dict[str, Any]:
@@ -103,8 +114,11 @@ def run_point(setup: BenchSetup, policy: str, rate_rps: float, tpot_from_first_t
         t = r.arrival_ms / scale
         if t >= window_ms:
             break
-        reqs.append(VirtualRequest(str(i), t, max(1, r.prompt_tokens), max(1, r.output_tokens),
-                                   setup.ttft_ms, setup.tpot_ms))  # fmt: skip
+        prompt = max(1, r.prompt_tokens)
+        hashes = (tuple(block_hashes_from_ids(r.hash_ids, PREFIX_BLOCK_TOKENS, setup.block_size, prompt))
+                  if setup.prefix_caching and r.hash_ids else ())  # fmt: skip
+        reqs.append(VirtualRequest(str(i), t, prompt, max(1, r.output_tokens), setup.ttft_ms, setup.tpot_ms,
+                                   hashes))  # fmt: skip
     prof = load_profile(setup.profile, setup.variant)
     cfg = EngineConfig(
         time_model=prof.time_model,
@@ -114,6 +128,7 @@ def run_point(setup: BenchSetup, policy: str, rate_rps: float, tpot_from_first_t
         max_num_seqs=setup.max_num_seqs,
         max_model_len=setup.max_model_len,
         engine_time=setup.engine_time,
+        enable_prefix_caching=setup.prefix_caching,
     )
     pcfg = PolicyConfig(setup.ttft_ms, setup.tpot_ms, setup.token_budget, tpot_from_first_token)
     engine = SimEngine(cfg, make_policy(policy, pcfg))
@@ -156,6 +171,7 @@ def run_point(setup: BenchSetup, policy: str, rate_rps: float, tpot_from_first_t
         "goodput_rps": fig.goodput_rps,
         "goodput_tokens_per_s": fig.goodput_tokens_per_s,
         "throughput_rps": fig.throughput_rps,
+        "prefix_hit_ratio": engine.prefix_cache_hits / engine.prefix_cache_queries if engine.prefix_cache_queries else 0.0,
         "preemptions": run.preemptions,
         "steps": run.steps,
         "drain_end_s": run.end_ms / 1000.0,
@@ -263,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vllm-default's chunked-prefill token budget (default: --max-num-batched-tokens)")  # fmt: skip
     p.add_argument("--seed-envelope", action="store_true",
                    help="FairBatching with the seed's envelope only (no first-token TPOT bound)")  # fmt: skip
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="engine without automatic prefix caching (default: on, as vLLM; a trace's hash_ids "
+                        "give the prompts' shared blocks)")  # fmt: skip
     p.add_argument("--jobs", type=int, default=1, help="worker processes")
     return p
 
@@ -276,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     full = spread_arrivals(load_trace(resolve_trace(args.trace)), spread_ms, args.seed)
     start_ms = args.trace_start_s * 1000.0
     after_start = [r for r in full if r.arrival_ms >= start_ms]
-    kept = tuple(TraceRequest(r.arrival_ms - start_ms, r.prompt_tokens, r.output_tokens) for r in after_start
+    kept = tuple(TraceRequest(r.arrival_ms - start_ms, r.prompt_tokens, r.output_tokens, r.hash_ids) for r in after_start
                  if r.prompt_tokens + max(1, r.output_tokens) <= args.max_model_len)
     if not kept:
         raise SystemExit(f"bench-policies: no request of {args.trace} at or after --trace-start-s {args.trace_start_s:g}")
@@ -285,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rates = sorted(args.rates) if args.rates else [round(native * f, 3) for f in (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)]
     setup = BenchSetup(kept, native, args.profile, args.variant, args.ttft_ms, args.tpot_ms, args.duration_s,
                        args.max_num_batched_tokens, args.max_num_seqs, args.block_size, args.max_model_len,
-                       args.token_budget, engine_time)  # fmt: skip
+                       args.token_budget, engine_time, prefix_caching=not args.no_prefix_caching)  # fmt: skip
     anchored = not args.seed_envelope
     t0 = time.perf_counter()
     results = _run_all([(setup, p, r, anchored) for p in args.policies for r in rates], args.jobs)
@@ -322,6 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "vllm_serve_defaults": {"max_num_batched_tokens": serve.max_num_batched_tokens,
                                            "max_num_seqs": serve.max_num_seqs}},
         "engine_time_model": describe_engine(engine_time),
+        "prefix_caching": not args.no_prefix_caching,
         "arrival_spread_ms": spread_ms,
         "trace_start_s": args.trace_start_s,
         "seed": args.seed,  # fmt: skip

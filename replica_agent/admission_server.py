@@ -68,6 +68,8 @@ def snapshot_pb(agent: Agent, view: BudgetView) -> admission_pb2.BudgetSnapshot:
         status_detail=view.status_detail,
         inflight_prefill_ms=view.inflight_prefill_ms,
         inflight_prefill_done_ms=view.inflight_prefill_done_ms,
+        prefix_queries_tokens=view.prefix_queries_tokens,
+        prefix_hits_tokens=view.prefix_hits_tokens,
     )
 
 

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from replica_agent.clock import Clock
-from replica_agent.engine_metrics import EngineMetrics
+from replica_agent.engine_metrics import EngineMetrics, PrefixHitWindow
 from replica_agent.metrics import AgentMetrics
 from replica_agent.policy.leases import Lease, LeaseTable, LeaseTableFull
 from replica_agent.plugin_mode import PLUGIN, STALE, export_mode, lease_matches, parse_record, record_kind
@@ -137,6 +137,9 @@ class BudgetView:
             ``inflight_lumps``).
         inflight_prefill_done_ms: when each of those ends, ms after ``now_ms`` (same length;
             replica_agent/policy/prefill_eta.py).
+        prefix_queries_tokens, prefix_hits_tokens: the engine's prefix cache over the agent's recent
+            window (:class:`~replica_agent.engine_metrics.PrefixHitWindow`): prompt tokens looked up
+            and found cached (0, 0 = unknown).
     """
 
     now_ms: float
@@ -151,6 +154,8 @@ class BudgetView:
     max_prompt_tokens: int
     inflight_prefill_ms: tuple[float, ...] = ()
     inflight_prefill_done_ms: tuple[float, ...] = ()
+    prefix_queries_tokens: int = 0
+    prefix_hits_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +212,7 @@ class Agent:
         self.classes = {c.name: c for c in config.slo_classes}
         self.max_prompt_tokens = 0
         self._engine = _EngineView()
+        self.prefix_window = PrefixHitWindow()  # the engine's recent prefix-cache hit ratio (snapshots)
         self._plugin = _PluginView()
         self.calibrator = OnlineTimeModel(config.time_model, config.calibration)
         self._export_time_model()
@@ -280,6 +286,7 @@ class Agent:
                 log.warning("engine /metrics lacks %s; treated conservatively", name)
         old = ev.metrics
         ev.metrics, ev.ok_ms, ev.error, ev.missing = metrics, now, "", tuple(missing)
+        self.prefix_window.add(now, metrics.prefix_queries, metrics.prefix_hits)
         material = (
             old is None
             or not was_healthy
@@ -497,6 +504,7 @@ class Agent:
         waiting = 0 if m is None else m.num_waiting
         kv_usage = 1.0 if m is None else m.kv_usage
         capacity = self.kv_capacity_tokens()
+        queried, hit = self.prefix_window.delta()
         rec = self._plugin.record
         if self.config.plugin_mode and rec is not None and self._plugin.mode == PLUGIN:
             reqs = rec.get("reqs") or ()  # the engine's own figures, as of the record's step
@@ -519,6 +527,8 @@ class Agent:
             max_prompt_tokens=self.max_prompt_tokens,
             inflight_prefill_ms=lumps,
             inflight_prefill_done_ms=done,
+            prefix_queries_tokens=queried,
+            prefix_hits_tokens=hit,
         )
 
     def _inflight_schedule(self, state: ReplicaState, now_ms: float) -> tuple[tuple[float, ...], tuple[float, ...]]:

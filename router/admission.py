@@ -14,14 +14,20 @@ state and acts on the answer.
   router's requests takes no more, so the rest waits where the weights decide.
 - :func:`hold_replica`: the replica held for a starving queue head (:class:`router.admission_queue.
   Dispatcher`, "Holds"): the usable one it may use where it will fit soonest.
+- :func:`offer_replicas` and :func:`lease_tokens`: where a placement is carried out, and with what
+  lease parameters. ``reserve`` mode: a Reserve on the first ``max_reserve`` candidates in order
+  until one grants; ``inline`` mode: the first candidate only (no round trip, the agent decides on
+  arrival). Either covers the prompt's tokens that the replica is estimated not to hold in its
+  prefix cache (the prefill left to compute).
 - :func:`after_relay`: what a relay attempt's outcome means for the charge, the lease and the next
-  step (answer, place again, try another replica, give up).
+  step (answer, place again, try another replica, give up); :class:`RelayAttempts` keeps one
+  request's count of tries and refusals and the replicas it left out, and bounds both.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from router.placement import ReplicaView, largest_max_prompt, prompt_exceeds_every_replica
@@ -102,6 +108,27 @@ def hold_replica(
     return None if best is None else best[2]
 
 
+MAX_RELAY_TRIES = 2
+"""Replicas tried per request when one fails before its first byte."""
+
+MAX_ADMIT_REFUSALS = 8
+"""Inline admissions agents may refuse for one request before it is answered 503 ``no-budget``."""
+
+
+def offer_replicas(candidates: Sequence[str], inline: bool, max_reserve: int) -> Sequence[str]:
+    """The candidates a placement is offered to, in order (module docstring): the first only when
+    ``inline``, else the first ``max_reserve``."""
+    return candidates[:1] if inline else candidates[:max_reserve]
+
+
+def lease_tokens(prompt_tokens: int, cached: Mapping[str, int], replica_id: str) -> int:
+    """Prompt tokens the lease (or inline admission) on ``replica_id`` covers: ``prompt_tokens``
+    less the tokens ``cached`` estimates the replica holds (router/prefix_index.py
+    ``cached_tokens``, at most ``prompt_tokens - 1``), never below 0."""
+    n = cached.get(replica_id) if cached else None
+    return prompt_tokens if n is None else max(0, prompt_tokens - n)
+
+
 @dataclass(frozen=True, slots=True)
 class RelayAction:
     """What the router does after one relay attempt (:func:`after_relay`).
@@ -159,3 +186,53 @@ def after_relay(kind: str, refusals: int, max_refusals: int) -> RelayAction:
     if kind == "upstream_error":
         return RelayAction(False, "upstream-error", "answer", "upstream_error")
     raise ValueError(f"unknown relay outcome {kind!r}")
+
+
+class RelayAttempts:
+    """One request's relay attempts (:func:`after_relay` applied in turn), bounded.
+
+    ``max_tries`` attempts may fail before the first byte (each leaves its replica out of the
+    request's later placements: ``exclude``); an inline admission refused on arrival is not a
+    failure of the replica and does not count as an attempt, but leaves the refusing replica out of
+    the next immediate placement (``refused_on``), and the ``max_refusals``-th refusal gives up.
+    So a request makes at most ``max_tries + max_refusals - 1`` relay attempts.
+
+    Args:
+        max_tries: attempts that may fail before the first byte (>= 1).
+        max_refusals: inline refusals that give up (>= 1).
+    """
+
+    __slots__ = ("max_tries", "max_refusals", "tries", "refusals", "exclude", "refused_on")
+
+    def __init__(self, max_tries: int = MAX_RELAY_TRIES, max_refusals: int = MAX_ADMIT_REFUSALS) -> None:
+        self.max_tries = max_tries
+        self.max_refusals = max_refusals
+        self.tries = 0
+        self.refusals = 0
+        self.exclude: frozenset[str] = frozenset()  # failed before the first byte: never again
+        self.refused_on: frozenset[str] = frozenset()  # refused an inline admission: not at once
+
+    def next_try(self) -> bool:
+        """Start an attempt; False (nothing started) when ``max_tries`` have been made."""
+        if self.tries >= self.max_tries:
+            return False
+        self.tries += 1
+        return True
+
+    def after(self, kind: str, replica_id: str) -> RelayAction:
+        """The attempt on ``replica_id`` ended with ``kind``: :func:`after_relay`'s action, with this
+        request's state updated (``replace``: the attempt given back and the replica added to
+        ``refused_on``; ``retry``: the replica added to ``exclude``).
+
+        Raises:
+            ValueError: an unknown ``kind``.
+        """
+        if kind == "lease_refused":
+            self.refusals += 1
+        action = after_relay(kind, self.refusals, self.max_refusals)
+        if action.next == "replace":
+            self.refused_on = self.refused_on | {replica_id}
+            self.tries -= 1
+        elif action.next == "retry":
+            self.exclude = self.exclude | {replica_id}
+        return action

@@ -45,6 +45,8 @@ class ReplicaBudget:
         inflight_prefill_done_at_ms: when each of those ends (router clock, ms): the agent's
             prediction, and for the router's own placements the end of the one before plus the
             placement's ``b * P`` (empty when the agent sends no prediction).
+        prefix_queries_tokens, prefix_hits_tokens: the engine's prefix cache over the agent's
+            recent window (prompt tokens looked up, found cached; 0, 0 = unknown).
         view: the placement view last built from this state (:meth:`BudgetBook.views`), dropped on
             every change so that a decision never sees old figures.
     """
@@ -63,6 +65,8 @@ class ReplicaBudget:
     num_waiting: int = 0
     inflight_prefill_ms: tuple[float, ...] = ()
     inflight_prefill_done_at_ms: tuple[float, ...] = ()
+    prefix_queries_tokens: int = 0
+    prefix_hits_tokens: int = 0
     view: ReplicaView | None = None  # cached placement view; None after any change
 
 
@@ -138,6 +142,8 @@ class BudgetBook:
         done = getattr(snapshot, "inflight_prefill_done_ms", ())
         budget.inflight_prefill_ms = lumps
         budget.inflight_prefill_done_at_ms = tuple(now + d for d in done) if len(done) == len(lumps) else ()
+        budget.prefix_queries_tokens = max(0, int(getattr(snapshot, "prefix_queries_tokens", 0)))
+        budget.prefix_hits_tokens = max(0, int(getattr(snapshot, "prefix_hits_tokens", 0)))
         self.drain.observe(
             replica_id, budget.received_ms,
             {n: c.decode_reservation_ms + c.inflight_reservation_ms for n, c in budget.classes.items()},
@@ -246,6 +252,14 @@ class BudgetBook:
     def get(self, replica_id: str) -> ReplicaBudget | None:
         """The stored budget of a replica (mutable; read only)."""
         return self._budgets.get(replica_id)
+
+    def prefix_measured(self, replica_id: str) -> tuple[int, int]:
+        """(queried, hit) prompt tokens of the replica's prefix cache over its agent's recent window,
+        from its latest snapshot; (0, 0) when unknown or not fresh (router/prefix_correction.py)."""
+        b = self._budgets.get(replica_id)
+        if b is None or not self.is_fresh(b, self._clock.now_ms()):
+            return 0, 0
+        return b.prefix_queries_tokens, b.prefix_hits_tokens
 
     def is_fresh(self, budget: ReplicaBudget, now_ms: float) -> bool:
         """True when the latest snapshot arrived less than ``ttl_ms`` ago (simulated ms)."""

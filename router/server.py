@@ -8,6 +8,12 @@ sheddable request's first-token deadline is already out of reach (429 slo-infeas
 bounded weighted fair queue (:mod:`router.fair_queue`), woken on every budget update and release
 -> relay to the replica's agent, bytes unchanged.
 
+The decisions on that path are pure functions this module only carries out (docs/architecture.md
+"Who decides what"): router/arrival.py (queue-full before the body, place now or queue, queue or
+refuse), router/admission.py (prompt cap, contention cap, held replica, which candidates get a
+Reserve and for how many tokens, what follows a relay attempt), router/answers.py (which status
+and reason a refusal gets) and router/charges.py (the fair-queue charge).
+
 Fairness accounting (VTC): a request is charged ``w_prefill * prompt + w_decode * max_tokens`` when
 it gets its lease (``fairness.default_max_tokens`` when it gives no max_tokens). The relay does not
 parse stream chunks, so a streamed request keeps that estimate; a non-stream answer is buffered
@@ -33,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
 import random
 import time
 from collections.abc import Coroutine, Mapping
@@ -41,7 +46,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import orjson
 from aiohttp import web
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -61,11 +65,24 @@ from replica_agent.http_guard import (
 from replica_agent.openai_stream import requested_choices
 from replica_agent.telemetry import extract_context, genai_request_attributes, inject_context, make_tracer
 from replica_agent.telemetry import set_http_status
-from router.admission import after_relay, contention_excluded, hold_replica, prompt_decision
+from router.admission import (
+    MAX_ADMIT_REFUSALS,
+    MAX_RELAY_TRIES,
+    RelayAttempts,
+    contention_excluded,
+    hold_replica,
+    lease_tokens,
+    offer_replicas,
+    prompt_decision,
+)
 from router.admission_queue import Attempt, Dispatcher, PlacementFailed, QueueFull, QueueTimeout, WaitingRequest
+from router.answers import Answer, no_budget, placement_error, queue_expired, queue_full
+from router.answers import slo_infeasible, tenant_over
+from router.arrival import Refuse, no_replica_left, place_now_exclude, queue_full_before_body, queue_or_refuse
 from router.auth import ApiKeyAuthenticator, Principal
 from router.budget_client import BudgetClient
 from router.budgets import BudgetBook
+from router.charges import decode_correction, decode_estimate
 from router.config import ConfigError, ReplicaConfig, RouterConfig, load_config
 from router.discovery import DiscoverySource, build_discovery, diff_replicas
 from router.fair_queue import FairQueue, TenantShare
@@ -80,22 +97,18 @@ from router.placement import (
     largest_max_prompt,
 )
 from router.relay import Relay, RelayOutcome, UpstreamAbort
-from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start, queue_decision
+from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start
+from router.prefix_correction import PrefixCorrection
 from router.prefix_index import PrefixIndex, text_block_keys
 from router.tokens import PromptError, estimate_prompt_tokens, prompt_is_exact, prompt_text
 
 log = logging.getLogger(__name__)
 
-MAX_RELAY_TRIES = 2          # replicas tried per request when one fails before its first byte
 MAX_RESERVE_CANDIDATES = DEFAULT_MAX_CANDIDATES  # Reserve calls per placement before giving up for this pass
-RETRY_AFTER_S = 1
 _ROUTER_KEY = web.AppKey("fairbatch_router", object)
 FIRST_BYTE_MS = web.RequestKey("fairbatch_first_byte_ms", float)
 RELAY_EVENTS = web.RequestKey("fairbatch_relay_events", int)
 STREAM_SHAPE = web.RequestKey("fairbatch_stream_shape", tuple)
-
-
-MAX_ADMIT_REFUSALS = 8  # inline admissions an agent may refuse for one request before it is answered 503
 
 
 @dataclass(slots=True)
@@ -161,12 +174,11 @@ def openai_error(
     return json_error(status, message, err_type, code, param, headers)
 
 
-def throttled(reason: str, message: str, retry_after_s: int = RETRY_AFTER_S) -> web.Response:
-    """429 with ``Retry-After`` (whole seconds >= 1) and ``x-fairbatch-reason``."""
-    return openai_error(
-        429, message, "rate_limit_error", reason,
-        headers={"Retry-After": str(max(1, int(retry_after_s))), "x-fairbatch-reason": reason},
-    )
+def answer_response(answer: Answer) -> web.Response:
+    """The response of one of the router's refusals (router/answers.py): OpenAI-format error JSON with
+    ``Retry-After`` and ``x-fairbatch-reason``."""
+    return openai_error(answer.status, answer.message, answer.err_type, answer.code,
+                        headers={"Retry-After": str(answer.retry_after_s), "x-fairbatch-reason": answer.code})
 
 
 openai_http_errors = error_middleware("router")
@@ -222,6 +234,7 @@ class Router:
         self.policy: PlacementPolicy = self._build_policy(config)
         self._applied_placement = config.placement.model_dump(exclude={"prefix_cache"})
         self.prefix: PrefixIndex | None = None  # prefix-aware placement (placement.prefix_cache)
+        self.prefix_correction = PrefixCorrection()  # the map discounted by the engines' measured hits
         self._prefix_keys: dict[str, list[int]] = {}  # request id -> its prompt's prefix keys, while placing
         self._configure_prefix(config)
         fc = config.fairness
@@ -369,6 +382,7 @@ class Router:
         self.book.remove_replica(rid)
         if self.prefix is not None:
             self.prefix.forget(rid)
+        self.prefix_correction.forget(rid)
         self.budgets.remove(rid)
         self.metrics.replica_changes.labels("removed").inc()
         self.metrics.forget_replica(rid)
@@ -394,6 +408,7 @@ class Router:
         capacity = max(1, pc.capacity_tokens // tokens_per_key)
         if self.prefix is None or (self.prefix.capacity_keys, self.prefix.tokens_per_key) != (capacity, tokens_per_key):
             self.prefix = PrefixIndex(capacity, tokens_per_key)
+            self.prefix_correction = PrefixCorrection()
 
     def apply_config(self, config: RouterConfig) -> list[str]:
         """Swap in a validated configuration while serving; returns warnings for parts that need a
@@ -467,7 +482,8 @@ class Router:
             self._spawn(self.ledger.add_service(tenant, delta))
 
     def _decode_estimate(self, max_tokens: int) -> int:
-        return max_tokens if max_tokens > 0 else self.config.fairness.default_max_tokens
+        """The decode tokens charged at dispatch (router/charges.py ``decode_estimate``)."""
+        return decode_estimate(max_tokens, self.config.fairness.default_max_tokens)
 
     def _shed(self, entry: WaitingRequest, now_ms: float) -> bool:
         """A queued sheddable request that the dispatcher could not place: True when the prediction
@@ -546,7 +562,9 @@ class Router:
         t0 = time.perf_counter()
         capped = self._contention_excluded()
         prefix, keys = self.prefix, self._prefix_keys.get(request_id)
-        cached = prefix.cached_tokens(keys, prompt_tokens) if prefix is not None and keys else {}
+        # the map's estimate, discounted where its engine measured fewer hits than it promised
+        raw = prefix.cached_tokens(keys, prompt_tokens) if prefix is not None and keys else {}
+        cached = self.prefix_correction.discount(raw, self.book.prefix_measured) if raw else raw
         preq = PlacementRequest(
             slo_class, prompt_tokens, exclude | attempt.avoid | capped, waited_ms,
             on_time_only=attempt.on_time_only, window_steps=adm.start_window_steps, step_tokens=adm.step_tokens,
@@ -555,37 +573,31 @@ class Router:
         policy = self.policy  # a reload may swap it while the Reserves below are awaited
         result = policy.place(preq, self.book.views())
         self.metrics.placement_seconds.observe(time.perf_counter() - t0)
-        if adm.lease_mode == "inline":  # no round trip: the agent decides when the request arrives
-            if not result.candidates:
-                return None
-            replica_id = result.candidates[0]
-            uncached = prompt_tokens - cached.get(replica_id, 0)  # the admission covers the prefill left to compute
+        inline = adm.lease_mode == "inline"  # no round trip: the agent decides when the request arrives
+        # which candidates, with which lease parameters: router/admission.py offer_replicas, lease_tokens
+        for replica_id in offer_replicas(result.candidates, inline, MAX_RESERVE_CANDIDATES):
+            uncached = lease_tokens(prompt_tokens, cached, replica_id)  # the prefill left to compute
             self.book.take_local(replica_id, slo_class, uncached)
-            self._inline_seq += 1
-            grant = Grant(replica_id, f"inline-{self._inline_seq}", True, uncached)
-            if prefix is not None and keys:  # post-decision: the replica will hold this prompt
+            if inline:
+                self._inline_seq += 1
+                grant = Grant(replica_id, f"inline-{self._inline_seq}", True, uncached)
+            else:
+                t1 = time.perf_counter()
+                waited_ms = max(0.0, self.clock.now_ms() - arrival_ms)  # refused Reserves before took time
+                answer = await self.budgets.reserve(
+                    replica_id, slo_class, uncached, request_id, max_tokens, waited_ms
+                )
+                self.metrics.reserve_seconds.observe(time.perf_counter() - t1)
+                if not answer.granted:
+                    continue
+                grant = Grant(replica_id, answer.lease_id)
+            if prefix is not None and keys:  # post-decision: the replica now holds this prompt
                 prefix.insert(replica_id, keys)
-            policy.after_decision(preq, replica_id)
+                self.prefix_correction.record(replica_id, raw.get(replica_id, 0), prompt_tokens)
+            policy.after_decision(preq, replica_id)  # post-decision hooks of the placement plugins
             self._leased[grant.lease_id] = replica_id
             self._replica_load[replica_id] += 1
             return grant
-        for replica_id in result.candidates[:MAX_RESERVE_CANDIDATES]:
-            uncached = prompt_tokens - cached.get(replica_id, 0)  # the lease covers the prefill left to compute
-            self.book.take_local(replica_id, slo_class, uncached)
-            t1 = time.perf_counter()
-            waited_ms = max(0.0, self.clock.now_ms() - arrival_ms)  # refused Reserves before took time
-            answer = await self.budgets.reserve(
-                replica_id, slo_class, uncached, request_id, max_tokens, waited_ms
-            )
-            self.metrics.reserve_seconds.observe(time.perf_counter() - t1)
-            if answer.granted:
-                if prefix is not None and keys:  # post-decision: the replica now holds this prompt
-                    prefix.insert(replica_id, keys)
-                policy.after_decision(preq, replica_id)  # post-decision hooks of the placement plugins
-                grant = Grant(replica_id, answer.lease_id)
-                self._leased[grant.lease_id] = replica_id
-                self._replica_load[replica_id] += 1
-                return grant
         return None
 
     def _lease_done(self, grant: Grant) -> None:
@@ -637,14 +649,15 @@ class Router:
             NoReplica: every replica already failed for this request.
             PlacementFailed: placement or Reserve raised for this request (at once or in the dispatcher).
         """
-        if exclude and not self.replicas.keys() - exclude:
+        replica_ids = self.replicas.keys()
+        if no_replica_left(replica_ids, exclude):  # router/arrival.py
             raise NoReplica()
-        if len(self.queue) == 0:
+        place_exclude = place_now_exclude(replica_ids, exclude, avoid_now, len(self.queue))
+        if place_exclude is not None:  # nobody waits: placed at once when a replica fits
             with self.tracer.start_as_current_span("router.placement") as span:
                 try:
                     grant = await self._place_and_reserve(
-                        principal.slo_class, prompt_tokens, max_tokens, request_id,
-                        exclude | avoid_now if self.replicas.keys() - exclude - avoid_now else exclude, arrival_ms,
+                        principal.slo_class, prompt_tokens, max_tokens, request_id, place_exclude, arrival_ms,
                     )
                 except Exception as exc:  # noqa: BLE001 - one request's failure answers that request only
                     log.error("request %s: placement failed: %s", request_id, type(exc).__name__, exc_info=exc)
@@ -654,17 +667,15 @@ class Router:
                 self._charge(principal.tenant, prompt_tokens, self._decode_estimate(max_tokens))
                 return grant
         now = self.clock.now_ms()
-        deadline_ms = arrival_ms + principal.slo.max_queue_ms
-        if deadline_ms <= now:
-            raise QueueTimeout()
-        band = principal.slo.priority
-        first_token_deadline = arrival_ms + principal.slo.ttft_ms
-        prediction = (self.predict(principal.slo_class, band, prompt_tokens, 0, max(0.0, now - arrival_ms))
-                      if principal.slo.sheddable else None)  # fmt: skip
-        decision = queue_decision(now, arrival_ms, principal.slo.ttft_ms, principal.slo.max_queue_ms,
-                                  principal.slo.sheddable, prediction, self._margin_ms(principal.slo_class))  # fmt: skip
-        if decision.refuse:
-            raise SloInfeasible(decision.wait_ms)
+        slo, slo_class = principal.slo, principal.slo_class
+        band = slo.priority
+        decision = queue_or_refuse(now, arrival_ms, slo.ttft_ms, slo.max_queue_ms, slo.sheddable,  # router/arrival.py
+                                   lambda: self.predict(slo_class, band, prompt_tokens, 0, max(0.0, now - arrival_ms)),
+                                   lambda: self._margin_ms(slo_class))  # fmt: skip
+        if isinstance(decision, Refuse):
+            if decision.reason == "slo-infeasible":
+                raise SloInfeasible(decision.wait_ms)
+            raise QueueTimeout(decision.reason)
         deadline_ms, expire_reason = decision.deadline_ms, decision.expire_reason
         entry = WaitingRequest(
             request_id=request_id,
@@ -677,11 +688,11 @@ class Router:
             future=asyncio.get_running_loop().create_future(),
             exclude=exclude,
             priority=band,
-            first_token_deadline_ms=first_token_deadline,
+            first_token_deadline_ms=decision.first_token_deadline_ms,
             expire_reason=expire_reason,
             arrival_ms=arrival_ms,
-            promote_at_ms=arrival_ms + principal.slo.ttft_ms,
-            sheddable=principal.slo.sheddable,
+            promote_at_ms=decision.promote_at_ms,
+            sheddable=slo.sheddable,
         )
         before = self.queue.counter(principal.tenant)
         after = self.queue.push(entry)  # QueueFull propagates
@@ -778,14 +789,12 @@ class Router:
             ApiError: the body is too large (413), too slow (408), compressed (415) or not a valid
                 request (400); the caller answers it.
         """
-        if len(self.queue) >= self.queue.max_requests:
-            # decided from the headers alone: a new request would wait behind a full queue
-            return "queue_full", throttled("queue-full", "The router's admission queue is full; retry later.")
+        if queue_full_before_body(len(self.queue), self.queue.max_requests):  # router/arrival.py
+            return self._answer(queue_full())
         limits = self.limits.get(principal.tenant, TenantLimits())
         if await self.ledger.at_concurrency(principal.tenant, limits):  # also known before the body
-            return "tenant_concurrency", throttled(
-                "tenant-concurrency", f"Tenant {principal.tenant!r} is over its concurrency limit; retry later.",
-                math.ceil(self.clock.to_wall_s(CONCURRENCY_RETRY_MS)))
+            return self._answer(tenant_over("tenant-concurrency", principal.tenant,
+                                            self.clock.to_wall_s(CONCURRENCY_RETRY_MS)))  # fmt: skip
         http = self.config.http
         raw = await read_body(request, http.max_body_bytes, http.body_timeout_s)
         views = self.book.views()
@@ -818,13 +827,7 @@ class Router:
             principal.tenant, request_id, limits, prompt_tokens + self._decode_estimate(max_tokens)
         )
         if isinstance(quota, Refusal):
-            return quota.reason.replace("-", "_"), throttled(
-                quota.reason,
-                f"Tenant {principal.tenant!r} is over its "
-                + ("rate limit" if quota.reason == "tenant-rate" else "concurrency limit")
-                + "; retry later.",
-                math.ceil(self.clock.to_wall_s(quota.retry_after_ms)),
-            )
+            return self._answer(tenant_over(quota.reason, principal.tenant, self.clock.to_wall_s(quota.retry_after_ms)))
         if self.prefix is not None:
             self._prefix_keys[request_id] = text_block_keys(prompt_text(body, chat),
                                                             self.config.placement.prefix_cache.chunk_chars)
@@ -839,60 +842,32 @@ class Router:
         self, request: web.Request, principal: Principal, raw: bytes, request_id: str, arrival_ms: float,
         prompt_tokens: int, max_tokens: int, stream: bool,
     ) -> tuple[str, web.StreamResponse]:
-        exclude: frozenset[str] = frozenset()
         last: RelayOutcome | None = None
         last_replica = ""
         decode_estimate = self._decode_estimate(max_tokens)
-        refused_on: frozenset[str] = frozenset()  # replicas whose agent refused an inline admission
-        refusals = 0
-        attempt = 0
-        while attempt < self.max_relay_tries:
-            attempt += 1
+        tries = RelayAttempts(self.max_relay_tries, MAX_ADMIT_REFUSALS)  # router/admission.py: bounds, exclusions
+        slo = principal.slo
+        while tries.next_try():
             try:
                 # after an inline refusal: placed elsewhere at once when another replica fits, else
                 # queued for any replica (the refusing one's answer already updated the view)
-                grant = await self._acquire(principal, prompt_tokens, max_tokens, request_id, exclude, arrival_ms,
-                                            refused_on)
+                grant = await self._acquire(principal, prompt_tokens, max_tokens, request_id, tries.exclude,
+                                            arrival_ms, tries.refused_on)  # fmt: skip
             except QueueFull:
-                return "queue_full", throttled("queue-full", "The router's admission queue is full; retry later.")
+                return self._answer(queue_full())
             except SloInfeasible as exc:
-                return "slo_infeasible", throttled(
-                    "slo-infeasible",
-                    f"The first-token deadline ({principal.slo.ttft_ms:g} ms) of class {principal.slo_class!r} "
-                    f"cannot be met (predicted wait {exc.wait_ms:.0f} ms).",
-                    math.ceil(self.clock.to_wall_s(exc.wait_ms)) if math.isfinite(exc.wait_ms) else RETRY_AFTER_S,
-                )
+                return self._answer(slo_infeasible(principal.slo_class, slo.ttft_ms, exc.wait_ms,
+                                                   self.clock.to_wall_s(exc.wait_ms)))  # fmt: skip
             except QueueTimeout as exc:
-                if exc.reason == "slo-infeasible":
-                    return "slo_infeasible", throttled(
-                        "slo-infeasible",
-                        f"The first-token deadline ({principal.slo.ttft_ms:g} ms) of class "
-                        f"{principal.slo_class!r} could no longer be met while queued.",
-                    )
-                if not any(v.healthy and v.fresh for v in self.book.views()):
-                    return "no_replica", openai_error(
-                        503,
-                        f"No replica is available (none healthy with a fresh budget) within max_queue_ms "
-                        f"({principal.slo.max_queue_ms:g} ms) of class {principal.slo_class!r}.",
-                        "service_unavailable", "no-replica",
-                        headers={"Retry-After": str(RETRY_AFTER_S), "x-fairbatch-reason": "no-replica"},
-                    )
-                return "queue_timeout", throttled(
-                    "queue-timeout",
-                    f"No replica could take the request within max_queue_ms "
-                    f"({principal.slo.max_queue_ms:g} ms) of class {principal.slo_class!r}.",
-                )
+                usable = exc.reason == "slo-infeasible" or any(v.healthy and v.fresh for v in self.book.views())
+                return self._answer(queue_expired(exc.reason, principal.slo_class, slo.ttft_ms, slo.max_queue_ms,
+                                                  usable))  # fmt: skip
             except NoReplica:
                 break
             except PlacementFailed as exc:  # placement raised for this request: answered, never retried
-                return "placement_error", openai_error(
-                    503, f"The request could not be placed ({exc.reason}).", "service_unavailable", "placement-error",
-                    headers={"Retry-After": str(RETRY_AFTER_S), "x-fairbatch-reason": "placement-error"},
-                )
+                return self._answer(placement_error(exc.reason))
             outcome = await self._forward(request, principal, grant, raw, request_id, arrival_ms)
-            if outcome.kind == "lease_refused":
-                refusals += 1
-            action = after_relay(outcome.kind, refusals, MAX_ADMIT_REFUSALS)  # router/admission.py
+            action = tries.after(outcome.kind, grant.replica_id)  # router/admission.py after_relay
             if action.refund:  # nothing was generated: the dispatch charge goes back
                 self._charge(principal.tenant, -prompt_tokens, -decode_estimate)
             if action.release is not None:
@@ -904,14 +879,8 @@ class Router:
                     self.book.apply_reserve(grant.replica_id, principal.slo_class, outcome.pab_ms, outcome.pab_tokens)
                 self.metrics.admit_refusals.labels(grant.replica_id).inc()
             if action.next == "give_up":
-                return "upstream_error", openai_error(
-                    503, "No replica could take the request (its budget was gone on arrival, "
-                    f"{refusals} times).", "service_unavailable", "no-budget",
-                    headers={"Retry-After": str(RETRY_AFTER_S), "x-fairbatch-reason": "no-budget"},
-                )
+                return self._answer(no_budget(tries.refusals))
             if action.next == "replace":  # not a failure of the replica: re-place as after a refused Reserve
-                refused_on = refused_on | {grant.replica_id}
-                attempt -= 1
                 continue
             if action.next == "answer":
                 if outcome.kind == "ok":
@@ -925,7 +894,6 @@ class Router:
                 return action.outcome, outcome.response  # type: ignore[return-value]
             log.warning("request %s: replica %s failed before the first byte: %s",
                         request_id, grant.replica_id, outcome.detail)
-            exclude = exclude | {grant.replica_id}
             last, last_replica = outcome, grant.replica_id
         if last is not None and last.status and last.error_body:
             return "upstream_error", web.Response(
@@ -936,18 +904,17 @@ class Router:
             503, "No replica could serve the request (upstream failures).", "service_unavailable", 503
         )
 
+    @staticmethod
+    def _answer(answer: Answer) -> tuple[str, web.StreamResponse]:
+        """(outcome, response) of one of the router's refusals (router/answers.py)."""
+        return answer.outcome, answer_response(answer)
+
     def _correct_decode(self, tenant: str, response: web.Response, estimate: int) -> None:
-        """Correct the decode charge with a non-stream answer's ``usage.completion_tokens``."""
-        body = response.body
-        if not isinstance(body, bytes) or b'"usage"' not in body:
-            return
-        try:
-            usage = orjson.loads(body).get("usage") or {}
-            actual = int(usage["completion_tokens"])
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return
-        if actual != estimate:
-            self._charge(tenant, 0, actual - estimate)
+        """Correct the decode charge with a non-stream answer's ``usage.completion_tokens``
+        (router/charges.py ``decode_correction``)."""
+        delta = decode_correction(response.body, estimate)
+        if delta:
+            self._charge(tenant, 0, delta)
 
     async def _forward(
         self, request: web.Request, principal: Principal, grant: Grant, raw: bytes, request_id: str, arrival_ms: float

@@ -21,8 +21,10 @@ by events on one heap:
   delayed snapshots), the ``pab`` placement policy of :func:`router.placement.default_registry`,
   a :class:`router.fair_queue.FairQueue` (or FIFO) and the real
   :class:`router.admission_queue.Dispatcher`, whose async methods are driven synchronously (the
-  simulated ``admit`` never suspends). Request path as ``router/server.py`` ``_acquire``: placement
-  + Reserve at once when nobody waits, else queue; ``take_local`` before each Reserve and
+  simulated ``admit`` never suspends). Request path as ``router/server.py`` ``_acquire``, by the
+  same pure rules (router/arrival.py: placement + Reserve at once when nobody waits, else queue or
+  refuse; router/admission.py: the offers and lease tokens of a placement, the rule after an inline
+  refusal, tests/unit/test_router_sim_parity.py); ``take_local`` before each Reserve and
   ``apply_reserve`` with the answer; up to 3 Reserve candidates per placement; placement and
   Reserve both get ``waited_ms = now - arrival at the router``.
 - routers (baselines, loadgen/fleet/baselines.py): placement on router-local outstanding counts
@@ -89,13 +91,15 @@ from replica_agent.policy.pab import (
 from replica_agent.policy.prefill_eta import inflight_schedule
 from replica_agent.policy.reserve import reserve_decision
 from replica_agent.policy.time_model import TimeModel
+from router.admission import MAX_ADMIT_REFUSALS, RelayAttempts, lease_tokens, offer_replicas
+from router.arrival import Refuse, place_now_exclude, queue_or_refuse
 from router.autoscale import FleetSignal, Stabilizer, pab_desired, waiting_desired
 from router.admission_queue import Attempt, Dispatcher, FifoQueue, QueueFull, QueueTimeout, WaitingRequest
 from router.budgets import BudgetBook
 from router.fair_queue import FairQueue, TenantShare
 from router.placement import DEFAULT_MAX_CANDIDATES, PlacementRequest, ReplicaView
 from router.prefix_index import PrefixIndex
-from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start, queue_decision
+from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start
 
 POLICIES: dict[str, tuple[str, str]] = {
     "round-robin": ("direct", "vllm-default"),
@@ -134,7 +138,6 @@ MAX_RESERVE_CANDIDATES = DEFAULT_MAX_CANDIDATES  # Reserve calls per placement (
 SLO_CLASS = "interactive"
 
 _ARRIVE, _FORWARD, _STEP_END, _PUSH, _DELIVER, _SCRAPE, _DISPATCH, _REFUSED, _CHANGE_PUSH, _SCALE = range(10)
-MAX_ADMIT_REFUSALS = 8  # inline admissions refused per request before it is given up (router/server.py)
 
 AUTOSCALE_SIGNALS = ("pab", "num-waiting")
 
@@ -420,6 +423,7 @@ class _Grant:
     lease_id: str
     refusals: int
     inline: bool = False
+    prompt_tokens: int = 0  # inline: the uncached prompt tokens the agent is asked to admit
 
 
 @dataclass(slots=True)
@@ -448,7 +452,8 @@ class _ReqState:
     replica: int = -1
     router: int = 0
     lease_id: str = ""
-    admit_refusals: int = 0
+    admit_tokens: int = 0  # inline: the prompt tokens the agent is asked to admit (uncached)
+    attempts: RelayAttempts | None = None  # inline refusals so far (router/admission.py), from the first one
 
 
 def _drive(coro: Any) -> Any:
@@ -489,6 +494,7 @@ class _Router:
         self.clock = _Clock()
         self.kind = POLICIES[cfg.policy][0]
         self.ids = [r.rid for r in sim.replicas]
+        self.id_set = frozenset(self.ids)
         reg = fleet_registry()
         seed = cfg.seed * 1000 + index
         self.load = RouterLoad({rid: 0 for rid in self.ids}, {rid: MetricsSample() for rid in self.ids})
@@ -540,26 +546,27 @@ class _Router:
                                                     cfg.start_window_steps, cfg.max_num_batched_tokens, cached),
                                    self.book.views(now))  # fmt: skip
         sim.sample_decision(time.perf_counter() - t0)
-        if cfg.leases and cfg.lease_mode == "inline":  # no round trip: the agent decides on arrival
-            if not result.candidates:
-                return None
-            rid = result.candidates[0]
-            self.book.take_local(rid, slo_class, prompt_tokens)
-            return _Grant(sim.index_of[rid], "", 0, inline=True)
+        inline = cfg.leases and cfg.lease_mode == "inline"  # no round trip: the agent decides on arrival
         refusals = 0
-        for rid in result.candidates[:MAX_RESERVE_CANDIDATES]:
-            p = max(0, prompt_tokens - cached.get(rid, 0))
+        # the router's offers and lease parameters (router/admission.py), as router/server.py
+        for rid in offer_replicas(result.candidates, inline, MAX_RESERVE_CANDIDATES):
+            p = lease_tokens(prompt_tokens, cached, rid)
             self.book.take_local(rid, slo_class, p)
             ri = sim.index_of[rid]
-            granted, lease_id, after = sim.reserve(ri, p, now, waited_ms)
-            sim.stats.reserve_answers += 1
-            if after is not None:
-                self.book.apply_reserve(rid, slo_class, after.pab_ms, after.pab_tokens)
-            if granted:
-                if self.prefix is not None:  # the post-decision update of the prefix map
-                    self.prefix.insert(rid, keys)
-                return _Grant(ri, lease_id, refusals)
-            refusals += 1
+            if inline:
+                grant = _Grant(ri, "", 0, inline=True, prompt_tokens=p)
+            else:
+                granted, lease_id, after = sim.reserve(ri, p, now, waited_ms)
+                sim.stats.reserve_answers += 1
+                if after is not None:
+                    self.book.apply_reserve(rid, slo_class, after.pab_ms, after.pab_tokens)
+                if not granted:
+                    refusals += 1
+                    continue
+                grant = _Grant(ri, lease_id, refusals)
+            if self.prefix is not None:  # the post-decision update of the prefix map
+                self.prefix.insert(rid, keys)
+            return grant
         return None
 
     def _uncached(self, idx: int, prompt_tokens: int) -> int:
@@ -633,19 +640,22 @@ class _Router:
             self._forward_direct(idx, frozenset())
             return
         cfg = sim.cfg
-        if len(self.queue) == 0:
-            grant = self._place(idx, SLO_CLASS, req.prompt_tokens,
-                                avoid if len(avoid) < len(self.ids) else frozenset(), req.arrival_ms)
+        # the router's own rules (router/arrival.py): placed at once only when nobody waits
+        exclude = place_now_exclude(self.id_set, frozenset(), avoid, len(self.queue))
+        if exclude is not None:
+            grant = self._place(idx, SLO_CLASS, req.prompt_tokens, exclude, req.arrival_ms)
             if grant is not None:
                 self._charge(req)
                 sim.forward_granted(idx, grant, now)
                 return
-        # the router's own rule (router/shedding.py)
-        decision = queue_decision(now, req.arrival_ms, cfg.ttft_ms, cfg.max_queue_ms, cfg.sheddable,
-                                  self._predict(self._uncached(idx, req.prompt_tokens), 0, now - req.arrival_ms),
-                                  agent_margin_ms(self.book.views(now), SLO_CLASS))  # fmt: skip
+        decision = queue_or_refuse(now, req.arrival_ms, cfg.ttft_ms, cfg.max_queue_ms, cfg.sheddable,
+                                   lambda: self._predict(self._uncached(idx, req.prompt_tokens), 0, now - req.arrival_ms),
+                                   lambda: agent_margin_ms(self.book.views(now), SLO_CLASS))  # fmt: skip
+        if isinstance(decision, Refuse):
+            sim.reject(idx, decision.reason)
+            return
         deadline, reason = decision.deadline_ms, decision.expire_reason
-        if decision.refuse or deadline <= now:
+        if deadline <= now:  # the router's wait would time out at once
             sim.reject(idx, reason)
             return
         entry = WaitingRequest(
@@ -665,20 +675,25 @@ class _Router:
 
     def refused(self, idx: int, ri: int, after: ClassBudget | None) -> None:
         """An inline admission came back refused (router/server.py ``_serve_placed``): apply the
-        budget the agent reported, refund the charge, re-place the request elsewhere."""
+        budget the agent reported, then the router's rule after the attempt (router/admission.py
+        ``RelayAttempts``): refund the charge, re-place the request away from the replicas that
+        refused it, or give it up at ``MAX_ADMIT_REFUSALS``."""
         sim = self.sim
         rid = sim.replicas[ri].rid
         if after is not None:
             self.book.apply_reserve(rid, SLO_CLASS, after.pab_ms, after.pab_tokens)
         req = sim.requests[idx]
-        if isinstance(self.queue, FairQueue):
-            self.queue.charge(req.tenant, -req.prompt_tokens, -req.output_tokens)
         st = sim.states[idx]
-        st.admit_refusals += 1
-        if st.admit_refusals >= MAX_ADMIT_REFUSALS:
+        if st.attempts is None:
+            st.attempts = RelayAttempts(1, MAX_ADMIT_REFUSALS)
+        st.attempts.next_try()  # the attempt that just came back (a refusal gives it back)
+        action = st.attempts.after("lease_refused", rid)
+        if action.refund and isinstance(self.queue, FairQueue):
+            self.queue.charge(req.tenant, -req.prompt_tokens, -req.output_tokens)
+        if action.next == "give_up":
             sim.reject(idx, "no-budget")
             return
-        self.arrive(idx, frozenset({rid}))
+        self.arrive(idx, st.attempts.refused_on)
 
     def _granted_from_queue(self, idx: int, grant: _Grant) -> None:
         self._charge(self.sim.requests[idx])
@@ -806,6 +821,7 @@ class FleetSim:
         st = self.states[idx]
         st.lease_id = grant.lease_id
         if grant.inline:
+            st.admit_tokens = grant.prompt_tokens
             self.push_event(now_ms + d, _FORWARD, idx, (grant.replica,))
             return
         self.push_event(now_ms + 3 * d + 2 * d * grant.refusals, _FORWARD, idx, (grant.replica,))
@@ -855,9 +871,9 @@ class FleetSim:
             if self.cfg.leases and self.cfg.lease_mode == "inline":  # the agent's Reserve decision, on arrival
                 waited = max(0.0, t - req.arrival_ms)
                 # independent check of what is admitted: the exact fit on the state before the decision
-                fit = admits(req.prompt_tokens, replica_state(rep.engine, rep.leases, t, self.cfg.margin_frac),
+                fit = admits(st.admit_tokens, replica_state(rep.engine, rep.leases, t, self.cfg.margin_frac),
                              self.slo, waited)[0]  # fmt: skip
-                granted, lease_id, after = self.reserve(ri, req.prompt_tokens, t, waited)
+                granted, lease_id, after = self.reserve(ri, st.admit_tokens, t, waited)
                 if granted and not fit:
                     self.stats.double_spends += 1
                 if not granted:

@@ -1,7 +1,7 @@
 """The router with replicas that come and go at run time (router/discovery.py), on loopback.
 
 - A test discovery source (the router's discovery is pluggable) adds and removes in-test agents
-  (the gRPC AdmissionService and HTTP doubles of test_router_fake_agents.py): subscription,
+  (the gRPC AdmissionService and HTTP doubles of tests/integration/fake_agents.py): subscription,
   placement, drop, and in-flight requests on a removed replica (retried elsewhere before the first
   byte; the clean SSE error event after it).
 - KubernetesDiscovery with the official client against an in-test HTTP double of the API server
@@ -17,18 +17,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
-import grpc
 import pytest
 from aiohttp import web
 from kubernetes import client as k8s
 
-from proto import admission_pb2, admission_pb2_grpc
+from fake_agents import API_KEY, PROMPT, FakeAdmission, FakeUpstream, LoopbackFleet
 from loadgen.procs import free_port
 from replica_agent.clock import Clock
 from router.config import ReplicaConfig, RouterConfig, hash_api_key
 from router.discovery import KubernetesDiscovery, KubernetesEndpointSliceApi, Publish
 from router.server import Router
-from test_router_fake_agents import API_KEY, PROMPT, FakeAdmission, FakeUpstream
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -102,76 +100,22 @@ def router_config(**discovery: Any) -> RouterConfig:
     })
 
 
-class Fleet:
-    """Agents that the test starts and stops, a router fed by a discovery source."""
-
-    def __init__(self) -> None:
-        self.admission: dict[str, CountingAdmission] = {}
-        self.upstreams: dict[str, HoldUpstream] = {}
-        self.replicas: dict[str, ReplicaConfig] = {}
-        self._grpc: list[grpc.aio.Server] = []
-        self._runners: list[web.AppRunner] = []
-        self.router: Router | None = None
-        self.url = ""
-        self.session: aiohttp.ClientSession | None = None
+class Fleet(LoopbackFleet):
+    """Agents that the test starts and stops (tests/integration/fake_agents.py), a router fed by a
+    discovery source."""
 
     async def agent(self, rid: str, pab_ms: float = 400.0, mode: str = "ok", host: str = "127.0.0.1",
                     http_port: int = 0, grpc_port: int = 0) -> ReplicaConfig:
-        servicer = CountingAdmission(rid, pab_ms)
-        server = grpc.aio.server()
-        admission_pb2_grpc.add_AdmissionServiceServicer_to_server(servicer, server)
-        gport = server.add_insecure_port(f"{host}:{grpc_port}")
-        await server.start()
-        self._grpc.append(server)
-        upstream = HoldUpstream(rid, mode)
-        app = web.Application()
-        app.router.add_post("/v1/completions", upstream.handle)
-        runner = web.AppRunner(app, handler_cancellation=True)
-        await runner.setup()
-        await web.TCPSite(runner, host, http_port).start()
-        self._runners.append(runner)
-        hport = runner.addresses[0][1]
-        self.admission[rid] = servicer
-        self.upstreams[rid] = upstream
-        rep = ReplicaConfig(id=rid, http_url=f"http://{host}:{hport}", grpc_target=f"{host}:{gport}")
-        self.replicas[rid] = rep
-        return rep
+        http_url, target = await self.start_replica(CountingAdmission(rid, pab_ms), HoldUpstream(rid, mode), host,
+                                                    http_port, grpc_port)  # fmt: skip
+        return ReplicaConfig(id=rid, http_url=http_url, grpc_target=target)
 
     async def start_router(self, config: RouterConfig, source: Any) -> None:
-        self.router = Router(config, Clock(1.0), "test-router", discovery=source)
-        runner = web.AppRunner(self.router.build_app(), handler_cancellation=True)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        self._runners.insert(0, runner)
-        self.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        self.session = aiohttp.ClientSession()
-
-    async def wait(self, pred: Any, what: str, timeout_s: float = 5.0) -> None:
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout_s
-        while loop.time() < end:
-            if pred():
-                return
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"timed out waiting for {what}")
-
-    def fresh(self) -> set[str]:
-        assert self.router is not None
-        return {v.replica_id for v in self.router.book.views() if v.fresh and v.healthy}
+        await self.serve_router(Router(config, Clock(1.0), "test-router", discovery=source))
 
     async def post(self, stream: bool = False) -> aiohttp.ClientResponse:
-        assert self.session is not None
         body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 4, "stream": stream}
-        return await self.session.post(self.url + "/v1/completions", data=json.dumps(body).encode(),
-                                       headers={"Authorization": f"Bearer {API_KEY}"})
-
-    async def stop(self) -> None:
-        if self.session is not None:
-            await self.session.close()
-        for r in self._runners:
-            await r.cleanup()
-        for s in self._grpc:
-            await s.stop(None)
+        return await self.request(body)
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The router under hostile or broken input, over real HTTP on loopback (issue 14): every refusal a 4xx in
 OpenAI's error JSON, no poisoned queue, no concurrency bypass through a repeated x-request-id, bounded bodies.
 
-Replicas are the test doubles of test_router_fake_agents (a = 10 ms, b = 0.1 ms/token, horizon 450 ms;
+Replicas are the test doubles of tests/integration/fake_agents.py (a = 10 ms, b = 0.1 ms/token, horizon 450 ms;
 400 ASCII bytes = 100 tokens -> 20 ms of prefill, max context 32,768 tokens).
 """
 

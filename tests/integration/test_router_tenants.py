@@ -2,7 +2,7 @@
 (429 slo-infeasible), trusted tenant header, hot reload (SIGHUP, broken file refused), and two router
 processes sharing one Redis ledger.
 
-Replicas are the test doubles of test_router_fake_agents (a = 10 ms, b = 0.1 ms/token, horizon 450 ms;
+Replicas are the test doubles of tests/integration/fake_agents.py (a = 10 ms, b = 0.1 ms/token, horizon 450 ms;
 400 ASCII bytes = 100 tokens -> 20 ms of prefill).
 """
 
@@ -14,55 +14,29 @@ import signal
 from pathlib import Path
 
 import aiohttp
-import grpc
 import pytest
 import yaml
 from aiohttp import web
 
+from fake_agents import FakeAdmission, FakeUpstream, LoopbackFleet
 from loadgen.procs import ProcessGroup, free_port, script
-from proto import admission_pb2_grpc
 from replica_agent.clock import Clock
 from replica_agent.http_guard import make_runner
 from router.config import RouterConfig, hash_api_key
 from router.server import Router
-from tests.integration.test_router_fake_agents import FakeAdmission, FakeUpstream
 from tests.redis_fixture import RedisServer, redis_clean, redis_server  # noqa: F401
 
 KEYS = {"acme": "sk-acme", "beta": "sk-beta"}
 PROMPT = "x" * 400  # 100 tokens
 
 
-class Replicas:
-    """Fake agents (gRPC budgets + HTTP upstream) on loopback."""
-
-    def __init__(self) -> None:
-        self.admission: dict[str, FakeAdmission] = {}
-        self.upstreams: dict[str, FakeUpstream] = {}
-        self.grpc: list[grpc.aio.Server] = []
-        self.runners: list[web.AppRunner] = []
+class Replicas(LoopbackFleet):
+    """Fake agents (gRPC budgets + HTTP upstream, tests/integration/fake_agents.py) on loopback, for a
+    router in this process or in child processes."""
 
     async def add(self, rid: str, pab_ms: float, mode: str = "ok") -> dict[str, str]:
-        servicer = FakeAdmission(rid, pab_ms)
-        server = grpc.aio.server()
-        admission_pb2_grpc.add_AdmissionServiceServicer_to_server(servicer, server)
-        gport = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        self.grpc.append(server)
-        upstream = FakeUpstream(rid, mode)
-        app = web.Application()
-        app.router.add_post("/v1/completions", upstream.handle)
-        runner = web.AppRunner(app, handler_cancellation=True)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        self.runners.append(runner)
-        self.admission[rid], self.upstreams[rid] = servicer, upstream
-        return {"id": rid, "http_url": f"http://127.0.0.1:{runner.addresses[0][1]}", "grpc_target": f"127.0.0.1:{gport}"}
-
-    async def stop(self) -> None:
-        for r in self.runners:
-            await r.cleanup()
-        for s in self.grpc:
-            await s.stop(None)
+        http_url, target = await self.start_replica(FakeAdmission(rid, pab_ms), FakeUpstream(rid, mode))
+        return {"id": rid, "http_url": http_url, "grpc_target": target}
 
 
 def config_dict(replicas: list[dict[str, str]], tenants: dict[str, dict], **extra: object) -> dict:

@@ -1,5 +1,5 @@
 """router/admission.py: the prompt cap, the contention cap, the held replica and the rule after a
-relay attempt, worked by hand."""
+relay attempt, the offers of a placement and one request's relay attempts, worked by hand."""
 
 from __future__ import annotations
 
@@ -8,11 +8,16 @@ import pytest
 from replica_agent.policy.pab import ClassBudget
 from replica_agent.policy.time_model import TimeModel
 from router.admission import (
+    MAX_ADMIT_REFUSALS,
+    MAX_RELAY_TRIES,
     PromptDecision,
     RelayAction,
+    RelayAttempts,
     after_relay,
     contention_excluded,
     hold_replica,
+    lease_tokens,
+    offer_replicas,
     prompt_decision,
 )
 from router.placement import ReplicaView
@@ -95,3 +100,61 @@ def test_after_relay_table(kind: str, refusals: int, expected: RelayAction) -> N
 def test_after_relay_unknown_kind() -> None:
     with pytest.raises(ValueError, match="teapot"):
         after_relay("teapot", 0, 8)
+
+
+def test_offers_are_the_first_candidate_inline_else_the_first_max_reserve() -> None:
+    cands = ["r3", "r1", "r0", "r2"]
+    assert list(offer_replicas(cands, True, 3)) == ["r3"]  # the agent decides on arrival: one replica
+    assert list(offer_replicas(cands, False, 3)) == ["r3", "r1", "r0"]  # a refused Reserve tries the next
+    assert list(offer_replicas(cands[:2], False, 3)) == ["r3", "r1"]
+    assert list(offer_replicas([], True, 3)) == [] and list(offer_replicas([], False, 3)) == []
+
+
+def test_a_lease_covers_the_uncached_prompt() -> None:
+    cached = {"r0": 512, "r1": 999}
+    assert lease_tokens(1000, cached, "r0") == 488
+    assert lease_tokens(1000, cached, "r1") == 1  # the map caps a hit at prompt - 1: one token to compute
+    assert lease_tokens(1000, cached, "r2") == 1000  # nothing known cached there
+    assert lease_tokens(1000, {}, "r0") == 1000
+    assert lease_tokens(100, {"r0": 512}, "r0") == 0  # never below 0
+
+
+def test_failures_before_the_first_byte_are_bounded_and_excluded() -> None:
+    t = RelayAttempts(2, 8)
+    assert t.next_try()
+    assert t.after("retryable", "r0") == RelayAction(True, "upstream-error", "retry")
+    assert t.exclude == {"r0"} and t.refused_on == frozenset()
+    assert t.next_try()
+    assert t.after("retryable", "r1").next == "retry"
+    assert t.exclude == {"r0", "r1"}
+    assert not t.next_try()  # two failures: the request is answered with the last one
+    assert t.tries == 2
+
+
+def test_inline_refusals_do_not_count_as_tries_and_give_up_at_the_bound() -> None:
+    t = RelayAttempts(2, 8)
+    attempts = 0
+    for i in range(7):  # seven refusals, each placed again at once (attempt given back)
+        assert t.next_try()
+        attempts += 1
+        assert t.after("lease_refused", f"r{i % 3}") == RelayAction(True, None, "replace")
+    assert t.tries == 0 and t.refusals == 7
+    assert t.refused_on == {"r0", "r1", "r2"} and t.exclude == frozenset()  # refused: not failed
+    assert t.next_try()
+    attempts += 1
+    assert t.after("retryable", "r0").next == "retry"  # one real failure: tries 1
+    assert t.next_try()
+    attempts += 1
+    assert t.after("lease_refused", "r1") == RelayAction(True, None, "give_up")  # the 8th refusal
+    # at most max_tries + max_refusals - 1 attempts: 2 + 8 - 1 = 9
+    assert attempts == 9 == MAX_RELAY_TRIES + MAX_ADMIT_REFUSALS - 1
+
+
+def test_an_answer_ends_the_attempts_without_changing_them() -> None:
+    t = RelayAttempts()
+    assert (t.max_tries, t.max_refusals) == (MAX_RELAY_TRIES, MAX_ADMIT_REFUSALS) == (2, 8)
+    assert t.next_try()
+    assert t.after("ok", "r0") == RelayAction(False, None, "answer", "ok")
+    assert (t.tries, t.refusals, t.exclude, t.refused_on) == (1, 0, frozenset(), frozenset())
+    with pytest.raises(ValueError):
+        t.after("teapot", "r0")

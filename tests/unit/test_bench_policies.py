@@ -49,3 +49,24 @@ def test_trace_start_skips_the_gap_at_the_start_of_azure_code(tmp_path) -> None:
     # the rate label is the trace's long-run average (gaps included): this dense segment offers
     # about three times the labelled rate
     assert expected > 2.5 * 60
+
+
+def test_hash_ids_reach_the_engines_prefix_cache() -> None:
+    from dataclasses import replace
+
+    from loadgen.bench_policies import BenchSetup, run_point
+    from loadgen.traces import TraceRequest
+
+    # three 1024-token prompts far apart (each done before the next): the second repeats the first
+    # (ids 1, 2), the third shares only its first 512-token block (ids 1, 3). vLLM hits at most
+    # prompt - 1 tokens, in whole 16-token blocks: 1023 // 16 * 16 = 1008 for the second, 512 for the
+    # third; queried 3 * 1024. Hit ratio (0 + 1008 + 512) / 3072.
+    trace = (TraceRequest(0.0, 1024, 4, (1, 2)), TraceRequest(10_000.0, 1024, 4, (1, 2)),
+             TraceRequest(20_000.0, 1024, 4, (1, 3)))  # fmt: skip
+    setup = BenchSetup(trace, 1.0, "llama-3-8b-a100", "all_batches", 1000.0, 100.0, 60.0, 2048, 64, 16, 32768, None)
+    row = run_point(setup, "vllm-default", 1.0)
+    assert row["requests"] == 3 and row["slo_attainment"] == 1.0
+    assert row["prefix_hit_ratio"] == (1008 + 512) / 3072
+    assert run_point(replace(setup, prefix_caching=False), "vllm-default", 1.0)["prefix_hit_ratio"] == 0.0
+    no_ids = replace(setup, trace=tuple(TraceRequest(r.arrival_ms, r.prompt_tokens, r.output_tokens) for r in trace))
+    assert run_point(no_ids, "vllm-default", 1.0)["prefix_hit_ratio"] == 0.0

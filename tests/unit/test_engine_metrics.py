@@ -11,6 +11,8 @@ from replica_agent.engine_metrics import (
     CACHE_CONFIG,
     ITL,
     KV_USAGE,
+    PREFIX_HITS,
+    PREFIX_QUERIES,
     PREEMPTIONS,
     RUNNING,
     WAITING,
@@ -144,20 +146,58 @@ def _loaded(page: str) -> str:
 def test_real_vllm_page_parsed_from_the_wanted_lines_only() -> None:
     page = _loaded(REAL_PAGE)
     kept = wanted_lines(page).splitlines()
-    # running, waiting (not waiting_by_reason), KV usage, preemptions, ITL sum and count, cache config
-    assert len(kept) == 7 and not any("waiting_by_reason" in line for line in kept)
+    # running, waiting (not waiting_by_reason), KV usage, preemptions, ITL sum and count, cache config,
+    # prefix-cache queries and hits (not their _created gauges)
+    assert len(kept) == 9 and not any("waiting_by_reason" in line or "_created" in line for line in kept)
     m, missing = parse_engine_metrics(page)
     assert missing == []
     assert m == EngineMetrics(num_running=3, num_waiting=29, kv_usage=0.9375, preemptions=7.0, block_size=128,
-                              num_gpu_blocks=4096, itl_sum_s=0.13563743601116585, itl_count=57.0)
+                              num_gpu_blocks=4096, itl_sum_s=0.13563743601116585, itl_count=57.0,
+                              prefix_queries=12.0, prefix_hits=0.0)  # fmt: skip
     # reference: prometheus_client over the whole page
     ref = {s.name: s.value for f in text_string_to_metric_families(page) for s in f.samples
-           if s.name in (RUNNING, WAITING, KV_USAGE, PREEMPTIONS, ITL + "_sum", ITL + "_count")}
+           if s.name in (RUNNING, WAITING, KV_USAGE, PREEMPTIONS, ITL + "_sum", ITL + "_count", PREFIX_QUERIES,
+                         PREFIX_HITS)}  # fmt: skip
     assert ref == {RUNNING: m.num_running, WAITING: m.num_waiting, KV_USAGE: m.kv_usage, PREEMPTIONS: m.preemptions,
-                   ITL + "_sum": m.itl_sum_s, ITL + "_count": m.itl_count}
+                   ITL + "_sum": m.itl_sum_s, ITL + "_count": m.itl_count, PREFIX_QUERIES: m.prefix_queries,
+                   PREFIX_HITS: m.prefix_hits}  # fmt: skip
 
 
 def test_a_page_without_the_wanted_metrics_is_parsed_whole() -> None:
     assert wanted_lines("# TYPE other gauge\nother 1.0\n") == ""
     with pytest.raises(ValueError):  # not Prometheus text at all: still an error, not "all missing"
         parse_engine_metrics("<html><body>502 Bad Gateway</body></html>\n")
+
+
+def test_prefix_cache_counters_are_read_and_optional() -> None:
+    text = VLLM_032 + (
+        "# TYPE vllm:prefix_cache_queries counter\n"
+        'vllm:prefix_cache_queries_total{engine="0",model_name="tiny-llama"} 3000.0\n'
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="tiny-llama"} 1200.0\n'
+    )
+    m, missing = parse_engine_metrics(text)
+    assert missing == [] and (m.prefix_queries, m.prefix_hits) == (3000.0, 1200.0)
+    assert PREFIX_QUERIES in wanted_lines(text) and PREFIX_HITS in wanted_lines(text)
+    m, missing = parse_engine_metrics(VLLM_032)  # an engine without them: unknown, not missing
+    assert missing == [] and (m.prefix_queries, m.prefix_hits) == (None, None)
+
+
+def test_prefix_hit_window() -> None:
+    from replica_agent.engine_metrics import PrefixHitWindow
+
+    w = PrefixHitWindow(window_ms=60.0)
+    assert w.delta() == (0, 0)
+    w.add(0.0, 100.0, 10.0)
+    assert w.delta() == (0, 0)  # one sample: no window yet
+    w.add(10.0, None, None)  # an engine without the counters: ignored
+    for t in range(10, 80, 10):  # 100 queried and 50 hit per 10 ms from t = 10 on
+        w.add(float(t), 100.0 + 10 * t, 10.0 + 5 * t)
+    # newest t = 70; the oldest kept is the last sample at or before 70 - 60 = 10: 60 ms of traffic
+    assert w.delta() == (600, 300)
+    w.add(80.0, 50.0, 0.0)  # counters went down: the engine restarted, the window starts afresh
+    assert w.delta() == (0, 0)
+    w.add(90.0, 150.0, 20.0)
+    assert w.delta() == (100, 20)
+    with pytest.raises(ValueError):
+        PrefixHitWindow(window_ms=0.0)

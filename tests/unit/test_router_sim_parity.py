@@ -1,0 +1,103 @@
+"""The router (router/server.py) and a fleet simulation's router (loadgen/fleet/sim.py) take the same
+decision on one built state: both call the pure rules of router/admission.py and router/arrival.py.
+
+Two replicas, time model a = 10 ms, b = 0.1 ms/token (prefill of P tokens: 10 + 0.1 P ms), horizon
+900 ms; each router's book gets the same snapshots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from loadgen.fleet.sim import FleetConfig, FleetRequest, FleetSim
+from proto import admission_pb2
+from replica_agent.policy.time_model import TimeModel
+from router.admission_queue import WaitingRequest
+from router.config import RouterConfig, hash_api_key
+from router.server import Router, SloInfeasible
+from tests.fakes import FakeClock
+
+TM = TimeModel(10.0, 0.1, 0.0)
+
+
+def snapshot(rid: str, pab_ms: float, decode_ms: float = 0.0) -> admission_pb2.BudgetSnapshot:
+    return admission_pb2.BudgetSnapshot(
+        replica_id=rid, seq=1, ttl_ms=10_000_000, healthy=True, max_prompt_tokens=32768,
+        coefficients=admission_pb2.TimeModelCoefficients(a_ms=10.0, b_ms_per_new_token=0.1),
+        classes=[admission_pb2.ClassBudget(slo_class="interactive", ttft_ms=1000.0, tpot_ms=100.0, horizon_ms=900.0,
+                                           pab_ms=pab_ms, pab_tokens=int(max(0.0, pab_ms - 10.0) / 0.1),
+                                           kv_free_tokens=100_000, kv_limited_tokens=100_000,
+                                           decode_reservation_ms=decode_ms)],
+    )  # fmt: skip
+
+
+def server_router(sheddable: bool = False) -> Router:
+    cfg = RouterConfig.model_validate({
+        "slo_classes": {"interactive": {"ttft_ms": 1000, "tpot_ms": 100, "max_queue_ms": 5000,
+                                        "sheddable": sheddable}},
+        "tenants": {"t0": {"weight": 1, "slo_class": "interactive"}},
+        "api_keys": {hash_api_key("k"): "t0"},
+        "replicas": [{"id": f"r{i}", "http_url": f"http://127.0.0.1:{i + 1}", "grpc_target": f"127.0.0.1:{i + 1}"}
+                     for i in range(2)],
+        # one map key per 512 tokens, as the simulation's 512-token prefix blocks
+        "admission": {"lease_mode": "inline", "start_window_steps": 0, "bytes_per_token": 4.0},
+        "placement": {"seed": 1, "prefix_cache": {"enabled": True, "chunk_chars": 2048}},
+    })  # fmt: skip
+    return Router(cfg, FakeClock(), "parity")  # type: ignore[arg-type]
+
+
+def sim_router(policy: str, request: FleetRequest) -> tuple[FleetSim, object]:
+    cfg = FleetConfig(policy=policy, replicas=2, time_model=TM, kv_capacity_tokens=100_000, ttft_ms=1000.0,
+                      tpot_ms=100.0, lease_mode="inline", start_window_steps=0.0, prefix_block_tokens=512)
+    sim = FleetSim(cfg, [request])
+    return sim, sim.routers[0]
+
+
+async def test_inline_placement_on_the_warm_replica_with_its_uncached_tokens() -> None:
+    # a 2048-token prompt (4 prefix blocks) that r1 holds: the map caps a hit at P - 1 = 2047 cached,
+    # so r1 is asked to admit 1 token (10.1 ms <= its 50 ms); r0 would need 10 + 204.8 > its 100 ms
+    request = FleetRequest(0.0, 2048, 10, prefix_ids=(1, 2, 3, 4))
+    sim, srouter = sim_router("pab-prefix", request)
+    router = server_router()
+    for rid, pab in (("r0", 100.0), ("r1", 50.0)):
+        router.book.update(rid, snapshot(rid, pab))
+        srouter.book.update(rid, snapshot(rid, pab))  # type: ignore[attr-defined]
+    keys = sim.router_keys(0)
+    assert router.prefix is not None and router.prefix.tokens_per_key == 512
+    router.prefix.insert("r1", keys)
+    srouter.prefix.insert("r1", keys)  # type: ignore[attr-defined]
+    router._prefix_keys["0"] = keys
+
+    grant = await router._place_and_reserve("interactive", 2048, 10, "0", frozenset(), 0.0)
+    sgrant = srouter._place(0, "interactive", 2048, frozenset(), 0.0)  # type: ignore[attr-defined]
+    assert grant is not None and sgrant is not None
+    assert (grant.replica_id, grant.inline, grant.prompt_tokens) == ("r1", True, 1)
+    assert (sim.replicas[sgrant.replica].rid, sgrant.inline, sgrant.prompt_tokens) == ("r1", True, 1)
+    # both books took the same 1-token prefill locally: 50 - (10 + 0.1) ms
+    for book in (router.book, srouter.book):  # type: ignore[attr-defined]
+        assert book.get("r1").classes["interactive"].pab_ms == pytest.approx(39.9)
+
+
+async def test_queued_behind_others_a_late_sheddable_request_is_refused_by_both() -> None:
+    # Someone waits already, so neither tries a placement. Both replicas: PAB 0, decodes hold the
+    # whole 900 ms horizon; an 8000-token prompt needs 10 + 800 = 810 ms, freed at 1 ms/ms (no drain
+    # measured yet) -> wait 810 ms (+ the waiting 1-token prompt ahead: 0.1 ms over 2 replicas' rate
+    # 2 ms/ms = 0.05); 0 + 810.05 + 810 > 1000 - (1000 - 900) margin: refused slo-infeasible
+    request = FleetRequest(0.0, 8000, 10)
+    sim, srouter = sim_router("pab", request)
+    router = server_router(sheddable=True)
+    for rid in ("r0", "r1"):
+        router.book.update(rid, snapshot(rid, 0.0, decode_ms=900.0))
+        srouter.book.update(rid, snapshot(rid, 0.0, decode_ms=900.0))  # type: ignore[attr-defined]
+    loop = asyncio.get_running_loop()
+    for queue in (router.queue, srouter.queue):  # type: ignore[attr-defined]
+        queue.push(WaitingRequest("w", "t0", "interactive", 1, 1, 0.0, 1e9, loop.create_future()))
+    principal = router.auth.identify({"Authorization": "Bearer k"}, None)
+    assert principal is not None
+    with pytest.raises(SloInfeasible) as exc:
+        await router._acquire(principal, 8000, 10, "x", frozenset(), 0.0)
+    assert exc.value.wait_ms == pytest.approx(810.05)
+    srouter.arrive(0)  # type: ignore[attr-defined]
+    assert (sim.states[0].outcome, sim.states[0].reason) == ("rejected", "slo-infeasible")
