@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             fate[str(idx)] = "met"
         else:
             fate[str(idx)] = "missed"
+    gpu = defaultdict(float)  # request id -> GPU ms charged, whole run
+    for _, _, _, charges in steps:
+        for rid, c in charges:
+            gpu[rid] += c
     win = defaultdict(float)
     for start, dur, fixed, charges in steps:
         lo, hi = max(start, t0), min(start + dur, t1)
@@ -163,6 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     def frac(x: float) -> float:
         return round(x / total, 4)
 
+    spent = np.array([gpu.get(str(i), 0.0) for i, _ in counted])
+    swap = {
+        "met_outside_bound_set": int((met & ~bound_set).sum()),
+        "their_gpu_frac": frac(float(spent[met & ~bound_set].sum())),
+        "bound_set_not_met": int((~met & bound_set).sum()),
+        "their_min_work_frac": frac(float(w[~met & bound_set].sum())),
+        "served_missed_gpu_frac": frac(float(spent[kinds == "served-missed"].sum())),
+    }
+
     out: dict[str, Any] = {
         "trace": args.trace, "profile": args.profile, "policy": args.policy, "rate_rps": args.rate,
         "replicas": args.replicas, "duration_s": args.duration_s, "warmup_s": args.warmup_s, "drain_s": args.drain_s,
@@ -178,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "met_tokens_per_request": float((p + o)[met].mean()),
         "bound_set_tokens_per_request": float((p + o)[bound_set].mean()),
         "met_and_in_bound_set": int((met & bound_set).sum()),
+        "swap": swap,
         "prompt_quantiles": {k: [float(np.quantile(p[kinds == k], x)) for x in (0.1, 0.5, 0.9, 0.99)]
                              for k in ("met", "served-missed", "rejected") if (kinds == k).any()},
         "counts": {k: int((kinds == k).sum()) for k in ("met", "served-missed", "rejected")},

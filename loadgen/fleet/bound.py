@@ -279,7 +279,7 @@ def windowed_attainment_bound(
     end_ms: float,
     max_num_batched_tokens: int = 8192,
     cached_tokens: Sequence[float] | None = None,
-    windows_ms: Sequence[float] = (1000.0, 2000.0, 5000.0, 10_000.0, 30_000.0, 60_000.0, 120_000.0),
+    windows_ms: Sequence[float] = (1000.0, 2000.0, 5000.0, 10_000.0, 30_000.0, 60_000.0, 120_000.0, 240_000.0),
     steps_ms: Sequence[float] | None = None,
 ) -> tuple[float, float, float]:
     """Upper bound on the SLO attainment any schedule reaches on this arrival stream (burst-aware).
@@ -299,7 +299,7 @@ def windowed_attainment_bound(
     under one sum constraint), and dropping every constraint that links the intervals relaxes the problem,
     so ``sum_k (how many of the cheapest of I_k fit) / n`` bounds the attainment over requests arriving in
     [start, end) (n of them), for every L and D: the bound is the smallest over ``windows_ms`` (L) and
-    D in {0, L}; within the constant-step model, the largest over T (``steps_ms``; default 10 points over
+    D in {0, L/8, L/4, L/2, L}; within the constant-step model, the largest over T (``steps_ms``; default 10 points over
     (m*a, tpot_ms]). It ignores everything that arrived before ``start`` (it only takes GPU time).
 
     Args:
@@ -345,7 +345,7 @@ def windowed_attainment_bound(
         finite = np.isfinite(pre)  # the others cannot meet their TTFT at this T
         for length in windows_ms:
             k_all = np.floor((t - start_ms) / length).astype(np.int64)
-            for d in (0.0, float(length)):
+            for d in (0.0, length / 8.0, length / 4.0, length / 2.0, float(length)):
                 cost = (pre + np.where((o - 1) * tpot_ms <= d, dec, 0.0))[finite]
                 k = k_all[finite]
                 order = np.lexsort((cost, k))  # by interval, cheapest first within one
