@@ -76,7 +76,7 @@ from loadgen.bench_args import (
     resolve_engine_time,
 )
 from loadgen.bench_policies import capacity
-from loadgen.fleet.bound import SteadyBound, steady_state_bound
+from loadgen.fleet.bound import SteadyBound, shared_prefix_tokens, steady_state_bound, windowed_attainment_bound
 from loadgen.fleet.sim import POLICIES, FleetConfig, FleetRequest, run_fleet
 from loadgen.sim.engine_time import EngineTimeModel, describe_engine, engine_label
 from loadgen.stats import Slo, figures, meets_slo, per_tenant
@@ -257,7 +257,9 @@ def run_point(setup: Setup, policy: str, rate_rps: float) -> dict[str, Any]:
     """One policy at one rate: a row of fleet.json."""
     reqs = build_arrivals(setup.trace, setup.native_rps, rate_rps, setup.duration_s, setup.windows or setup.replicas,
                           setup.seed, setup.window_offset)  # fmt: skip
-    res = run_fleet(fleet_config(setup, policy), reqs)
+    cfg = fleet_config(setup, policy)
+    res = run_fleet(cfg, reqs)
+    bounds = stream_bounds(setup, reqs, cfg.prefix_block_tokens)
     slo = Slo(setup.ttft_ms, setup.tpot_ms)
     slos = {t: slo for t, _ in TENANTS}
     # steady state: requests that arrived during the warm-up run (they load the fleet) but are not counted
@@ -298,6 +300,44 @@ def run_point(setup: Setup, policy: str, rate_rps: float) -> dict[str, Any]:
         "max_load_ratio": _max_ratio(st.replica_busy_ms), "max_requests_ratio": _max_ratio(st.replica_requests),
         "preemptions": st.preemptions, "steps": st.steps, "dispatch_passes": st.dispatch_passes,
         "sim_end_s": st.end_ms / 1000.0, "wall_s": round(res.wall_s, 2),
+        **bounds,
+    }  # fmt: skip
+
+
+def stream_bounds(setup: Setup, reqs: Sequence[FleetRequest], block_tokens: int) -> dict[str, Any]:
+    """The bounds of loadgen/fleet/bound.py on the stream actually offered at one rate (row fields).
+
+    ``stream_steady_bound_rps``: the steady-state bound of the counted requests, with the prefix cache's
+    best case (:func:`~loadgen.fleet.bound.shared_prefix_tokens`) where the engines cache prefixes and the
+    trace has prefix ids (the trace-wide ``steady_state_bound`` charges every prompt token);
+    ``attainment_bound``: the burst-aware upper bound on attainment at this rate
+    (:func:`~loadgen.fleet.bound.windowed_attainment_bound`), with the interval length that gave it.
+    ``block_tokens``: tokens per prefix id (FleetConfig.prefix_block_tokens).
+    """
+    prof = load_profile(setup.profile)
+    model = setup.engine_time if setup.engine_time is not None else prof.time_model
+    h = None
+    if setup.prefix_caching and any(r.prefix_ids for r in reqs):
+        h = shared_prefix_tokens([r.prefix_ids for r in reqs], [r.prompt_tokens for r in reqs], block_tokens,
+                                 [r.arrival_ms for r in reqs], setup.ttft_ms)  # fmt: skip
+    t0 = setup.warmup_s * 1000.0
+    counted = [i for i, r in enumerate(reqs) if r.arrival_ms >= t0]
+    if not counted:
+        return {}
+    steady = steady_state_bound(
+        [reqs[i].prompt_tokens for i in counted], [reqs[i].output_tokens for i in counted], model, setup.ttft_ms,
+        setup.tpot_ms, setup.replicas, prof.kv_capacity_tokens, setup.max_num_seqs, setup.max_num_batched_tokens,
+        0.9, cached_tokens=None if h is None else h[counted],
+    )  # fmt: skip
+    att, length, _ = windowed_attainment_bound(
+        [r.arrival_ms for r in reqs], [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], model,
+        setup.ttft_ms, setup.tpot_ms, setup.replicas, t0, setup.duration_s * 1000.0, setup.max_num_batched_tokens, h,
+    )  # fmt: skip
+    return {
+        "stream_steady_bound_rps": round(steady.rps, 3),
+        "prefix_shareable_frac": None if h is None else round(float(h[counted].sum()) /
+                                                              max(1, sum(reqs[i].prompt_tokens for i in counted)), 4),
+        "attainment_bound": round(att, 4), "attainment_bound_interval_s": length / 1000.0,
     }  # fmt: skip
 
 

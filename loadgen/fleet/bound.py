@@ -35,6 +35,24 @@ per second, S the served set, ``|S| >= ceil(q n)``; the steps' fixed cost takes 
 ``λ <= 1000 * (1 - m*a/T) / ((1/n) * sum of the ceil(q n) smallest W_i(T))``: the cheapest q-fraction by
 work, the costliest ``1 - q`` allowed to miss (at q = 1 it is the all-requests bound).
 
+**Prefix caching** (the engines keep vLLM's automatic prefix cache): a request whose first h tokens are
+already in the KV cache computes only ``U = P - h`` of them. A request can skip only tokens that *another*
+request computed (its own earlier attempt, if preempted, is recomputed), and to meet its TTFT request i
+must have its prompt computed by ``t_i + ttft``, while request j computes nothing before it arrives at
+``t_j``. So with ``h_i`` = the longest prompt prefix request i shares with another request j of the stream
+with ``t_j <= t_i + ttft`` (in whole ``block_tokens`` units, at most ``P - 1``: the engine computes the
+last prompt token; :func:`shared_prefix_tokens`), every schedule in which i meets its SLO computes at
+least U_i of i's prompt tokens. Order within that window does not matter (a later arrival may be computed
+first and serve the earlier one), so both members of a close pair are credited: looser than what a real
+cache can do, but a lower bound of each served request's own work, which is all the cheapest-q argument
+needs. The chunks now start at prefix h:
+``x_k = h + c_1 + ... + c_{k-1}``, so ``sum x_k >= K h + K(K-1)/2`` and ``sum c_k x_k = h U + (U^2 - S)/2``:
+``prefill(K) >= b*U + c*(K h + K(K-1)/2) + d*K + e*(h U + U^2/2) + (f - e/2) * S(U, K)``, K in
+``[ceil(U / M), min(U, floor(ttft_ms / T))]`` (the formula above with P -> U and d -> d + c h, plus
+``e h U``). Decodes are unchanged (their context is the whole P + j). KV and tokens per step count the
+U_i uncached tokens only (cached blocks may be shared: counting them once per request could overstate
+the need). ``h = 0`` everywhere (no prefix ids, or caching off) is the bound without caching.
+
 **The other resources** (as in the analytic bound, each with its own cheapest q-fraction, which can only
 relax it): KV by Little's law ``λ * (1/n) * sum_q K_i * T / 1000 <= kv_capacity`` with
 ``K_i = sum_{j=0}^{O-1} (P + j)``; sequences ``λ * (1/n) * sum_q O_i * T / 1000 <= max_num_seqs``; tokens per
@@ -116,11 +134,87 @@ class WorkModel:
                    model.e_ms_per_chunk_prefix, 0.0, 0.0, float(getattr(model, "d_ms_per_decode", 0.0)))  # fmt: skip
 
 
+def shared_prefix_tokens(
+    prefix_ids: Sequence[Sequence[int]],
+    prompt_tokens: Sequence[int],
+    block_tokens: int,
+    arrival_ms: Sequence[float] | None = None,
+    ttft_ms: float = math.inf,
+) -> np.ndarray:
+    """``h_i`` of the module docstring: the longest prompt prefix request i can have found in the cache.
+
+    Request i meets its TTFT only if its prompt is computed by ``t_i + ttft_ms``, and a block can be in the
+    cache then only if another request j computed it, after j's arrival: so j counts only when
+    ``t_j <= t_i + ttft_ms`` (earlier or later arrivals alike: a later one may be computed first).
+
+    Args:
+        prefix_ids: per request, the ids of its prompt's leading blocks (equal leading ids = equal prefix;
+            loadgen/fleet/sim.py ``FleetRequest.prefix_ids``), shape (n, variable).
+        prompt_tokens: shape (n,), each >= 1.
+        block_tokens: tokens per id (> 0).
+        arrival_ms: shape (n,), arrival times (ms); None = every other request counts.
+        ttft_ms: the TTFT target (ms); inf = every other request counts.
+
+    Returns:
+        shape (n,) floats: ``min(P_i - 1, block_tokens * j_i)``, j_i the most leading ids request i has in
+        common with one other request that counts (0 for a prompt that shares nothing).
+
+    Raises:
+        ValueError: on block_tokens <= 0 or lengths that differ.
+    """
+    n = len(prompt_tokens)
+    if block_tokens <= 0:
+        raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
+    if len(prefix_ids) != n or (arrival_ms is not None and len(arrival_ms) != n):
+        raise ValueError("prefix_ids, prompt_tokens and arrival_ms differ in length")
+    t = [0.0] * n if arrival_ms is None else [float(x) for x in arrival_ms]
+    # A leading run of ids is keyed by a chain of hashes (a collision could only overstate sharing: the safe
+    # side); per key the two earliest arrivals (time, request), so "the earliest other one" is known for all.
+    chains = []
+    first: dict[int, list[tuple[float, int]]] = {}
+    for i, ids in enumerate(prefix_ids):
+        keys, key = [], 0
+        for x in ids:
+            key = hash((key, x))
+            keys.append(key)
+            two = first.setdefault(key, [])
+            two.append((t[i], i))
+            if len(two) > 2:
+                two.sort()
+                del two[2:]
+        chains.append(keys)
+    out = np.zeros(n)
+    for i, keys in enumerate(chains):
+        j = 0
+        while j < len(keys):
+            others = [tj for tj, k in first[keys[j]] if k != i]
+            if not others or min(others) > t[i] + ttft_ms:
+                break
+            j += 1
+        out[i] = min(max(0, int(prompt_tokens[i]) - 1), block_tokens * j)
+    return out
+
+
 def request_work_ms(
     prompt_tokens: np.ndarray, output_tokens: np.ndarray, model: EngineTimeModel | TimeModel, step_ms: float, ttft_ms: float,
-    max_num_batched_tokens: int,
+    max_num_batched_tokens: int, cached_tokens: np.ndarray | None = None,
 ) -> np.ndarray:
     """``W_i(T)`` of the module docstring for every request (ms; ``inf`` where no chunk count meets the TTFT).
+
+    Same arguments and errors as :func:`request_work_parts_ms`; the sum of its two parts.
+    """
+    prefill, decodes = request_work_parts_ms(prompt_tokens, output_tokens, model, step_ms, ttft_ms,
+                                             max_num_batched_tokens, cached_tokens)  # fmt: skip
+    return prefill + decodes
+
+
+def request_work_parts_ms(
+    prompt_tokens: np.ndarray, output_tokens: np.ndarray, model: EngineTimeModel | TimeModel, step_ms: float, ttft_ms: float,
+    max_num_batched_tokens: int, cached_tokens: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``W_i(T)`` of the module docstring split into (prefill, decodes), each times the noise mean (ms).
+
+    The prefill part is ``inf`` where no chunk count meets the TTFT at step length T.
 
     Args:
         prompt_tokens, output_tokens: shape (n,), each >= 1.
@@ -128,9 +222,11 @@ def request_work_ms(
         step_ms: step length T (ms), > 0.
         ttft_ms: TTFT target (ms).
         max_num_batched_tokens: tokens per step at most (M).
+        cached_tokens: h_i, prompt tokens another request may have computed (module docstring, "Prefix
+            caching"; :func:`shared_prefix_tokens`), shape (n,), each in [0, P_i - 1]; None = 0.
 
     Raises:
-        ValueError: on step_ms <= 0 or a token count < 1.
+        ValueError: on step_ms <= 0, a token count < 1, or a cached count outside [0, P - 1].
     """
     p = np.asarray(prompt_tokens, dtype=float)
     o = np.asarray(output_tokens, dtype=float)
@@ -138,33 +234,134 @@ def request_work_ms(
         raise ValueError(f"step_ms must be > 0, got {step_ms}")
     if p.size and (p.min() < 1 or o.min() < 1):
         raise ValueError("prompt and output tokens must be >= 1")
+    h = np.zeros_like(p) if cached_tokens is None else np.asarray(cached_tokens, dtype=float)
+    if h.shape != p.shape or (h.size and (h.min() < 0 or (h > p - 1).any())):
+        raise ValueError("cached_tokens must have the prompts' shape, each in [0, P - 1]")
+    u = p - h
     w = WorkModel.of(model)
     b, c, d, e, f = w.b, w.c, w.d, w.e, w.f
     dec = (o - 1) * (b + d + f + w.d_dec) + (c + w.e_dec) * ((o - 1) * p + (o - 1) * (o - 2) / 2)
-    k_lo = np.ceil(p / max_num_batched_tokens)
-    k_hi = np.minimum(p, math.floor(ttft_ms / step_ms + 1e-9))
+    k_lo = np.ceil(u / max_num_batched_tokens)
+    k_hi = np.minimum(u, math.floor(ttft_ms / step_ms + 1e-9))
     g = f - e / 2.0
+    dh = d + c * h  # per-chunk cost: d, and c over the cached prefix every chunk reads
 
     def prefill(k: np.ndarray) -> np.ndarray:
-        s = p * p / k if g >= 0 else (p - k + 1) ** 2 + k - 1
-        return b * p + c * k * (k - 1) / 2 + d * k + e * p * p / 2 + g * s
+        s = u * u / k if g >= 0 else (u - k + 1) ** 2 + k - 1
+        return b * u + c * k * (k - 1) / 2 + dh * k + e * (h * u + u * u / 2) + g * s
 
-    # prefill(K) - const = c K(K-1)/2 + d K + g P^2 / K is convex in K for g >= 0: its integer minimum over
-    # [k_lo, k_hi] is at an end or at floor/ceil of the stationary point c (2K - 1)/2 + d = g P^2 / K^2
+    # prefill(K) - const = c K(K-1)/2 + d' K + g U^2 / K (d' = d + c h) is convex in K for g >= 0: its integer
+    # minimum over [k_lo, k_hi] is at an end or at floor/ceil of the stationary point c (2K - 1)/2 + d' = g U^2 / K^2
     # (Newton from below: the left side is concave and increasing in K, so the iterates rise to the root).
     # For g < 0 every term grows with K (S's upper bound shrinks), so the minimum is at k_lo.
     cands = [k_lo, k_hi]
     if g > 0 and (c > 0 or d > 0):
         k = np.ones_like(p)
         for _ in range(40):
-            k = np.maximum(1.0, k - (c * (2 * k - 1) / 2 + d - g * p * p / (k * k)) / (c + 2 * g * p * p / k**3))
+            k = np.maximum(1.0, k - (c * (2 * k - 1) / 2 + dh - g * u * u / (k * k)) / (c + 2 * g * u * u / k**3))
         cands += [np.floor(k), np.ceil(k)]
     best = np.full(p.shape, np.inf)
     for kc in cands:
         kk = np.clip(kc, k_lo, np.maximum(k_lo, k_hi))
         best = np.minimum(best, prefill(np.maximum(kk, 1.0)))
-    work = w.mean_factor * (dec + best)
-    return np.where(k_hi >= k_lo, work, np.inf)
+    return np.where(k_hi >= k_lo, w.mean_factor * best, np.inf), w.mean_factor * dec
+
+
+def windowed_attainment_bound(
+    arrival_ms: Sequence[float],
+    prompt_tokens: Sequence[int],
+    output_tokens: Sequence[int],
+    model: EngineTimeModel | TimeModel,
+    ttft_ms: float,
+    tpot_ms: float,
+    replicas: int,
+    start_ms: float,
+    end_ms: float,
+    max_num_batched_tokens: int = 8192,
+    cached_tokens: Sequence[float] | None = None,
+    windows_ms: Sequence[float] = (1000.0, 2000.0, 5000.0, 10_000.0, 30_000.0, 60_000.0, 120_000.0, 240_000.0),
+    steps_ms: Sequence[float] | None = None,
+) -> tuple[float, float, float]:
+    """Upper bound on the SLO attainment any schedule reaches on this arrival stream (burst-aware).
+
+    The steady-state bound lets load move freely in time; a request cannot wait longer than its TTFT, so a
+    burst must be served within it. Relaxations, each only raising the bound: the N replicas pooled into one
+    machine that does N GPU-ms of work per ms; per step the fixed cost ``m*a`` at steps of length T (as in
+    the module docstring: a running decode needs a step at least every T <= tpot ms); each request's work
+    the lower bound of the module docstring at T (prefix caching through ``cached_tokens``).
+
+    Cut [start, end) into intervals I_k of length L (the last one shorter). A request arriving in I_k that
+    meets its SLO has its prefill done within ``[start_k, end_k + ttft]`` and, if ``(O - 1) * tpot <= D``,
+    its decodes too within ``[start_k, end_k + ttft + D]`` (TPOT is the mean gap, loadgen/stats.py). So
+    the requests of I_k that meet their SLO need, in that span, at most ``replicas * (1 - m*a/T) *
+    (|I_k| + ttft + D)`` ms of work: their costs ``prefill_i + [(O_i - 1) tpot <= D] decodes_i`` must fit.
+    The most requests that fit one such budget are the cheapest ones (smallest-first maximises a count
+    under one sum constraint), and dropping every constraint that links the intervals relaxes the problem,
+    so ``sum_k (how many of the cheapest of I_k fit) / n`` bounds the attainment over requests arriving in
+    [start, end) (n of them), for every L and D: the bound is the smallest over ``windows_ms`` (L) and
+    D in {0, L/8, L/4, L/2, L}; within the constant-step model, the largest over T (``steps_ms``; default 10 points over
+    (m*a, tpot_ms]). It ignores everything that arrived before ``start`` (it only takes GPU time).
+
+    Args:
+        arrival_ms, prompt_tokens, output_tokens: the stream, shape (n_all,) each (ms; tokens >= 1).
+        model, ttft_ms, tpot_ms, replicas, max_num_batched_tokens: as in :func:`steady_state_bound`.
+        start_ms, end_ms: the counted window (ms), start < end.
+        cached_tokens: h_i of the module docstring, shape (n_all,); None = no prefix caching.
+        windows_ms: interval lengths L to try (ms), each > 0.
+        steps_ms: step lengths T to try (ms).
+
+    Returns:
+        (attainment bound in [0, 1], the L (ms) and the T (ms) that gave it).
+
+    Raises:
+        ValueError: on no request in [start, end), start >= end, or tpot_ms <= m*a with no ``steps_ms``.
+    """
+    t = np.asarray(arrival_ms, dtype=float)
+    p = np.maximum(1, np.asarray(prompt_tokens, dtype=float))
+    o = np.maximum(1, np.asarray(output_tokens, dtype=float))
+    if not start_ms < end_ms:
+        raise ValueError("start_ms must be < end_ms")
+    sel = (t >= start_ms) & (t < end_ms)
+    n = int(sel.sum())
+    if n == 0:
+        raise ValueError("no request arrives in [start_ms, end_ms)")
+    t, p, o = t[sel], p[sel], o[sel]
+    h = None if cached_tokens is None else np.minimum(np.asarray(cached_tokens, dtype=float)[sel], p - 1)
+    wm = WorkModel.of(model)
+    a = wm.mean_factor * wm.a
+    if steps_ms is None:
+        if tpot_ms <= a:
+            raise ValueError(f"tpot_ms {tpot_ms} is not above the step's fixed cost {a:.3f} ms")
+        steps = np.linspace(a, tpot_ms, 11)[1:]
+    else:
+        steps = np.asarray(steps_ms, dtype=float)
+    best = (0.0, 0.0, float(steps[-1]))
+    for step in steps:
+        if step <= a:
+            continue
+        pre, dec = request_work_parts_ms(p, o, model, float(step), ttft_ms, max_num_batched_tokens, h)
+        rate = replicas * (1.0 - a / step)  # GPU-ms of work per ms
+        worst = (1.0, 0.0)
+        finite = np.isfinite(pre)  # the others cannot meet their TTFT at this T
+        for length in windows_ms:
+            k_all = np.floor((t - start_ms) / length).astype(np.int64)
+            for d in (0.0, length / 8.0, length / 4.0, length / 2.0, float(length)):
+                cost = (pre + np.where((o - 1) * tpot_ms <= d, dec, 0.0))[finite]
+                k = k_all[finite]
+                order = np.lexsort((cost, k))  # by interval, cheapest first within one
+                k, cost = k[order], cost[order]
+                cs = np.cumsum(cost)
+                first = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])  # where each interval's run starts
+                before = np.where(first > 0, cs[np.maximum(first - 1, 0)], 0.0)
+                run = np.repeat(np.arange(first.size), np.diff(np.r_[first, k.size]))
+                lo = start_ms + k[first] * length
+                cap = rate * (np.minimum(length, end_ms - lo) + ttft_ms + d)
+                served = int(np.count_nonzero(cs - before[run] <= cap[run]))
+                if served / n < worst[0]:
+                    worst = (served / n, float(length))
+        if worst[0] > best[0]:
+            best = (worst[0], worst[1], float(step))
+    return best
 
 
 def steady_state_bound(
@@ -179,6 +376,7 @@ def steady_state_bound(
     max_num_batched_tokens: int = 8192,
     served_frac: float = 0.9,
     steps_ms: Sequence[float] | None = None,
+    cached_tokens: Sequence[float] | None = None,
 ) -> SteadyBound:
     """The steady-state bound of the module docstring (offered requests/s of the fleet).
 
@@ -190,6 +388,8 @@ def steady_state_bound(
         kv_capacity_tokens, max_num_seqs, max_num_batched_tokens: engine limits per replica.
         served_frac: q in (0, 1], the attainment that defines capacity.
         steps_ms: step lengths T to try (ms); default 400 points over (m*a, tpot_ms].
+        cached_tokens: h_i of the module docstring ("Prefix caching"; :func:`shared_prefix_tokens`), shape
+            (n,); None = no prefix caching.
 
     Raises:
         ValueError: on an empty trace, q outside (0, 1], or tpot_ms <= m*a with no ``steps_ms``.
@@ -209,13 +409,15 @@ def steady_state_bound(
         steps = np.linspace(a, tpot_ms, 401)[1:]
     else:
         steps = np.asarray(steps_ms, dtype=float)
+    h = np.zeros_like(p) if cached_tokens is None else np.minimum(np.asarray(cached_tokens, dtype=float), p - 1)
+    u = p - h
     k = math.ceil(served_frac * n - 1e-9)
-    kv_sum = float(np.sort(o * p + o * (o - 1) / 2)[:k].sum()) / n
+    kv_sum = float(np.sort(o * u + o * (o - 1) / 2)[:k].sum()) / n
     o_sum = float(np.sort(o)[:k].sum()) / n
-    po_sum = float(np.sort(p + o)[:k].sum()) / n
+    po_sum = float(np.sort(u + o)[:k].sum()) / n
     best = SteadyBound(0.0, 0.0, float(steps[-1]), "time", served_frac, math.inf, 0)
     for t in steps:
-        w = request_work_ms(p, o, model, float(t), ttft_ms, max_num_batched_tokens)
+        w = request_work_ms(p, o, model, float(t), ttft_ms, max_num_batched_tokens, h)
         cheapest = np.sort(w)[:k]
         infeasible = int(np.isinf(w).sum())
         if not np.isfinite(cheapest[-1]) or t <= a:

@@ -318,7 +318,9 @@ class SimServer:
                 sim_now = clock.now_ms()
                 continue
             now = clock.now_ms()
+            lag_ms = 0.0
             if now > sim_now + max_lag_ms:
+                lag_ms = now - sim_now  # time lost: the process fell behind its timeline
                 sim_now = now
             result = engine.step(sim_now)
             if not result.batch.items:
@@ -334,7 +336,7 @@ class SimServer:
                 await asyncio.sleep(0)  # let handlers run
             sim_now = result.end_ms
             if self._step_log is not None:
-                write_step(self._step_log, result)
+                write_step(self._step_log, result, lag_ms)
             self._deliver(result)
 
     def _deliver(self, result: StepResult) -> None:

@@ -6,12 +6,23 @@ time scale 1 (one simulated ms is one wall ms) and adds real-world jitter (timer
 the event loop), so the comparison is on aggregates with tolerances: mean TTFT within 25 % (it is the
 more jitter-sensitive figure: tens of ms), mean TPOT within 10 %, and every request the same number
 of tokens.
+
+A loaded machine makes the server's process fall behind its timeline: when it wakes more than 2 ms
+late the timeline jumps to the present (loadgen/sim/server.py), and that time is lost, never made up.
+The server's step log records each jump (``timeline_lag_ms``), so the test measures how much slower
+than the model the server ran, ``stretch = (sum of step times + sum of jumps) / sum of step times``,
+and compares the real figures against the virtual ones times that stretch. On an idle machine the
+stretch is 1 and the check is the plain one; on any machine the real TPOT may not be below the
+virtual one by more than the tolerance (the server never runs faster than its model), and the stretch
+itself is bounded, so a server that stalls is still a failure.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -27,19 +38,41 @@ from replica_agent.profiles import load_profile
 pytestmark = pytest.mark.timeout(120)
 
 
+MAX_STRETCH = 1.5  # slower than this and the server, not the machine, is suspect
+
+
 @pytest.fixture(scope="module")
-def engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    group = ProcessGroup(tmp_path_factory.mktemp("rt") / "logs")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    tmp = tmp_path_factory.mktemp("rt")
+    group = ProcessGroup(tmp / "logs")
     port = free_port()
-    child = group.start("sim-engine", script("fairbatch-loadgen") + ["sim-engine", "--port", str(port), "--time-scale", "1"])
+    step_log = tmp / "steps.jsonl"
+    child = group.start("sim-engine", script("fairbatch-loadgen") + ["sim-engine", "--port", str(port), "--time-scale", "1",
+                                                                   "--step-log", str(step_log)])  # fmt: skip
     try:
         group.wait_http_ok(child, f"http://127.0.0.1:{port}/health", timeout_s=30)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", step_log
     finally:
         group.stop()
 
 
-async def test_virtual_and_real_time_engines_agree(engine_url: str) -> None:
+def timeline_stretch(step_log: Path) -> float:
+    """(sum of step times + sum of timeline jumps) / sum of step times over the server's step log."""
+    recs = [json.loads(line) for line in step_log.read_text().splitlines() if line.strip()]
+    busy = sum(r["measured_ms"] for r in recs)
+    lost = sum(r["timeline_lag_ms"] for r in recs)
+    assert busy > 0 and lost >= 0
+    return (busy + lost) / busy
+
+
+def test_timeline_stretch_by_hand(tmp_path: Path) -> None:
+    log = tmp_path / "steps.jsonl"
+    log.write_text('{"measured_ms": 20.0, "timeline_lag_ms": 0.0}\n\n{"measured_ms": 30.0, "timeline_lag_ms": 5.0}\n')
+    assert timeline_stretch(log) == pytest.approx(55.0 / 50.0)
+
+
+async def test_virtual_and_real_time_engines_agree(engine: tuple[str, Path]) -> None:
+    engine_url, step_log = engine
     trace = select(load_trace(embedded_trace("azure-conv")), duration_s=40.0, rate_scale=3.0)
     assert len(trace) == 89  # rows of the first 40 s (counted in the CSV)
 
@@ -60,7 +93,11 @@ async def test_virtual_and_real_time_engines_agree(engine_url: str) -> None:
     v_tpot = statistics.mean(r.tpot_ms for r in virtual.records if r.tpot_ms is not None)
     real_ttft = statistics.mean(r.ttft_ms for r in result.records)
     real_tpot = statistics.mean(r.tpot_ms for r in result.records if r.tpot_ms is not None)
-    print(f"TTFT mean virtual {v_ttft:.1f} real {real_ttft:.1f}; TPOT mean virtual {v_tpot:.2f} real {real_tpot:.2f}")
+    stretch = timeline_stretch(step_log)
+    print(f"TTFT mean virtual {v_ttft:.1f} real {real_ttft:.1f}; TPOT mean virtual {v_tpot:.2f} real {real_tpot:.2f}; "
+          f"server timeline stretch {stretch:.3f}")  # fmt: skip
     assert [len(r.token_times_ms) for r in virtual.records] == [len(r.token_times_ms) for r in result.records]
-    assert real_ttft == pytest.approx(v_ttft, rel=0.25), (real_ttft, v_ttft)
-    assert real_tpot == pytest.approx(v_tpot, rel=0.10), (real_tpot, v_tpot)
+    assert stretch <= MAX_STRETCH, stretch
+    assert real_tpot >= v_tpot * 0.90, (real_tpot, v_tpot)
+    assert real_ttft == pytest.approx(v_ttft * stretch, rel=0.25), (real_ttft, v_ttft, stretch)
+    assert real_tpot == pytest.approx(v_tpot * stretch, rel=0.10), (real_tpot, v_tpot, stretch)

@@ -12,7 +12,13 @@ import math
 import numpy as np
 import pytest
 
-from loadgen.fleet.bound import WorkModel, request_work_ms, steady_state_bound
+from loadgen.fleet.bound import (
+    WorkModel,
+    request_work_ms,
+    shared_prefix_tokens,
+    steady_state_bound,
+    windowed_attainment_bound,
+)
 from loadgen.sim.engine_time import EngineTimeModel
 from replica_agent.policy.time_model import TimeModel
 
@@ -81,3 +87,57 @@ def test_policy_time_model_adaptor_and_errors() -> None:
         steady_state_bound([], [], M, 100.0, 50.0, 1, BIG)
     with pytest.raises(ValueError):
         steady_state_bound([1], [1], M, 100.0, 50.0, 1, BIG, served_frac=0.0)
+
+
+def test_shared_prefix_tokens_by_hand() -> None:
+    # block 512, TTFT 1000 ms. A (1,2,3) P 2000 at 0; B (1,2,9) P 1500 at 500; C (1,2,3,4) P 1800 at 5000;
+    # D () P 100; E, F (7,) P 300 at 0.
+    ids = [(1, 2, 3), (1, 2, 9), (1, 2, 3, 4), (), (7,), (7,)]
+    p = [2000, 1500, 1800, 100, 300, 300]
+    t = [0.0, 500.0, 5000.0, 0.0, 0.0, 0.0]
+    # A: (1), (1,2) shared with B (500 <= 0 + 1000); (1,2,3) only with C, which arrives at 5000 > 1000: A's
+    #    prompt must be computed by 1000, before C exists -> 2 blocks = 1024. B: 2 blocks with A -> 1024.
+    # C: 3 blocks with A (an earlier arrival counts) -> 1536. D: nothing. E, F: 1 block each, capped at P - 1 = 299.
+    h = shared_prefix_tokens(ids, p, 512, t, 1000.0)
+    assert list(h) == [1024, 1024, 1536, 0, 299, 299]
+    # without the TTFT window C serves A too: 3 blocks = 1536
+    assert list(shared_prefix_tokens(ids, p, 512)) == [1536, 1024, 1536, 0, 299, 299]
+    with pytest.raises(ValueError):
+        shared_prefix_tokens(ids, p[:2], 512)
+
+
+def test_cached_prefix_work_by_hand() -> None:
+    # P 1000, O 1, 600 tokens cached: U = 400; T = 50 -> K <= 2. In 2 chunks of 200 at prefixes 600 and 800:
+    # step 1: b*200 (20) + e*200*600 (120) + f*200^2 (80) = 220; step 2: 20 + e*200*800 (160) + 80 = 260 -> 480.
+    # Formula: b U (40) + e (h U + U^2/2) (0.001 * (240000 + 80000) = 320) + g U^2 / K (0.0015 * 160000 / 2 = 120).
+    w = request_work_ms(np.array([1000]), np.array([1]), M, 50.0, 100.0, 10_000, np.array([600]))
+    assert w == pytest.approx([480.0])
+    # ten such requests, q = 0.9: 9 served at 480 -> 800 / (9 * 480 / 10 = 432) per replica at T = 50
+    b = steady_state_bound([1000] * 10, [1] * 10, M, 100.0, 50.0, 1, BIG, BIG, 10_000, 0.9, steps_ms=[50.0],
+                           cached_tokens=[600] * 10)  # fmt: skip
+    assert b.per_replica_rps == pytest.approx(800 / 432)
+    with pytest.raises(ValueError):
+        request_work_ms(np.array([1000]), np.array([1]), M, 50.0, 100.0, 10_000, np.array([1000]))
+
+
+def test_windowed_attainment_bound_by_hand() -> None:
+    # a = 10, b = 0.1 only; T = 50: the replica does 1 - 10/50 = 0.8 ms of work per ms. Five prompts of 1000
+    # tokens (100 ms of work each, output 1) arrive at 0, 10, ..., 40 ms; TTFT 100 ms, counted window [0, 1000).
+    m = EngineTimeModel(a_ms=10.0, b_ms=0.1)
+    t, p, o = [0.0, 10.0, 20.0, 30.0, 40.0], [1000] * 5, [1] * 5
+    # L = 1000: one interval, 0.8 * (1000 + 100) = 880 ms of work -> all 5 fit.
+    att, _, _ = windowed_attainment_bound(t, p, o, m, 100.0, 50.0, 1, 0.0, 1000.0, 10_000, windows_ms=[1000.0],
+                                          steps_ms=[50.0])  # fmt: skip
+    assert att == 1.0
+    # L = 100: all 5 in [0, 100); D = 0: 0.8 * (100 + 100) = 160 ms -> one fits (two need 200); D = 100: 240 ms
+    # -> two. The bound is the smaller: 1 of 5. By hand: the second prompt done needs 2 * 100 / 0.8 = 250 ms of
+    # the machine from time 0, past every deadline (<= 140 ms), so no schedule meets more than one.
+    att, length, step = windowed_attainment_bound(t, p, o, m, 100.0, 50.0, 1, 0.0, 1000.0, 10_000,
+                                                  windows_ms=[100.0, 1000.0], steps_ms=[50.0])  # fmt: skip
+    assert (att, length, step) == (0.2, 100.0, 50.0)
+    # two replicas pooled: 320 ms -> 3 of 5 (D = 0)
+    att, _, _ = windowed_attainment_bound(t, p, o, m, 100.0, 50.0, 2, 0.0, 1000.0, 10_000, windows_ms=[100.0],
+                                          steps_ms=[50.0])  # fmt: skip
+    assert att == pytest.approx(0.6)
+    with pytest.raises(ValueError):
+        windowed_attainment_bound(t, p, o, m, 100.0, 50.0, 1, 2000.0, 3000.0)
