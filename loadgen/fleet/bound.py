@@ -327,14 +327,7 @@ def windowed_attainment_bound(
         raise ValueError("no request arrives in [start_ms, end_ms)")
     t, p, o = t[sel], p[sel], o[sel]
     h = None if cached_tokens is None else np.minimum(np.asarray(cached_tokens, dtype=float)[sel], p - 1)
-    wm = WorkModel.of(model)
-    a = wm.mean_factor * wm.a
-    if steps_ms is None:
-        if tpot_ms <= a:
-            raise ValueError(f"tpot_ms {tpot_ms} is not above the step's fixed cost {a:.3f} ms")
-        steps = np.linspace(a, tpot_ms, 11)[1:]
-    else:
-        steps = np.asarray(steps_ms, dtype=float)
+    a, steps = _step_grid(model, tpot_ms, steps_ms, 11)
     best = (0.0, 0.0, float(steps[-1]))
     for step in steps:
         if step <= a:
@@ -363,6 +356,22 @@ def windowed_attainment_bound(
             best = (worst[0], worst[1], float(step))
     return best
 
+
+
+def _step_grid(model: EngineTimeModel | TimeModel, tpot_ms: float, steps_ms: Sequence[float] | None, points: int) -> tuple[float, np.ndarray]:
+    """(mean fixed cost a of a step, the step lengths T tried, ms): ``steps_ms`` when given, else
+    ``points - 1`` even steps in (a, tpot_ms].
+
+    Raises:
+        ValueError: without ``steps_ms`` when ``tpot_ms <= a``.
+    """
+    wm = WorkModel.of(model)
+    a = wm.mean_factor * wm.a
+    if steps_ms is not None:
+        return a, np.asarray(steps_ms, dtype=float)
+    if tpot_ms <= a:
+        raise ValueError(f"tpot_ms {tpot_ms} is not above the step's fixed cost {a:.3f} ms")
+    return a, np.linspace(a, tpot_ms, points)[1:]
 
 def steady_state_bound(
     prompt_tokens: Sequence[int],
@@ -401,14 +410,7 @@ def steady_state_bound(
         raise ValueError("steady_state_bound needs at least one request")
     if not 0.0 < served_frac <= 1.0:
         raise ValueError(f"served_frac must be in (0, 1], got {served_frac}")
-    wm = WorkModel.of(model)
-    a = wm.mean_factor * wm.a
-    if steps_ms is None:
-        if tpot_ms <= a:
-            raise ValueError(f"tpot_ms {tpot_ms} is not above the step's fixed cost {a:.3f} ms")
-        steps = np.linspace(a, tpot_ms, 401)[1:]
-    else:
-        steps = np.asarray(steps_ms, dtype=float)
+    a, steps = _step_grid(model, tpot_ms, steps_ms, 401)
     h = np.zeros_like(p) if cached_tokens is None else np.minimum(np.asarray(cached_tokens, dtype=float), p - 1)
     u = p - h
     k = math.ceil(served_frac * n - 1e-9)
