@@ -61,11 +61,19 @@ class TrackedRequest:
     last_token_ms: float | None = None
 
     def next_deadline_ms(self) -> float:
-        """Deadline (ms) of the next output token as PAB reserves for it (the rule of
-        replica_agent/policy/engine_state.py ``next_token_deadline``: paced from the first token once
-        it exists)."""
+        """Deadline (ms) of the next output token as PAB reserves for it in proxy mode: the later of
+        the arrival-based envelope and the pace from the first token
+        (replica_agent/policy/engine_state.py ``next_token_deadline``). A late first token is paced
+        from itself (no catch-up reserved: it failed its TTFT); an early one keeps the envelope, as
+        proxy mode always did. Plugin mode and the fleet simulation pace every decode from its
+        first token; in proxy mode that stricter rule cost the demo 4 points of SLO attainment (more
+        requests refused slo-infeasible at arrival), so it stays as it was there."""
         e = self.envelope
-        return next_token_deadline(e.arrival_ms, e.ttft_ms, e.tpot_ms, self.tokens_out, self.first_token_ms)
+        envelope = e.deadline_ms(self.tokens_out)
+        if self.first_token_ms is None:
+            return envelope
+        return max(envelope, next_token_deadline(e.arrival_ms, e.ttft_ms, e.tpot_ms, self.tokens_out,
+                                                 self.first_token_ms))
 
     def slack_ms(self, now_ms: float) -> float:
         """Next token's deadline minus ``now_ms`` (ms); negative = behind its envelope."""

@@ -20,6 +20,8 @@ state than the real path).
   the engine's own makespan under load; paced from their first tokens, 0.95-0.99x
   (scripts/bench_backlog.py burst, issue 18). Batch formation keeps the earlier of the two
   (replica_agent/policy/batching.py, FairBatchingPolicy: a late decode is still served first).
+  Proxy mode (replica_agent/tracker.py ``next_deadline_ms``) takes the later of the envelope and
+  this pace, as its early first tokens always kept the envelope there.
 - A decode is a running request with its first token and one token to compute; every other
   request (waiting, chunked prefill, preempted and recomputing) is a pending prefill of its whole
   context (prompt + tokens out) with its computed tokens.

@@ -20,9 +20,9 @@ def test_lifecycle_prefill_decode_done():
     assert t.on_token("r1", 120.0) is True  # first token: prefill -> decode
     assert t.on_token("r1", 170.0) is False
     assert req.phase is Phase.DECODE and req.tokens_out == 2 and req.first_token_ms == 120.0
-    # next token is j = 2: PAB paces it from the first token, 120 + 2 * 50 = 220 (engine_state.py
-    # next_token_deadline; the arrival-based envelope, which slack still reports, says 300 + 100 = 400)
-    assert t.decodes() == (DecodeState(220.0, 50.0, 102, 2, 8),)
+    # next token is j = 2: the later of the envelope, 0 + 300 + 2 * 50 = 400, and the pace from the
+    # first token, 120 + 2 * 50 = 220 (proxy mode; Tracker.next_deadline_ms)
+    assert t.decodes() == (DecodeState(400.0, 50.0, 102, 2, 8),)
     assert t.prefills() == ()
     assert t.min_slack_ms(380.0) == 20.0
     done = t.on_finish("r1", 500.0)
@@ -78,7 +78,12 @@ def test_pab_paces_a_decode_from_its_first_token() -> None:
     # a late first token (4000, TTFT lost): paced from it, 4000 + 100 = 4100, not the arrival-based
     # 300 + 100 = 400 that would have it catch up on tokens no SLO can win back
     assert next_token_deadline(0.0, 300.0, 50.0, 2, 4000.0) == 4100.0
+    # proxy mode (the tracker): the later of the envelope and that pace; a late first token is paced
+    # from itself, 4100, an early one keeps the envelope, 400
     t = Tracker()
     t.on_arrival("late", "c", 300.0, 50.0, 0.0, 100, 8)
     t.on_token("late", 4000.0, 2)
     assert t.decodes()[0].next_deadline_ms == 4100.0
+    t.on_arrival("early", "c", 300.0, 50.0, 0.0, 100, 8)
+    t.on_token("early", 120.0, 2)
+    assert t.get("early").next_deadline_ms() == 400.0
