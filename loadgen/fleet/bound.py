@@ -373,6 +373,7 @@ def _step_grid(model: EngineTimeModel | TimeModel, tpot_ms: float, steps_ms: Seq
         raise ValueError(f"tpot_ms {tpot_ms} is not above the step's fixed cost {a:.3f} ms")
     return a, np.linspace(a, tpot_ms, points)[1:]
 
+
 def steady_state_bound(
     prompt_tokens: Sequence[int],
     output_tokens: Sequence[int],
