@@ -272,6 +272,8 @@ class DispatchStats:
         held: a replica is held for a starving head after the pass (see :class:`Dispatcher`).
         truncated: the pass stopped at ``max_scan`` admit calls (another pass is scheduled).
         admit_calls: calls to ``admit`` (entries skipped as dominated are not counted).
+        shed_kept: blocked sheddable entries that ``shed`` kept (still feasible): the next pass
+            comes within ``Dispatcher.shed_recheck_ms`` to ask again.
     """
 
     admitted: int = 0
@@ -280,6 +282,7 @@ class DispatchStats:
     held: bool = False
     truncated: bool = False
     admit_calls: int = 0
+    shed_kept: int = 0
 
 
 
@@ -335,6 +338,12 @@ class Dispatcher(Generic[G]):
             whose ``expire_reason`` is ``slo-infeasible`` (a sheddable request): True = it can no
             longer meet its first-token deadline, so it leaves now with ``QueueTimeout("slo-infeasible")``
             instead of waiting to be refused at its deadline.
+        shed_recheck_ms: while a pass kept blocked sheddable entries (``DispatchStats.shed_kept``),
+            the next pass comes at most this long after it (simulated ms), also when no budget
+            push wakes the dispatcher: a prediction goes stale as time passes (a prefill that
+            overruns its predicted end), and between changes the agents push only every
+            ``push_interval_ms`` (100 ms by default), so such an entry could stay queued that
+            long after it turned infeasible (issue 18: refused within 50 ms of arrival).
     """
 
     queue: AdmissionQueue
@@ -348,6 +357,7 @@ class Dispatcher(Generic[G]):
     skip_dominated: bool = False
     max_entries: int = 4096
     shed: Callable[[WaitingRequest, float], bool] | None = None
+    shed_recheck_ms: float = 10.0
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _hold: tuple[WaitingRequest, str] | None = None
     _resume: WaitingRequest | None = None  # first entry a truncated pass did not try
@@ -366,11 +376,14 @@ class Dispatcher(Generic[G]):
 
     async def run(self) -> None:
         """Dispatch until cancelled."""
+        recheck = False  # the last pass kept blocked sheddable entries
         while True:
             timeout = self.idle_poll_s
             nd = self.queue.next_deadline_ms()
             if nd is not None:
                 timeout = min(timeout, max(0.0, self.clock.to_wall_s(nd - self.clock.now_ms())) + 0.001)
+            if recheck:
+                timeout = min(timeout, self.clock.to_wall_s(self.shed_recheck_ms))
             await wait_event(self._wake, timeout)
             self._wake.clear()
             try:
@@ -379,7 +392,9 @@ class Dispatcher(Generic[G]):
                 raise
             except Exception:  # never let one bad pass stop the dispatcher
                 log.exception("dispatch pass failed")
+                recheck = False
                 continue
+            recheck = stats.shed_kept > 0
             if stats.truncated:
                 self._wake.set()  # the rest of the queue gets its pass at once
                 await asyncio.sleep(0)  # but let the event loop serve others first
@@ -495,9 +510,13 @@ class Dispatcher(Generic[G]):
         if blocked and self.shed is not None:
             for i in blocked:
                 entry = entries[i]
-                if entry.expire_reason == "slo-infeasible" and not entry.future.done() and self.shed(entry, now):
+                if entry.expire_reason != "slo-infeasible" or entry.future.done():
+                    continue
+                if self.shed(entry, now):
                     self.queue.remove(entry)
                     entry.future.set_exception(QueueTimeout("slo-infeasible"))
                     stats.expired += 1
+                else:
+                    stats.shed_kept += 1
         stats.held = self.hold is not None
         return stats

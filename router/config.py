@@ -170,12 +170,17 @@ class QueueConfig(_Strict):
             serving the queue).
         aging_floor_share: min_share a less urgent band's tenant counts while one of its requests
             has waited its class's ttft_ms (router/fair_queue.py, "Aging"; 0..1, default 0.5).
+        shed_recheck_ms: while sheddable requests wait in the queue, the dispatcher asks again at
+            least this often whether each can still meet its TTFT (simulated ms, > 0; default 10:
+            a request that turns infeasible is refused within about this long, not at the next
+            periodic budget push; router/admission_queue.py ``Dispatcher.shed_recheck_ms``).
     """
 
     max_requests: int = Field(default=1024, ge=1)
     max_tokens: int = Field(default=4_000_000, ge=1)
     max_bypass: int = Field(default=8, ge=0)
     aging_floor_share: float = Field(default=0.5, ge=0, le=1)
+    shed_recheck_ms: float = Field(default=10.0, gt=0)
 
 
 class AdmissionConfig(_Strict):

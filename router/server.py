@@ -252,6 +252,7 @@ class Router:
             hold_for=self._hold_for,
             skip_dominated=True,
             shed=self._shed,
+            shed_recheck_ms=config.queue.shed_recheck_ms,
         )
         self.book.add_listener(self.dispatcher.wake)
         self.budgets = BudgetClient(
@@ -434,6 +435,7 @@ class Router:
         self.queue.default_max_tokens = fc.default_max_tokens
         self.queue.aging_floor_share = config.queue.aging_floor_share
         self.dispatcher.max_bypass = config.queue.max_bypass
+        self.dispatcher.shed_recheck_ms = config.queue.shed_recheck_ms
         old_pl = self._applied_placement
         new_pl = config.placement.model_dump(exclude={"prefix_cache"})
         if new_pl != old_pl:  # a new profile or chain: rebuilt now (the tie-break seed kept unless changed)

@@ -42,6 +42,16 @@ from router.placement import ReplicaView
 MAX_DRAIN_RATE = 1.0
 """ms of budget per ms: prefill work ends at most as fast as time passes."""
 
+LUMP_SEEN_MS = 5.0
+"""ms from now before the router can count an in-flight prefill's lump as freed (:func:`lump_start_ms`).
+
+A lump frees in the router's book only when a snapshot without it arrives: the agent pushes a change
+at most every ``min_push_interval_ms`` (5 ms by default, replica_agent/agent.py), so a lump the
+agent predicted to end sooner than that, or one already past its predicted end and still listed,
+is taken to free that long from now. Counting an overdue lump as freed at once made the
+``infeasible`` scenario of scripts/bench_backlog.py queue requests with a 2.6 ms slack that were
+shed 5-100 ms later, when the lump was seen to end (or the next periodic snapshot came)."""
+
 
 def predict_start(
     views: Iterable[ReplicaView], drain: DrainEstimator, slo_class: str, prompt_tokens: int, tokens_ahead: int,
@@ -106,7 +116,7 @@ def predict_start(
 
 
 def lump_start_ms(prefill_ms: float, reserved_ms: float, horizon_ms: float, lumps_ms: Sequence[float],
-                  done_at_ms: Sequence[float], now_ms: float) -> float:  # fmt: skip
+                  done_at_ms: Sequence[float], now_ms: float, seen_ms: float = LUMP_SEEN_MS) -> float:  # fmt: skip
     """ms from now until a prompt can be placed here and still meet its TTFT, when the in-flight
     prefills free their budget in lumps (inf: not before its deadline).
 
@@ -114,10 +124,12 @@ def lump_start_ms(prefill_ms: float, reserved_ms: float, horizon_ms: float, lump
     engine order) frees at ``done_at_ms[i]`` (router clock; the agent's prediction,
     replica_agent/policy/prefill_eta.py). Placed at ``s``, the prompt must fit what is then left of
     its horizon (pab.py ``on_time``, the router's aged rule): with the first ``i`` lumps freed,
-    ``prefill + reserved - (lumps_0 + ... + lumps_i) <= horizon - (s - now)``. The answer is the
-    first lump end that satisfies this. Decode reservations are taken as they are now (a decode's
-    reservation frees as fast as the horizon shrinks, at most), so after the last lump nothing
-    new becomes feasible: inf.
+    ``prefill + reserved - (lumps_0 + ... + lumps_i) <= horizon - (s - now)``, where lump ``i``
+    frees at ``s = max(done_at_ms[i], now + seen_ms)``: the router sees it free only with the next
+    snapshot (:data:`LUMP_SEEN_MS`), also when its predicted end has passed. The answer is the
+    first such ``s - now`` that satisfies this. Decode reservations are taken as they are now (a
+    decode's reservation frees as fast as the horizon shrinks, at most), so after the last lump
+    nothing new becomes feasible: inf.
 
     Args:
         prefill_ms: the prompt's predicted prefill ``a + b*P`` (ms).
@@ -126,15 +138,17 @@ def lump_start_ms(prefill_ms: float, reserved_ms: float, horizon_ms: float, lump
         lumps_ms: the replica's ``inflight_prefill_ms`` (ms, engine order).
         done_at_ms: when each lump frees (router clock, ms; same length).
         now_ms: router clock now.
+        seen_ms: the earliest a lump can be seen to free, ms from now (>= 0).
 
     Example: prefill 155, reserved 581.4 in lumps 290.7 + 290.7 ending in 150 and 460 ms, horizon
     448: now 736.4 > 448; after the first, 445.7 > 448 - 150 = 298: no; after the second 155 >
-    448 - 460 < 0: no -> inf. The same with the first ending in 2 ms: 445.7 <= 446 -> 2 ms.
+    448 - 460 < 0: no -> inf. The first ending in 2 ms instead, or 1 ms ago (still listed): it
+    frees at 5 ms, 445.7 > 448 - 5 = 443: inf; with horizon 451: 445.7 <= 446 -> 5 ms.
     """
     cum = 0.0
     for lump, done in zip(lumps_ms, done_at_ms, strict=False):
         cum += lump
-        s = max(0.0, done - now_ms)
+        s = max(seen_ms, done - now_ms)
         if prefill_ms + reserved_ms - cum <= horizon_ms - s + 1e-9:
             return s
     return math.inf

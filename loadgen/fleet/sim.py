@@ -622,11 +622,14 @@ class _Router:
         self.pass_at = None
         self.last_pass_ms = self.clock.t
         self.sim.stats.dispatch_passes += 1
-        _drive(self.dispatcher.dispatch_once())
+        stats = _drive(self.dispatcher.dispatch_once())
         if len(self.queue):
+            gap = self.sim.cfg.dispatch_gap_ms
             nd = self.queue.next_deadline_ms()
             if nd is not None:  # wake at the next expiry at the latest
-                self._schedule_pass(max(nd, self.clock.t + self.sim.cfg.dispatch_gap_ms))
+                self._schedule_pass(max(nd, self.clock.t + gap))
+            if stats.shed_kept:  # as the router's dispatcher loop: ask the kept sheddable ones again soon
+                self._schedule_pass(self.clock.t + max(gap, self.dispatcher.shed_recheck_ms))
 
     def arrive(self, idx: int, avoid: frozenset[str] = frozenset()) -> None:
         """A client request reaches this router (or comes back refused: ``avoid`` = the replica that

@@ -343,3 +343,45 @@ async def test_a_sheddable_entry_is_never_placed_late_a_non_sheddable_one_is() -
     on_time.add("shed")
     stats = await d.dispatch_once()
     assert stats.admitted == 1 and shed_me.future.result() == "lease-shed" and len(q) == 0
+
+
+async def test_a_kept_sheddable_entry_is_asked_again_within_shed_recheck_ms_without_a_wake() -> None:
+    # a sheddable entry nothing places; ``shed`` keeps it twice, then says it can no longer start in
+    # time (as a prediction that relied on a prefill ending, which overran). No budget push wakes
+    # the dispatcher (idle poll 30 s): the recheck timer (10 ms) alone must bring the next passes,
+    # so the request is refused in tens of ms, not at the next periodic push or its deadline
+    clock = FakeClock()
+    q = FifoQueue(10, 1000)
+    e = entry("s", deadline_ms=10**9)
+    e.sheddable, e.expire_reason = True, "slo-infeasible"
+    q.push(e)
+    asked: list[float] = []
+
+    def shed(entry_: WaitingRequest, now_ms: float) -> bool:
+        asked.append(now_ms)
+        return len(asked) >= 3
+
+    async def admit(entry_: WaitingRequest, attempt: Attempt) -> str | None:
+        return None
+
+    async def release(grant: str) -> None:
+        raise AssertionError("no orphan here")
+
+    d: Dispatcher[str] = Dispatcher(queue=q, clock=clock, admit=admit, release_orphan=release,  # type: ignore[arg-type]
+                                    idle_poll_s=30.0, shed=shed, shed_recheck_ms=10.0)
+    stats = await d.dispatch_once()
+    assert (stats.shed_kept, stats.expired) == (1, 0) and not e.future.done()
+    task = asyncio.create_task(d.run())
+    d.wake()  # one push (the entry's arrival), then none
+    try:
+        with pytest.raises(QueueTimeout) as err:
+            await asyncio.wait_for(e.future, 5.0)  # the woken pass keeps it; 10 ms later it is shed
+        assert err.value.reason == "slo-infeasible" and len(asked) == 3 and len(q) == 0
+    finally:
+        task.cancel()
+    # a non-sheddable entry (expire_reason queue-timeout) is never asked, so never counted
+    q2 = FifoQueue(10, 1000)
+    q2.push(entry("n", deadline_ms=10**9))
+    d2: Dispatcher[str] = Dispatcher(queue=q2, clock=clock, admit=admit, release_orphan=release,  # type: ignore[arg-type]
+                                     shed=shed)
+    assert (await d2.dispatch_once()).shed_kept == 0

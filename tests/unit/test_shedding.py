@@ -52,10 +52,17 @@ def test_lump_start_by_hand() -> None:
     # the docstring's case: prefill 155, reserved 581.4 in two lumps of 290.7, horizon left 448
     lumps = (290.7, 290.7)
     assert math.isinf(lump_start_ms(155.0, 581.4, 448.0, lumps, (1150.0, 1460.0), 1000.0))
-    # the first lump ends in 2 ms: 155 + 290.7 = 445.7 <= 448 - 2
-    assert lump_start_ms(155.0, 581.4, 448.0, lumps, (1002.0, 1460.0), 1000.0) == pytest.approx(2.0)
-    # a lump already due frees now
-    assert lump_start_ms(155.0, 581.4, 448.0, lumps, (990.0, 1460.0), 1000.0) == 0.0
+    # the first lump ends in 2 ms, but the router sees it free 5 ms from now at the earliest
+    # (LUMP_SEEN_MS): 155 + 290.7 = 445.7 > 448 - 5 = 443; the second, 155 > 448 - 460: inf
+    assert math.isinf(lump_start_ms(155.0, 581.4, 448.0, lumps, (1002.0, 1460.0), 1000.0))
+    # with 3 ms more of horizon: 445.7 <= 451 - 5 = 446 -> 5 ms
+    assert lump_start_ms(155.0, 581.4, 451.0, lumps, (1002.0, 1460.0), 1000.0) == pytest.approx(5.0)
+    # a lump already due but still listed frees no sooner: the same two answers (the bench_backlog
+    # case: 155.2 + 290.7 = 445.9 with 448.5 left, the lump 1.1 ms overdue, was queued, then shed)
+    assert math.isinf(lump_start_ms(155.2, 581.4, 448.5, lumps, (998.9, 1317.4), 1000.0))
+    assert lump_start_ms(155.0, 581.4, 451.0, lumps, (990.0, 1460.0), 1000.0) == pytest.approx(5.0)
+    # an agent that pushes at once (seen_ms 0) lets a due lump free now, as before
+    assert lump_start_ms(155.0, 581.4, 448.0, lumps, (990.0, 1460.0), 1000.0, seen_ms=0.0) == 0.0
     # both needed: 155 + 0 <= 448 - 200 at 200 ms
     assert lump_start_ms(155.0, 581.4, 448.0, lumps, (1100.0, 1200.0), 1000.0) == pytest.approx(200.0)
 
