@@ -18,7 +18,10 @@ state and acts on the answer.
   lease parameters. ``reserve`` mode: a Reserve on the first ``max_reserve`` candidates in order
   until one grants; ``inline`` mode: the first candidate only (no round trip, the agent decides on
   arrival). Either covers the prompt's tokens that the replica is estimated not to hold in its
-  prefix cache (the prefill left to compute).
+  prefix cache (the prefill left to compute). :func:`use_inline`: ``inline`` mode applies only
+  where the first candidate's agent is on the HTTP path (its snapshot's ``inline_admission``);
+  elsewhere (``--no-proxy``, where the router sends to vLLM directly and nothing would check the
+  header, or an agent that does not say) the placement takes Reserve leases as in ``reserve`` mode.
 - :func:`after_relay`: what a relay attempt's outcome means for the charge, the lease and the next
   step (answer, place again, try another replica, give up); :class:`RelayAttempts` keeps one
   request's count of tries and refusals and the replicas it left out, and bounds both.
@@ -113,6 +116,14 @@ MAX_RELAY_TRIES = 2
 
 MAX_ADMIT_REFUSALS = 8
 """Inline admissions agents may refuse for one request before it is answered 503 ``no-budget``."""
+
+
+def use_inline(lease_mode: str, agent_inline: bool) -> bool:
+    """Whether a placement is admitted inline (module docstring): ``lease_mode`` is ``inline`` and the
+    first candidate's agent decides ``x-fairbatch-admit`` on arrival (``agent_inline``, the
+    snapshot's ``inline_admission``). Otherwise a Reserve lease: an inline header sent past an
+    agent that is not on the path would admit the request without any check of its budget."""
+    return lease_mode == "inline" and agent_inline
 
 
 def offer_replicas(candidates: Sequence[str], inline: bool, max_reserve: int) -> Sequence[str]:

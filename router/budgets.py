@@ -47,6 +47,9 @@ class ReplicaBudget:
             placement's ``b * P`` (empty when the agent sends no prediction).
         prefix_queries_tokens, prefix_hits_tokens: the engine's prefix cache over the agent's
             recent window (prompt tokens looked up, found cached; 0, 0 = unknown).
+        inline_admission: the agent is on the request's HTTP path and decides
+            ``x-fairbatch-admit`` on arrival (the snapshot's field; False for an agent run with
+            ``--no-proxy`` or one that does not send it: router/admission.py ``use_inline``).
         view: the placement view last built from this state (:meth:`BudgetBook.views`), dropped on
             every change so that a decision never sees old figures.
     """
@@ -67,6 +70,7 @@ class ReplicaBudget:
     inflight_prefill_done_at_ms: tuple[float, ...] = ()
     prefix_queries_tokens: int = 0
     prefix_hits_tokens: int = 0
+    inline_admission: bool = False
     view: ReplicaView | None = None  # cached placement view; None after any change
 
 
@@ -144,6 +148,7 @@ class BudgetBook:
         budget.inflight_prefill_done_at_ms = tuple(now + d for d in done) if len(done) == len(lumps) else ()
         budget.prefix_queries_tokens = max(0, int(getattr(snapshot, "prefix_queries_tokens", 0)))
         budget.prefix_hits_tokens = max(0, int(getattr(snapshot, "prefix_hits_tokens", 0)))
+        budget.inline_admission = bool(getattr(snapshot, "inline_admission", False))
         self.drain.observe(
             replica_id, budget.received_ms,
             {n: c.decode_reservation_ms + c.inflight_reservation_ms for n, c in budget.classes.items()},
@@ -252,6 +257,12 @@ class BudgetBook:
     def get(self, replica_id: str) -> ReplicaBudget | None:
         """The stored budget of a replica (mutable; read only)."""
         return self._budgets.get(replica_id)
+
+    def inline_admission(self, replica_id: str) -> bool:
+        """Whether the replica's agent decides inline admissions on the HTTP path, from its latest
+        snapshot (False when unknown: no snapshot yet, or an agent that does not say)."""
+        b = self._budgets.get(replica_id)
+        return b is not None and b.inline_admission
 
     def prefix_measured(self, replica_id: str) -> tuple[int, int]:
         """(queried, hit) prompt tokens of the replica's prefix cache over its agent's recent window,

@@ -74,6 +74,7 @@ from router.admission import (
     lease_tokens,
     offer_replicas,
     prompt_decision,
+    use_inline,
 )
 from router.admission_queue import Attempt, Dispatcher, PlacementFailed, QueueFull, QueueTimeout, WaitingRequest
 from router.answers import Answer, no_budget, placement_error, queue_expired, queue_full
@@ -575,7 +576,8 @@ class Router:
         policy = self.policy  # a reload may swap it while the Reserves below are awaited
         result = policy.place(preq, self.book.views())
         self.metrics.placement_seconds.observe(time.perf_counter() - t0)
-        inline = adm.lease_mode == "inline"  # no round trip: the agent decides when the request arrives
+        # no round trip where the agent decides when the request arrives (router/admission.py use_inline)
+        inline = bool(result.candidates) and use_inline(adm.lease_mode, self.book.inline_admission(result.candidates[0]))
         # which candidates, with which lease parameters: router/admission.py offer_replicas, lease_tokens
         for replica_id in offer_replicas(result.candidates, inline, MAX_RESERVE_CANDIDATES):
             uncached = lease_tokens(prompt_tokens, cached, replica_id)  # the prefill left to compute

@@ -91,7 +91,7 @@ from replica_agent.policy.pab import (
 from replica_agent.policy.prefill_eta import inflight_schedule
 from replica_agent.policy.reserve import reserve_decision
 from replica_agent.policy.time_model import TimeModel
-from router.admission import MAX_ADMIT_REFUSALS, RelayAttempts, lease_tokens, offer_replicas
+from router.admission import MAX_ADMIT_REFUSALS, RelayAttempts, lease_tokens, offer_replicas, use_inline
 from router.arrival import Refuse, place_now_exclude, queue_or_refuse
 from router.autoscale import FleetSignal, Stabilizer, pab_desired, waiting_desired
 from router.admission_queue import Attempt, Dispatcher, FifoQueue, QueueFull, QueueTimeout, WaitingRequest
@@ -382,6 +382,7 @@ class _Snapshot:
     status_detail: str = ""
     inflight_prefill_ms: tuple[float, ...] = ()
     inflight_prefill_done_ms: tuple[float, ...] = ()
+    inline_admission: bool = True  # the simulated agents decide inline admissions on arrival
 
 
 @dataclass(slots=True)
@@ -546,7 +547,9 @@ class _Router:
                                                     cfg.start_window_steps, cfg.max_num_batched_tokens, cached),
                                    self.book.views(now))  # fmt: skip
         sim.sample_decision(time.perf_counter() - t0)
-        inline = cfg.leases and cfg.lease_mode == "inline"  # no round trip: the agent decides on arrival
+        # no round trip: the agent decides on arrival (router/admission.py use_inline, as router/server.py)
+        inline = cfg.leases and bool(result.candidates) and use_inline(
+            cfg.lease_mode, self.book.inline_admission(result.candidates[0]))
         refusals = 0
         # the router's offers and lease parameters (router/admission.py), as router/server.py
         for rid in offer_replicas(result.candidates, inline, MAX_RESERVE_CANDIDATES):

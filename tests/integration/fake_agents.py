@@ -34,10 +34,13 @@ PROMPT = "x" * 400  # 100 tokens
 
 
 class FakeAdmission(admission_pb2_grpc.AdmissionServiceServicer):
-    """Controlled budgets: PAB per class is ``pab_ms`` (same for every class)."""
+    """Controlled budgets: PAB per class is ``pab_ms`` (same for every class). ``inline_admission``:
+    what the snapshots say (True: an agent on the HTTP path, as the real proxy-mode agent)."""
 
-    def __init__(self, replica_id: str, pab_ms: float, ttl_ms: int = 300, push_ms: int = 50) -> None:
+    def __init__(self, replica_id: str, pab_ms: float, ttl_ms: int = 300, push_ms: int = 50,
+                 inline_admission: bool = True) -> None:  # fmt: skip
         self.replica_id = replica_id
+        self.inline_admission = inline_admission
         self.pab_ms = pab_ms
         self.ttl_ms = ttl_ms
         self.push_s = push_ms / 1000
@@ -66,7 +69,7 @@ class FakeAdmission(admission_pb2_grpc.AdmissionServiceServicer):
         return admission_pb2.BudgetSnapshot(
             replica_id=self.replica_id, seq=next(self.seq), ttl_ms=self.ttl_ms, healthy=self.healthy,
             coefficients=admission_pb2.TimeModelCoefficients(a_ms=A_MS, b_ms_per_new_token=B_MS),
-            classes=[cls], max_prompt_tokens=32768,
+            classes=[cls], max_prompt_tokens=32768, inline_admission=self.inline_admission,
         )
 
     async def WatchBudget(self, request, context):  # noqa: N802 - gRPC name

@@ -33,7 +33,7 @@ class Fleet(LoopbackFleet):
 
     async def start(self, replicas: dict[str, float], modes: dict[str, str] | None = None,
                     max_queue_ms: float = 3000, queue_max_requests: int = 64, silence_s: float = 10.0,
-                    ttft_ms: float = 500) -> None:
+                    ttft_ms: float = 500, lease_mode: str = "reserve") -> None:
         modes = modes or {}
         reps = []
         for rid, pab in replicas.items():
@@ -46,7 +46,7 @@ class Fleet(LoopbackFleet):
             "api_keys": {hash_api_key(API_KEY): "acme"},
             "replicas": reps,
             "queue": {"max_requests": queue_max_requests, "max_tokens": 1_000_000},
-            "admission": {"bytes_per_token": 4.0, "reserve_timeout_ms": 500, "lease_mode": "reserve"},
+            "admission": {"bytes_per_token": 4.0, "reserve_timeout_ms": 500, "lease_mode": lease_mode},
         })
         router = Router(config, Clock(1.0), "test-router")
         router.budgets._silence_s = silence_s
@@ -91,6 +91,32 @@ async def test_routes_to_most_headroom_with_headers(fleet: Fleet) -> None:
     assert fleet.upstreams["r1"].bodies[0] == json.dumps(completion()).encode()  # bytes unchanged
     assert fleet.admission["r1"].reserves[0].prompt_tokens == 100
     assert not fleet.upstreams["r0"].hits and not fleet.upstreams["r2"].hits
+
+
+async def test_inline_mode_takes_a_reserve_lease_where_the_agent_is_not_on_the_http_path(fleet: Fleet) -> None:
+    # lease_mode inline, but r0's agent says (snapshot inline_admission false: --no-proxy, the router
+    # sends to vLLM directly) that nothing on its HTTP path checks x-fairbatch-admit: the router must
+    # take a Reserve lease there, or the request would be admitted without any check of the budget
+    await fleet.start({"r0": 400.0}, lease_mode="inline")
+    fake = fleet.admission["r0"]
+    fake.inline_admission = False
+    fake.changed.set()
+    await fleet.wait(lambda: fleet.router.book.get("r0").seq >= 2 and not fleet.router.book.inline_admission("r0"),
+                     "a snapshot without inline admission")  # fmt: skip
+    resp = await fleet.post(completion())
+    assert resp.status == 200
+    hit = fleet.upstreams["r0"].hits[-1]
+    assert hit["x-fairbatch-lease"] == "r0-lease-1" and "x-fairbatch-admit" not in hit
+    assert [r.request_id for r in fake.reserves] == [hit["x-request-id"]]
+    # the agent is on the path again (inline_admission true): admitted inline, no Reserve round trip
+    fake.inline_admission = True
+    fake.changed.set()
+    await fleet.wait(lambda: fleet.router.book.inline_admission("r0"), "a snapshot with inline admission")
+    resp = await fleet.post(completion())
+    assert resp.status == 200
+    hit = fleet.upstreams["r0"].hits[-1]
+    assert hit["x-fairbatch-admit"] == "100" and "x-fairbatch-lease" not in hit
+    assert len(fake.reserves) == 1
 
 
 async def test_concurrent_requests_spread(fleet: Fleet) -> None:

@@ -30,6 +30,7 @@ def snapshot(rid: str, pab_ms: float, decode_ms: float = 0.0) -> admission_pb2.B
                                            pab_ms=pab_ms, pab_tokens=int(max(0.0, pab_ms - 10.0) / 0.1),
                                            kv_free_tokens=100_000, kv_limited_tokens=100_000,
                                            decode_reservation_ms=decode_ms)],
+        inline_admission=True,  # a proxy-mode agent, as the simulated ones
     )  # fmt: skip
 
 
