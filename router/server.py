@@ -98,7 +98,7 @@ from router.placement import (
     largest_max_prompt,
 )
 from router.relay import Relay, RelayOutcome, UpstreamAbort
-from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start
+from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start, priced_tokens
 from router.prefix_correction import PrefixCorrection
 from router.prefix_index import PrefixIndex, text_block_keys
 from router.tokens import PromptError, estimate_prompt_tokens, prompt_is_exact, prompt_text
@@ -488,12 +488,25 @@ class Router:
         """The decode tokens charged at dispatch (router/charges.py ``decode_estimate``)."""
         return decode_estimate(max_tokens, self.config.fairness.default_max_tokens)
 
+    def _cached(self, request_id: str, prompt_tokens: int) -> tuple[dict[str, int], dict[str, int]]:
+        """(raw, discounted) prompt tokens the prefix map estimates each replica holds for this
+        request: the map's estimate, and the same discounted where an engine measured fewer hits
+        than the map promised (router/prefix_correction.py); both empty without a map or keys."""
+        prefix, keys = self.prefix, self._prefix_keys.get(request_id)
+        raw = prefix.cached_tokens(keys, prompt_tokens) if prefix is not None and keys else {}
+        return raw, (self.prefix_correction.discount(raw, self.book.prefix_measured) if raw else raw)
+
+    def _priced(self, request_id: str, prompt_tokens: int) -> int:
+        """The prompt tokens the shedding rule prices (router/shedding.py ``priced_tokens``, as the
+        fleet simulation's routers do): what is left to compute on the warmest replica."""
+        return priced_tokens(prompt_tokens, self._cached(request_id, prompt_tokens)[1]) if self.prefix else prompt_tokens
+
     def _shed(self, entry: WaitingRequest, now_ms: float) -> bool:
         """A queued sheddable request that the dispatcher could not place: True when the prediction
-        (:meth:`predict`, its own tokens not counted as ahead of it) says it can no longer start in
-        time (router/shedding.py ``infeasible``)."""
-        prediction = self.predict(entry.slo_class, entry.priority, entry.prompt_tokens, entry.prompt_tokens,
-                                  max(0.0, now_ms - entry.arrival_ms))
+        (:meth:`predict` on its priced tokens, its own tokens not counted as ahead of it) says it can
+        no longer start in time (router/shedding.py ``infeasible``)."""
+        prediction = self.predict(entry.slo_class, entry.priority, self._priced(entry.request_id, entry.prompt_tokens),
+                                  entry.prompt_tokens, max(0.0, now_ms - entry.arrival_ms))
         return infeasible(now_ms, entry.first_token_deadline_ms, prediction, self._margin_ms(entry.slo_class))
 
     def _margin_ms(self, slo_class: str) -> float:
@@ -564,10 +577,8 @@ class Router:
         adm = self.config.admission
         t0 = time.perf_counter()
         capped = self._contention_excluded()
-        prefix, keys = self.prefix, self._prefix_keys.get(request_id)
-        # the map's estimate, discounted where its engine measured fewer hits than it promised
-        raw = prefix.cached_tokens(keys, prompt_tokens) if prefix is not None and keys else {}
-        cached = self.prefix_correction.discount(raw, self.book.prefix_measured) if raw else raw
+        prefix = self.prefix
+        raw, cached = self._cached(request_id, prompt_tokens)
         preq = PlacementRequest(
             slo_class, prompt_tokens, exclude | attempt.avoid | capped, waited_ms,
             on_time_only=attempt.on_time_only, window_steps=adm.start_window_steps, step_tokens=adm.step_tokens,
@@ -595,6 +606,7 @@ class Router:
                 if not answer.granted:
                     continue
                 grant = Grant(replica_id, answer.lease_id)
+            keys = self._prefix_keys.get(request_id)
             if prefix is not None and keys:  # post-decision: the replica now holds this prompt
                 prefix.insert(replica_id, keys)
                 self.prefix_correction.record(replica_id, raw.get(replica_id, 0), prompt_tokens)
@@ -674,7 +686,8 @@ class Router:
         slo, slo_class = principal.slo, principal.slo_class
         band = slo.priority
         decision = queue_or_refuse(now, arrival_ms, slo.ttft_ms, slo.max_queue_ms, slo.sheddable,  # router/arrival.py
-                                   lambda: self.predict(slo_class, band, prompt_tokens, 0, max(0.0, now - arrival_ms)),
+                                   lambda: self.predict(slo_class, band, self._priced(request_id, prompt_tokens), 0,
+                                                        max(0.0, now - arrival_ms)),
                                    lambda: self._margin_ms(slo_class))  # fmt: skip
         if isinstance(decision, Refuse):
             if decision.reason == "slo-infeasible":

@@ -33,7 +33,7 @@ until ``first-token deadline - prefill`` (the last dispatch that can still make 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from router.drain import DrainEstimator, wait_for_budget_ms
@@ -152,6 +152,22 @@ def lump_start_ms(prefill_ms: float, reserved_ms: float, horizon_ms: float, lump
         if prefill_ms + reserved_ms - cum <= horizon_ms - s + 1e-9:
             return s
     return math.inf
+
+
+def priced_tokens(prompt_tokens: int, cached: Mapping[str, int] | None) -> int:
+    """The prompt tokens the shedding rule prices: what is left to compute on the replica that the
+    router's prefix map says holds most of the prompt (its best case: a request is refused only
+    when even that replica cannot start it in time), the whole prompt without a map.
+
+    Args:
+        prompt_tokens: P (>= 0).
+        cached: replica id -> tokens estimated cached there (router/prefix_index.py
+            ``cached_tokens``, discounted by router/prefix_correction.py where the router measures
+            its engines' hits), or None / empty.
+    """
+    if not cached:
+        return prompt_tokens
+    return max(0, prompt_tokens - max(cached.values()))
 
 
 def agent_margin_ms(views: Iterable[ReplicaView], slo_class: str) -> float:

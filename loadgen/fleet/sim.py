@@ -99,7 +99,7 @@ from router.budgets import BudgetBook
 from router.fair_queue import FairQueue, TenantShare
 from router.placement import DEFAULT_MAX_CANDIDATES, PlacementRequest, ReplicaView
 from router.prefix_index import PrefixIndex
-from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start
+from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start, priced_tokens
 
 POLICIES: dict[str, tuple[str, str]] = {
     "round-robin": ("direct", "vllm-default"),
@@ -577,8 +577,7 @@ class _Router:
         (the whole prompt without one): what the shedding rule prices (its best case)."""
         if self.prefix is None:
             return prompt_tokens
-        cached = self.prefix.cached_tokens(self.sim.router_keys(idx), prompt_tokens)
-        return prompt_tokens - max(cached.values(), default=0)
+        return priced_tokens(prompt_tokens, self.prefix.cached_tokens(self.sim.router_keys(idx), prompt_tokens))
 
     def _predict(self, prompt_tokens: int, own_tokens: int, waited_ms: float) -> tuple[float, float] | None:
         """router/server.py ``predict``: router/shedding.py ``predict_start`` on this router's book."""

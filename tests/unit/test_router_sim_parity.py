@@ -102,3 +102,33 @@ async def test_queued_behind_others_a_late_sheddable_request_is_refused_by_both(
     assert exc.value.wait_ms == pytest.approx(810.05)
     srouter.arrive(0)  # type: ignore[attr-defined]
     assert (sim.states[0].outcome, sim.states[0].reason) == ("rejected", "slo-infeasible")
+
+
+async def test_both_price_the_warmest_replicas_uncached_tokens_when_shedding() -> None:
+    # As above (PAB 0, decodes hold the whole 900 ms horizon), but r1's map holds the 8000-token
+    # prompt (16 blocks; a hit is capped at P - 1 = 7999): the shedding rule prices 1 token, 10.1 ms,
+    # which frees at 1 ms/ms in 10.1 ms (+ 0.05 for the 1-token prompt ahead): 10.15 + 10.1 <= 900:
+    # queued by both, not refused (the whole prompt, 810 + 810.05 ms, was refused above)
+    request = FleetRequest(0.0, 8000, 10, prefix_ids=tuple(range(1, 17)))
+    sim, srouter = sim_router("pab-prefix", request)
+    router = server_router(sheddable=True)
+    for rid in ("r0", "r1"):
+        router.book.update(rid, snapshot(rid, 0.0, decode_ms=900.0))
+        srouter.book.update(rid, snapshot(rid, 0.0, decode_ms=900.0))  # type: ignore[attr-defined]
+    keys = sim.router_keys(0)
+    router.prefix.insert("r1", keys)  # type: ignore[union-attr]
+    srouter.prefix.insert("r1", keys)  # type: ignore[attr-defined]
+    router._prefix_keys["x"] = keys
+    loop = asyncio.get_running_loop()
+    for queue in (router.queue, srouter.queue):  # type: ignore[attr-defined]
+        queue.push(WaitingRequest("w", "t0", "interactive", 1, 1, 0.0, 1e9, loop.create_future()))
+    assert router._priced("x", 8000) == srouter._uncached(0, 8000) == 1  # type: ignore[attr-defined]
+    wait, prefill = router.predict("interactive", 0, router._priced("x", 8000))  # type: ignore[misc]
+    assert (wait, prefill) == (pytest.approx(10.15), pytest.approx(10.1))
+    assert srouter._predict(1, 0, 0.0) == (pytest.approx(10.15), pytest.approx(10.1))  # type: ignore[attr-defined]
+    principal = router.auth.identify({"Authorization": "Bearer k"}, None)
+    assert principal is not None
+    with pytest.raises(asyncio.TimeoutError):  # queued (waiting for budget), not refused
+        await asyncio.wait_for(router._acquire(principal, 8000, 10, "x", frozenset(), 0.0), 0.2)
+    srouter.arrive(0)  # type: ignore[attr-defined]
+    assert sim.states[0].outcome != "rejected"

@@ -10,7 +10,7 @@ from replica_agent.policy.pab import ClassBudget
 from replica_agent.policy.time_model import TimeModel
 from router.drain import DrainEstimator
 from router.placement import ReplicaView
-from router.shedding import agent_margin_ms, infeasible, lump_start_ms, predict_start, queue_decision
+from router.shedding import agent_margin_ms, infeasible, lump_start_ms, predict_start, priced_tokens, queue_decision
 
 TM = TimeModel(10.0, 0.1, 0.0)
 
@@ -107,3 +107,9 @@ def test_queue_decision_by_hand() -> None:
     assert not d.refuse and (d.deadline_ms, d.expire_reason) == (2000.0, "queue-timeout")
     assert infeasible(500.0, 1000.0, pred, margin) and not infeasible(0.0, 2000.0, pred, margin)
     assert not infeasible(0.0, 0.0, None, margin)
+
+
+def test_priced_tokens_are_what_is_left_on_the_warmest_replica() -> None:
+    assert priced_tokens(100, None) == 100 and priced_tokens(100, {}) == 100  # no map: the whole prompt
+    assert priced_tokens(100, {"r0": 30, "r1": 70}) == 30  # r1 holds 70: 30 left to compute there
+    assert priced_tokens(100, {"r0": 250}) == 0  # never below 0
