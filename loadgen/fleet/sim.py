@@ -94,7 +94,7 @@ from replica_agent.policy.time_model import TimeModel
 from router.admission import MAX_ADMIT_REFUSALS, RelayAttempts, lease_tokens, offer_replicas, use_inline
 from router.arrival import Refuse, place_now_exclude, queue_or_refuse
 from router.autoscale import FleetSignal, Stabilizer, pab_desired, waiting_desired
-from router.admission_queue import Attempt, Dispatcher, FifoQueue, QueueFull, QueueTimeout, WaitingRequest
+from router.admission_queue import Attempt, Dispatcher, FifoQueue, QueueFull, WaitingRequest
 from router.budgets import BudgetBook
 from router.fair_queue import FairQueue, TenantShare
 from router.placement import DEFAULT_MAX_CANDIDATES, PlacementRequest, ReplicaView
