@@ -46,7 +46,7 @@ from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from replica_agent.agent import Agent
-from replica_agent.aio import release_at_eof
+from replica_agent.aio import FirstChunkStreamResponse, release_at_eof
 from replica_agent.api_schema import ApiError, validate_request
 from replica_agent.http_guard import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -644,7 +644,7 @@ class Proxy:
             if up.status != 200:
                 clean = True
                 return await self._relay_error_status(up, request_id), "upstream_error"
-            resp = web.StreamResponse(
+            resp = FirstChunkStreamResponse(  # the headers go with the first token: one send, one wake-up
                 status=200,
                 headers={
                     "Content-Type": up.headers.get("Content-Type", "text/event-stream"),

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from replica_agent.aio import release_at_eof
+from replica_agent.aio import FirstChunkStreamResponse, release_at_eof
 
 log = logging.getLogger(__name__)
 
@@ -342,7 +342,7 @@ class Relay:
                 "retryable", status=status, detail="upstream error event before the first token",
                 error_body=body, error_content_type=ctype,
             )
-        resp = web.StreamResponse(status=status, headers=response_headers)
+        resp = FirstChunkStreamResponse(status=status, headers=response_headers)  # headers + first chunk: one send
         resp.content_type = ctype.split(";", 1)[0]
         resp.headers["Cache-Control"] = "no-cache"
         events, tail = count_events(first, b"\n"), first[-16:]
