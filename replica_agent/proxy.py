@@ -144,6 +144,15 @@ class SseParser:
 
     def feed_raw(self, chunk: bytes) -> list[bytes]:
         """The payloads of the events completed by ``chunk`` (one per ``data:`` line, ``[DONE]`` left out)."""
+        if not self._buf and chunk.startswith(b"data:") and chunk.find(b"\n") == len(chunk) - 2 \
+                and chunk.endswith(b"\n\n"):
+            # one whole one-line event, nothing pending: what an engine writes per token (the split below
+            # gives the same answer)
+            payload = chunk[5:-2].strip()
+            if payload == b"[DONE]":
+                self.done = True
+                return []
+            return [payload] if payload else []
         if self._buf:
             self._buf += chunk
             data = bytes(self._buf)
