@@ -46,7 +46,7 @@ from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from replica_agent.agent import Agent
-from replica_agent.aio import FirstChunkStreamResponse, release_at_eof
+from replica_agent.aio import FirstChunkStreamResponse, release_at_eof, within
 from replica_agent.api_schema import ApiError, validate_request
 from replica_agent.http_guard import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -602,9 +602,8 @@ class Proxy:
             try:
                 if stall_s is None:
                     return await self._session.post(self._base + path, data=data, headers=headers)
-                try:
-                    return await asyncio.wait_for(
-                        self._session.post(self._base + path, data=data, headers=headers), stall_s)
+                try:  # in this task (asyncio.wait_for would run the POST in a task of its own per request)
+                    return await within(self._session.post(self._base + path, data=data, headers=headers), stall_s)
                 except TimeoutError:
                     self._stalled(EngineStalled(stall_s))
                     return error_json(502, f"engine stalled: no response within {stall_s:g} s")

@@ -9,6 +9,7 @@ POST that was answered before the abort keeps its response and the later abort f
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import aiohttp
 import pytest
@@ -25,9 +26,13 @@ class Holding:
         self.arrived = asyncio.Event()
         self.release = asyncio.Event()
         self.disconnected = asyncio.Event()
+        self.nodelay: list[bool] = []  # TCP_NODELAY of each accepted request's socket
 
     def app(self) -> web.Application:
         async def hold(request: web.Request) -> web.StreamResponse:
+            sock = request.transport.get_extra_info("socket") if request.transport else None
+            if sock is not None:
+                self.nodelay.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0)
             self.arrived.set()
             try:
                 await self.release.wait()
@@ -116,3 +121,17 @@ async def test_abort_before_the_post_sends_nothing(served) -> None:
     assert await relay._post_abortable(url, b"{}", {}, abort) is None
     await asyncio.sleep(0.05)
     assert not server.arrived.is_set()
+
+
+async def test_both_ends_of_a_relayed_request_send_without_nagle(served) -> None:
+    """TCP_NODELAY on the relay's pooled connection and on the server's accepted socket (aiohttp sets it on
+    every connection; a small SSE chunk behind an unacknowledged one would otherwise wait for the ACK)."""
+    server, url, relay = served
+    server.release.set()
+    upstream = await asyncio.wait_for(relay._post_abortable(url, b"{}", {}, UpstreamAbort()), 5)
+    try:
+        sock = upstream.connection.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        assert server.nodelay == [True]
+    finally:
+        upstream.close()
