@@ -44,6 +44,7 @@ async def _exchange(response_cls: type[web.StreamResponse]) -> tuple[bytes, byte
     try:
         await loop.sock_sendall(sock, b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
         await asyncio.wait_for(prepared.wait(), 10)
+        await asyncio.sleep(0.05)  # settle: a segment sent by prepare() is in this socket's buffer well before
         try:
             early = sock.recv(65536)  # whatever prepare() sent is in this socket's buffer by now
         except BlockingIOError:
