@@ -8,12 +8,27 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from aiohttp import web
+
 if TYPE_CHECKING:
     import aiohttp
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
+
+
+class FirstChunkStreamResponse(web.StreamResponse):
+    """A stream response whose status line and headers go out with its first body write.
+
+    aiohttp's ``StreamResponse.prepare`` sends the headers at once, in a segment of their own: the
+    next hop wakes for them, and again for the first chunk. A relay that prepares before it has a
+    chunk (the agent, while the engine runs the prefill) or just before its first write (the router)
+    sends both in one ``send`` this way (aiohttp's own opt-in, as ``web.Response`` does). Everything
+    else is ``web.StreamResponse``: a ``write_eof()`` without a body still sends the headers.
+    """
+
+    _send_headers_immediately = False
 
 
 EOF_WAIT_S = 1.0  # how long release_at_eof waits for a body's end before dropping the connection

@@ -46,7 +46,7 @@ from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from replica_agent.agent import Agent
-from replica_agent.aio import release_at_eof
+from replica_agent.aio import FirstChunkStreamResponse, release_at_eof, within
 from replica_agent.api_schema import ApiError, validate_request
 from replica_agent.http_guard import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -144,6 +144,15 @@ class SseParser:
 
     def feed_raw(self, chunk: bytes) -> list[bytes]:
         """The payloads of the events completed by ``chunk`` (one per ``data:`` line, ``[DONE]`` left out)."""
+        if not self._buf and chunk.startswith(b"data:") and chunk.find(b"\n") == len(chunk) - 2 \
+                and chunk.endswith(b"\n\n"):
+            # one whole one-line event, nothing pending: what an engine writes per token (the split below
+            # gives the same answer)
+            payload = chunk[5:-2].strip()
+            if payload == b"[DONE]":
+                self.done = True
+                return []
+            return [payload] if payload else []
         if self._buf:
             self._buf += chunk
             data = bytes(self._buf)
@@ -593,9 +602,8 @@ class Proxy:
             try:
                 if stall_s is None:
                     return await self._session.post(self._base + path, data=data, headers=headers)
-                try:
-                    return await asyncio.wait_for(
-                        self._session.post(self._base + path, data=data, headers=headers), stall_s)
+                try:  # in this task (asyncio.wait_for would run the POST in a task of its own per request)
+                    return await within(self._session.post(self._base + path, data=data, headers=headers), stall_s)
                 except TimeoutError:
                     self._stalled(EngineStalled(stall_s))
                     return error_json(502, f"engine stalled: no response within {stall_s:g} s")
@@ -644,7 +652,7 @@ class Proxy:
             if up.status != 200:
                 clean = True
                 return await self._relay_error_status(up, request_id), "upstream_error"
-            resp = web.StreamResponse(
+            resp = FirstChunkStreamResponse(  # the headers go with the first token: one send, one wake-up
                 status=200,
                 headers={
                     "Content-Type": up.headers.get("Content-Type", "text/event-stream"),

@@ -31,6 +31,7 @@ only yields configured tenants), ``code`` is the HTTP status, ``outcome`` a fixe
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -45,6 +46,7 @@ AROUND_TARGET = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0)
 DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 QUEUE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
+ANSWER_SERIES_CACHE = 4096  # (tenant, class, outcome, status) keys whose series observe_answer keeps
 SLO_EXEMPT_OUTCOMES = frozenset({"bad_request", "unauthorized", "client_disconnect"})
 """Outcomes not judged against the SLO (the client's doing)."""
 REJECTED_OUTCOMES = frozenset({"queue_full", "slo_infeasible", "queue_timeout", "tenant_rate", "tenant_concurrency"})
@@ -78,6 +80,7 @@ class RouterMetrics:
     def __init__(self, ttft_targets_ms: Iterable[float] = (), tpot_targets_ms: Iterable[float] = ()) -> None:
         self.registry = standard_registry("router")
         r = self.registry
+        self._answer_series: dict[tuple[str, str, str, int], tuple[Any, ...]] = {}
         self.requests = Counter(
             "fairbatch_router_requests", "Requests by tenant, SLO class and outcome",
             ["tenant", "slo_class", "outcome"], registry=r,
@@ -218,20 +221,38 @@ class RouterMetrics:
             tpot_s: per-token time (s); None below two events or for an error.
             ttft_target_s, tpot_target_s: the class's targets (s).
         """
-        self.requests.labels(tenant, slo_class, outcome).inc()
-        self.request_duration.labels(slo_class, str(code)).observe(duration_s)
+        key = (tenant, slo_class, outcome, code)
+        series = self._answer_series.get(key)
+        if series is None:
+            series = self._answer_series_for(key)
+        requests, duration, ttft, tpot, slo_requests, slo_attained = series
+        requests.inc()
+        duration.observe(duration_s)
         if outcome == "ok" and ttft_s is not None:
-            self.ttft.labels(slo_class, tenant).observe(ttft_s)
+            ttft.observe(ttft_s)
             if tpot_s is not None:
-                self.tpot.labels(slo_class, tenant).observe(tpot_s)
+                tpot.observe(tpot_s)
         if outcome in SLO_EXEMPT_OUTCOMES or code in (400, 401, 404, 413, 415, 408, 422):
             return
-        self.slo_requests.labels(slo_class, tenant).inc()
+        slo_requests.inc()
         kind = miss_kind(outcome, code, ttft_s, tpot_s, ttft_target_s, tpot_target_s)
         if kind is None:
-            self.slo_attained.labels(slo_class, tenant).inc()
+            slo_attained.inc()
         else:
             self.slo_misses.labels(slo_class, tenant, kind).inc()
+
+    def _answer_series_for(self, key: tuple[str, str, str, int]) -> tuple[Any, ...]:
+        """The labelled series :meth:`observe_answer` updates for ``(tenant, slo_class, outcome, code)``,
+        looked up once and kept (``labels()`` costs a lock and a validation per call; per-tenant series
+        are never removed). At most :data:`ANSWER_SERIES_CACHE` keys are kept; past that the cache restarts."""
+        tenant, slo_class, outcome, code = key
+        if len(self._answer_series) >= ANSWER_SERIES_CACHE:
+            self._answer_series.clear()
+        series = (self.requests.labels(tenant, slo_class, outcome), self.request_duration.labels(slo_class, str(code)),
+                  self.ttft.labels(slo_class, tenant), self.tpot.labels(slo_class, tenant),
+                  self.slo_requests.labels(slo_class, tenant), self.slo_attained.labels(slo_class, tenant))
+        self._answer_series[key] = series
+        return series
 
 
 def miss_kind(

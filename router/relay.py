@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from replica_agent.aio import release_at_eof
+from replica_agent.aio import FirstChunkStreamResponse, release_at_eof
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +90,12 @@ class UpstreamAbort:
     and the relay's ordinary failure paths apply.
     """
 
-    __slots__ = ("reason", "_fired", "_upstream")
+    __slots__ = ("reason", "_waiting", "_cancelled", "_upstream")
 
     def __init__(self) -> None:
         self.reason: str | None = None
-        self._fired: asyncio.Future[None] | None = None
+        self._waiting: asyncio.Task[object] | None = None  # the task awaiting the POST's answer, while it waits
+        self._cancelled = False  # abort() cancelled that task
         self._upstream: aiohttp.ClientResponse | None = None
 
     def abort(self, reason: str) -> None:
@@ -102,8 +103,10 @@ class UpstreamAbort:
         if self.reason is not None:
             return
         self.reason = reason
-        if self._fired is not None and not self._fired.done():
-            self._fired.set_result(None)
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            self._cancelled = True
+            waiting.cancel()
         up = self._upstream
         if up is not None and not up.closed:
             up.content.set_exception(ReplicaGone(reason))
@@ -248,36 +251,34 @@ class Relay:
     async def _post_abortable(
         self, url: str, body: bytes, headers: Mapping[str, str], abort: UpstreamAbort
     ) -> aiohttp.ClientResponse | None:
-        """The upstream response, or None when ``abort`` fired first (the request is then cancelled).
+        """The upstream response, or None when ``abort`` fired first.
+
+        The POST runs in the caller's task (no task of its own per request): :meth:`UpstreamAbort.abort`
+        cancels that task while it waits for the answer. The cancellation lands inside aiohttp's own
+        await, which closes the request's connection (as when the client goes away); a response that
+        was complete at that instant is closed the same way, before it is handed back, so none is left
+        open. A cancellation that is not only the abort's (the client left too) propagates.
 
         Raises:
             aiohttp.ClientError, TimeoutError, OSError: the POST failed.
+            asyncio.CancelledError: the caller was cancelled.
         """
         if abort.reason is not None:
             return None
-        fired: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        abort._fired = fired
-
-        async def post() -> aiohttp.ClientResponse:
-            return await self.session.post(url, data=body, headers=headers)
-
-        task = asyncio.create_task(post())
+        task = asyncio.current_task()
+        abort._waiting = task
         try:
-            await asyncio.wait((task, fired), return_when=asyncio.FIRST_COMPLETED)
+            upstream = await self.session.post(url, data=body, headers=headers)
         except asyncio.CancelledError:
-            task.cancel()
+            if abort._cancelled and task is not None and task.uncancel() == 0:
+                return None  # the abort's cancellation alone: the attempt is retryable
             raise
         finally:
-            abort._fired = None
-        if not task.done():
-            task.cancel()
-            await asyncio.wait((task,), timeout=1.0)
-            if task.done() and not task.cancelled() and task.exception() is None:
-                task.result().close()
-            return None
-        upstream = task.result()  # raises the POST's error
-        if abort.reason is not None:
+            abort._waiting = None
+        if abort.reason is not None:  # the cancellation was swallowed on the way (not seen with aiohttp 3.14)
             upstream.close()
+            if abort._cancelled and task is not None:
+                task.uncancel()
             return None
         abort._upstream = upstream
         return upstream
@@ -342,7 +343,7 @@ class Relay:
                 "retryable", status=status, detail="upstream error event before the first token",
                 error_body=body, error_content_type=ctype,
             )
-        resp = web.StreamResponse(status=status, headers=response_headers)
+        resp = FirstChunkStreamResponse(status=status, headers=response_headers)  # headers + first chunk: one send
         resp.content_type = ctype.split(";", 1)[0]
         resp.headers["Cache-Control"] = "no-cache"
         events, tail = count_events(first, b"\n"), first[-16:]

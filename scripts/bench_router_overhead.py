@@ -36,7 +36,9 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -195,6 +197,31 @@ def _pinning(n_procs: int) -> list[set[int]] | None:
     return [{c} for c in cores[:n_procs]] + [set(cores[n_procs:])]
 
 
+def _start_py_spy(out_dir: Path, load: str, children: dict[str, Child]) -> list[subprocess.Popen[bytes]]:
+    """py-spy (on PATH or beside python) sampling the router and the agent at 200 Hz, collapsed stacks
+    (``--format raw``) in ``out_dir/<load>-<process>.txt``; [] when py-spy is not installed."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(exe).exists():
+        print("py-spy not found: no profile", file=sys.stderr)
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [subprocess.Popen([exe, "record", "--pid", str(children[proc].popen.pid), "--rate", "200", "--nonblocking",
+                              "--format", "raw", "-o", str(out_dir / f"{load}-{proc}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for proc in ("router", "agent") if proc in children]
+
+
+def _stop_py_spy(spies: list[subprocess.Popen[bytes]]) -> None:
+    """Stop the samplers (SIGINT: each writes its file) and wait for them (10 s at most each)."""
+    for p in spies:
+        p.send_signal(signal.SIGINT)
+    for p in spies:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def run_load(name: str, load: Load, args: argparse.Namespace) -> dict[str, Any]:
     """Start a fleet (engine, agent, router, vllm-router) for ``load``, run the paths in interleaved
     rounds and return the load's report (per path: TTFT, requests/s, CPU per request)."""
@@ -258,9 +285,12 @@ def run_load(name: str, load: Load, args: argparse.Namespace) -> dict[str, Any]:
         cpu_all0 = {c: cpu_s(ch.popen.pid) for c, ch in children.items()}
         for r, n in enumerate(per_round):
             for pname, base in paths.items():
+                spies = _start_py_spy(args.py_spy, name, children) if args.py_spy and r == 0 and \
+                    pname == "router+agent" else []
                 before = {c: cpu_s(ch.popen.pid) for c, ch in children.items()}
                 t0 = time.monotonic()
                 results[pname] += loop(base, n, f"{pname}-{r}")
+                _stop_py_spy(spies)
                 wall[pname] += time.monotonic() - t0
                 for c, ch in children.items():
                     cpu_busy[pname][c] += cpu_s(ch.popen.pid) - before[c]
@@ -370,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agent-arg", action="append", default=[], help="extra agent flag (repeatable, e.g. "
                    "--agent-arg=--min-push-interval-ms=5)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here")
+    p.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
+                   help="profile the router and the agent with py-spy during the first round of the router+agent "
+                        "path of each load (collapsed stacks in DIR/<load>-<process>.txt)")
     args = p.parse_args(argv)
     if args.vllm_router is None and not args.no_vllm_router:
         beside = Path(sys.executable).parent / "vllm-router"

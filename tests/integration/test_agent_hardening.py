@@ -190,6 +190,25 @@ async def test_frozen_engine_ends_streams_within_the_stall_timeout_and_marks_the
               f"502 in {nonstream_s * 1000:.0f} ms, unhealthy until SIGCONT")
 
 
+async def test_engine_frozen_before_its_answer_is_a_502_stall_within_the_timeout(tmp_path) -> None:
+    # the stall rule on the wait for the engine's response headers (proxy.py _open_upstream)
+    async for setup in start(tmp_path, 0.05, stall_timeout_s=0.5):
+        loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession() as s:
+            os.kill(setup.engine.popen.pid, signal.SIGSTOP)  # takes the connection, never answers
+            try:
+                t0 = loop.time()
+                async with s.post(setup.url + "/v1/completions",
+                                  json={"model": MODEL, "prompt": make_prompt(20), "max_tokens": 4, "stream": True}) as r:
+                    assert r.status == 502
+                    assert (await r.json())["error"]["message"] == "engine stalled: no response within 0.5 s"
+                waited_s = loop.time() - t0
+            finally:
+                os.kill(setup.engine.popen.pid, signal.SIGCONT)
+            assert 0.4 <= waited_s < 2.0, waited_s
+            assert len(setup.agent.tracker) == 0
+
+
 def test_stall_timeouts_per_class_come_from_the_router_yaml(tmp_path) -> None:
     from replica_agent.cli import load_stall_timeouts
     from router.config import ConfigError, parse_config

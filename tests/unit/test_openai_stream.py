@@ -114,6 +114,29 @@ def test_sse_parser_payloads_across_chunk_boundaries() -> None:
     assert p.feed(b'data: {"a":1}\n\ndata: not json\n\n') == [{"a": 1}]
 
 
+def test_sse_parser_hand_worked_reads() -> None:
+    from replica_agent.proxy import SseParser
+
+    p = SseParser()  # one whole event per read (the one-event fast path), a CRLF line end, an empty payload
+    assert p.feed_raw(b'data: {"choices":[{"text":"a"}]}\n\n') == [b'{"choices":[{"text":"a"}]}']
+    assert p.feed_raw(b'data:{"x":1}\r\n\n') == [b'{"x":1}']
+    assert p.feed_raw(b"data: \n\n") == [] and not p.done
+    # an event split across three reads: nothing until its blank line arrives
+    assert p.feed_raw(b'data: {"choices":[{"te') == []
+    assert p.feed_raw(b'xt":"b"}]}\n') == []
+    assert p.feed_raw(b"\n") == [b'{"choices":[{"text":"b"}]}']
+    # several events in one read, the second cut after its "data:"; a comment line and an event: line
+    assert p.feed_raw(b': keep-alive\n\ndata: {"e":1}\n\nevent: x\ndata: {"e":2}\n\ndata:') == [b'{"e":1}', b'{"e":2}']
+    # the rest of that event, the usage event and [DONE] in one read
+    assert p.feed_raw(b' {"error":{"message":"m"}}\n\ndata: {"choices":[],"usage":{"prompt_tokens":3}}\n\n'
+                      b"data: [DONE]\n\n") == [b'{"error":{"message":"m"}}', b'{"choices":[],"usage":{"prompt_tokens":3}}']
+    assert p.done
+    q = SseParser()  # [DONE] alone in a read
+    assert q.feed_raw(b"data: [DONE]\n\n") == [] and q.done
+    r = SseParser()  # a "data:" inside a JSON string is not a line start: one event
+    assert r.feed_raw(b'data: {"text":"data: [DONE]"}\n\n') == [b'{"text":"data: [DONE]"}'] and not r.done
+
+
 def test_finish_reasons_of_answers_and_chunks() -> None:
     # a whole answer with n = 2, a stream chunk whose first choice is still running, a usage chunk
     assert finish_reasons({"choices": [{"index": 0, "finish_reason": "stop"},
