@@ -100,6 +100,7 @@ from router.fair_queue import FairQueue, TenantShare
 from router.placement import DEFAULT_MAX_CANDIDATES, PlacementRequest, ReplicaView
 from router.prefix_index import PrefixIndex
 from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start
+from router.work_shed import BUDGET_REASONS, REASON as WORK_SHED_REASON, WorkShed, WorkShedSettings, refuse_by_work
 
 POLICIES: dict[str, tuple[str, str]] = {
     "round-robin": ("direct", "vllm-default"),
@@ -244,6 +245,10 @@ class FleetConfig:
         prefix_caching: the engines' automatic prefix caching (vLLM's default; loadgen/sim/kv_cache.py).
         prefix_block_tokens: tokens per id of ``FleetRequest.prefix_ids`` (512 for Mooncake); also
             the unit of the routers' prefix maps, which hold about one replica's KV cache each.
+        work_shed: ``pab`` routers with a sheddable class refuse, under contention, the arrivals of
+            costliest predicted work (router/work_shed.py, the router's ``admission.work_shed``;
+            reason ``work-shed``); None: off, the router's default. The decode estimate is the
+            request's ``output_tokens`` (the simulated client's ``max_tokens``).
     """
 
     policy: str
@@ -283,6 +288,7 @@ class FleetConfig:
     autoscale: AutoscaleConfig | None = None
     prefix_caching: bool = True
     prefix_block_tokens: int = 512
+    work_shed: WorkShedSettings | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -505,8 +511,11 @@ class _Router:
         self.prefix: PrefixIndex | None = None
         if cfg.policy in PREFIX_POLICIES:
             self.prefix = PrefixIndex(max(1, cfg.kv_capacity_tokens // cfg.prefix_block_tokens), cfg.prefix_block_tokens)
+        self.work_shed: WorkShed | None = None
         if self.kind == "pab":
             self.book = BudgetBook(self.clock, self.ids)  # type: ignore[arg-type]
+            if cfg.work_shed is not None and cfg.sheddable:
+                self.work_shed = WorkShed(cfg.work_shed)
             self.policy = reg.build("pab", seed=seed)
             if cfg.queue_kind == "fair":
                 shares = {t: TenantShare(weight=w) for t, w in cfg.tenant_weights}
@@ -640,6 +649,12 @@ class _Router:
             self._forward_direct(idx, frozenset())
             return
         cfg = sim.cfg
+        # work-aware admission under contention (router/work_shed.py), once per new request
+        if self.work_shed is not None and not avoid and st.attempts is None and refuse_by_work(
+            self.work_shed, self.book.views(now), self._uncached(idx, req.prompt_tokens), req.output_tokens
+        ):
+            sim.reject(idx, WORK_SHED_REASON)
+            return
         # the router's own rules (router/arrival.py): placed at once only when nobody waits
         exclude = place_now_exclude(self.id_set, frozenset(), avoid, len(self.queue))
         if exclude is not None:
@@ -1048,6 +1063,9 @@ class FleetSim:
         st = self.states[idx]
         st.outcome = REJECTED
         st.reason = reason
+        gate = self.routers[st.router].work_shed
+        if gate is not None and reason in BUDGET_REASONS:
+            gate.budget_refused()
 
     # ------------------------------------------------------------ loop
 
