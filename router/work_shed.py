@@ -78,7 +78,7 @@ class WorkShedSettings:
     gain: float = 4.0
     max_share: float = 0.25
     window: int = 2000
-    horizon: int = 2000
+    horizon: int = 100
     min_samples: int = 200
 
     def __post_init__(self) -> None:

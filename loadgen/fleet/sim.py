@@ -651,7 +651,7 @@ class _Router:
         cfg = sim.cfg
         # work-aware admission under contention (router/work_shed.py), once per new request
         if self.work_shed is not None and not avoid and st.attempts is None and refuse_by_work(
-            self.work_shed, self.book.views(now), self._uncached(idx, req.prompt_tokens), req.output_tokens
+            self.work_shed, self.book.views(now), req.prompt_tokens, req.output_tokens
         ):
             sim.reject(idx, WORK_SHED_REASON)
             return

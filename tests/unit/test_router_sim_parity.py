@@ -17,6 +17,7 @@ from replica_agent.policy.time_model import TimeModel
 from router.admission_queue import WaitingRequest
 from router.config import RouterConfig, hash_api_key
 from router.server import Router, SloInfeasible
+from router.work_shed import WorkShedSettings
 from tests.fakes import FakeClock
 
 TM = TimeModel(10.0, 0.1, 0.0)
@@ -33,7 +34,7 @@ def snapshot(rid: str, pab_ms: float, decode_ms: float = 0.0) -> admission_pb2.B
     )  # fmt: skip
 
 
-def server_router(sheddable: bool = False) -> Router:
+def server_router(sheddable: bool = False, work_shed: dict[str, object] | None = None) -> Router:
     cfg = RouterConfig.model_validate({
         "slo_classes": {"interactive": {"ttft_ms": 1000, "tpot_ms": 100, "max_queue_ms": 5000,
                                         "sheddable": sheddable}},
@@ -42,16 +43,19 @@ def server_router(sheddable: bool = False) -> Router:
         "replicas": [{"id": f"r{i}", "http_url": f"http://127.0.0.1:{i + 1}", "grpc_target": f"127.0.0.1:{i + 1}"}
                      for i in range(2)],
         # one map key per 512 tokens, as the simulation's 512-token prefix blocks
-        "admission": {"lease_mode": "inline", "start_window_steps": 0, "bytes_per_token": 4.0},
+        "admission": {"lease_mode": "inline", "start_window_steps": 0, "bytes_per_token": 4.0,
+                      "work_shed": work_shed or {}},
         "placement": {"seed": 1, "prefix_cache": {"enabled": True, "chunk_chars": 2048}},
     })  # fmt: skip
     return Router(cfg, FakeClock(), "parity")  # type: ignore[arg-type]
 
 
-def sim_router(policy: str, request: FleetRequest) -> tuple[FleetSim, object]:
+def sim_router(policy: str, request: FleetRequest | list[FleetRequest],
+               work_shed: WorkShedSettings | None = None) -> tuple[FleetSim, object]:
     cfg = FleetConfig(policy=policy, replicas=2, time_model=TM, kv_capacity_tokens=100_000, ttft_ms=1000.0,
-                      tpot_ms=100.0, lease_mode="inline", start_window_steps=0.0, prefix_block_tokens=512)
-    sim = FleetSim(cfg, [request])
+                      tpot_ms=100.0, lease_mode="inline", start_window_steps=0.0, prefix_block_tokens=512,
+                      work_shed=work_shed)
+    sim = FleetSim(cfg, request if isinstance(request, list) else [request])
     return sim, sim.routers[0]
 
 
@@ -101,3 +105,44 @@ async def test_queued_behind_others_a_late_sheddable_request_is_refused_by_both(
     assert exc.value.wait_ms == pytest.approx(810.05)
     srouter.arrive(0)  # type: ignore[attr-defined]
     assert (sim.states[0].outcome, sim.states[0].reason) == ("rejected", "slo-infeasible")
+
+
+async def test_work_shed_refuses_the_same_arrival_in_both() -> None:
+    # admission.work_shed on (gain 10, max share 0.5, window 8, horizon 10, 1 sample); work priced on
+    # the view's model a = 10, b = 0.1, c = 0: 0.1 * P + 0.1 * O ms. A (1000 + 10 tokens) = 101 ms,
+    # nothing refused yet: kept. One slo-infeasible refusal: s = 0.1, q = min(0.5, 10 * 0.1) = 0.5,
+    # threshold = the median of [101] = 101. B (2000 + 10) = 201 ms > 101: refused 429 work-shed;
+    # C (500 + 10) = 51 ms: kept.
+    ws = {"enabled": True, "gain": 10.0, "max_share": 0.5, "window": 8, "horizon": 10, "min_samples": 1}
+    router = server_router(sheddable=True, work_shed=ws)
+    reqs = [FleetRequest(0.0, 1000, 10), FleetRequest(0.0, 10, 1), FleetRequest(0.0, 2000, 10),
+            FleetRequest(0.0, 500, 10)]  # fmt: skip
+    sim, srouter = sim_router("pab", reqs, WorkShedSettings(10.0, 0.5, 8, 10, 1))
+    for rid in ("r0", "r1"):
+        router.book.update(rid, snapshot(rid, 5000.0))
+        srouter.book.update(rid, snapshot(rid, 5000.0))  # type: ignore[attr-defined]
+    principal = router.auth.identify({"Authorization": "Bearer k"}, None)
+    assert principal is not None
+    assert router._refuse_by_work(principal, router.book.views(), 1000, 10) is False
+    srouter.arrive(0)  # type: ignore[attr-defined]
+    assert sim.states[0].reason != "work-shed"
+    # a budget refusal on each side: the server's answer path, the simulator's record
+    assert router.work_shed is not None
+    router.work_shed.budget_refused()
+    sim.states[1].router = 0
+    sim.reject(1, "slo-infeasible")
+    assert router.work_shed.contention_share == pytest.approx(0.1)
+    assert srouter.work_shed.contention_share == pytest.approx(0.1)  # type: ignore[attr-defined]
+    assert router._refuse_by_work(principal, router.book.views(), 2000, 10) is True
+    srouter.arrive(2)  # type: ignore[attr-defined]
+    assert (sim.states[2].outcome, sim.states[2].reason) == ("rejected", "work-shed")
+    assert router._refuse_by_work(principal, router.book.views(), 500, 10) is False
+    srouter.arrive(3)  # type: ignore[attr-defined]
+    assert sim.states[3].reason != "work-shed"
+
+
+def test_work_shed_off_by_default_in_both() -> None:
+    router = server_router(sheddable=True)
+    assert router.work_shed is None
+    sim, srouter = sim_router("pab", FleetRequest(0.0, 10, 1))
+    assert srouter.work_shed is None  # type: ignore[attr-defined]
