@@ -76,6 +76,7 @@ from loadgen.sim.engine import EngineConfig, SimEngine, StepResult
 from loadgen.sim.engine_time import EngineTimeModel
 from loadgen.sim.prefix_cache import block_hashes_from_ids, chain_hashes
 from loadgen.stats import FAILED, OK, REJECTED, RequestRecord
+from replica_agent.engine_metrics import PrefixHitWindow
 from replica_agent.policy.batching import PolicyConfig, make_policy
 from replica_agent.policy.calibration import CalibratorConfig, OnlineTimeModel
 from replica_agent.policy.engine_state import pab_inputs
@@ -98,6 +99,7 @@ from router.admission_queue import Attempt, Dispatcher, FifoQueue, QueueFull, Qu
 from router.budgets import BudgetBook
 from router.fair_queue import FairQueue, TenantShare
 from router.placement import DEFAULT_MAX_CANDIDATES, PlacementRequest, ReplicaView
+from router.prefix_correction import PrefixCorrection
 from router.prefix_index import PrefixIndex
 from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start
 from router.work_shed import BUDGET_REASONS, REASON as WORK_SHED_REASON, WorkShed, WorkShedSettings, refuse_by_work
@@ -388,6 +390,8 @@ class _Snapshot:
     status_detail: str = ""
     inflight_prefill_ms: tuple[float, ...] = ()
     inflight_prefill_done_ms: tuple[float, ...] = ()
+    prefix_queries_tokens: int = 0
+    prefix_hits_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -448,6 +452,7 @@ class _Replica:
     draining: bool = False  # removed: takes no new work, released when idle
     busy_ms: float = 0.0
     requests: int = 0
+    prefix_window: PrefixHitWindow = field(default_factory=PrefixHitWindow)  # the agent's, fed at each push
 
 
 @dataclass(slots=True)
@@ -509,8 +514,12 @@ class _Router:
         self.last_pass_ms = float("-inf")
         # the router's prefix map (prefix-aware policies only), about one replica's KV cache per replica
         self.prefix: PrefixIndex | None = None
+        # pab routers discount the map by the engines' measured hits (router/prefix_correction.py), as router/server.py
+        self.prefix_correction: PrefixCorrection | None = None
         if cfg.policy in PREFIX_POLICIES:
             self.prefix = PrefixIndex(max(1, cfg.kv_capacity_tokens // cfg.prefix_block_tokens), cfg.prefix_block_tokens)
+            if self.kind == "pab":
+                self.prefix_correction = PrefixCorrection()
         self.work_shed: WorkShed | None = None
         if self.kind == "pab":
             self.book = BudgetBook(self.clock, self.ids)  # type: ignore[arg-type]
@@ -547,10 +556,13 @@ class _Router:
         t0 = time.perf_counter()
         cfg = sim.cfg
         cached: dict[str, int] = {}
+        raw: dict[str, int] = {}
         keys: list[int] = []
         if self.prefix is not None:
             keys = sim.router_keys(idx)
-            cached = self.prefix.cached_tokens(keys, prompt_tokens)
+            raw = cached = self.prefix.cached_tokens(keys, prompt_tokens)
+            if self.prefix_correction is not None and raw:  # the map's estimate, discounted by the measured hits
+                cached = self.prefix_correction.discount(raw, self.book.prefix_measured)
         result = self.policy.place(PlacementRequest(slo_class, prompt_tokens, exclude, waited_ms, on_time_only,
                                                     cfg.start_window_steps, cfg.max_num_batched_tokens, cached),
                                    self.book.views(now))  # fmt: skip
@@ -575,6 +587,8 @@ class _Router:
                 grant = _Grant(ri, lease_id, refusals)
             if self.prefix is not None:  # the post-decision update of the prefix map
                 self.prefix.insert(rid, keys)
+                if self.prefix_correction is not None:
+                    self.prefix_correction.record(rid, raw.get(rid, 0), prompt_tokens)
             return grant
         return None
 
@@ -968,9 +982,11 @@ class FleetSim:
         state = replica_state(rep.engine, rep.leases, t, cfg.margin_frac)
         b = class_budget(state, self.slo)
         rep.seq += 1
+        # the engine's prefix-cache counters over the agent's window (its scrape, here at each push)
+        rep.prefix_window.add(t, rep.engine.prefix_cache_queries, rep.engine.prefix_cache_hits)
         snap = _Snapshot(rep.seq, rep.engine.policy_time_model, [b], cfg.budget_ttl_ms,
                          rep.allocated and not rep.draining, cfg.max_model_len, "",
-                         *inflight_schedule(state, cfg.max_num_batched_tokens))  # fmt: skip
+                         *inflight_schedule(state, cfg.max_num_batched_tokens), *rep.prefix_window.delta())  # fmt: skip
         for r in self.routers:
             self.push_event(t + cfg.net_delay_ms, _DELIVER, r.index, (ri, snap))
         if periodic:

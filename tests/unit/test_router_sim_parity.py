@@ -23,9 +23,11 @@ from tests.fakes import FakeClock
 TM = TimeModel(10.0, 0.1, 0.0)
 
 
-def snapshot(rid: str, pab_ms: float, decode_ms: float = 0.0) -> admission_pb2.BudgetSnapshot:
+def snapshot(rid: str, pab_ms: float, decode_ms: float = 0.0, prefix: tuple[int, int] = (0, 0)
+             ) -> admission_pb2.BudgetSnapshot:
     return admission_pb2.BudgetSnapshot(
         replica_id=rid, seq=1, ttl_ms=10_000_000, healthy=True, max_prompt_tokens=32768,
+        prefix_queries_tokens=prefix[0], prefix_hits_tokens=prefix[1],
         coefficients=admission_pb2.TimeModelCoefficients(a_ms=10.0, b_ms_per_new_token=0.1),
         classes=[admission_pb2.ClassBudget(slo_class="interactive", ttft_ms=1000.0, tpot_ms=100.0, horizon_ms=900.0,
                                            pab_ms=pab_ms, pab_tokens=int(max(0.0, pab_ms - 10.0) / 0.1),
@@ -146,3 +148,34 @@ def test_work_shed_off_by_default_in_both() -> None:
     assert router.work_shed is None
     sim, srouter = sim_router("pab", FleetRequest(0.0, 10, 1))
     assert srouter.work_shed is None  # type: ignore[attr-defined]
+
+
+async def test_prefix_map_discounted_by_the_measured_hits_in_both() -> None:
+    # r1 holds the 2048-token prompt by the map (2047 cached). Each router's correction has one placement
+    # on r1 that predicted 1000 of 2000 tokens cached (p = 0.5); r1's engine measured 100 hits in 1000
+    # queried (m = 0.1): factor 0.2, so 2047 -> floor(409.4) = 409 cached, 1639 to compute: 10 + 163.9 =
+    # 173.9 ms, within r1's 200 ms (r0's 100 cannot take the whole prompt, 214.8 ms). Undiscounted it
+    # would be the 1 token of test_inline_placement_on_the_warm_replica_with_its_uncached_tokens.
+    request = FleetRequest(0.0, 2048, 10, prefix_ids=(1, 2, 3, 4))
+    sim, srouter = sim_router("pab-prefix", request)
+    router = server_router()
+    for rid, pab in (("r0", 100.0), ("r1", 200.0)):
+        snap = snapshot(rid, pab, prefix=(1000, 100) if rid == "r1" else (0, 0))
+        router.book.update(rid, snap)
+        srouter.book.update(rid, snap)  # type: ignore[attr-defined]
+    keys = sim.router_keys(0)
+    for r in (router, srouter):
+        r.prefix.insert("r1", keys)  # type: ignore[attr-defined]
+        r.prefix_correction.record("r1", 1000, 2000)  # type: ignore[attr-defined]
+    router._prefix_keys["0"] = keys
+    grant = await router._place_and_reserve("interactive", 2048, 10, "0", frozenset(), 0.0)
+    sgrant = srouter._place(0, "interactive", 2048, frozenset(), 0.0)  # type: ignore[attr-defined]
+    assert grant is not None and sgrant is not None
+    assert (grant.replica_id, grant.prompt_tokens) == ("r1", 1639)
+    assert (sim.replicas[sgrant.replica].rid, sgrant.prompt_tokens) == ("r1", 1639)
+    for book in (router.book, srouter.book):  # type: ignore[attr-defined]
+        assert book.get("r1").classes["interactive"].pab_ms == pytest.approx(26.1)
+    # both recorded this placement's undiscounted prediction: p = (1000 * (1 - 1/64) + 2047) / (2000 * (1 - 1/64) + 2048)
+    p = (1000 * (63 / 64) + 2047) / (2000 * (63 / 64) + 2048)
+    for r in (router, srouter):
+        assert r.prefix_correction.predicted_ratio("r1") == pytest.approx(p)  # type: ignore[attr-defined]
