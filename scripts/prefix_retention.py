@@ -12,6 +12,11 @@ at P - 1, as the bound counts), for several Δ, and prints the fleet's turnover 
 unbounded it is the bound's own share, less the credit the bound gives to pairs that arrive within one
 TTFT of each other in the other order.
 
+For each Δ it also prints the steady-state bound's formula evaluated with only those shared prefixes
+(``retention estimate``): not an upper bound (a cache that kept the shared blocks and evicted the rest
+first could hold some prefixes longer than the turnover time), but what the bound gives if the cache
+kept prefixes Δ seconds and no longer.
+
 Usage::
 
     python scripts/prefix_retention.py --trace mooncake-conv --rate 16 --ttft-ms 2500 \\
@@ -25,12 +30,33 @@ import json
 import math
 
 from loadgen.fleet.bench import build_arrivals
+from loadgen.fleet.bound import steady_state_bound
 from loadgen.fleet.sim import FleetRequest
+from loadgen.sim.engine_time import load_engine_time_model
 from loadgen.sim.prefix_cache import chain_hashes
 from loadgen.traces import arrival_granularity_ms, load_trace, resolve_trace, spread_arrivals
-from replica_agent.profiles import load_profile
+from replica_agent.profiles import load_profile, vllm_serve_batch_defaults
 
 DELTAS_S = (5.0, 15.0, 30.0, 60.0, 120.0, 300.0, math.inf)
+
+
+def shared_within(reqs: list[FleetRequest], block_tokens: int, delta_ms: float) -> list[int]:
+    """Per request (in the order of ``reqs``, which must be by arrival), the prompt tokens that repeat a
+    prefix seen in an earlier request at most ``delta_ms`` before (module docstring), capped at P - 1."""
+    last: dict[int, float] = {}
+    out = []
+    for r in reqs:
+        keys = chain_hashes(r.prefix_ids)
+        k = 0
+        for j, key in enumerate(keys):
+            seen = last.get(key)
+            if seen is None or seen < r.arrival_ms - delta_ms:
+                break
+            k = j + 1
+        out.append(min(r.prompt_tokens - 1, block_tokens * k))
+        for key in keys:
+            last[key] = r.arrival_ms
+    return out
 
 
 def shareable_within(reqs: list[FleetRequest], block_tokens: int, delta_ms: float, counted_from_ms: float) -> float:
@@ -61,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, required=True)
     ap.add_argument("--replicas", type=int, default=16)
     ap.add_argument("--ttft-ms", type=float, default=2500.0)
+    ap.add_argument("--tpot-ms", type=float, default=100.0)
     ap.add_argument("--duration-s", type=float, default=600.0)
     ap.add_argument("--warmup-s", type=float, default=120.0)
     ap.add_argument("--block-tokens", type=int, default=512, help="tokens per prefix id (512 for Mooncake)")
@@ -77,18 +104,32 @@ def main(argv: list[str] | None = None) -> int:
     rate_tokens = sum(r.prompt_tokens for r in counted) / window_s / args.replicas
     kv = load_profile(args.profile).kv_capacity_tokens
     turnover_s = kv / rate_tokens if rate_tokens > 0 else math.inf
-    rows = [{"delta_s": None if math.isinf(d) else d,
-             "shareable": round(shareable_within(reqs, args.block_tokens, d * 1000.0, t0), 4)} for d in DELTAS_S]  # fmt: skip
+    prof = load_profile(args.profile)
+    model = load_engine_time_model(None, args.profile) or prof.time_model
+    batch = vllm_serve_batch_defaults(prof.gpu).resolve(None, None)
+    ordered = sorted(reqs, key=lambda x: x.arrival_ms)
+    idx = [i for i, r in enumerate(ordered) if r.arrival_ms >= t0]
+    rows = []
+    for d in DELTAS_S:
+        h = shared_within(ordered, args.block_tokens, d * 1000.0)
+        est = steady_state_bound([ordered[i].prompt_tokens for i in idx], [ordered[i].output_tokens for i in idx],
+                                 model, args.ttft_ms, args.tpot_ms, args.replicas, prof.kv_capacity_tokens,
+                                 batch.max_num_seqs, batch.max_num_batched_tokens, 0.9,
+                                 cached_tokens=[float(h[i]) for i in idx])  # fmt: skip
+        rows.append({"delta_s": None if math.isinf(d) else d,
+                     "shareable": round(shareable_within(reqs, args.block_tokens, d * 1000.0, t0), 4),
+                     "retention_estimate_rps": round(est.rps, 2)})  # fmt: skip
     print(f"{args.trace} at {args.rate:g} req/s, {args.replicas} x {args.profile}: {len(counted)} counted requests, "
           f"{rate_tokens:,.0f} prompt tokens/s per replica; KV {kv:,} tokens per replica -> turnover "
           f"{turnover_s:.0f} s")  # fmt: skip
-    print(f"{'prefix first seen within':>26} {'shareable share':>16}")
+    print(f"{'prefix first seen within':>26} {'shareable share':>16} {'retention estimate (req/s)':>27}")
     for row in rows:
         d = "any time" if row["delta_s"] is None else f"{row['delta_s']:g} s"
-        print(f"{d:>26} {row['shareable']:>16.3f}")
+        print(f"{d:>26} {row['shareable']:>16.3f} {row['retention_estimate_rps']:>27.1f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"trace": args.trace, "profile": args.profile, "rate_rps": args.rate, "replicas": args.replicas,
+                       "ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms,
                        "duration_s": args.duration_s, "warmup_s": args.warmup_s, "block_tokens": args.block_tokens,
                        "counted_requests": len(counted), "prompt_tokens_per_s_per_replica": round(rate_tokens, 1),
                        "kv_capacity_tokens": kv, "kv_turnover_s": round(turnover_s, 1), "rows": rows}, f, indent=1)  # fmt: skip

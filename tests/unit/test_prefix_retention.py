@@ -32,3 +32,10 @@ def test_shareable_within_by_hand() -> None:
     assert mod.shareable_within(reqs, 10, math.inf, 1_000.0) == pytest.approx(50 / 70)
     assert mod.shareable_within([reqs[0], FleetRequest(1.0, 20, 1, prefix_ids=(1, 2))], 10, math.inf, 1.0) \
         == pytest.approx(19 / 20)
+
+
+def test_shared_within_per_request() -> None:
+    reqs = [FleetRequest(0.0, 30, 1, prefix_ids=(1, 2, 3)), FleetRequest(5_000.0, 30, 1, prefix_ids=(1, 2, 9)),
+            FleetRequest(100_000.0, 40, 1, prefix_ids=(1, 2, 3, 4))]  # fmt: skip
+    assert mod.shared_within(reqs, 10, 96_000.0) == [0, 20, 20]
+    assert mod.shared_within(reqs, 10, math.inf) == [0, 20, 30]
