@@ -189,9 +189,12 @@ class WorkShedConfig(_Strict):
     ones. It trades token-weighted SLO attainment for request-weighted attainment.
 
     Attributes:
-        enabled: False (the default): off. On the measured traces (docs/evaluation.md, "Work-aware
-            admission") it did not raise request attainment: PAB's own refusals already fall on
-            the largest prompts, and the rule mostly swaps them for its own.
+        enabled: False (the default): off, because its gain depends on the traffic mix
+            (docs/evaluation.md, "Work-aware admission"; 16 replicas, fleet simulation): on
+            azure-conv it raised capacity 6 % (request and token-weighted attainment both up: the
+            requests it refuses would have been served late), on azure-code it was even (PAB's own
+            refusals already fall on the largest prompts) and cost a point of token-weighted
+            attainment.
         gain: share refused by work per unit of the recent budget-refusal share (> 0).
         max_share: the most arrivals refused by work, in (0, 1).
         window: arrivals whose works form the quantile (>= 1).
