@@ -191,8 +191,9 @@ class WorkShedConfig(_Strict):
     Attributes:
         enabled: False (the default): off, because its gain depends on the traffic mix
             (docs/evaluation.md, "Work-aware admission"; 16 replicas, fleet simulation): on
-            azure-conv it raised capacity 6 % (request and token-weighted attainment both up: the
-            requests it refuses would have been served late), on azure-code it was even (PAB's own
+            azure-conv it raised capacity 6 % and on mooncake-conv 3 % (request and token-weighted
+            attainment both up: the requests it refuses would have been served late), on azure-code
+            it was even (PAB's own
             refusals already fall on the largest prompts) and cost a point of token-weighted
             attainment.
         gain: share refused by work per unit of the recent budget-refusal share (> 0).
