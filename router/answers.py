@@ -12,6 +12,7 @@ queue-full          429     queue_full            the admission queue is at its 
 tenant-rate         429     tenant_rate           the tenant's token or request bucket is empty
 tenant-concurrency  429     tenant_concurrency    the tenant has ``max_concurrency`` in flight
 slo-infeasible      429     slo_infeasible        a sheddable request cannot start in time
+work-shed           429     work_shed             under contention, its predicted work is among the costliest
 queue-timeout       429     queue_timeout         ``max_queue_ms`` passed while queued
 no-replica          503     no_replica            as queue-timeout, but no replica was usable
 placement-error     503     placement_error       placing this request raised (never retried)
@@ -83,6 +84,15 @@ def slo_infeasible(slo_class: str, ttft_ms: float, wait_ms: float, retry_after_s
     return Answer("slo_infeasible", 429, "slo-infeasible",
                   f"The first-token deadline ({ttft_ms:g} ms) of class {slo_class!r} cannot be met "
                   f"(predicted wait {wait_ms:.0f} ms).", retry_after(retry_after_s))  # fmt: skip
+
+
+def work_shed(slo_class: str) -> Answer:
+    """429 ``work-shed``: the router is short of budget for class ``slo_class`` and this request's
+    predicted work is among the costliest of recent arrivals (router/work_shed.py); retry after
+    ``RETRY_AFTER_S``."""
+    return Answer("work_shed", 429, "work-shed",
+                  f"Class {slo_class!r} is over capacity and this request's predicted work is among the "
+                  "largest of recent requests; a smaller request, or this one later, may be served.")  # fmt: skip
 
 
 def queue_expired(reason: str, slo_class: str, ttft_ms: float, max_queue_ms: float, any_usable: bool) -> Answer:

@@ -49,7 +49,8 @@ QUEUE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 ANSWER_SERIES_CACHE = 4096  # (tenant, class, outcome, status) keys whose series observe_answer keeps
 SLO_EXEMPT_OUTCOMES = frozenset({"bad_request", "unauthorized", "client_disconnect"})
 """Outcomes not judged against the SLO (the client's doing)."""
-REJECTED_OUTCOMES = frozenset({"queue_full", "slo_infeasible", "queue_timeout", "tenant_rate", "tenant_concurrency"})
+REJECTED_OUTCOMES = frozenset({"queue_full", "slo_infeasible", "work_shed", "queue_timeout", "tenant_rate",
+                               "tenant_concurrency"})
 """Outcomes answered 429 (counted as ``kind="rejected"`` misses)."""
 
 

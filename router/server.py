@@ -78,7 +78,7 @@ from router.admission import (
 )
 from router.admission_queue import Attempt, Dispatcher, PlacementFailed, QueueFull, QueueTimeout, WaitingRequest
 from router.answers import Answer, no_budget, placement_error, queue_expired, queue_full
-from router.answers import slo_infeasible, tenant_over
+from router.answers import slo_infeasible, tenant_over, work_shed
 from router.arrival import Refuse, no_replica_left, place_now_exclude, queue_full_before_body, queue_or_refuse
 from router.auth import ApiKeyAuthenticator, Principal
 from router.budget_client import BudgetClient
@@ -94,6 +94,7 @@ from router.placement import (
     DEFAULT_MAX_CANDIDATES,
     PlacementPolicy,
     PlacementRequest,
+    ReplicaView,
     default_registry,
     largest_max_prompt,
 )
@@ -102,6 +103,7 @@ from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict
 from router.prefix_correction import PrefixCorrection
 from router.prefix_index import PrefixIndex, text_block_keys
 from router.tokens import PromptError, estimate_prompt_tokens, prompt_is_exact, prompt_text
+from router.work_shed import BUDGET_REASONS, WorkShed, WorkShedSettings, refuse_by_work
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +240,7 @@ class Router:
         self.prefix_correction = PrefixCorrection()  # the map discounted by the engines' measured hits
         self._prefix_keys: dict[str, list[int]] = {}  # request id -> its prompt's prefix keys, while placing
         self._configure_prefix(config)
+        self._configure_work_shed(config)
         fc = config.fairness
         self.queue = FairQueue(
             config.queue.max_requests, config.queue.max_tokens, tenant_shares(config),
@@ -412,6 +415,23 @@ class Router:
             self.prefix = PrefixIndex(capacity, tokens_per_key)
             self.prefix_correction = PrefixCorrection()
 
+    def _configure_work_shed(self, config: RouterConfig) -> None:
+        """Build (or drop) the state of ``admission.work_shed`` (router/work_shed.py); kept, with what
+        it learned, when its settings did not change."""
+        ws = config.admission.work_shed
+        new = WorkShedSettings(ws.gain, ws.max_share, ws.window, ws.horizon, ws.min_samples) if ws.enabled else None
+        old: WorkShed | None = getattr(self, "work_shed", None)
+        self.work_shed = None if new is None else old if old is not None and old.settings == new else WorkShed(new)
+
+    def _refuse_by_work(self, principal: Principal, views: list[ReplicaView], prompt_tokens: int,
+                        max_tokens: int) -> bool:
+        """router/work_shed.py at a new request's arrival (sheddable classes, ``admission.work_shed``
+        on): True = answer it 429 ``work-shed``. Priced on the whole prompt and the fair queue's decode
+        estimate, as the fleet simulation does."""
+        if self.work_shed is None or not principal.slo.sheddable:
+            return False
+        return refuse_by_work(self.work_shed, views, prompt_tokens, self._decode_estimate(max_tokens))
+
     def apply_config(self, config: RouterConfig) -> list[str]:
         """Swap in a validated configuration while serving; returns warnings for parts that need a
         restart (replicas, redis_url, telemetry), which keep their old values."""
@@ -445,6 +465,7 @@ class Router:
             self.policy = self._build_policy(config)
             self._applied_placement = new_pl
         self._configure_prefix(config)
+        self._configure_work_shed(config)
         self.metrics.config_generation.inc()
         self.dispatcher.wake()
         return warnings
@@ -839,6 +860,8 @@ class Router:
             return "bad_request", openai_error(400, cap.refusal, param="messages" if chat else "prompt",
                                                code="context_length_exceeded")  # fmt: skip
         prompt_tokens = cap.tokens
+        if self._refuse_by_work(principal, views, prompt_tokens, max_tokens):
+            return self._answer(work_shed(principal.slo_class))
 
         quota = await self.ledger.acquire(
             principal.tenant, request_id, limits, prompt_tokens + self._decode_estimate(max_tokens)
@@ -873,9 +896,13 @@ class Router:
             except QueueFull:
                 return self._answer(queue_full())
             except SloInfeasible as exc:
+                if self.work_shed is not None:
+                    self.work_shed.budget_refused()
                 return self._answer(slo_infeasible(principal.slo_class, slo.ttft_ms, exc.wait_ms,
                                                    self.clock.to_wall_s(exc.wait_ms)))  # fmt: skip
             except QueueTimeout as exc:
+                if self.work_shed is not None and exc.reason in BUDGET_REASONS:
+                    self.work_shed.budget_refused()
                 usable = exc.reason == "slo-infeasible" or any(v.healthy and v.fresh for v in self.book.views())
                 return self._answer(queue_expired(exc.reason, principal.slo_class, slo.ttft_ms, slo.max_queue_ms,
                                                   usable))  # fmt: skip

@@ -57,6 +57,7 @@ allows. With q = 1 it equals the analytic bound's time limit.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -83,6 +84,7 @@ from loadgen.stats import Slo, figures, meets_slo, per_tenant
 from loadgen.traces import TraceRequest, load_trace, resolve_trace, spread_arrivals
 from replica_agent.policy.time_model import TimeModel
 from replica_agent.profiles import load_profile
+from router.work_shed import WorkShedSettings
 
 DEFAULT_FRACTIONS = (0.4, 0.55, 0.7, 0.8, 0.9, 1.0, 1.1)
 """Default sweep: these fractions of the analytic bound (req/s)."""
@@ -224,6 +226,7 @@ class Setup:
     min_push_interval_ms: float | None = None
     windows: int = 0
     prefix_caching: bool = True
+    work_shed: WorkShedSettings | None = None
 
 
 def fleet_config(setup: Setup, policy: str) -> FleetConfig:
@@ -239,7 +242,7 @@ def fleet_config(setup: Setup, policy: str) -> FleetConfig:
         max_num_batched_tokens=setup.max_num_batched_tokens, max_num_seqs=setup.max_num_seqs,
         engine_time=setup.engine_time, start_window_steps=setup.start_window_steps,
         lease_mode=setup.lease_mode, min_push_interval_ms=setup.min_push_interval_ms,
-        prefix_caching=setup.prefix_caching,
+        prefix_caching=setup.prefix_caching, work_shed=setup.work_shed,
     )  # fmt: skip
 
 
@@ -457,6 +460,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="interleaved trace windows (default: --replicas); 1 = one stretch of the trace, its "
                         "conversations whole (the prefix-cache study)")
     p.add_argument("--no-prefix-caching", action="store_true", help="engines without automatic prefix caching")
+    p.add_argument("--work-shed", action="store_true",
+                   help="pab routers: work-aware admission under contention (router/work_shed.py; the router's "
+                        "admission.work_shed, off by default there too)")
+    ws = WorkShedSettings()
+    p.add_argument("--work-shed-gain", type=float, default=ws.gain)
+    p.add_argument("--work-shed-max-share", type=float, default=ws.max_share)
+    p.add_argument("--work-shed-window", type=int, default=ws.window)
+    p.add_argument("--work-shed-horizon", type=int, default=ws.horizon)
     add_engine_and_trace_args(p)
     add_engine_time_arg(p)
     p.add_argument("--seed", type=int, default=0, help="tenant draw, push phases, power-of-two choices, arrival spread")
@@ -492,11 +503,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     rates = sorted(args.rates) if args.rates else [round(bound.rps * f, 2) for f in DEFAULT_FRACTIONS]
     cap_tokens = args.queue_cap_tokens or prof.time_model.tokens_within_ms(args.ttft_ms)
+    work_shed = WorkShedSettings(args.work_shed_gain, args.work_shed_max_share, args.work_shed_window,
+                                 args.work_shed_horizon) if args.work_shed else None  # fmt: skip
     setup = Setup(kept, native, args.replicas, args.profile, args.ttft_ms, args.tpot_ms, args.duration_s,
                   args.drain_s, args.routers, args.push_period_ms, args.net_delay_ms, args.queue, cap_tokens,
                   not args.no_leases, args.max_model_len, args.seed, max_tokens, max_seqs,
                   args.window_offset, engine_time, args.warmup_s, args.start_window_steps, args.lease_mode,
-                  args.min_push_interval_ms, args.windows or args.replicas, not args.no_prefix_caching)  # fmt: skip
+                  args.min_push_interval_ms, args.windows or args.replicas, not args.no_prefix_caching,
+                  work_shed)  # fmt: skip
     if not 0.0 <= args.warmup_s < args.duration_s:
         raise SystemExit("bench-fleet: --warmup-s must be in [0, --duration-s)")
     t0 = time.perf_counter()
@@ -568,6 +582,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "arrival_spread_ms": spread_ms,
         "native_rps": round(native, 4), "windows_interleaved": args.windows or args.replicas,
         "prefix_caching": not args.no_prefix_caching,
+        "work_shed": None if work_shed is None else dataclasses.asdict(work_shed),
         "requests_in_trace": len(full), "requests_dropped_over_max_model_len": len(full) - len(kept),
         "time_model": {"a_ms": prof.time_model.a_ms, "b_ms_per_new_token": prof.time_model.b_ms_per_new_token,
                        "c_ms_per_context_token": prof.time_model.c_ms_per_context_token},

@@ -76,6 +76,7 @@ from loadgen.sim.engine import EngineConfig, SimEngine, StepResult
 from loadgen.sim.engine_time import EngineTimeModel
 from loadgen.sim.prefix_cache import block_hashes_from_ids, chain_hashes
 from loadgen.stats import FAILED, OK, REJECTED, RequestRecord
+from replica_agent.engine_metrics import PrefixHitWindow
 from replica_agent.policy.batching import PolicyConfig, make_policy
 from replica_agent.policy.calibration import CalibratorConfig, OnlineTimeModel
 from replica_agent.policy.engine_state import pab_inputs
@@ -98,8 +99,10 @@ from router.admission_queue import Attempt, Dispatcher, FifoQueue, QueueFull, Wa
 from router.budgets import BudgetBook
 from router.fair_queue import FairQueue, TenantShare
 from router.placement import DEFAULT_MAX_CANDIDATES, PlacementRequest, ReplicaView
+from router.prefix_correction import PrefixCorrection
 from router.prefix_index import PrefixIndex
 from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start, priced_tokens
+from router.work_shed import BUDGET_REASONS, REASON as WORK_SHED_REASON, WorkShed, WorkShedSettings, refuse_by_work
 
 POLICIES: dict[str, tuple[str, str]] = {
     "round-robin": ("direct", "vllm-default"),
@@ -244,6 +247,10 @@ class FleetConfig:
         prefix_caching: the engines' automatic prefix caching (vLLM's default; loadgen/sim/kv_cache.py).
         prefix_block_tokens: tokens per id of ``FleetRequest.prefix_ids`` (512 for Mooncake); also
             the unit of the routers' prefix maps, which hold about one replica's KV cache each.
+        work_shed: ``pab`` routers with a sheddable class refuse, under contention, the arrivals of
+            costliest predicted work (router/work_shed.py, the router's ``admission.work_shed``;
+            reason ``work-shed``); None: off, the router's default. The decode estimate is the
+            request's ``output_tokens`` (the simulated client's ``max_tokens``).
     """
 
     policy: str
@@ -283,6 +290,7 @@ class FleetConfig:
     autoscale: AutoscaleConfig | None = None
     prefix_caching: bool = True
     prefix_block_tokens: int = 512
+    work_shed: WorkShedSettings | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -383,6 +391,8 @@ class _Snapshot:
     inflight_prefill_ms: tuple[float, ...] = ()
     inflight_prefill_done_ms: tuple[float, ...] = ()
     inline_admission: bool = True  # the simulated agents decide inline admissions on arrival
+    prefix_queries_tokens: int = 0
+    prefix_hits_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -443,6 +453,7 @@ class _Replica:
     draining: bool = False  # removed: takes no new work, released when idle
     busy_ms: float = 0.0
     requests: int = 0
+    prefix_window: PrefixHitWindow = field(default_factory=PrefixHitWindow)  # the agent's, fed at each push
 
 
 @dataclass(slots=True)
@@ -504,10 +515,17 @@ class _Router:
         self.last_pass_ms = float("-inf")
         # the router's prefix map (prefix-aware policies only), about one replica's KV cache per replica
         self.prefix: PrefixIndex | None = None
+        # pab routers discount the map by the engines' measured hits (router/prefix_correction.py), as router/server.py
+        self.prefix_correction: PrefixCorrection | None = None
         if cfg.policy in PREFIX_POLICIES:
             self.prefix = PrefixIndex(max(1, cfg.kv_capacity_tokens // cfg.prefix_block_tokens), cfg.prefix_block_tokens)
+            if self.kind == "pab":
+                self.prefix_correction = PrefixCorrection()
+        self.work_shed: WorkShed | None = None
         if self.kind == "pab":
             self.book = BudgetBook(self.clock, self.ids)  # type: ignore[arg-type]
+            if cfg.work_shed is not None and cfg.sheddable:
+                self.work_shed = WorkShed(cfg.work_shed)
             self.policy = reg.build("pab", seed=seed)
             if cfg.queue_kind == "fair":
                 shares = {t: TenantShare(weight=w) for t, w in cfg.tenant_weights}
@@ -539,10 +557,13 @@ class _Router:
         t0 = time.perf_counter()
         cfg = sim.cfg
         cached: dict[str, int] = {}
+        raw: dict[str, int] = {}
         keys: list[int] = []
         if self.prefix is not None:
             keys = sim.router_keys(idx)
-            cached = self.prefix.cached_tokens(keys, prompt_tokens)
+            raw = cached = self.prefix.cached_tokens(keys, prompt_tokens)
+            if self.prefix_correction is not None and raw:  # the map's estimate, discounted by the measured hits
+                cached = self.prefix_correction.discount(raw, self.book.prefix_measured)
         result = self.policy.place(PlacementRequest(slo_class, prompt_tokens, exclude, waited_ms, on_time_only,
                                                     cfg.start_window_steps, cfg.max_num_batched_tokens, cached),
                                    self.book.views(now))  # fmt: skip
@@ -569,6 +590,8 @@ class _Router:
                 grant = _Grant(ri, lease_id, refusals)
             if self.prefix is not None:  # the post-decision update of the prefix map
                 self.prefix.insert(rid, keys)
+                if self.prefix_correction is not None:
+                    self.prefix_correction.record(rid, raw.get(rid, 0), prompt_tokens)
             return grant
         return None
 
@@ -577,7 +600,10 @@ class _Router:
         (the whole prompt without one): what the shedding rule prices (its best case)."""
         if self.prefix is None:
             return prompt_tokens
-        return priced_tokens(prompt_tokens, self.prefix.cached_tokens(self.sim.router_keys(idx), prompt_tokens))
+        cached = self.prefix.cached_tokens(self.sim.router_keys(idx), prompt_tokens)
+        if self.prefix_correction is not None and cached:  # discounted as for placement (router/server.py _cached)
+            cached = self.prefix_correction.discount(cached, self.book.prefix_measured)
+        return priced_tokens(prompt_tokens, cached)
 
     def _predict(self, prompt_tokens: int, own_tokens: int, waited_ms: float) -> tuple[float, float] | None:
         """router/server.py ``predict``: router/shedding.py ``predict_start`` on this router's book."""
@@ -645,6 +671,12 @@ class _Router:
             self._forward_direct(idx, frozenset())
             return
         cfg = sim.cfg
+        # work-aware admission under contention (router/work_shed.py), once per new request
+        if self.work_shed is not None and not avoid and st.attempts is None and refuse_by_work(
+            self.work_shed, self.book.views(now), req.prompt_tokens, req.output_tokens
+        ):
+            sim.reject(idx, WORK_SHED_REASON)
+            return
         # the router's own rules (router/arrival.py): placed at once only when nobody waits
         exclude = place_now_exclude(self.id_set, frozenset(), avoid, len(self.queue))
         if exclude is not None:
@@ -958,9 +990,11 @@ class FleetSim:
         state = replica_state(rep.engine, rep.leases, t, cfg.margin_frac)
         b = class_budget(state, self.slo)
         rep.seq += 1
+        # the engine's prefix-cache counters over the agent's window (its scrape, here at each push)
+        rep.prefix_window.add(t, rep.engine.prefix_cache_queries, rep.engine.prefix_cache_hits)
         snap = _Snapshot(rep.seq, rep.engine.policy_time_model, [b], cfg.budget_ttl_ms,
                          rep.allocated and not rep.draining, cfg.max_model_len, "",
-                         *inflight_schedule(state, cfg.max_num_batched_tokens))  # fmt: skip
+                         *inflight_schedule(state, cfg.max_num_batched_tokens), *rep.prefix_window.delta())  # fmt: skip
         for r in self.routers:
             self.push_event(t + cfg.net_delay_ms, _DELIVER, r.index, (ri, snap))
         if periodic:
@@ -1053,6 +1087,9 @@ class FleetSim:
         st = self.states[idx]
         st.outcome = REJECTED
         st.reason = reason
+        gate = self.routers[st.router].work_shed
+        if gate is not None and reason in BUDGET_REASONS:
+            gate.budget_refused()
 
     # ------------------------------------------------------------ loop
 

@@ -169,6 +169,26 @@ async def test_slo_infeasible_fast_fail(fleet: InProcess) -> None:
     assert loop.time() - t0 >= 2.9
 
 
+async def test_work_shed_refuses_the_costliest_arrival_under_contention(fleet: InProcess) -> None:
+    # admission.work_shed on (1 sample, horizon 10, gain 10, max share 0.5); r0's PAB is 0, so a
+    # 100-token prompt is refused slo-infeasible: the router is short of budget (s = 0.1, q = 0.5).
+    # Works on the fake model (a = 10, b = 0.1, no c, d, e): 100 tokens + 4 decodes = 10.4 ms; 5000
+    # tokens + 4 = 500.4 ms > the median of [10.4]: 429 work-shed at once; another 100-token prompt
+    # is not above the quantile (10.4): PAB's slo-infeasible again
+    ws = {"enabled": True, "gain": 10.0, "max_share": 0.5, "window": 100, "horizon": 10, "min_samples": 1}
+    await fleet.start({"r0": 0.0}, {"acme": {"weight": 1, "slo_class": "interactive"}},
+                      admission={"work_shed": ws})
+    resp = await fleet.post("acme")
+    assert resp.status == 429 and resp.headers["x-fairbatch-reason"] == "slo-infeasible"
+    resp = await fleet.post("acme", prompt="x" * 20_000)
+    assert resp.status == 429 and resp.headers["x-fairbatch-reason"] == "work-shed"
+    assert (await resp.json())["error"]["code"] == "work-shed"
+    resp = await fleet.post("acme")
+    assert resp.status == 429 and resp.headers["x-fairbatch-reason"] == "slo-infeasible"
+    metrics = await (await fleet.session.get(fleet.url + "/metrics")).text()
+    assert 'outcome="work_shed",slo_class="interactive",tenant="acme"} 1.0' in metrics
+
+
 async def test_spoofed_tenant_header_from_untrusted_address_is_ignored(fleet: InProcess) -> None:
     await fleet.start({"r0": 400.0}, {"acme": {"weight": 1, "slo_class": "interactive"}},
                       auth={"trusted_header": "x-tenant", "trusted_networks": ["10.0.0.0/8"]})

@@ -324,3 +324,20 @@ def test_baseline_router_in_front_of_fairbatching_replicas() -> None:
     assert all(r.engine.policy.name == "fairbatching" for r in sim.replicas)
     res = sim.run()
     assert all(r.outcome == "ok" for r in res.records)
+
+
+def test_snapshots_carry_the_engines_prefix_counters_to_the_router() -> None:
+    # four 2048-token prompts of one conversation prefix (4 ids of 512 tokens; 40 decodes: pushes go on
+    # after the last prompt is looked up), arriving after the
+    # agents' first push, on one replica: every queried token reaches the router's book through the
+    # agent's window (replica_agent/engine_metrics.py PrefixHitWindow), which the prefix correction reads
+    reqs = [FleetRequest(500.0 + 300.0 * i, 2048, 40, prefix_ids=(7, 8, 9, 10)) for i in range(4)]
+    cfg = FleetConfig(policy="pab-prefix", replicas=1, time_model=TM, kv_capacity_tokens=100_000, ttft_ms=1000.0,
+                      tpot_ms=100.0, max_num_batched_tokens=2048)
+    sim = FleetSim(cfg, reqs)
+    res = sim.run()
+    assert all(r.outcome == "ok" for r in res.records)
+    eng = sim.replicas[0].engine
+    assert eng.prefix_cache_hits > 0
+    assert sim.routers[0].book.prefix_measured("r0") == (eng.prefix_cache_queries, eng.prefix_cache_hits)
+    assert sim.routers[0].prefix_correction is not None

@@ -17,14 +17,17 @@ from replica_agent.policy.time_model import TimeModel
 from router.admission_queue import WaitingRequest
 from router.config import RouterConfig, hash_api_key
 from router.server import Router, SloInfeasible
+from router.work_shed import WorkShedSettings
 from tests.fakes import FakeClock
 
 TM = TimeModel(10.0, 0.1, 0.0)
 
 
-def snapshot(rid: str, pab_ms: float, decode_ms: float = 0.0) -> admission_pb2.BudgetSnapshot:
+def snapshot(rid: str, pab_ms: float, decode_ms: float = 0.0, prefix: tuple[int, int] = (0, 0)
+             ) -> admission_pb2.BudgetSnapshot:
     return admission_pb2.BudgetSnapshot(
         replica_id=rid, seq=1, ttl_ms=10_000_000, healthy=True, max_prompt_tokens=32768,
+        prefix_queries_tokens=prefix[0], prefix_hits_tokens=prefix[1],
         coefficients=admission_pb2.TimeModelCoefficients(a_ms=10.0, b_ms_per_new_token=0.1),
         classes=[admission_pb2.ClassBudget(slo_class="interactive", ttft_ms=1000.0, tpot_ms=100.0, horizon_ms=900.0,
                                            pab_ms=pab_ms, pab_tokens=int(max(0.0, pab_ms - 10.0) / 0.1),
@@ -34,7 +37,7 @@ def snapshot(rid: str, pab_ms: float, decode_ms: float = 0.0) -> admission_pb2.B
     )  # fmt: skip
 
 
-def server_router(sheddable: bool = False) -> Router:
+def server_router(sheddable: bool = False, work_shed: dict[str, object] | None = None) -> Router:
     cfg = RouterConfig.model_validate({
         "slo_classes": {"interactive": {"ttft_ms": 1000, "tpot_ms": 100, "max_queue_ms": 5000,
                                         "sheddable": sheddable}},
@@ -43,16 +46,19 @@ def server_router(sheddable: bool = False) -> Router:
         "replicas": [{"id": f"r{i}", "http_url": f"http://127.0.0.1:{i + 1}", "grpc_target": f"127.0.0.1:{i + 1}"}
                      for i in range(2)],
         # one map key per 512 tokens, as the simulation's 512-token prefix blocks
-        "admission": {"lease_mode": "inline", "start_window_steps": 0, "bytes_per_token": 4.0},
+        "admission": {"lease_mode": "inline", "start_window_steps": 0, "bytes_per_token": 4.0,
+                      "work_shed": work_shed or {}},
         "placement": {"seed": 1, "prefix_cache": {"enabled": True, "chunk_chars": 2048}},
     })  # fmt: skip
     return Router(cfg, FakeClock(), "parity")  # type: ignore[arg-type]
 
 
-def sim_router(policy: str, request: FleetRequest) -> tuple[FleetSim, object]:
+def sim_router(policy: str, request: FleetRequest | list[FleetRequest],
+               work_shed: WorkShedSettings | None = None) -> tuple[FleetSim, object]:
     cfg = FleetConfig(policy=policy, replicas=2, time_model=TM, kv_capacity_tokens=100_000, ttft_ms=1000.0,
-                      tpot_ms=100.0, lease_mode="inline", start_window_steps=0.0, prefix_block_tokens=512)
-    sim = FleetSim(cfg, [request])
+                      tpot_ms=100.0, lease_mode="inline", start_window_steps=0.0, prefix_block_tokens=512,
+                      work_shed=work_shed)
+    sim = FleetSim(cfg, request if isinstance(request, list) else [request])
     return sim, sim.routers[0]
 
 
@@ -132,3 +138,75 @@ async def test_both_price_the_warmest_replicas_uncached_tokens_when_shedding() -
         await asyncio.wait_for(router._acquire(principal, 8000, 10, "x", frozenset(), 0.0), 0.2)
     srouter.arrive(0)  # type: ignore[attr-defined]
     assert sim.states[0].outcome != "rejected"
+
+
+async def test_work_shed_refuses_the_same_arrival_in_both() -> None:
+    # admission.work_shed on (gain 10, max share 0.5, window 8, horizon 10, 1 sample); work priced on
+    # the view's model a = 10, b = 0.1, c = 0: 0.1 * P + 0.1 * O ms. A (1000 + 10 tokens) = 101 ms,
+    # nothing refused yet: kept. One slo-infeasible refusal: s = 0.1, q = min(0.5, 10 * 0.1) = 0.5,
+    # threshold = the median of [101] = 101. B (2000 + 10) = 201 ms > 101: refused 429 work-shed;
+    # C (500 + 10) = 51 ms: kept.
+    ws = {"enabled": True, "gain": 10.0, "max_share": 0.5, "window": 8, "horizon": 10, "min_samples": 1}
+    router = server_router(sheddable=True, work_shed=ws)
+    reqs = [FleetRequest(0.0, 1000, 10), FleetRequest(0.0, 10, 1), FleetRequest(0.0, 2000, 10),
+            FleetRequest(0.0, 500, 10)]  # fmt: skip
+    sim, srouter = sim_router("pab", reqs, WorkShedSettings(10.0, 0.5, 8, 10, 1))
+    for rid in ("r0", "r1"):
+        router.book.update(rid, snapshot(rid, 5000.0))
+        srouter.book.update(rid, snapshot(rid, 5000.0))  # type: ignore[attr-defined]
+    principal = router.auth.identify({"Authorization": "Bearer k"}, None)
+    assert principal is not None
+    assert router._refuse_by_work(principal, router.book.views(), 1000, 10) is False
+    srouter.arrive(0)  # type: ignore[attr-defined]
+    assert sim.states[0].reason != "work-shed"
+    # a budget refusal on each side: the server's answer path, the simulator's record
+    assert router.work_shed is not None
+    router.work_shed.budget_refused()
+    sim.states[1].router = 0
+    sim.reject(1, "slo-infeasible")
+    assert router.work_shed.contention_share == pytest.approx(0.1)
+    assert srouter.work_shed.contention_share == pytest.approx(0.1)  # type: ignore[attr-defined]
+    assert router._refuse_by_work(principal, router.book.views(), 2000, 10) is True
+    srouter.arrive(2)  # type: ignore[attr-defined]
+    assert (sim.states[2].outcome, sim.states[2].reason) == ("rejected", "work-shed")
+    assert router._refuse_by_work(principal, router.book.views(), 500, 10) is False
+    srouter.arrive(3)  # type: ignore[attr-defined]
+    assert sim.states[3].reason != "work-shed"
+
+
+def test_work_shed_off_by_default_in_both() -> None:
+    router = server_router(sheddable=True)
+    assert router.work_shed is None
+    sim, srouter = sim_router("pab", FleetRequest(0.0, 10, 1))
+    assert srouter.work_shed is None  # type: ignore[attr-defined]
+
+
+async def test_prefix_map_discounted_by_the_measured_hits_in_both() -> None:
+    # r1 holds the 2048-token prompt by the map (2047 cached). Each router's correction has one placement
+    # on r1 that predicted 1000 of 2000 tokens cached (p = 0.5); r1's engine measured 100 hits in 1000
+    # queried (m = 0.1): factor 0.2, so 2047 -> floor(409.4) = 409 cached, 1639 to compute: 10 + 163.9 =
+    # 173.9 ms, within r1's 200 ms (r0's 100 cannot take the whole prompt, 214.8 ms). Undiscounted it
+    # would be the 1 token of test_inline_placement_on_the_warm_replica_with_its_uncached_tokens.
+    request = FleetRequest(0.0, 2048, 10, prefix_ids=(1, 2, 3, 4))
+    sim, srouter = sim_router("pab-prefix", request)
+    router = server_router()
+    for rid, pab in (("r0", 100.0), ("r1", 200.0)):
+        snap = snapshot(rid, pab, prefix=(1000, 100) if rid == "r1" else (0, 0))
+        router.book.update(rid, snap)
+        srouter.book.update(rid, snap)  # type: ignore[attr-defined]
+    keys = sim.router_keys(0)
+    for r in (router, srouter):
+        r.prefix.insert("r1", keys)  # type: ignore[attr-defined]
+        r.prefix_correction.record("r1", 1000, 2000)  # type: ignore[attr-defined]
+    router._prefix_keys["0"] = keys
+    grant = await router._place_and_reserve("interactive", 2048, 10, "0", frozenset(), 0.0)
+    sgrant = srouter._place(0, "interactive", 2048, frozenset(), 0.0)  # type: ignore[attr-defined]
+    assert grant is not None and sgrant is not None
+    assert (grant.replica_id, grant.prompt_tokens) == ("r1", 1639)
+    assert (sim.replicas[sgrant.replica].rid, sgrant.prompt_tokens) == ("r1", 1639)
+    for book in (router.book, srouter.book):  # type: ignore[attr-defined]
+        assert book.get("r1").classes["interactive"].pab_ms == pytest.approx(26.1)
+    # both recorded this placement's undiscounted prediction: p = (1000 * (1 - 1/64) + 2047) / (2000 * (1 - 1/64) + 2048)
+    p = (1000 * (63 / 64) + 2047) / (2000 * (63 / 64) + 2048)
+    for r in (router, srouter):
+        assert r.prefix_correction.predicted_ratio("r1") == pytest.approx(p)  # type: ignore[attr-defined]
