@@ -390,9 +390,9 @@ class _Snapshot:
     status_detail: str = ""
     inflight_prefill_ms: tuple[float, ...] = ()
     inflight_prefill_done_ms: tuple[float, ...] = ()
-    inline_admission: bool = True  # the simulated agents decide inline admissions on arrival
     prefix_queries_tokens: int = 0
     prefix_hits_tokens: int = 0
+    inline_admission: bool = True  # the simulated agents decide inline admissions on arrival
 
 
 @dataclass(slots=True)

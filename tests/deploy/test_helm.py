@@ -813,3 +813,8 @@ def test_the_values_schema_accepts_every_router_config_field() -> None:
         props = node.get("properties") if name in sections else node["additionalProperties"]["properties"]
         want = {f for f in model.model_fields if (name, f) not in CHART_SETS}
         assert set(props) == want, (name, sorted(want - set(props)), sorted(set(props) - want))
+    # a nested section: admission.work_shed
+    from router.config import WorkShedConfig
+
+    nested = schema["admission"]["properties"]["work_shed"]
+    assert nested["additionalProperties"] is False and set(nested["properties"]) == set(WorkShedConfig.model_fields)

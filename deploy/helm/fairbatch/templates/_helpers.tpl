@@ -257,7 +257,7 @@ of 1 runs that many replicas; its scale-down stabilization holds a replica while
 {{- $queue := printf "(sum(fairbatch_router_queue_depth{%s}) or vector(0))" $ns -}}
 (max(fairbatch_router_replicas{ {{- $ns -}} }) or vector(0))
 + clamp_max(
-    ((sum(increase(fairbatch_router_requests_total{ {{- $ns -}} ,outcome=~"slo_infeasible|queue_full|queue_timeout"}[1m])) or vector(0)) > bool 0)
+    ((sum(increase(fairbatch_router_requests_total{ {{- $ns -}} ,outcome=~"slo_infeasible|queue_full|queue_timeout|work_shed"}[1m])) or vector(0)) > bool 0)
   + (({{ $queue }} > bool 0) * ((max({{ $pab }}) or vector(0)) <= bool 0)),
   1)
 - ((min({{ $pab }}) or vector(0)) > bool {{ $h }}) * ({{ $queue }} == bool 0)
