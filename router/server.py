@@ -343,6 +343,7 @@ class Router:
             self._sync_task = None
         if self._background:
             await asyncio.wait(list(self._background), timeout=2.0)
+        await self.catalog.close()
         await self.budgets.close()
         await self.relay.close()
         await self.ledger.close()
@@ -840,7 +841,7 @@ class Router:
         body = valid.body
         if not isinstance(body.get("model"), str) or not body["model"]:
             return "bad_request", openai_error(400, "'model' is required.", param="model")
-        served = await self.catalog.served()  # before any quota or lease
+        served = await self.catalog.served_for(body["model"])  # before any quota or lease; no fetch on the hot path
         if served is not None and body["model"] not in served:
             return "bad_request", model_not_found(body["model"], served)
         try:
