@@ -4,7 +4,9 @@ WatchBudget sends one BudgetSnapshot at once, then one on every change the :clas
 signals and at least every ``push_interval_ms`` (simulated ms), so a silent stream means a dead
 or stuck agent. Changes coalesce: after a snapshot, the next one on change waits until
 ``min_push_interval_ms`` have passed since it (every change in between is in it), so the pushes
-follow the request rate only up to ``1 / min_push_interval`` per replica and router.
+follow the request rate only up to ``1 / min_push_interval`` per replica and router. After its
+first snapshot a stream takes the agent's shared feed (:class:`SnapshotFeed`): each snapshot is
+computed once and sent to every subscribed router, not once per stream.
 Reserve grants a lease only when the prompt fits the class's PAB over the class horizon minus the
 request's ``waited_ms`` (``pab.admits``, policy/pab.py "Aged requests"); the answer's
 pab_ms/pab_tokens are the fresh-arrival budget (full horizon) and already include the new lease,
@@ -74,31 +76,128 @@ def snapshot_pb(agent: Agent, view: BudgetView) -> admission_pb2.BudgetSnapshot:
     )
 
 
+class _Subscriber:
+    """One WatchBudget stream's mailbox: the newest snapshot it has not sent yet (an older unsent one
+    is replaced: a slow stream skips to the newest), or the error that ended the feed."""
+
+    __slots__ = ("latest", "error", "ready")
+
+    def __init__(self) -> None:
+        self.latest: admission_pb2.BudgetSnapshot | None = None
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, snap: admission_pb2.BudgetSnapshot) -> None:
+        self.latest = snap
+        self.ready.set()
+
+    async def next(self) -> admission_pb2.BudgetSnapshot:
+        while self.latest is None:
+            if self.error is not None:
+                raise self.error
+            self.ready.clear()
+            await self.ready.wait()
+        snap, self.latest = self.latest, None
+        return snap
+
+
+class SnapshotFeed:
+    """The agent's snapshots after each stream's first, computed once for every subscribed stream.
+
+    One task, while any stream is subscribed, runs the push rule of the module docstring: a snapshot
+    on change, the next change-triggered one not sooner than ``min_push_interval_ms`` after the last
+    (every change in between is in it) and at least one loop pass after the change, and one at least
+    every ``push_interval_ms``; each goes to every subscriber. With R routers the agent computes the
+    budget and builds the message once per push instead of R times; each router gets the same
+    snapshot (same ``seq`` and timestamp). A stream's own first snapshot is computed when it
+    subscribes, so its next one may come sooner than a full interval after it.
+
+    Args:
+        agent: the agent whose budget is pushed.
+    """
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+        self._subs: list[_Subscriber] = []
+        self._task: asyncio.Task[None] | None = None
+        self.computed = 0  # snapshots computed by the feed (tests)
+
+    @property
+    def running(self) -> bool:
+        """Whether the feed's task runs (some stream is subscribed)."""
+        return self._task is not None and not self._task.done()
+
+    def subscribe(self, changed: asyncio.Event) -> _Subscriber:
+        """Register a stream that just computed its first snapshot; ``changed``: the agent's change event
+        taken before that computation (a change since then is pushed, to this stream and any other)."""
+        sub = _Subscriber()
+        self._subs.append(sub)
+        if not self.running:
+            self._task = asyncio.get_running_loop().create_task(self._run(changed))
+        return sub
+
+    def unsubscribe(self, sub: _Subscriber) -> None:
+        """The stream ended; the feed's task stops with its last subscriber."""
+        if sub in self._subs:
+            self._subs.remove(sub)
+        if not self._subs and self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _run(self, changed: asyncio.Event) -> None:
+        agent = self._agent
+        period_s = agent.clock.to_wall_s(agent.config.push_interval_ms)
+        min_s = agent.clock.to_wall_s(agent.config.min_push_interval_ms)
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        try:
+            while True:
+                if await wait_event(changed, period_s) and min_s > 0:
+                    rest = min_s - (loop.time() - sent)
+                    # coalesce: the changes of the rest of the interval go in one snapshot; and at least one
+                    # loop pass, so the request whose arrival or token woke this goes on first (its upstream
+                    # write is a task of its own, scheduled after this wake-up)
+                    await asyncio.sleep(max(0.0, rest))
+                changed = agent.change_event
+                snap = snapshot_pb(agent, agent.compute_budget(agent.clock.now_ms()))
+                self.computed += 1
+                sent = loop.time()
+                for sub in self._subs:
+                    sub.put(snap)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # every stream ends with it, as a stream computing its own would
+            log.exception("budget snapshot failed")
+            for sub in self._subs:
+                sub.error = e
+                sub.ready.set()
+            self._subs.clear()
+            self._task = None
+
+
 class AdmissionService(admission_pb2_grpc.AdmissionServiceServicer):
     """The agent's gRPC face. All state lives in ``agent``; nothing here blocks."""
 
     def __init__(self, agent: Agent) -> None:
         self._agent = agent
+        self.feed = SnapshotFeed(agent)
 
     async def WatchBudget(  # noqa: N802 - gRPC method name
         self, request: admission_pb2.WatchBudgetRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[admission_pb2.BudgetSnapshot]:
-        """Stream snapshots: one now, then on change and at least every push interval."""
+        """Stream snapshots: one now, then on change and at least every push interval (the shared
+        :class:`SnapshotFeed`)."""
         agent = self._agent
-        period_s = agent.clock.to_wall_s(agent.config.push_interval_ms)
-        min_s = agent.clock.to_wall_s(agent.config.min_push_interval_ms)
-        loop = asyncio.get_running_loop()
         log.info("WatchBudget from router %r", request.router_id)
-        while True:
-            changed = agent.change_event
-            yield snapshot_pb(agent, agent.compute_budget(agent.clock.now_ms()))
-            sent = loop.time()
-            if await wait_event(changed, period_s) and min_s > 0:
-                rest = min_s - (loop.time() - sent)
-                # coalesce: the changes of the rest of the interval go in one snapshot; and at least one
-                # loop pass, so the request whose arrival or token woke this goes on first (its upstream
-                # write is a task of its own, scheduled after this wake-up)
-                await asyncio.sleep(max(0.0, rest))
+        changed = agent.change_event
+        first = snapshot_pb(agent, agent.compute_budget(agent.clock.now_ms()))
+        sub = self.feed.subscribe(changed)
+        try:
+            yield first
+            while True:
+                yield await sub.next()
+        finally:
+            self.feed.unsubscribe(sub)
 
     async def Reserve(  # noqa: N802
         self, request: admission_pb2.ReserveRequest, context: grpc.aio.ServicerContext

@@ -24,6 +24,7 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from replica_agent.clock import Clock
 from replica_agent.engine_metrics import EngineMetrics, PrefixHitWindow
@@ -215,6 +216,7 @@ class Agent:
         self.prefix_window = PrefixHitWindow()  # the engine's recent prefix-cache hit ratio (snapshots)
         self._plugin = _PluginView()
         self.calibrator = OnlineTimeModel(config.time_model, config.calibration)
+        self._step_counters: dict[str, Any] = {}  # time_model_steps' child per source (never removed)
         self._export_time_model()
         self._seq = itertools.count(1)
         self._changed = asyncio.Event()
@@ -430,7 +432,10 @@ class Agent:
         before = self.calibrator.margin()
         if self.calibrator.observe(features, measured_ms, weight) is None:
             return
-        self.metrics.time_model_steps.labels(source).inc()  # the model's gauges are set at each scrape
+        counter = self._step_counters.get(source)  # labels() per token: a lock and a label check each
+        if counter is None:
+            counter = self._step_counters[source] = self.metrics.time_model_steps.labels(source)
+        counter.inc()  # the model's gauges are set at each scrape
         if abs(self.calibrator.margin() - before) >= 0.01:
             self.notify()
 

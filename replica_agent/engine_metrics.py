@@ -104,6 +104,11 @@ def wanted_lines(text: str) -> str:
     its event loop, so the full parse cost it about 16 % of a core. Comment lines go too: the
     samples then parse as untyped, with the same sample names and values.
     """
+    keep = _wanted_list(text)
+    return "\n".join(keep) + "\n" if keep else ""
+
+
+def _wanted_list(text: str) -> list[str]:
     keep = []
     for line in text.splitlines():
         line = line.lstrip()
@@ -113,14 +118,41 @@ def wanted_lines(text: str) -> str:
         end = brace if brace != -1 and (space == -1 or brace < space) else space
         if line[:end] in _WANTED_SAMPLES:
             keep.append(line)
-    return "\n".join(keep) + "\n" if keep else ""
+    return keep
 
 
-def parse_engine_metrics(text: str) -> tuple[EngineMetrics, list[str]]:
+LineMemo = dict[str, tuple]
+"""The samples prometheus_client parsed from each wanted line of the last page (line -> samples)."""
+
+
+def _samples(text: str, memo: LineMemo | None) -> list:
+    lines = _wanted_list(text)
+    if not lines:  # parsed whole, so a malformed page still raises
+        return [s for family in text_string_to_metric_families(text) for s in family.samples]
+    if memo is None:
+        return [s for family in text_string_to_metric_families("\n".join(lines) + "\n") for s in family.samples]
+    # each line on its own (without comments every sample is an untyped family of its own, the same
+    # samples as the whole filtered text gives); a line the last page had is not parsed again
+    seen: LineMemo = {}
+    out = []
+    for line in lines:
+        got = memo.get(line)
+        if got is None:
+            got = tuple(s for family in text_string_to_metric_families(line + "\n") for s in family.samples)
+        seen[line] = got
+        out.extend(got)
+    memo.clear()
+    memo.update(seen)  # this page's lines only: bounded by one page
+    return out
+
+
+def parse_engine_metrics(text: str, memo: LineMemo | None = None) -> tuple[EngineMetrics, list[str]]:
     """Parse Prometheus text exposition of a vLLM engine.
 
     Args:
         text: the body of GET /metrics.
+        memo: the scraper's :data:`LineMemo` (None: none): a wanted line equal to one of the last page
+            is not parsed again (the gauges and counters that did not move between two scrapes).
 
     Returns:
         (metrics, missing): ``missing`` lists the canonical (new) names not found, in a fixed order.
@@ -129,9 +161,8 @@ def parse_engine_metrics(text: str) -> tuple[EngineMetrics, list[str]]:
     Raises:
         ValueError: when the text is not Prometheus exposition format.
     """
-    # only the samples read below; a text without any (not Prometheus at all, or an engine without
-    # these metrics) is parsed whole, so a malformed page still raises
-    text = wanted_lines(text) or text
+    # only the samples read below (:func:`wanted_lines`); a text without any (not Prometheus at all, or an
+    # engine without these metrics) is parsed whole, so a malformed page still raises
     sums: dict[str, float] = {}
     maxes: dict[str, float] = {}
     block_size: int | None = None
@@ -139,18 +170,17 @@ def parse_engine_metrics(text: str) -> tuple[EngineMetrics, list[str]]:
     wanted_sum = {RUNNING, WAITING, PREEMPTIONS, ITL + "_sum", ITL + "_count", ITL_OLD + "_sum", ITL_OLD + "_count",
                   PREFIX_QUERIES, PREFIX_HITS}  # fmt: skip
     wanted_max = {KV_USAGE, KV_USAGE_OLD}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            name, value = s.name, s.value
-            if math.isnan(value):
-                continue
-            if name in wanted_sum:
-                sums[name] = sums.get(name, 0.0) + value
-            elif name in wanted_max:
-                maxes[name] = max(maxes.get(name, 0.0), value)
-            elif name == CACHE_CONFIG:
-                block_size = _int_label(s.labels, "block_size") or block_size
-                num_gpu_blocks = _int_label(s.labels, "num_gpu_blocks") or num_gpu_blocks
+    for s in _samples(text, memo):
+        name, value = s.name, s.value
+        if math.isnan(value):
+            continue
+        if name in wanted_sum:
+            sums[name] = sums.get(name, 0.0) + value
+        elif name in wanted_max:
+            maxes[name] = max(maxes.get(name, 0.0), value)
+        elif name == CACHE_CONFIG:
+            block_size = _int_label(s.labels, "block_size") or block_size
+            num_gpu_blocks = _int_label(s.labels, "num_gpu_blocks") or num_gpu_blocks
     missing: list[str] = []
     for name in (RUNNING, WAITING):
         if name not in sums:
@@ -258,6 +288,7 @@ class MetricsScraper:
         self._on_result = on_result
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._min_wall_s = min_wall_interval_s
+        self._memo: LineMemo = {}
 
     async def scrape_once(self) -> None:
         """One GET + parse; reports through ``on_result``; never raises except on cancellation."""
@@ -271,7 +302,7 @@ class MetricsScraper:
             self._on_result(None, [], f"engine /metrics unreachable: {type(e).__name__}")
             return
         try:
-            metrics, missing = parse_engine_metrics(text)
+            metrics, missing = parse_engine_metrics(text, self._memo)
         except (ValueError, IndexError, KeyError, TypeError) as e:
             self._on_result(None, [], f"engine /metrics unparsable: {type(e).__name__}")
             return

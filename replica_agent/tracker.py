@@ -59,6 +59,9 @@ class TrackedRequest:
     computed_tokens: int = 0
     first_token_ms: float | None = None
     last_token_ms: float | None = None
+    # the DecodeState :meth:`Tracker.decodes` built from this request's fields, None when any of them
+    # changed since (the tracker's events clear it: they are the only writers of a tracked request)
+    decode_state: DecodeState | None = field(default=None, init=False, repr=False, compare=False)
 
     def next_deadline_ms(self) -> float:
         """Deadline (ms) of the next output token as PAB reserves for it in proxy mode: the later of
@@ -123,6 +126,12 @@ class Tracker:
     num_prefills: int = 0
     prefill_idle_since_ms: float | None = float("-inf")
     prefill_head_since_ms: float | None = None
+    # change counters of the decode and prefill sets: the tuples :meth:`decodes` and
+    # :meth:`prefills` last returned stay valid while their counter has not moved
+    _decodes_gen: int = 0
+    _prefills_gen: int = 0
+    _decodes_cache: tuple[int, tuple[DecodeState, ...]] = (-1, ())
+    _prefills_cache: tuple[int, tuple[PendingPrefill, ...]] = (-1, ())
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -173,6 +182,7 @@ class Tracker:
             lease_id=lease_id,
         )
         self._requests[request_id] = req
+        self._prefills_gen += 1
         if self.num_prefills == 0:
             self.prefill_head_since_ms = arrival_ms if now_ms is None else now_ms
         self.num_prefills += 1
@@ -195,6 +205,7 @@ class Tracker:
             return False
         first = req.phase is Phase.PREFILL
         if first:
+            self._prefills_gen += 1
             req.phase = Phase.DECODE
             req.first_token_ms = now_ms
             req.computed_tokens = req.prompt_tokens
@@ -204,6 +215,8 @@ class Tracker:
         req.tokens_out += n
         self.decode_context_tokens += n
         req.last_token_ms = now_ms
+        req.decode_state = None
+        self._decodes_gen += 1
         return first
 
     def on_usage(
@@ -222,6 +235,10 @@ class Tracker:
             req.tokens_out = int(completion_tokens)
         if req.phase is Phase.DECODE:
             self.decode_context_tokens += req.context_tokens - before
+            req.decode_state = None
+            self._decodes_gen += 1
+        else:
+            self._prefills_gen += 1
 
     def on_finish(self, request_id: str, now_ms: float, outcome: str = "ok") -> FinishedRequest | None:
         """Stop tracking (finished or aborted); None when unknown."""
@@ -229,8 +246,10 @@ class Tracker:
         if req is None:
             return None
         if req.phase is Phase.PREFILL:
+            self._prefills_gen += 1
             self._leave_prefill(now_ms)
         else:
+            self._decodes_gen += 1
             self.num_decodes -= 1
             self.decode_context_tokens -= req.context_tokens
         return FinishedRequest(req, outcome, now_ms)
@@ -240,26 +259,45 @@ class Tracker:
         return self.on_finish(request_id, now_ms, outcome)
 
     def decodes(self) -> tuple[DecodeState, ...]:
-        """Running decodes as PAB inputs."""
-        return tuple(
-            DecodeState(
-                next_deadline_ms=r.next_deadline_ms(),
-                tpot_ms=r.envelope.tpot_ms,
-                context_tokens=r.context_tokens,
-                tokens_out=r.tokens_out,
-                max_tokens=r.max_tokens,
-            )
-            for r in self._requests.values()
-            if r.phase is Phase.DECODE
-        )
+        """Running decodes as PAB inputs, in arrival order.
+
+        Kept between calls: the tuple is rebuilt only after a decode changed (first token, token,
+        usage, finish), and then each request's :class:`DecodeState` only when its own fields
+        changed (the tracker's events clear ``TrackedRequest.decode_state``); equal to building
+        every entry afresh (tests/unit/test_tracker.py)."""
+        gen, cached = self._decodes_cache
+        if gen == self._decodes_gen:
+            return cached
+        out = []
+        for r in self._requests.values():
+            if r.phase is Phase.DECODE:
+                d = r.decode_state
+                if d is None:
+                    d = r.decode_state = DecodeState(
+                        next_deadline_ms=r.next_deadline_ms(),
+                        tpot_ms=r.envelope.tpot_ms,
+                        context_tokens=r.context_tokens,
+                        tokens_out=r.tokens_out,
+                        max_tokens=r.max_tokens,
+                    )
+                out.append(d)
+        result = tuple(out)
+        self._decodes_cache = (self._decodes_gen, result)
+        return result
 
     def prefills(self) -> tuple[PendingPrefill, ...]:
-        """In-flight prefills (arrived, no token yet) as PAB inputs."""
-        return tuple(
+        """In-flight prefills (arrived, no token yet) as PAB inputs, in arrival order; kept between
+        calls while no prefill arrived, ended or was corrected by ``usage``."""
+        gen, cached = self._prefills_cache
+        if gen == self._prefills_gen:
+            return cached
+        result = tuple(
             PendingPrefill(r.prompt_tokens, r.computed_tokens)
             for r in self._requests.values()
             if r.phase is Phase.PREFILL
         )
+        self._prefills_cache = (self._prefills_gen, result)
+        return result
 
     def counts(self) -> dict[str, int]:
         """Tracked requests per phase name (``prefill``, ``decode``)."""

@@ -54,6 +54,8 @@ from replica_agent.policy.time_model import StepFeatures, TimeModel
 
 _B_FLOOR = 1e-9  # TimeModel needs b > 0 and b + d > 0
 N_TERMS = 5
+_FLOORS = np.array([0.0, _B_FLOOR, _B_FLOOR, 0.0, 0.0])
+_FLOORS.flags.writeable = False
 TERMS = ("a", "b", "d", "c", "e")
 """Names of the TimeModel coefficients the calibrator exports (``d`` = decode cost - b)."""
 
@@ -128,10 +130,18 @@ def solve_ridge(a_mat: np.ndarray, g: np.ndarray, n_obs: float, prior: np.ndarra
     reg = kappa * s
     lhs = a_mat + np.diag(reg)
     rhs = g + reg * prior
-    floors = np.array([0.0, _B_FLOOR, _B_FLOOR, 0.0, 0.0])
-    fixed = np.zeros(N_TERMS, dtype=bool)
-    theta = prior.copy()
-    for _ in range(N_TERMS):
+    floors = _FLOORS
+    # first pass, nothing fixed yet: the whole system as it is (the general pass below would solve the
+    # same matrix, copied by the index, against rhs - 0, i.e. the same numbers)
+    try:
+        theta = np.linalg.solve(lhs, rhs)
+    except np.linalg.LinAlgError:
+        return prior.copy()
+    fixed = theta < floors
+    if not fixed.any():
+        return theta
+    theta = np.maximum(theta, floors)
+    for _ in range(N_TERMS - 1):
         free = ~fixed
         theta_f = np.where(fixed, floors, 0.0)
         sub_rhs = rhs[free] - lhs[np.ix_(free, fixed)] @ theta_f[fixed]

@@ -217,3 +217,61 @@ async def test_reserve_of_aged_and_late_requests(served):
     assert len(agent.leases) == 4
     bad = await reserve("q6", 10, waited_ms=-1.0)
     assert not bad.granted and bad.reason == "bad-request"
+
+
+async def test_one_snapshot_per_push_for_every_subscribed_router() -> None:
+    """Two routers watch one agent: after a burst of changes both get the same snapshot (one seq),
+    computed once (compute_budget counted); a stream that leaves keeps the other's pushes going, and
+    the feed's task stops with the last stream."""
+    from replica_agent.admission_server import AdmissionService
+
+    agent = make_agent(push_interval_ms=5000.0, min_push_interval_ms=200.0)
+    calls = 0
+    compute = agent.compute_budget
+
+    def counting(now_ms, state=None):
+        nonlocal calls
+        calls += 1
+        return compute(now_ms, state)
+
+    agent.compute_budget = counting  # type: ignore[method-assign]
+    service = AdmissionService(agent)
+    server = grpc.aio.server()
+    admission_pb2_grpc.add_AdmissionServiceServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        stub = admission_pb2_grpc.AdmissionServiceStub(channel)
+        s1 = stub.WatchBudget(admission_pb2.WatchBudgetRequest(router_id="r1"))
+        s2 = stub.WatchBudget(admission_pb2.WatchBudgetRequest(router_id="r2"))
+        f1 = await asyncio.wait_for(s1.read(), 5.0)
+        f2 = await asyncio.wait_for(s2.read(), 5.0)
+        assert f1.seq != f2.seq and calls == 2  # each stream's first snapshot is its own
+        assert service.feed.running
+        for i in range(10):  # 10 grants, the loop running in between (no Reserve answer budget)
+            agent.reserve("interactive", 100, None, f"q{i}", agent.clock.now_ms(), answer_budget=False)
+            await asyncio.sleep(0)
+        a = await asyncio.wait_for(s1.read(), 5.0)
+        b = await asyncio.wait_for(s2.read(), 5.0)
+        assert a.seq == b.seq > max(f1.seq, f2.seq) and a.active_leases == b.active_leases == 10
+        assert interactive(a).inflight_reservation_ms == pytest.approx(10 * 100 * 0.1)  # b * 100 tokens each
+        assert calls == 3 and service.feed.computed == 1  # one computation for both routers
+        s1.cancel()
+        for _ in range(100):  # the server sees the cancellation
+            if len(service.feed._subs) == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert len(service.feed._subs) == 1 and service.feed.running
+        agent.reserve("interactive", 100, None, "q-last", agent.clock.now_ms(), answer_budget=False)
+        c = await asyncio.wait_for(s2.read(), 5.0)
+        assert c.seq > b.seq and c.active_leases == 11
+        s2.cancel()
+        for _ in range(100):
+            if not service.feed.running:
+                break
+            await asyncio.sleep(0.02)
+        assert not service.feed.running and not service.feed._subs
+    finally:
+        await channel.close()
+        await server.stop(grace=None)

@@ -156,3 +156,55 @@ def test_folding_observations_at_refit_gives_the_sums_of_one_update_each() -> No
     for t1, t2 in zip((m1.a_ms, m1.b_ms_per_new_token, m1.c_ms_per_context_token, m1.d_ms_per_decode),
                       (m2.a_ms, m2.b_ms_per_new_token, m2.c_ms_per_context_token, m2.d_ms_per_decode), strict=True):
         assert t2 == pytest.approx(t1, rel=1e-9, abs=1e-12)
+
+
+def _solve_ridge_every_pass_indexed(a_mat, g, n_obs, prior, kappa):
+    """solve_ridge as it was before its first pass solved the whole system directly: every pass,
+    the first included, through the active set's index (the reference for the test below)."""
+    s = np.diag(a_mat) / n_obs
+    s = np.where(s > 0, s, 1.0)
+    reg = kappa * s
+    lhs = a_mat + np.diag(reg)
+    rhs = g + reg * prior
+    floors = np.array([0.0, 1e-9, 1e-9, 0.0, 0.0])
+    fixed = np.zeros(5, dtype=bool)
+    theta = prior.copy()
+    for _ in range(5):
+        free = ~fixed
+        theta_f = np.where(fixed, floors, 0.0)
+        sub_rhs = rhs[free] - lhs[np.ix_(free, fixed)] @ theta_f[fixed]
+        try:
+            sol = np.linalg.solve(lhs[np.ix_(free, free)], sub_rhs)
+        except np.linalg.LinAlgError:
+            return prior.copy()
+        theta = theta_f
+        theta[free] = sol
+        below = free & (theta < floors)
+        if not below.any():
+            return theta
+        fixed |= below
+        theta = np.maximum(theta, floors)
+    return np.maximum(theta, floors)
+
+
+def test_direct_first_pass_gives_the_same_bits_as_the_indexed_pass() -> None:
+    """The first pass solves the whole system without the index: the same numbers, bit for bit, on
+    random systems with and without binding floors (and on a singular one: the prior)."""
+    rng = np.random.default_rng(12)
+    prior = np.array([10.0, 0.07, 0.07, 0.0005, 0.0])
+    bound = 0
+    for _ in range(400):
+        xs = rng.uniform(0.0, 1.0, (40, 5)) * np.array([1.0, 2000.0, 256.0, 60000.0, 1e6])
+        xs[:, 0] = 1.0
+        true = rng.normal(prior, np.abs(prior) * 2 + 0.01)
+        y = np.maximum(0.5, xs @ true + rng.normal(0.0, 1.0, 40))
+        w = 1.0 / y**2
+        a_mat, g = (xs * w[:, None]).T @ xs, xs.T @ (w * y)
+        kappa = float(rng.choice([0.0, 1e-9, 5.0]))
+        got, ref = solve_ridge(a_mat, g, 40.0, prior, kappa), _solve_ridge_every_pass_indexed(a_mat, g, 40.0, prior,
+                                                                                              kappa)
+        assert got.tobytes() == ref.tobytes()
+        bound += bool((ref <= np.array([0.0, 1e-9, 1e-9, 0.0, 0.0])).any())
+    assert 20 < bound < 380  # both branches taken
+    singular = np.zeros((5, 5))
+    assert solve_ridge(singular, np.zeros(5), 1.0, prior, 0.0).tobytes() == prior.tobytes()

@@ -201,3 +201,39 @@ def test_prefix_hit_window() -> None:
     assert w.delta() == (100, 20)
     with pytest.raises(ValueError):
         PrefixHitWindow(window_ms=0.0)
+
+
+def test_the_scrapers_line_memo_reparses_only_the_lines_that_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a memo (the scraper's), a wanted line equal to one of the last page is not parsed again,
+    a line that moved is, and the result is the memo-less parse's: values typed in by hand."""
+    import replica_agent.engine_metrics as em
+
+    parsed: list[str] = []
+    real = em.text_string_to_metric_families
+
+    def spy(text: str):
+        parsed.append(text)
+        return real(text)
+
+    monkeypatch.setattr(em, "text_string_to_metric_families", spy)
+    memo: em.LineMemo = {}
+    first = parse_engine_metrics(VLLM_032, memo)
+    assert first == parse_engine_metrics(VLLM_032)  # same as without a memo
+    assert first[0].num_running == 3 and first[0].kv_usage == 0.4375
+    assert len(memo) == 7 and len(parsed) == 7 + 1  # each wanted line once, then the memo-less whole parse
+    parsed.clear()
+    page2 = VLLM_032.replace('model_name="tiny-llama"} 3.0', 'model_name="tiny-llama"} 5.0').replace(
+        "0.4375", "0.5").replace('_count{engine="0",model_name="tiny-llama"} 40.0',
+                                 '_count{engine="0",model_name="tiny-llama"} 41.0')
+    m, missing = parse_engine_metrics(page2, memo)
+    # running, KV usage and the ITL count moved: 3 lines parsed, 4 taken from the memo
+    assert len(parsed) == 3 and all("running" in p or "kv_cache" in p or "_count" in p for p in parsed)
+    assert missing == [] and (m.num_running, m.kv_usage, m.itl_count) == (5, 0.5, 41.0)
+    assert (m.num_waiting, m.preemptions, m.block_size, m.num_gpu_blocks, m.itl_sum_s) == (2, 7.0, 128, 16, 0.8)
+    assert (m, missing) == parse_engine_metrics(page2)
+    assert len(memo) == 7 and 'vllm:num_requests_running{engine="0",model_name="tiny-llama"} 3.0' not in memo
+    parsed.clear()
+    assert parse_engine_metrics(VLLM_032, memo) == first  # back: the old lines are parsed again
+    assert len(parsed) == 3
+    with pytest.raises(ValueError):  # a malformed line is never taken from the memo
+        parse_engine_metrics("vllm:num_requests_running{engine= 3 3 3\n", memo)

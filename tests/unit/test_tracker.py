@@ -87,3 +87,73 @@ def test_pab_paces_a_decode_from_its_first_token() -> None:
     t.on_arrival("early", "c", 300.0, 50.0, 0.0, 100, 8)
     t.on_token("early", 120.0, 2)
     assert t.get("early").next_deadline_ms() == 400.0
+
+
+def _fresh_decodes(t: Tracker) -> tuple[DecodeState, ...]:
+    """The decode list built from scratch (what Tracker.decodes built before it kept its entries)."""
+    return tuple(
+        DecodeState(r.next_deadline_ms(), r.envelope.tpot_ms, r.context_tokens, r.tokens_out, r.max_tokens)
+        for r in t._requests.values() if r.phase is Phase.DECODE
+    )
+
+
+def test_kept_decode_and_prefill_lists_follow_every_event() -> None:
+    """decodes() and prefills() are kept between calls; each event that changes them shows at the next
+    call (values worked by hand: deadline = max(arrival + ttft + j*tpot, first + j*tpot), ttft 300,
+    tpot 50), and a call with nothing changed returns the same tuple."""
+    t = Tracker()
+    t.on_arrival("a", "c", 300.0, 50.0, 0.0, prompt_tokens=100, max_tokens=8)
+    t.on_arrival("b", "c", 300.0, 50.0, 10.0, prompt_tokens=40)
+    assert t.prefills() == (PendingPrefill(100, 0), PendingPrefill(40, 0))  # arrival
+    assert t.decodes() == ()
+    p1, d1 = t.prefills(), t.decodes()
+    assert t.prefills() is p1 and t.decodes() is d1  # nothing changed: kept
+    t.on_token("b", 320.0)  # b's first token (late: paced from itself, 320 + 50 = 370 > 10 + 300 + 50)
+    assert t.prefills() == (PendingPrefill(100, 0),)
+    assert t.decodes() == (DecodeState(370.0, 50.0, 41, 1, None),)
+    t.on_token("a", 330.0)  # a's first token: both decode, in arrival order
+    assert t.decodes() == (DecodeState(380.0, 50.0, 101, 1, 8), DecodeState(370.0, 50.0, 41, 1, None))
+    assert t.prefills() == ()
+    kept_b = t.decodes()[1]
+    t.on_token("a", 380.0, n=2)  # a token of a: a's entry moves (j = 3: 330 + 150), b's is kept as it was
+    d = t.decodes()
+    assert d == (DecodeState(480.0, 50.0, 103, 3, 8), DecodeState(370.0, 50.0, 41, 1, None))
+    assert d[1] is kept_b
+    t.on_usage("b", prompt_tokens=45, completion_tokens=2)  # usage corrects b
+    assert t.decodes()[1] == DecodeState(420.0, 50.0, 47, 2, None)
+    t.on_arrival("c", "c", 300.0, 50.0, 400.0, prompt_tokens=7)
+    t.on_usage("c", prompt_tokens=9)  # usage of a prefill corrects the prefill list
+    assert t.prefills() == (PendingPrefill(9, 0),)
+    t.on_finish("a", 500.0)  # finish of a decode
+    assert t.decodes() == (DecodeState(420.0, 50.0, 47, 2, None),)
+    t.on_abort("c", 510.0)  # abort of a prefill
+    assert t.prefills() == ()
+    assert t.decodes() == _fresh_decodes(t)
+
+
+def test_kept_decode_list_equals_a_fresh_build_over_random_events() -> None:
+    """Over a random run of arrivals, tokens, usage corrections and finishes, the kept lists equal
+    the lists built afresh after every event."""
+    import random
+
+    rng = random.Random(17)
+    t = Tracker()
+    now, n = 0.0, 0
+    for _ in range(3000):
+        now += rng.uniform(0.0, 5.0)
+        ids = list(t._requests)
+        op = rng.random()
+        if op < 0.15 or not ids:
+            n += 1
+            t.on_arrival(f"r{n}", "c", rng.choice((300.0, 800.0)), rng.choice((20.0, 50.0)), now - rng.uniform(0, 50),
+                         rng.randint(0, 500), rng.choice((None, 16, 64)))
+        elif op < 0.8:
+            t.on_token(rng.choice(ids), now, rng.choice((1, 1, 1, 3)))
+        elif op < 0.87:
+            t.on_usage(rng.choice(ids), rng.randint(0, 600), rng.randint(0, 80))
+        else:
+            t.on_finish(rng.choice(ids), now)
+        if rng.random() < 0.5:
+            assert t.decodes() == _fresh_decodes(t)
+            assert t.prefills() == tuple(PendingPrefill(r.prompt_tokens, r.computed_tokens)
+                                         for r in t._requests.values() if r.phase is Phase.PREFILL)
