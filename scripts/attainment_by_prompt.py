@@ -19,12 +19,11 @@ import collections
 import dataclasses
 import json
 
-from loadgen.fleet.bench import Setup, build_arrivals, fleet_config
+from loadgen.fleet.bench import build_arrivals, fleet_config, headline_setup, trace_rows
 from loadgen.fleet.sim import run_fleet
 from loadgen.sim.engine_time import load_engine_time_model
 from loadgen.stats import Slo, meets_slo
-from loadgen.traces import arrival_granularity_ms, load_trace, resolve_trace, spread_arrivals
-from replica_agent.profiles import load_profile, vllm_serve_batch_defaults
+from loadgen.traces import arrival_granularity_ms
 from router.work_shed import WorkShedSettings
 
 EDGES = (0, 500, 1000, 2000, 3000, 4000, 5400, 7000, 10_000, 32_768)
@@ -46,16 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    prof = load_profile(args.profile)
-    et = load_engine_time_model(None, args.profile)
-    batch = vllm_serve_batch_defaults(prof.gpu).resolve(None, None)
-    full = spread_arrivals(load_trace(resolve_trace(args.trace)), arrival_granularity_ms(args.trace), 0)
-    kept = tuple(r for r in full if max(1, r.prompt_tokens) + max(1, r.output_tokens) <= 32768)
-    span_s = max(1e-9, (full[-1].arrival_ms - full[0].arrival_ms) / 1000.0)
-    setup = Setup(kept, len(kept) / span_s, args.replicas, args.profile, args.ttft_ms, args.tpot_ms, args.duration_s,
-                  args.drain_s, 1, 100.0, 0.5, "fair", prof.time_model.tokens_within_ms(args.ttft_ms), True, 32768, 0,
-                  batch.max_num_batched_tokens, batch.max_num_seqs, 0.0, et, args.warmup_s, 0.0, "reserve", None,
-                  args.replicas, True)  # fmt: skip
+    kept, native, _ = trace_rows(args.trace, arrival_granularity_ms(args.trace), 0)
+    setup = headline_setup(kept, native, args.replicas, args.profile, args.ttft_ms, args.tpot_ms, args.duration_s,
+                           args.drain_s, args.warmup_s, load_engine_time_model(None, args.profile))  # fmt: skip
     reqs = build_arrivals(kept, setup.native_rps, args.rate, args.duration_s, args.replicas, 0)
     slo = Slo(args.ttft_ms, args.tpot_ms)
     out: dict[str, object] = {"trace": args.trace, "profile": args.profile, "policy": args.policy, "rate_rps": args.rate,

@@ -32,14 +32,14 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.fleet.bench import Setup, build_arrivals, fleet_config
+from loadgen.fleet.bench import build_arrivals, fleet_config, headline_setup, trace_rows
 from loadgen.fleet.bound import WorkModel, request_work_ms, steady_state_bound
 from loadgen.fleet.sim import FleetSim
 from loadgen.sim.engine import SimEngine
 from loadgen.sim.engine_time import load_engine_time_model
 from loadgen.stats import OK, Slo, meets_slo
-from loadgen.traces import arrival_granularity_ms, load_trace, resolve_trace, spread_arrivals
-from replica_agent.profiles import load_profile, vllm_serve_batch_defaults
+from loadgen.traces import arrival_granularity_ms
+from replica_agent.profiles import load_profile
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,14 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     et = load_engine_time_model(None, args.profile)
     if et is None:
         raise SystemExit("the profile has no shipped engine file")
-    batch = vllm_serve_batch_defaults(prof.gpu).resolve(None, None)
-    full = spread_arrivals(load_trace(resolve_trace(args.trace)), arrival_granularity_ms(args.trace), 0)
-    kept = tuple(r for r in full if max(1, r.prompt_tokens) + max(1, r.output_tokens) <= 32768)
-    span_s = max(1e-9, (full[-1].arrival_ms - full[0].arrival_ms) / 1000.0)
-    setup = Setup(kept, len(kept) / span_s, args.replicas, args.profile, args.ttft_ms, args.tpot_ms, args.duration_s,
-                  args.drain_s, 1, 100.0, 0.5, "fair", prof.time_model.tokens_within_ms(args.ttft_ms), True, 32768, 0,
-                  batch.max_num_batched_tokens, batch.max_num_seqs, 0.0, et, args.warmup_s, 0.0, "reserve", None,
-                  args.replicas, True)  # fmt: skip
+    kept, native, _ = trace_rows(args.trace, arrival_granularity_ms(args.trace), 0)
+    setup = headline_setup(kept, native, args.replicas, args.profile, args.ttft_ms, args.tpot_ms, args.duration_s,
+                           args.drain_s, args.warmup_s, et)  # fmt: skip
     reqs = build_arrivals(kept, setup.native_rps, args.rate, args.duration_s, args.replicas, 0)
 
     wm = WorkModel.of(et)
@@ -138,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     kinds = np.array([("rejected" if r.outcome != OK and not r.token_times_ms else
                        "met" if meets_slo(r, slo) else "served-missed") for _, r in counted])  # fmt: skip
     bound = steady_state_bound(p, o, et, args.ttft_ms, args.tpot_ms, args.replicas, prof.kv_capacity_tokens,
-                               batch.max_num_seqs, batch.max_num_batched_tokens, 0.9)  # fmt: skip
-    w = request_work_ms(p, o, et, bound.iteration_ms, args.ttft_ms, batch.max_num_batched_tokens)
+                               setup.max_num_seqs, setup.max_num_batched_tokens, 0.9)  # fmt: skip
+    w = request_work_ms(p, o, et, bound.iteration_ms, args.ttft_ms, setup.max_num_batched_tokens)
     window_s = (t1 - t0) / 1000.0
     n = len(counted)
     q = math.ceil(0.9 * n)

@@ -15,10 +15,9 @@ import argparse
 import json
 import sys
 
-from loadgen.fleet.bench import Setup, build_arrivals, stream_bounds
+from loadgen.fleet.bench import Setup, build_arrivals, stream_bounds, trace_rows
 from loadgen.fleet.sim import FleetConfig
 from loadgen.sim.engine_time import load_engine_time_model
-from loadgen.traces import load_trace, resolve_trace, spread_arrivals
 from replica_agent.profiles import load_profile
 
 
@@ -33,11 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = d.get("engine_time_model") or {}
     spec = engine.get("name") if isinstance(engine, dict) else engine
     et = load_engine_time_model(None if spec in (None, f"shipped:{d['profile'].lower()}") else spec, d["profile"])
-    full = spread_arrivals(load_trace(resolve_trace(d["trace"])), d["arrival_spread_ms"], d["seed"])
-    kept = tuple(r for r in full if max(1, r.prompt_tokens) + max(1, r.output_tokens) <= 32768)
-    span_s = max(1e-9, (full[-1].arrival_ms - full[0].arrival_ms) / 1000.0)
+    kept, native, _ = trace_rows(d["trace"], d["arrival_spread_ms"], d["seed"])
     e = d["engine"]
-    setup = Setup(kept, len(kept) / span_s, d["replicas"], d["profile"], d["ttft_ms"], d["tpot_ms"], d["duration_s"],
+    setup = Setup(kept, native, d["replicas"], d["profile"], d["ttft_ms"], d["tpot_ms"], d["duration_s"],
                   d["drain_s"], d["routers"], d["push_period_ms"], d["net_delay_ms"], d["queue"],
                   d["static_queue_cap_tokens"], d["leases"], 32768, d["seed"], e["max_num_batched_tokens"],
                   e["max_num_seqs"], d.get("window_offset", 0.0), et, d.get("warmup_s", 0.0), 0.0, "reserve", None,

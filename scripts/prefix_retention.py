@@ -29,12 +29,12 @@ import argparse
 import json
 import math
 
-from loadgen.fleet.bench import build_arrivals
+from loadgen.fleet.bench import build_arrivals, trace_rows
 from loadgen.fleet.bound import steady_state_bound
 from loadgen.fleet.sim import FleetRequest
 from loadgen.sim.engine_time import load_engine_time_model
 from loadgen.sim.prefix_cache import chain_hashes
-from loadgen.traces import arrival_granularity_ms, load_trace, resolve_trace, spread_arrivals
+from loadgen.traces import arrival_granularity_ms
 from replica_agent.profiles import load_profile, vllm_serve_batch_defaults
 
 DELTAS_S = (5.0, 15.0, 30.0, 60.0, 120.0, 300.0, math.inf)
@@ -62,22 +62,11 @@ def shared_within(reqs: list[FleetRequest], block_tokens: int, delta_ms: float) 
 def shareable_within(reqs: list[FleetRequest], block_tokens: int, delta_ms: float, counted_from_ms: float) -> float:
     """Share of the prompt tokens of requests arriving at or after ``counted_from_ms`` that repeat a
     prefix seen in an earlier request (in arrival order) at most ``delta_ms`` before (module docstring)."""
-    last: dict[int, float] = {}
-    shared = total = 0
-    for r in sorted(reqs, key=lambda x: x.arrival_ms):
-        keys = chain_hashes(r.prefix_ids)
-        k = 0
-        for j, key in enumerate(keys):
-            seen = last.get(key)
-            if seen is None or seen < r.arrival_ms - delta_ms:
-                break
-            k = j + 1
-        if r.arrival_ms >= counted_from_ms:
-            shared += min(r.prompt_tokens - 1, block_tokens * k)
-            total += r.prompt_tokens
-        for key in keys:
-            last[key] = r.arrival_ms
-    return shared / total if total else 0.0
+    ordered = sorted(reqs, key=lambda x: x.arrival_ms)
+    counted = [(r.prompt_tokens, h) for r, h in zip(ordered, shared_within(ordered, block_tokens, delta_ms), strict=True)
+               if r.arrival_ms >= counted_from_ms]  # fmt: skip
+    total = sum(p for p, _ in counted)
+    return sum(h for _, h in counted) / total if total else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,10 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    full = spread_arrivals(load_trace(resolve_trace(args.trace)), arrival_granularity_ms(args.trace), 0)
-    kept = tuple(r for r in full if max(1, r.prompt_tokens) + max(1, r.output_tokens) <= 32768)
-    span_s = max(1e-9, (full[-1].arrival_ms - full[0].arrival_ms) / 1000.0)
-    reqs = build_arrivals(kept, len(kept) / span_s, args.rate, args.duration_s, args.replicas, 0)
+    kept, native, _ = trace_rows(args.trace, arrival_granularity_ms(args.trace), 0)
+    reqs = build_arrivals(kept, native, args.rate, args.duration_s, args.replicas, 0)
     t0 = args.warmup_s * 1000.0
     counted = [r for r in reqs if r.arrival_ms >= t0]
     window_s = args.duration_s - args.warmup_s

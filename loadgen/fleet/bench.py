@@ -83,7 +83,7 @@ from loadgen.sim.engine_time import EngineTimeModel, describe_engine, engine_lab
 from loadgen.stats import Slo, figures, meets_slo, per_tenant
 from loadgen.traces import TraceRequest, load_trace, resolve_trace, spread_arrivals
 from replica_agent.policy.time_model import TimeModel
-from replica_agent.profiles import load_profile
+from replica_agent.profiles import load_profile, vllm_serve_batch_defaults
 from router.work_shed import WorkShedSettings
 
 DEFAULT_FRACTIONS = (0.4, 0.55, 0.7, 0.8, 0.9, 1.0, 1.1)
@@ -151,6 +151,19 @@ def steady_bound_json(b: SteadyBound, engine_time: EngineTimeModel | None) -> di
             "iteration_ms": round(b.iteration_ms, 2), "limit": b.limit, "served_frac": b.served_frac,
             "mean_work_ms_served": round(b.mean_work_ms, 3), "infeasible_requests": b.infeasible,
             "time_model": engine_label(engine_time)}  # fmt: skip
+
+
+def trace_rows(trace: str, spread_ms: float, seed: int,
+               max_model_len: int = 32768) -> tuple[tuple[TraceRequest, ...], float, int]:  # fmt: skip
+    """The requests of ``trace`` (a name or path, loadgen/traces.py ``resolve_trace``) with their
+    arrivals spread over ``spread_ms`` (``spread_arrivals``, seeded), less those whose prompt plus
+    output (each at least 1 token) exceeds ``max_model_len``; the trace's native rate, kept
+    requests over the whole trace's span (req/s); and how many requests the trace has in all.
+    The first two are the input of :func:`build_arrivals`."""
+    full = spread_arrivals(load_trace(resolve_trace(trace)), spread_ms, seed)
+    kept = tuple(r for r in full if max(1, r.prompt_tokens) + max(1, r.output_tokens) <= max_model_len)
+    span_s = max(1e-9, (full[-1].arrival_ms - full[0].arrival_ms) / 1000.0)
+    return kept, len(kept) / span_s, len(full)
 
 
 def build_arrivals(
@@ -227,6 +240,20 @@ class Setup:
     windows: int = 0
     prefix_caching: bool = True
     work_shed: WorkShedSettings | None = None
+
+
+def headline_setup(kept: tuple[TraceRequest, ...], native_rps: float, replicas: int, profile: str, ttft_ms: float,
+                   tpot_ms: float, duration_s: float, drain_s: float, warmup_s: float,
+                   engine_time: EngineTimeModel | None) -> Setup:  # fmt: skip
+    """The :class:`Setup` of docs/evaluation.md's headline runs with bench-fleet's defaults otherwise:
+    one router, pushes every 100 ms, 0.5 ms network delay, the fair queue, leases in ``reserve``
+    mode, no start window, engines at ``vllm serve``'s defaults for the profile's GPU, seed 0, one
+    window per replica."""
+    prof = load_profile(profile)
+    batch = vllm_serve_batch_defaults(prof.gpu).resolve(None, None)
+    return Setup(kept, native_rps, replicas, profile, ttft_ms, tpot_ms, duration_s, drain_s, 1, 100.0, 0.5, "fair",
+                 prof.time_model.tokens_within_ms(ttft_ms), True, 32768, 0, batch.max_num_batched_tokens,
+                 batch.max_num_seqs, 0.0, engine_time, warmup_s, 0.0, "reserve", None, replicas, True)  # fmt: skip
 
 
 def fleet_config(setup: Setup, policy: str) -> FleetConfig:
@@ -487,10 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve = resolve_engine_and_trace_args(args)
     engine_time = resolve_engine_time(args)
     spread_ms = args.arrival_spread_ms
-    full = spread_arrivals(load_trace(resolve_trace(args.trace)), spread_ms, args.seed)
-    kept = tuple(r for r in full if max(1, r.prompt_tokens) + max(1, r.output_tokens) <= args.max_model_len)
-    span_s = max(1e-9, (full[-1].arrival_ms - full[0].arrival_ms) / 1000.0)
-    native = len(kept) / span_s
+    kept, native, n_trace = trace_rows(args.trace, spread_ms, args.seed, args.max_model_len)
     prof = load_profile(args.profile)
     max_tokens = args.max_num_batched_tokens
     max_seqs = args.max_num_seqs
@@ -583,7 +607,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "native_rps": round(native, 4), "windows_interleaved": args.windows or args.replicas,
         "prefix_caching": not args.no_prefix_caching,
         "work_shed": None if work_shed is None else dataclasses.asdict(work_shed),
-        "requests_in_trace": len(full), "requests_dropped_over_max_model_len": len(full) - len(kept),
+        "requests_in_trace": n_trace, "requests_dropped_over_max_model_len": n_trace - len(kept),
         "time_model": {"a_ms": prof.time_model.a_ms, "b_ms_per_new_token": prof.time_model.b_ms_per_new_token,
                        "c_ms_per_context_token": prof.time_model.c_ms_per_context_token},
         "engine_time_model": describe_engine(engine_time),
