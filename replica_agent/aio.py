@@ -6,12 +6,9 @@ import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
-
-if TYPE_CHECKING:
-    import aiohttp
 
 T = TypeVar("T")
 
@@ -29,33 +26,6 @@ class FirstChunkStreamResponse(web.StreamResponse):
     """
 
     _send_headers_immediately = False
-
-
-EOF_WAIT_S = 1.0  # how long release_at_eof waits for a body's end before dropping the connection
-
-
-def release_at_eof(response: aiohttp.ClientResponse, timeout_s: float = EOF_WAIT_S) -> None:
-    """Hand a response whose body is complete for the caller back to its connection pool.
-
-    A stream answered at its ``[DONE]`` event may still have the end of its chunked body on the way;
-    ``response.release()`` before that end is parsed makes aiohttp close the connection (it cannot
-    be reused mid-body), so every such request cost a new connection. Here: released at once when the
-    end was parsed (aiohttp has then already returned the connection), else left to aiohttp, which
-    returns the connection itself when the end arrives; a response still open after ``timeout_s``
-    wall seconds is closed (its connection dropped), so a peer that never ends the body cannot hold
-    a pooled connection.
-    """
-    if response.closed:
-        return
-    if response.content.is_eof():
-        response.release()
-        return
-    asyncio.get_running_loop().call_later(timeout_s, _close_if_open, response)
-
-
-def _close_if_open(response: aiohttp.ClientResponse) -> None:
-    if not response.closed:
-        response.close()
 
 
 async def wait_event(event: asyncio.Event, timeout_s: float | None) -> bool:

@@ -42,11 +42,12 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.http import HttpVersion11
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from replica_agent.agent import Agent
-from replica_agent.aio import FirstChunkStreamResponse, release_at_eof, within
+from replica_agent.aio import FirstChunkStreamResponse
 from replica_agent.api_schema import ApiError, validate_request
 from replica_agent.http_guard import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -68,6 +69,7 @@ from replica_agent.openai_stream import (
 )
 from replica_agent.telemetry import extract_context, genai_request_attributes, inject_context, set_http_status
 from replica_agent.tracker import TrackerFull
+from replica_agent.upstream import ClientSink, Exchange, Http1Pool, UpstreamDisconnected, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -328,6 +330,77 @@ class StallWatch:
         self._handle = self._loop.call_at(self._mark + self._slice, self._check)
 
 
+class _EnginePipe:
+    """One engine stream's token accounting, and its relay to the router after the first chunk.
+
+    :meth:`feed` splits a chunk into its SSE payloads (JSON not parsed); :meth:`count` then feeds the
+    tracker: nearly every token event is counted from its bytes (``fast_event_tokens``), the first,
+    finish, usage and error events are parsed. :meth:`on_chunk` is the :meth:`Exchange.pipe` sink:
+    it writes the chunk to the router first (:class:`ClientSink`), then counts it; the chunk that ends
+    with ``[DONE]`` is kept in :attr:`last` for ``write_eof``.
+    """
+
+    __slots__ = ("agent", "key", "finished", "watch", "parser", "client", "last", "gone", "error")
+
+    def __init__(self, agent: Agent, key: str, finished: list[str] | None, watch: StallWatch) -> None:
+        self.agent = agent
+        self.key = key
+        self.finished = finished
+        self.watch = watch
+        self.parser = SseParser()
+        self.client: ClientSink | None = None
+        self.last: bytes | None = None
+        self.gone = False  # the router's connection closed
+        self.error = ""  # why the stream failed, when it did (an error event, a stall, a broken read)
+
+    @property
+    def done(self) -> bool:
+        """The engine sent ``[DONE]``."""
+        return self.parser.done
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The payloads of the events ``chunk`` completes (the stall watch sees the chunk)."""
+        self.watch.saw_chunk()
+        return self.parser.feed_raw(chunk)
+
+    def count(self, payloads: list[bytes], now_ms: float) -> None:
+        """Feed the payloads' tokens, finish reasons, usage and errors to the tracker (at ``now_ms``)."""
+        agent = self.agent
+        for payload in payloads:
+            n = fast_event_tokens(payload)  # nearly every token chunk: counted from its bytes
+            if n is None:  # first, finish, usage, error, logprobs, tools: parsed
+                try:
+                    event = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    continue
+                if not isinstance(event, dict):
+                    continue
+                n = generated_tokens(event)
+                if self.finished is not None:
+                    self.finished.extend(finish_reasons(event))
+                counts = usage_counts(event)
+                if counts is not None:
+                    agent.request_usage(self.key, *counts)
+                if "error" in event and not self.error:
+                    self.error = "engine sent an error event"
+            if n:
+                agent.request_tokens(self.key, now_ms, n)
+
+    def on_chunk(self, chunk: bytes) -> bool:
+        now = self.agent.clock.now_ms()
+        payloads = self.feed(chunk)  # splits the bytes only; parsed after the write
+        if self.parser.done:
+            self.last = chunk
+            self.count(payloads, now)
+            return True
+        assert self.client is not None
+        if not self.client.send(chunk):
+            self.gone = True
+            return True
+        self.count(payloads, now)
+        return False
+
+
 def make_session(config: ProxyConfig) -> aiohttp.ClientSession:
     """The one pooled upstream session (bounded connector, timeouts, bytes not decompressed)."""
     return aiohttp.ClientSession(
@@ -361,6 +434,9 @@ class Proxy:
         self._agent = agent
         self._cfg = config
         self._session = session
+        # generation requests: their streamed chunks are relayed from the engine socket's read callback
+        self._pool = Http1Pool(max_per_host=config.max_connections, keepalive_s=config.keepalive_timeout_s,
+                               connect_timeout_s=config.connect_timeout_s, read_timeout_s=config.read_timeout_s)
         self._tracer = tracer
         self._base = config.engine_url.rstrip("/")
         self._key_counter = 0
@@ -375,7 +451,11 @@ class Proxy:
         app.router.add_post("/detokenize", self.utility)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.on_cleanup.append(self._close_pool)
         return app
+
+    async def _close_pool(self, app: web.Application) -> None:
+        await self._pool.close()
 
     # ---- simple endpoints ----------------------------------------------------------------
     def _token_refusal(self, request: web.Request) -> web.Response | None:
@@ -596,26 +676,35 @@ class Proxy:
 
     async def _open_upstream(
         self, path: str, data: bytes, headers: dict[str, str], stall_s: float | None = None
-    ) -> aiohttp.ClientResponse | web.Response:
+    ) -> Exchange | web.Response:
+        """POST to the engine and wait for its answer's head (at most ``stall_s`` wall seconds): the
+        exchange, or the 502 to answer with. A request whose connection closed before any byte of the
+        answer came (the engine closed a kept-alive connection as the request went out) is sent again,
+        at most ``stale_retries`` times."""
         resent = 0
         while True:
             try:
+                ex = self._pool.exchange("POST", self._base, path, headers, data)
+            except ValueError:  # a forwarded header that cannot go on the wire (CR/LF): the client's
+                return error_json(400, "a request header cannot be forwarded", "invalid_request_error")
+            try:
                 if stall_s is None:
-                    return await self._session.post(self._base + path, data=data, headers=headers)
-                try:  # in this task (asyncio.wait_for would run the POST in a task of its own per request)
-                    return await within(self._session.post(self._base + path, data=data, headers=headers), stall_s)
+                    await ex.start()
+                    return ex
+                try:
+                    async with asyncio.timeout(stall_s):  # in this task: no task of its own per request
+                        await ex.start()
+                    return ex
                 except TimeoutError:
                     self._stalled(EngineStalled(stall_s))
                     return error_json(502, f"engine stalled: no response within {stall_s:g} s")
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-                # the engine closed a kept-alive connection as the request went out: nothing was
-                # answered, so send it again (a new connection, or another pooled one)
-                if isinstance(e, aiohttp.ClientConnectorError) or resent >= self._cfg.stale_retries:
+            except UpstreamDisconnected as e:
+                if e.answered or resent >= self._cfg.stale_retries:
                     return self._unreachable(e)
                 resent += 1
                 log.info("engine %s dropped a kept-alive connection (%s: %s); re-sending", self._base,
                          type(e).__name__, e)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            except UpstreamError as e:
                 return self._unreachable(e)
 
     def _stalled(self, e: EngineStalled) -> None:
@@ -629,20 +718,22 @@ class Proxy:
         return error_json(502, f"engine unreachable: {type(e).__name__}")
 
     @staticmethod
-    async def _relay_error_status(up: aiohttp.ClientResponse, request_id: str) -> web.Response:
+    async def _relay_error_status(up: Exchange, request_id: str) -> web.Response:
         """The engine's error answer, its body in fairbatch's error vocabulary (replica_agent/openai_errors.py)."""
-        body = map_engine_error(up.status, await up.read())
+        try:
+            raw = await up.read()
+        except UpstreamError:
+            raw = b""
         return web.Response(
             status=up.status,
-            body=body,
-            headers={"Content-Type": up.headers.get("Content-Type", "application/json"), "x-request-id": request_id},
+            body=map_engine_error(up.status, raw),
+            headers={"Content-Type": up.headers.get("content-type", "application/json"), "x-request-id": request_id},
         )
 
     async def _relay_stream(
         self, request: web.Request, path: str, raw: bytes, headers: dict[str, str], key: str, request_id: str,
         stall_s: float, finished: list[str] | None = None,
     ) -> tuple[web.StreamResponse, str]:
-        agent = self._agent
         up = await self._open_upstream(path, raw, headers, stall_s)
         if isinstance(up, web.Response):
             return up, "upstream_unreachable"
@@ -655,77 +746,60 @@ class Proxy:
             resp = FirstChunkStreamResponse(  # the headers go with the first token: one send, one wake-up
                 status=200,
                 headers={
-                    "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
+                    "Content-Type": up.headers.get("content-type", "text/event-stream"),
                     "Cache-Control": "no-cache",
                     "x-request-id": request_id,
                 },
             )
             await resp.prepare(request)
-            parser = SseParser()
-            upstream_error = ""
-            content = up.content
-            watch = StallWatch(stall_s, content.set_exception)  # a stall fails the pending read below
-            while True:
-                try:
-                    chunk = await content.readany()
-                    watch.saw_chunk()
-                    if not chunk:
-                        break
-                except EngineStalled as e:
-                    self._stalled(e)
-                    upstream_error = f"engine stalled: no byte for {e.timeout_s:g} s"
-                    break
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                    upstream_error = f"engine stream failed: {type(e).__name__}"
-                    break
-                now = agent.clock.now_ms()
-                payloads = parser.feed_raw(chunk)  # splits the bytes only; parsed after the write
-                try:
-                    if parser.done:  # the last event and the end of the body in one write: the router's
-                        await resp.write_eof(chunk)  # pooled connection is free at once, never dropped
-                    else:
-                        await resp.write(chunk)
-                except (ConnectionError, aiohttp.ClientConnectionResetError, OSError):
-                    return resp, "client_disconnect"
-                for payload in payloads:
-                    n = fast_event_tokens(payload)  # nearly every token chunk: counted from its bytes
-                    if n is None:  # first, finish, usage, error, logprobs, tools: parsed
-                        try:
-                            event = orjson.loads(payload)
-                        except orjson.JSONDecodeError:
-                            continue
-                        if not isinstance(event, dict):
-                            continue
-                        n = generated_tokens(event)
-                        if finished is not None:
-                            finished.extend(finish_reasons(event))
-                        counts = usage_counts(event)
-                        if counts is not None:
-                            agent.request_usage(key, *counts)
-                        if "error" in event and not upstream_error:
-                            upstream_error = "engine sent an error event"
-                    if n:
-                        agent.request_tokens(key, now, n)
-                if parser.done:  # the answer is complete: end the client's stream now, not at the engine's EOF
-                    break
-            if parser.done and not upstream_error:
+            watch = StallWatch(stall_s, up.fail)  # a stall fails the exchange with EngineStalled
+            pipe = _EnginePipe(self._agent, key, finished, watch)
+            try:
+                first = await up.readany()  # the first token: the headers go out with it
+                if not first:
+                    pipe.error = "engine stream ended without [DONE]"
+                else:
+                    now = self._agent.clock.now_ms()
+                    payloads = pipe.feed(first)
+                    await (resp.write_eof(first) if pipe.done else resp.write(first))
+                    pipe.count(payloads, now)
+                if first and not pipe.done:
+                    transport = request.transport
+                    if transport is None or transport.is_closing():
+                        return resp, "client_disconnect"
+                    pipe.client = ClientSink(transport, up, request.version >= HttpVersion11)
+                    await up.pipe(pipe.on_chunk)  # every further chunk written from the engine socket's read
+                    if pipe.gone:
+                        return resp, "client_disconnect"
+                    if pipe.last is not None:
+                        await resp.write_eof(pipe.last)  # the last event and the end of the body: one write
+            except EngineStalled as e:
+                self._stalled(e)
+                pipe.error = pipe.error or f"engine stalled: no byte for {e.timeout_s:g} s"
+            except UpstreamError as e:
+                pipe.error = pipe.error or f"engine stream failed: {type(e).__name__}"
+            except (ConnectionError, aiohttp.ClientConnectionResetError, OSError):
+                return resp, "client_disconnect"
+            except Exception as e:  # noqa: BLE001 - a bug in the pipe: end this stream, not the agent
+                log.exception("engine stream relay failed")
+                pipe.error = pipe.error or f"engine stream failed: {type(e).__name__}"
+            if pipe.done and not pipe.error:
                 clean = True
-                await resp.write_eof()
                 return resp, "ok"
-            if not parser.done:
-                upstream_error = upstream_error or "engine stream ended without [DONE]"
+            if not pipe.done:
+                upstream_error = pipe.error or "engine stream ended without [DONE]"
                 err = {"error": {"message": upstream_error, "type": "upstream_error", "param": None, "code": 502}}
                 try:
                     await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n" + _DONE_EVENT)
                     await resp.write_eof()
-                except (ConnectionError, aiohttp.ClientConnectionResetError, OSError):
+                except (ConnectionError, aiohttp.ClientConnectionResetError, OSError, RuntimeError):
                     pass
             return resp, "upstream_error"
         finally:
             if watch is not None:
                 watch.close()
             if clean:
-                release_at_eof(up)  # the engine's end of body may still be on its way after [DONE]
+                up.release()  # back to the pool; the engine's end of body may still be on its way after [DONE]
             else:
                 up.close()  # drops the connection: the engine sees the disconnect and aborts
 
@@ -794,8 +868,8 @@ class Proxy:
         try:
             body = await up.read()
             clean = True
-            return up.status, up.headers.get("Content-Type", "application/json"), body
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            return up.status, up.headers.get("content-type", "application/json"), body
+        except UpstreamError as e:
             log.warning("engine %s answer failed: %s: %s", self._base, type(e).__name__, e)
             return error_json(502, f"engine answer failed: {type(e).__name__}"), "upstream_error"
         finally:

@@ -1,12 +1,14 @@
 """Upstream HTTP relay to a replica's agent: pooled connections, bytes passed through unchanged.
 
-One ``aiohttp.ClientSession`` for the whole router (bounded connector, keep-alive). The request
-body is forwarded as the client sent it (never re-encoded); the answer is relayed as it arrives:
+Generation requests go over one :class:`~replica_agent.upstream.Http1Pool` for the whole router
+(keep-alive connections per replica, bounded). The request body is forwarded as the client sent it
+(never re-encoded); the answer is relayed as it arrives:
 
 - stream: nothing is sent to the client until the first upstream body chunk arrives, so a replica
   that fails before its first byte can be retried elsewhere (:attr:`RelayOutcome.retryable`).
-  After that every chunk is written as is (``readany``, no per-chunk parsing) up to the one that
-  ends with ``data: [DONE]``: the answer is complete there, so the relay ends the client stream at
+  After that every chunk is written as is, from the upstream socket's read callback (no task
+  wake-up, no per-chunk parsing: replica_agent/upstream.py), up to the one that ends with
+  ``data: [DONE]``: the answer is complete there, so the relay ends the client stream at
   once instead of waiting for the upstream's end of body (a client that closes on ``[DONE]`` would
   otherwise cancel a finished request). An upstream failure mid-stream ends the client stream
   with one SSE error event and ``data: [DONE]``.
@@ -34,8 +36,10 @@ from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http import HttpVersion11
 
-from replica_agent.aio import FirstChunkStreamResponse, release_at_eof
+from replica_agent.aio import FirstChunkStreamResponse
+from replica_agent.upstream import ClientSink, Exchange, Http1Pool, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -78,39 +82,37 @@ class RelayOutcome:
     events: int = 0
 
 
-class ReplicaGone(aiohttp.ClientConnectionError):
-    """Raised into an upstream read when :meth:`UpstreamAbort.abort` fails the attempt."""
+class ReplicaGone(UpstreamError):
+    """Raised into an upstream exchange when :meth:`UpstreamAbort.abort` fails the attempt."""
 
 
 class UpstreamAbort:
     """Handle to fail one forwarding attempt from outside (its replica vanished).
 
     :meth:`abort` is idempotent and safe at any point: before the upstream answered, the attempt
-    stops waiting and is retryable; after, the pending upstream read raises :class:`ReplicaGone`
-    and the relay's ordinary failure paths apply.
+    stops waiting and is retryable; after, the exchange fails with :class:`ReplicaGone` and the
+    relay's ordinary failure paths apply. Either way the upstream connection is dropped.
     """
 
-    __slots__ = ("reason", "_waiting", "_cancelled", "_upstream")
+    __slots__ = ("reason", "_exchange")
 
     def __init__(self) -> None:
         self.reason: str | None = None
-        self._waiting: asyncio.Task[object] | None = None  # the task awaiting the POST's answer, while it waits
-        self._cancelled = False  # abort() cancelled that task
-        self._upstream: aiohttp.ClientResponse | None = None
+        self._exchange: Exchange | None = None
+
+    def attach(self, exchange: Exchange) -> None:
+        """The attempt's exchange (failed at once when the abort came first)."""
+        self._exchange = exchange
+        if self.reason is not None:
+            exchange.fail(ReplicaGone(self.reason))
 
     def abort(self, reason: str) -> None:
         """Fail the attempt with ``reason`` (for logs and the client's SSE error event)."""
         if self.reason is not None:
             return
         self.reason = reason
-        waiting, self._waiting = self._waiting, None
-        if waiting is not None:
-            self._cancelled = True
-            waiting.cancel()
-        up = self._upstream
-        if up is not None and not up.closed:
-            up.content.set_exception(ReplicaGone(reason))
-            up.close()
+        if self._exchange is not None:
+            self._exchange.fail(ReplicaGone(reason))
 
 
 def _is_error_event(first_chunk: bytes) -> bool:
@@ -121,13 +123,13 @@ def _is_error_event(first_chunk: bytes) -> bool:
     return head[5:].lstrip().startswith(b'{"error"')
 
 
-async def _admit_refused(upstream: aiohttp.ClientResponse) -> RelayOutcome:
+async def _admit_refused(upstream: Exchange) -> RelayOutcome:
     """The agent's refusal of an inline admission: reason and budget from its headers (body drained
     so the pooled connection is reused)."""
     h = upstream.headers
     try:
         await upstream.read()
-    except (aiohttp.ClientError, TimeoutError, OSError):
+    except UpstreamError:
         pass
     try:
         pab_ms, pab_tokens = float(h.get("x-fairbatch-pab-ms", "-1")), int(h.get("x-fairbatch-pab-tokens", "-1"))
@@ -149,12 +151,42 @@ def sse_error_event(message: str, code: int = 502) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n" + _SSE_DONE
 
 
+class _StreamPipe:
+    """The sink of one relayed stream after its first chunk (:meth:`Exchange.pipe`): counts the SSE
+    events, writes each chunk to the client as it is read (:class:`ClientSink`) and keeps the one that
+    ends with ``[DONE]`` for ``write_eof``."""
+
+    __slots__ = ("client", "events", "tail", "last", "gone")
+
+    def __init__(self, client: ClientSink, events: int, tail: bytes) -> None:
+        self.client = client
+        self.events = events
+        self.tail = tail
+        self.last: bytes | None = None  # the chunk that completed the answer (sent with the end of body)
+        self.gone = False  # the client's connection closed
+
+    def on_chunk(self, chunk: bytes) -> bool:
+        self.events += count_events(chunk, self.tail)
+        tail = self.tail = chunk[-16:] if len(chunk) >= 16 else (self.tail + chunk)[-16:]
+        if tail.rstrip().endswith(b"[DONE]"):
+            self.last = chunk
+            return True
+        if not self.client.send(chunk):
+            self.gone = True
+            return True
+        return False
+
+
 class Relay:
-    """Forwards requests to agents over one pooled client session.
+    """Forwards requests to agents over pooled keep-alive connections.
+
+    Generation requests go through an :class:`~replica_agent.upstream.Http1Pool` (their streamed
+    chunks are written to the client from the upstream socket's read callback); the other upstream
+    calls (the model catalog, /tokenize) use :attr:`session`, an ``aiohttp.ClientSession``.
 
     Args:
-        max_connections: connector limit over all replicas.
-        max_connections_per_host: connector limit per replica.
+        max_connections: connector limit of :attr:`session` over all replicas.
+        max_connections_per_host: connection limit per replica (both).
         connect_timeout_s: wall seconds to get a pooled connection or connect.
         read_timeout_s: wall seconds allowed between two upstream reads.
         keepalive_timeout_s: idle keep-alive of pooled connections (wall s).
@@ -172,6 +204,8 @@ class Relay:
         self._timeout = aiohttp.ClientTimeout(
             total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s, sock_read=read_timeout_s
         )
+        self.pool = Http1Pool(max_per_host=max_connections_per_host, keepalive_s=keepalive_timeout_s,
+                              connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -188,14 +222,15 @@ class Relay:
         )
 
     async def close(self) -> None:
-        """Close the session and its pooled connections."""
+        """Close the session and the pooled connections."""
+        await self.pool.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        """The pooled session.
+        """The pooled aiohttp session (for the upstream calls that are not generation requests).
 
         Raises:
             RuntimeError: before :meth:`start`.
@@ -207,17 +242,19 @@ class Relay:
     async def forward(
         self,
         request: web.Request,
-        url: str,
+        base_url: str,
+        path: str,
         body: bytes,
         upstream_headers: Mapping[str, str],
         response_headers: Mapping[str, str],
         abort: UpstreamAbort | None = None,
     ) -> RelayOutcome:
-        """POST ``body`` to ``url`` and relay the answer to ``request``'s client.
+        """POST ``body`` to ``base_url + path`` and relay the answer to ``request``'s client.
 
         Args:
             request: the client's request (its response is written here when streaming).
-            url: agent URL (replica http_url + the client's path).
+            base_url: the agent's URL (replica ``http_url``).
+            path: the client's path.
             body: the client's body bytes, unchanged.
             upstream_headers: headers for the agent (content-type, x-request-id, lease, ...).
             response_headers: extra headers for the client (x-request-id, x-fairbatch-replica).
@@ -227,73 +264,52 @@ class Relay:
             asyncio.CancelledError: the handler was cancelled (client gone); upstream is closed first.
         """
         try:
-            if abort is None:
-                upstream = await self.session.post(url, data=body, headers=upstream_headers)
-            else:
-                got = await self._post_abortable(url, body, upstream_headers, abort)
-                if got is None:
-                    return RelayOutcome("retryable", detail=f"aborted: {abort.reason}")
-                upstream = got
-        except asyncio.CancelledError:
-            raise
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            upstream = await self.open(base_url, path, body, upstream_headers, abort)
+        except ValueError:  # a header that cannot go on the wire (CR/LF): the client's request, not the replica
+            err = {"error": {"message": "a request header cannot be forwarded", "type": "invalid_request_error",
+                             "param": None, "code": 400}}
+            return RelayOutcome("refused", web.json_response(err, status=400, headers=dict(response_headers)), 400,
+                                "request header not forwardable")
+        except UpstreamError as exc:
             return RelayOutcome("retryable", detail=f"connect: {exc.__class__.__name__}: {exc}")
-        outcome: RelayOutcome | None = None
+        if upstream is None:
+            return RelayOutcome("retryable", detail=f"aborted: {abort.reason if abort else ''}")
         try:
-            outcome = await self._relay(request, upstream, response_headers)
-            return outcome
+            return await self._relay(request, upstream, response_headers)
         finally:
-            if outcome is not None and outcome.kind == "ok":
-                release_at_eof(upstream)  # answered at [DONE]: the end of body may still be on its way
-            elif not upstream.closed:
-                upstream.release()
+            upstream.release()  # back to the pool once its body is complete (no-op when closed)
 
-    async def _post_abortable(
-        self, url: str, body: bytes, headers: Mapping[str, str], abort: UpstreamAbort
-    ) -> aiohttp.ClientResponse | None:
-        """The upstream response, or None when ``abort`` fired first.
-
-        The POST runs in the caller's task (no task of its own per request): :meth:`UpstreamAbort.abort`
-        cancels that task while it waits for the answer. The cancellation lands inside aiohttp's own
-        await, which closes the request's connection (as when the client goes away); a response that
-        was complete at that instant is closed the same way, before it is handed back, so none is left
-        open. A cancellation that is not only the abort's (the client left too) propagates.
+    async def open(
+        self, base_url: str, path: str, body: bytes, headers: Mapping[str, str], abort: UpstreamAbort | None = None
+    ) -> Exchange | None:
+        """POST to the agent and wait for the answer's head: the exchange, or None when ``abort`` fired
+        first (nothing relayed; the connection was dropped, so the agent sees the request abandoned).
 
         Raises:
-            aiohttp.ClientError, TimeoutError, OSError: the POST failed.
-            asyncio.CancelledError: the caller was cancelled.
+            ValueError: a header or the path cannot be sent (CR/LF).
+            UpstreamError: the POST failed (connect, disconnect, timeout, not HTTP).
+            asyncio.CancelledError: the caller was cancelled (the connection is dropped first).
         """
-        if abort.reason is not None:
-            return None
-        task = asyncio.current_task()
-        abort._waiting = task
+        upstream = self.pool.exchange("POST", base_url, path, headers, body)
+        if abort is not None:
+            abort.attach(upstream)
         try:
-            upstream = await self.session.post(url, data=body, headers=headers)
-        except asyncio.CancelledError:
-            if abort._cancelled and task is not None and task.uncancel() == 0:
-                return None  # the abort's cancellation alone: the attempt is retryable
-            raise
-        finally:
-            abort._waiting = None
-        if abort.reason is not None:  # the cancellation was swallowed on the way (not seen with aiohttp 3.14)
-            upstream.close()
-            if abort._cancelled and task is not None:
-                task.uncancel()
+            await upstream.start()
+        except ReplicaGone:
             return None
-        abort._upstream = upstream
         return upstream
 
     async def _relay(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, response_headers: Mapping[str, str]
+        self, request: web.Request, upstream: Exchange, response_headers: Mapping[str, str]
     ) -> RelayOutcome:
         status = upstream.status
-        ctype = upstream.headers.get("Content-Type", "application/json")
+        ctype = upstream.headers.get("content-type", "application/json")
         if status == ADMIT_REFUSED_STATUS and "x-fairbatch-refused" in upstream.headers:
             return await _admit_refused(upstream)
         if status in RETRYABLE_STATUSES:
             try:
                 err = await upstream.read()
-            except (aiohttp.ClientError, TimeoutError, OSError):
+            except UpstreamError:
                 err = b""
             return RelayOutcome(
                 "retryable", status=status, detail=f"upstream status {status}", error_body=err, error_content_type=ctype
@@ -304,7 +320,7 @@ class Relay:
             except asyncio.CancelledError:
                 upstream.close()
                 raise
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            except UpstreamError as exc:
                 upstream.close()
                 return RelayOutcome("retryable", status=status, detail=f"read: {exc.__class__.__name__}")
             headers = dict(response_headers)
@@ -317,18 +333,17 @@ class Relay:
     async def _relay_stream(
         self,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: Exchange,
         ctype: str,
         response_headers: Mapping[str, str],
     ) -> RelayOutcome:
-        content = upstream.content
         status = upstream.status
         try:
-            first = await content.readany()
+            first = await upstream.readany()
         except asyncio.CancelledError:
             upstream.close()
             raise
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except UpstreamError as exc:
             upstream.close()
             return RelayOutcome("retryable", status=status, detail=f"first read: {exc.__class__.__name__}")
         if not first:
@@ -358,39 +373,39 @@ class Relay:
         except (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError):
             upstream.close()
             return RelayOutcome("client_gone", None, status, "client disconnected")
-        while not complete:
-            try:
-                chunk = await content.readany()
-            except asyncio.CancelledError:
-                upstream.close()
-                raise
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                upstream.close()
-                detail = f"upstream failed mid-stream: {exc.__class__.__name__}"
-                if isinstance(exc, ReplicaGone):
-                    detail += f": {exc}"
-                try:
-                    await resp.write(sse_error_event(detail))
-                    await resp.write_eof()
-                except (ConnectionError, RuntimeError):
-                    return RelayOutcome("client_gone", resp, status, "client disconnected")
-                return RelayOutcome("upstream_error", resp, status, detail)
-            if not chunk:
-                break
-            events += count_events(chunk, tail)
-            tail = chunk[-16:] if len(chunk) >= 16 else (tail + chunk)[-16:]
-            # the stream is complete at [DONE]: a client that closes now is done, not gone
-            complete = tail.rstrip().endswith(b"[DONE]")
-            try:
-                await (resp.write_eof(chunk) if complete else resp.write(chunk))
-            except asyncio.CancelledError:
-                upstream.close()
-                raise
-            except (ConnectionError, RuntimeError):
-                upstream.close()
-                return RelayOutcome("client_gone", resp, status, "client disconnected")
-        try:
-            await resp.write_eof()
-        except (ConnectionError, RuntimeError):
+        if complete:
+            return RelayOutcome("ok", resp, status, events=events - 1)
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            upstream.close()
             return RelayOutcome("client_gone", resp, status, "client disconnected")
-        return RelayOutcome("ok", resp, status, events=events - complete)
+        # every further chunk is written from the upstream socket's read callback, up to [DONE]
+        pipe = _StreamPipe(ClientSink(transport, upstream, request.version >= HttpVersion11), events, tail)
+        try:
+            await upstream.pipe(pipe.on_chunk)
+        except asyncio.CancelledError:
+            upstream.close()
+            raise
+        except Exception as exc:  # noqa: BLE001 - an upstream failure (or a bug in the pipe): end the stream
+            upstream.close()
+            if not isinstance(exc, UpstreamError):
+                log.exception("relay pipe failed")
+            detail = f"upstream failed mid-stream: {exc.__class__.__name__}"
+            if isinstance(exc, ReplicaGone):
+                detail += f": {exc}"
+            try:
+                await resp.write(sse_error_event(detail))
+                await resp.write_eof()
+            except (ConnectionError, RuntimeError):
+                return RelayOutcome("client_gone", resp, status, "client disconnected")
+            return RelayOutcome("upstream_error", resp, status, detail)
+        if pipe.gone:
+            upstream.close()
+            return RelayOutcome("client_gone", resp, status, "client disconnected")
+        try:
+            # the stream is complete at [DONE]: a client that closes now is done, not gone
+            await (resp.write_eof(pipe.last) if pipe.last is not None else resp.write_eof())
+        except (ConnectionError, RuntimeError):
+            upstream.close()
+            return RelayOutcome("client_gone", resp, status, "client disconnected")
+        return RelayOutcome("ok", resp, status, events=pipe.events - (pipe.last is not None))

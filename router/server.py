@@ -991,7 +991,7 @@ class Router:
             inject_context(headers)
             try:
                 outcome = await self.relay.forward(
-                    request, replica.http_url + request.path, raw, headers, response_headers, abort
+                    request, replica.http_url, request.path, raw, headers, response_headers, abort
                 )
             except asyncio.CancelledError:
                 self._release(grant, "client-disconnect")

@@ -1,16 +1,15 @@
-"""A stream answered at ``[DONE]`` gives its pooled connection back (replica_agent/aio.py
-``release_at_eof``): over real loopback HTTP, against a server that sends the end of its chunked
+"""A stream answered at ``[DONE]`` gives its pooled connection back (replica_agent/upstream.py
+``Exchange.release``): over real loopback HTTP, against a server that sends the end of its chunked
 body 50 ms after ``[DONE]``, as an engine or an agent that writes them apart does."""
 
 from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 from aiohttp import web
 
 from loadgen.procs import free_port
-from replica_agent.aio import release_at_eof
+from replica_agent.upstream import Exchange, Http1Pool
 
 _TAIL_DELAY_S = 0.05
 
@@ -31,8 +30,8 @@ def _app(peers: list[object], tail_delay_s: float) -> web.Application:
         return web.Response(text="ok")
 
     app = web.Application()
-    app.router.add_get("/stream", stream)
-    app.router.add_get("/plain", plain)
+    app.router.add_post("/stream", stream)
+    app.router.add_post("/plain", plain)
     return app
 
 
@@ -44,38 +43,40 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
-async def _read_to_done(resp: aiohttp.ClientResponse) -> bytes:
+async def _read_to_done(ex: Exchange) -> bytes:
     """The body up to and including ``[DONE]``, as the relays read it (not waiting for the end)."""
     got = b""
     while not got.rstrip().endswith(b"[DONE]"):
-        chunk = await resp.content.readany()
+        chunk = await ex.readany()
         assert chunk, "the body ended before [DONE]"
         got += chunk
     return got
 
 
 async def _two_streams(base: str, release: str) -> None:
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
-        for _ in range(2):
-            resp = await session.get(f"{base}/stream")
-            assert resp.status == 200
-            assert (await _read_to_done(resp)).endswith(b"data: [DONE]\n\n")
-            if release == "at_eof":
-                release_at_eof(resp)
-            else:
-                resp.release()
-        await asyncio.sleep(2 * _TAIL_DELAY_S)
+    pool = Http1Pool(max_per_host=1)
+    for _ in range(2):
+        ex = pool.exchange("POST", base, "/stream", {})
+        await ex.start()
+        assert ex.status == 200
+        assert (await _read_to_done(ex)).endswith(b"data: [DONE]\n\n")
+        if release == "release":
+            ex.release()
+        else:
+            ex.close()
+    await asyncio.sleep(2 * _TAIL_DELAY_S)
+    await pool.close()
 
 
 async def test_the_connection_is_reused_after_done() -> None:
     peers: list[object] = []
     runner, base = await _serve(_app(peers, _TAIL_DELAY_S))
     try:
-        await asyncio.wait_for(_two_streams(base, "at_eof"), 10.0)
-        assert len(peers) == 2 and peers[0] == peers[1]  # one connection (same client port) for both
-        # control: released before the end of body arrived, the connection is dropped each time
-        peers.clear()
         await asyncio.wait_for(_two_streams(base, "release"), 10.0)
+        assert len(peers) == 2 and peers[0] == peers[1]  # one connection (same client port) for both
+        # control: closed at [DONE] instead, the connection is dropped each time
+        peers.clear()
+        await asyncio.wait_for(_two_streams(base, "close"), 10.0)
         assert len(peers) == 2 and peers[0] != peers[1]
     finally:
         await runner.cleanup()
@@ -85,15 +86,21 @@ async def test_a_body_that_never_ends_frees_the_connection_after_the_bound() -> 
     peers: list[object] = []
     runner, base = await _serve(_app(peers, 30.0))  # the end of body never comes within the test
     try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
-            resp = await session.get(f"{base}/stream")
-            await _read_to_done(resp)
-            release_at_eof(resp, timeout_s=0.2)
-            assert not resp.closed
-            # limit=1: this request can only go once the bound closed the stream's connection
-            async with asyncio.timeout(10.0), session.get(f"{base}/plain") as plain:
-                assert await plain.text() == "ok"
-            assert resp.closed
-            assert peers[0] != peers[1]  # a new connection: the old one was dropped, not reused mid-body
+        pool = Http1Pool(max_per_host=1, connect_timeout_s=5.0, eof_wait_s=0.2)
+        ex = pool.exchange("POST", base, "/stream", {})
+        await ex.start()
+        await _read_to_done(ex)
+        ex.release()
+        assert pool.idle_connections() == 0  # not back yet: its body has not ended
+        # max_per_host=1: this request can only go once the bound dropped the stream's connection
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        plain = pool.exchange("POST", base, "/plain", {})
+        await asyncio.wait_for(plain.start(), 10.0)
+        assert await plain.read() == b"ok"
+        assert 0.15 < loop.time() - t0 < 2.0
+        assert peers[0] != peers[1]  # a new connection: the old one was dropped, not reused mid-body
+        plain.release()
+        await pool.close()
     finally:
         await runner.cleanup()
