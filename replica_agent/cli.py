@@ -199,9 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--time-model-initial-margin", type=float, default=1.0,
                    help="planning margin until --time-model-min-samples steps are seen")
     s.add_argument("--time-model-min-samples", type=int, default=16, help="steps before the margin is learned")
-    s.add_argument("--time-model-refit-every", type=int, default=32,
-                   help="observations between two solves of the time model (proxy mode observes one per relayed "
-                        "token and stream; a solve costs ~50-90 us, an observation ~3 us)")
+    s.add_argument("--time-model-refit-every", type=int, default=8,
+                   help="steps between two solves of the time model (counted in observations' weight: proxy mode "
+                        "observes a step once per decoding stream, each with weight 1/streams; a solve costs "
+                        "~50-90 us, an observation ~3 us; the fleet simulation refits every 8 steps too)")
     s.add_argument("--time-model-window", type=int, default=256, help="steps of relative errors the margin is taken over")
     s.add_argument("--time-model-prior-weight", type=float, default=5.0,
                    help="the profile's coefficients count as this many steps in the online fit (ridge prior)")

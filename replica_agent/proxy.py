@@ -768,7 +768,7 @@ class Proxy:
                     if transport is None or transport.is_closing():
                         return resp, "client_disconnect"
                     pipe.client = ClientSink(transport, up, request.version >= HttpVersion11)
-                    await up.pipe(pipe.on_chunk)  # every further chunk written from the engine socket's read
+                    await up.pipe(pipe.on_chunk, pipe.client.flush)  # every further chunk written from the engine socket's read
                     if pipe.gone:
                         return resp, "client_disconnect"
                     if pipe.last is not None:

@@ -78,30 +78,35 @@ class UpstreamProtocolError(UpstreamError):
     """The answer was not valid HTTP/1.x, or its body exceeded ``max_body_bytes``."""
 
 
+def frame_chunk(chunk: bytes, chunked: bool = True) -> bytes:
+    """``chunk`` as it goes on the wire of a response body: one HTTP/1.1 chunk (``chunked``), else as is.
+    ``chunk`` must not be empty (an empty chunk ends a chunked body)."""
+    return b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk
+
+
 def write_chunk(transport: asyncio.BaseTransport, chunk: bytes, chunked: bool = True) -> None:
     """Write one body piece of a prepared aiohttp stream response straight to its transport.
 
     ``chunked``: the response uses chunked transfer coding (aiohttp's choice for an HTTP/1.1 stream
     without a Content-Length; an HTTP/1.0 client gets raw bytes and a closed connection). The first
     piece (with the headers) and the last (``write_eof``) still go through aiohttp, which frames the
-    end of the body. ``chunk`` must not be empty (an empty chunk ends a chunked body).
+    end of the body. ``chunk`` must not be empty.
 
     Raises:
         RuntimeError, ConnectionError: the transport is closed (the client left).
     """
-    if chunked:
-        transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))  # type: ignore[attr-defined]
-    else:
-        transport.write(chunk)  # type: ignore[attr-defined]
+    transport.write(frame_chunk(chunk, chunked))  # type: ignore[attr-defined]
 
 
 class ClientSink:
     """Writes body pieces to a prepared aiohttp stream response's client, from an upstream read callback.
 
-    :meth:`send` writes one piece (:func:`write_chunk`); while the client's send buffer holds more than
+    :meth:`send` queues one piece; :meth:`flush` (the pipe's ``flush``, called once per socket read)
+    writes what is queued in one ``send`` call, so the token events of several streams' chunks that
+    arrived in one read cost one system call. While the client's send buffer holds more than
     ``high_water`` bytes, the upstream exchange stops reading (:meth:`Exchange.pause_reading`) and a
-    timer checks every ``poll_s`` wall seconds for the buffer to drain below ``low_water`` (a slow client
-    slows its upstream down instead of growing the relay's memory).
+    timer checks every ``poll_s`` wall seconds for it to drain below ``low_water`` (a slow client slows
+    its upstream down instead of growing the relay's memory).
 
     Args:
         transport: the client's transport (``request.transport``).
@@ -109,7 +114,7 @@ class ClientSink:
         chunked: the response uses chunked transfer coding (``request.version >= HttpVersion11``).
     """
 
-    __slots__ = ("transport", "exchange", "chunked", "high_water", "low_water", "poll_s", "_paused")
+    __slots__ = ("transport", "exchange", "chunked", "high_water", "low_water", "poll_s", "_paused", "_out")
 
     def __init__(self, transport: asyncio.BaseTransport, exchange: Exchange, chunked: bool,
                  high_water: int = 256 * 1024, low_water: int = 64 * 1024, poll_s: float = 0.005) -> None:
@@ -120,21 +125,31 @@ class ClientSink:
         self.low_water = low_water
         self.poll_s = poll_s
         self._paused = False
+        self._out: list[bytes] = []
 
     def send(self, chunk: bytes) -> bool:
-        """Write ``chunk`` (not empty); False when the client's connection is closed (nothing written)."""
+        """Queue ``chunk`` (not empty) for :meth:`flush`; False when the client's connection is closed."""
+        if self.transport.is_closing():
+            return False
+        self._out.append(b"%x\r\n%b\r\n" % (len(chunk), chunk) if self.chunked else chunk)
+        return True
+
+    def flush(self) -> None:
+        """Write the queued pieces (one ``write``); a closed client is seen by the next :meth:`send`."""
+        out = self._out
+        if not out:
+            return
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
         transport = self.transport
-        if transport.is_closing():
-            return False
         try:
-            write_chunk(transport, chunk, self.chunked)
+            transport.write(data)  # type: ignore[attr-defined]
         except (ConnectionError, RuntimeError):
-            return False
+            return
         if not self._paused and transport.get_write_buffer_size() > self.high_water:  # type: ignore[attr-defined]
             self._paused = True
             self.exchange.pause_reading()
             asyncio.get_running_loop().call_later(self.poll_s, self._check_drain)
-        return True
 
     def _check_drain(self) -> None:
         transport = self.transport
@@ -217,7 +232,7 @@ class Exchange:
     __slots__ = (
         "status", "headers", "_pool", "_origin", "_head", "_conn", "_parser", "_loop", "_head_fut", "_end_fut",
         "_wait", "_chunks", "_size", "_sink", "_complete", "_failed", "_answered", "_released", "_last_read",
-        "_timer", "_framed", "_slot", "_max_body", "_paused", "_piped", "_was_reused", "_keep_alive",
+        "_timer", "_framed", "_slot", "_max_body", "_paused", "_piped", "_was_reused", "_keep_alive", "_flush", "_delivered",
     )
 
     def __init__(self, pool: Http1Pool, origin: _Origin, head: bytes) -> None:
@@ -248,6 +263,8 @@ class Exchange:
         self._piped = False  # pipe() was called: bytes after the sink stopped are discarded
         self._was_reused = False  # the connection served an earlier exchange
         self._keep_alive = False  # the answer's head allows reusing the connection (read at its end)
+        self._flush: Callable[[], None] | None = None  # pipe(): called after a read that fed the sink
+        self._delivered = False  # the sink got a piece since the last flush
 
     # ---- the sequence --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -323,12 +340,14 @@ class Exchange:
                 return b"".join(parts)
             parts.append(piece)
 
-    def pipe(self, sink: Callable[[bytes], bool | None]) -> asyncio.Future[bool]:
+    def pipe(self, sink: Callable[[bytes], bool | None], flush: Callable[[], None] | None = None) -> asyncio.Future[bool]:
         """Hand every body piece from now on to ``sink``, synchronously, as it is read.
 
         Bytes already buffered go to ``sink`` first, in this call. ``sink`` returns True to stop the
         pipe (the answer is complete for the caller, or its client left): further bytes are then
         discarded until :meth:`release` or :meth:`close`. An exception in ``sink`` fails the exchange.
+        ``flush``, when given, is called after each socket read (and after this call) that gave ``sink``
+        at least one piece: a sink that queues its writes sends them there, once per read.
 
         Returns:
             a future: True when ``sink`` stopped the pipe, False at the body's end; its exception is the
@@ -342,8 +361,12 @@ class Exchange:
             return fut
         pending = self.readany_nowait()
         self._sink = sink
-        if pending and self._feed_sink(pending):
-            return fut
+        self._flush = flush
+        if pending:
+            stopped = self._feed_sink(pending)
+            self._flush_sink()
+            if stopped:
+                return fut
         if self._complete and not fut.done():
             self._sink = None
             fut.set_result(False)
@@ -469,10 +492,22 @@ class Exchange:
             self.fail(cause if isinstance(cause, Exception) else exc)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self.fail(UpstreamProtocolError(f"invalid HTTP answer: {exc.__class__.__name__}: {exc}"))
+        if self._delivered:
+            self._flush_sink()
+
+    def _flush_sink(self) -> None:
+        self._delivered = False
+        flush = self._flush
+        if flush is not None:
+            try:
+                flush()
+            except Exception as exc:  # noqa: BLE001 - the consumer's bug ends this exchange, not the loop
+                self.fail(exc)
 
     def _feed_sink(self, body: bytes) -> bool:
         sink = self._sink
         assert sink is not None
+        self._delivered = True
         try:
             stop = sink(body)
         except Exception as exc:  # noqa: BLE001 - the consumer's bug ends this exchange, not the loop

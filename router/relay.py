@@ -382,7 +382,7 @@ class Relay:
         # every further chunk is written from the upstream socket's read callback, up to [DONE]
         pipe = _StreamPipe(ClientSink(transport, upstream, request.version >= HttpVersion11), events, tail)
         try:
-            await upstream.pipe(pipe.on_chunk)
+            await upstream.pipe(pipe.on_chunk, pipe.client.flush)
         except asyncio.CancelledError:
             upstream.close()
             raise

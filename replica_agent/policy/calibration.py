@@ -73,8 +73,10 @@ class CalibratorConfig:
         initial_margin: margin before ``min_samples`` steps (>= 1; default 1: the profile as it is,
             for the well under a second of steps a replica needs to learn its own).
         max_margin: cap of the margin (>= initial_margin).
-        refit_every: solve the normal equations and recompute the margin every this many steps
-            (>= 1; the statistics and the error window are updated every step).
+        refit_every: solve the normal equations and recompute the margin every this many steps' worth
+            of observations (>= 1; an observation of weight w counts w, so proxy mode's k per-stream
+            samples of one step count as one step, as in plugin mode and the fleet simulation; the
+            statistics and the error window are updated at every observation).
     """
 
     forgetting: float = 0.995
@@ -189,7 +191,7 @@ class OnlineTimeModel:
         self._ratios: deque[float] = deque(maxlen=self.config.window)
         self._margin_cache: float | None = None
         self._conservative: TimeModel | None = None
-        self._since_fit = 0
+        self._since_fit = 0.0  # steps' worth of observations since the last refit
         self._step_share = 0.0  # weight seen since the error window's last entry
         self._pending: list[tuple[tuple[float, ...], float, float, float, float]] = []  # (x, w, y, lam, weight)
         self.count = 0
@@ -219,8 +221,8 @@ class OnlineTimeModel:
         if math.isfinite(ratio) and self._step_share >= 1.0 - 1e-9:
             self._ratios.append(ratio)
             self._step_share = 0.0
-        self._since_fit += 1
-        if self._since_fit >= self.config.refit_every:
+        self._since_fit += weight
+        if self._since_fit >= self.config.refit_every - 1e-9:
             self._refit()
         return ratio if math.isfinite(ratio) else None
 
@@ -252,7 +254,7 @@ class OnlineTimeModel:
         pending.clear()
 
     def _refit(self) -> None:
-        self._since_fit = 0
+        self._since_fit = 0.0
         self._margin_cache = None
         self._fold()
         theta = solve_ridge(self._a, self._g, self._n, self._theta0, self.config.prior_weight)

@@ -136,8 +136,20 @@ def test_k_weighted_samples_of_one_step_add_one_entry_to_the_error_window() -> N
     assert len(split._ratios) == 20  # noqa: SLF001
 
 
+def test_refit_every_counts_steps_worth_of_weight_not_observations() -> None:
+    # proxy mode: 4 streams see one step each (weight 1/4): 8 observations are 2 steps' worth, so with
+    # refit_every=2 the model is solved after the 8th observation and not before (the prior stays until then)
+    prior = TimeModel(9.86, 0.0727, 7.94e-5)
+    cal = OnlineTimeModel(prior, CalibratorConfig(refit_every=2))
+    f = StepFeatures(4, 4000, 0, 4, 4, 0, 4)  # 4 decodes
+    for i in range(8):
+        assert cal.model() is prior, i
+        cal.observe(f, 40.0, 0.25)
+    assert cal.model() is not prior
+
+
 def test_folding_observations_at_refit_gives_the_sums_of_one_update_each() -> None:
-    # 50 random steps of mixed weights: solving every step and every 5 steps must give the same
+    # 50 random steps of mixed weights: solving every step's worth and every 5 steps' worth must give the same
     # statistics and the same model at a common refit (the forgetting of each observation is the
     # product of the factors of the ones after it)
     import random
@@ -152,7 +164,9 @@ def test_folding_observations_at_refit_gives_the_sums_of_one_update_each() -> No
         ms, w = rng.uniform(10.0, 60.0), rng.choice([1.0, 0.5, 0.25])
         each.observe(f, ms, w)
         batched.observe(f, ms, w)
-    m1, m2 = each.model(), batched.model()  # 50 = 10 x 5: both just solved
+    each._refit()  # noqa: SLF001 - a common refit (refits come every 1 and 5 steps' worth of weight)
+    batched._refit()  # noqa: SLF001
+    m1, m2 = each.model(), batched.model()
     for t1, t2 in zip((m1.a_ms, m1.b_ms_per_new_token, m1.c_ms_per_context_token, m1.d_ms_per_decode),
                       (m2.a_ms, m2.b_ms_per_new_token, m2.c_ms_per_context_token, m2.d_ms_per_decode), strict=True):
         assert t2 == pytest.approx(t1, rel=1e-9, abs=1e-12)

@@ -334,3 +334,70 @@ async def test_connections_per_host_are_bounded_and_a_waiter_gets_a_freed_one(se
     assert await ex3.read() == b'{"echo": "z", "h": ""}'
     ex3.release()
     await pool.close()
+
+
+class _CountingTransport:
+    """A real transport, its writes counted (everything else passes through)."""
+
+    def __init__(self, inner: asyncio.Transport) -> None:
+        self.inner = inner
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+        self.inner.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+async def test_pieces_of_one_socket_read_reach_the_client_in_one_write() -> None:
+    """An upstream that sends three chunks in one segment: the sink gets three pieces, the client's
+    transport one write (ClientSink.flush), and the client reads the three pieces in order."""
+    import aiohttp
+
+    from replica_agent.upstream import ClientSink
+
+    async def upstream_handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"1\r\nc\r\n2\r\nde\r\n3\r\nfgh\r\n0\r\n\r\n")  # three chunks and the end: one segment
+        await writer.drain()
+
+    up = await asyncio.start_server(upstream_handle, "127.0.0.1", 0)
+    up_url = f"http://127.0.0.1:{up.sockets[0].getsockname()[1]}"
+    pool = Http1Pool()
+    pieces: list[bytes] = []
+    counted: list[_CountingTransport] = []
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        ex = pool.exchange("POST", up_url, "/", {})
+        await ex.start()
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(await ex.readany())
+        transport = _CountingTransport(request.transport)
+        counted.append(transport)
+        sink = ClientSink(transport, ex, chunked=True)
+
+        def on_chunk(chunk: bytes) -> None:
+            pieces.append(chunk)
+            sink.send(chunk)
+
+        assert await ex.pipe(on_chunk, sink.flush) is False
+        ex.release()
+        await resp.write_eof()
+        return resp
+
+    s = Server()
+    s.app.router.add_get("/", relay)
+    await s.start()
+    async with aiohttp.ClientSession() as session, session.get(s.url + "/") as r:
+        assert await r.read() == b"abcdefgh"
+    assert pieces == [b"c", b"de", b"fgh"]
+    assert counted[0].writes == [b"1\r\nc\r\n2\r\nde\r\n3\r\nfgh\r\n"]
+    await s.stop()
+    up.close()
+    await pool.close()
