@@ -6,7 +6,7 @@ and a write through aiohttp's ``StreamWriter`` coroutine: 51-53 us per relayed c
 against 21-25 us in vllm-router (Rust) on the same machine (docs/bench/router_overhead.md). Here the
 upstream socket's protocol parses the answer with httptools (llhttp, the parser uvicorn uses) and hands
 each body piece, in the same loop callback that read it, to a synchronous callback (:meth:`Exchange.pipe`)
-that writes it to the client's transport (:func:`write_chunk`). Per chunk: one ``recv``, one parse, one
+that writes it to the client's transport (:class:`ClientSink`). Per chunk: one ``recv``, one parse, one
 ``send``; no future, no task switch, no timer.
 
 One :class:`Exchange` is one request/answer on one pooled keep-alive connection:
@@ -79,23 +79,12 @@ class UpstreamProtocolError(UpstreamError):
 
 
 def frame_chunk(chunk: bytes, chunked: bool = True) -> bytes:
-    """``chunk`` as it goes on the wire of a response body: one HTTP/1.1 chunk (``chunked``), else as is.
-    ``chunk`` must not be empty (an empty chunk ends a chunked body)."""
+    """``chunk`` as it goes on the wire of a response body: one HTTP/1.1 chunk (``chunked``: aiohttp's
+    choice for an HTTP/1.1 stream without a Content-Length), else as is (an HTTP/1.0 client gets raw
+    bytes and a closed connection). The first piece of a relayed stream (with the headers) and the last
+    (``write_eof``) still go through aiohttp, which frames the end of the body. ``chunk`` must not be
+    empty (an empty chunk ends a chunked body)."""
     return b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk
-
-
-def write_chunk(transport: asyncio.BaseTransport, chunk: bytes, chunked: bool = True) -> None:
-    """Write one body piece of a prepared aiohttp stream response straight to its transport.
-
-    ``chunked``: the response uses chunked transfer coding (aiohttp's choice for an HTTP/1.1 stream
-    without a Content-Length; an HTTP/1.0 client gets raw bytes and a closed connection). The first
-    piece (with the headers) and the last (``write_eof``) still go through aiohttp, which frames the
-    end of the body. ``chunk`` must not be empty.
-
-    Raises:
-        RuntimeError, ConnectionError: the transport is closed (the client left).
-    """
-    transport.write(frame_chunk(chunk, chunked))  # type: ignore[attr-defined]
 
 
 class ClientSink:
@@ -131,7 +120,7 @@ class ClientSink:
         """Queue ``chunk`` (not empty) for :meth:`flush`; False when the client's connection is closed."""
         if self.transport.is_closing():
             return False
-        self._out.append(b"%x\r\n%b\r\n" % (len(chunk), chunk) if self.chunked else chunk)
+        self._out.append(frame_chunk(chunk, self.chunked))
         return True
 
     def flush(self) -> None:

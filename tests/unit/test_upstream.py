@@ -18,7 +18,6 @@ from replica_agent.upstream import (
     UpstreamDisconnected,
     UpstreamProtocolError,
     UpstreamTimeout,
-    write_chunk,
 )
 
 
@@ -293,16 +292,20 @@ async def test_the_request_head_carries_host_length_and_the_given_headers() -> N
     await pool.close()
 
 
-async def test_write_chunk_frames_a_chunked_body_an_http_client_reads() -> None:
-    """write_chunk between aiohttp's first write and write_eof: aiohttp's own client reads the body whole."""
+async def test_client_sink_frames_a_chunked_body_an_http_client_reads() -> None:
+    """ClientSink between aiohttp's first write and write_eof: HTTP/1.1 gets chunks (aiohttp's own client
+    reads the body whole), HTTP/1.0 the raw bytes up to the close."""
     import aiohttp
+
+    from replica_agent.upstream import ClientSink
 
     async def handler(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse()
         await resp.prepare(request)
         await resp.write(b"a")
-        write_chunk(request.transport, b"bc", chunked=request.version >= (1, 1))
-        write_chunk(request.transport, b"d" * 300, chunked=request.version >= (1, 1))
+        sink = ClientSink(request.transport, None, chunked=request.version >= (1, 1))  # type: ignore[arg-type]
+        assert sink.send(b"bc") and sink.send(b"d" * 300)
+        sink.flush()
         await resp.write_eof(b"e")
         return resp
 
