@@ -269,7 +269,8 @@ class Exchange:
         pool = self._pool
         try:
             conn = await pool._checkout(self)
-            if self._failed is not None:
+            if self._failed is not None:  # failed while it connected: the new connection is not used
+                conn.close()
                 raise self._failed
             self._conn = conn
             conn.exchange = self

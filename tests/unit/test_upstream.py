@@ -404,3 +404,21 @@ async def test_pieces_of_one_socket_read_reach_the_client_in_one_write() -> None
     await s.stop()
     up.close()
     await pool.close()
+
+
+async def test_fail_while_connecting_drops_the_new_connection_and_frees_the_slot(server: Server) -> None:
+    pool = Http1Pool(max_per_host=1, connect_timeout_s=1.0)
+    ex = pool.exchange("POST", server.url, "/whole", {}, b"x")
+    start = asyncio.create_task(ex.start())
+    await asyncio.sleep(0)  # inside the connect
+    ex.fail(RuntimeError("replica removed"))
+    with pytest.raises(RuntimeError, match="replica removed"):
+        await start
+    assert pool.idle_connections() == 0 and server.peers == []
+    again = pool.exchange("POST", server.url, "/whole", {}, b"y")  # the one slot is free again
+    await asyncio.wait_for(again.start(), 2.0)
+    assert await again.read() == b'{"echo": "y", "h": ""}'
+    again.release()
+    await asyncio.sleep(0.05)
+    assert server.runner is not None and len(server.runner.server.connections) == 1  # the dropped one is gone
+    await pool.close()
