@@ -575,7 +575,7 @@ class Proxy:
         up_headers["x-request-id"] = request_id
         up_headers["Content-Type"] = "application/json"
         with self._tracer.start_as_current_span(
-            "agent.relay", context=extract_context(hdrs), kind=trace.SpanKind.SERVER
+            "agent.relay", context=extract_context(hdrs) if "traceparent" in hdrs else None, kind=trace.SpanKind.SERVER
         ) as span:
             inject_context(up_headers)
             lease_id = hdrs.get("x-fairbatch-lease", "")

@@ -44,6 +44,9 @@ def test_no_exporter_is_the_noop_tracer_and_passes_traceparent_on() -> None:
         headers = {}
         inject_context(headers)
     assert headers == {}  # nothing to propagate for a root request
+    with tracer.start_as_current_span("root") as root, tracer.start_as_current_span("child") as child:
+        assert root is child is trace.INVALID_SPAN  # no span object per request, no context attached
+        assert trace.get_current_span() is trace.INVALID_SPAN
 
 
 def test_sampling_ratio_follows_the_parent_and_samples_roots() -> None:
