@@ -169,9 +169,10 @@ class _Origin:
 class _Conn(asyncio.Protocol):
     """One pooled connection; forwards the bytes it reads to its current exchange's parser."""
 
-    __slots__ = ("transport", "exchange", "lost", "served", "idle_since", "key")
+    __slots__ = ("transport", "exchange", "lost", "served", "idle_since", "key", "pool")
 
-    def __init__(self, key: tuple[str, str, int]) -> None:
+    def __init__(self, key: tuple[str, str, int], pool: Http1Pool) -> None:
+        self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.exchange: Exchange | None = None
         self.lost = False
@@ -197,6 +198,8 @@ class _Conn(asyncio.Protocol):
         ex = self.exchange
         if ex is not None:
             ex._conn_lost(exc)
+        else:
+            self.pool._forget(self)  # an idle one (the peer closed it): out of the idle list
 
     def pause_writing(self) -> None:  # a request body larger than the socket buffer: the kernel catches up
         pass
@@ -629,6 +632,7 @@ class Http1Pool:
         self._origins: dict[str, _Origin] = {}
         self._idle: dict[tuple[str, str, int], list[_Conn]] = {}
         self._slots: dict[tuple[str, str, int], asyncio.Semaphore] = {}
+        self._busy: dict[tuple[str, str, int], int] = {}  # exchanges holding a slot, per origin
         self._closed = False
 
     def exchange(self, method: str, base_url: str, path: str, headers: Mapping[str, str], body: bytes = b"") -> Exchange:
@@ -684,6 +688,7 @@ class Http1Pool:
             raise UpstreamConnectError(f"no free connection to {origin.host}:{origin.port} "
                                        f"within {self.connect_timeout_s:g} s") from exc
         ex._slot = True
+        self._busy[key] = self._busy.get(key, 0) + 1
         idle = self._idle.get(key)
         now = self._loop.time()
         while idle:
@@ -699,7 +704,7 @@ class Http1Pool:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, conn = await self._loop.create_connection(
-                    lambda: _Conn(key), origin.host, origin.port,
+                    lambda: _Conn(key, self), origin.host, origin.port,
                     ssl=(self._ssl or ssl_module.create_default_context()) if origin.ssl else None,
                 )
         except (OSError, TimeoutError) as exc:
@@ -719,9 +724,32 @@ class Http1Pool:
             conn.close()
         if ex._slot:
             ex._slot = False
-            sem = self._slots.get(ex._origin.key)
+            key = ex._origin.key
+            sem = self._slots.get(key)
             if sem is not None:
                 sem.release()
+            busy = self._busy[key] = self._busy.get(key, 1) - 1
+            if busy <= 0 and not self._idle.get(key):
+                self._drop_origin(key)
+
+    def _forget(self, conn: _Conn) -> None:
+        """An idle connection closed: out of its idle list (and its origin dropped when nothing is left)."""
+        idle = self._idle.get(conn.key)
+        if idle is not None and conn in idle:
+            idle.remove(conn)
+        if not self._idle.get(conn.key) and self._busy.get(conn.key, 0) <= 0:
+            self._drop_origin(conn.key)
+
+    def _drop_origin(self, key: tuple[str, str, int]) -> None:
+        """Forget an origin nothing uses now (no exchange holds a slot, so none waits for one either):
+        a fleet whose replicas come and go does not grow the pool's tables."""
+        self._slots.pop(key, None)
+        self._busy.pop(key, None)
+        self._idle.pop(key, None)
+
+    def origins(self) -> int:
+        """Origins the pool holds state for (a connection slot in use or an idle connection)."""
+        return len(self._slots)
 
     def idle_connections(self, base_url: str | None = None) -> int:
         """Idle pooled connections (of ``base_url``'s origin, or all)."""

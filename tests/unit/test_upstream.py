@@ -422,3 +422,20 @@ async def test_fail_while_connecting_drops_the_new_connection_and_frees_the_slot
     await asyncio.sleep(0.05)
     assert server.runner is not None and len(server.runner.server.connections) == 1  # the dropped one is gone
     await pool.close()
+
+
+async def test_an_origin_whose_connections_all_closed_is_forgotten(server: Server) -> None:
+    """A replica that goes away (its server closes the idle connections): the pool keeps no table entry for it."""
+    pool = Http1Pool()
+    ex = pool.exchange("POST", server.url, "/whole", {}, b"x")
+    await ex.start()
+    await ex.read()
+    ex.release()
+    assert pool.idle_connections() == 1 and pool.origins() == 1
+    await server.stop()  # the server closes its kept-alive connections
+    for _ in range(100):
+        if pool.origins() == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert pool.idle_connections() == 0 and pool.origins() == 0
+    await pool.close()
