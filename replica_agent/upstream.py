@@ -285,10 +285,7 @@ class Exchange:
             assert conn.transport is not None
             conn.transport.write(self._head)
             await self._head_fut
-        except asyncio.CancelledError:
-            self.close()
-            raise
-        except BaseException:
+        except BaseException:  # a failure, or the caller's cancellation: the connection is dropped
             self.close()
             raise
 
