@@ -91,8 +91,8 @@ class ClientSink:
     """Writes body pieces to a prepared aiohttp stream response's client, from an upstream read callback.
 
     :meth:`send` queues one piece; :meth:`flush` (the pipe's ``flush``, called once per socket read)
-    writes what is queued in one ``send`` call, so the token events of several streams' chunks that
-    arrived in one read cost one system call. While the client's send buffer holds more than
+    writes what is queued in one ``send`` call, so several of a stream's chunks that arrived in one
+    read cost one system call. While the client's send buffer holds more than
     ``high_water`` bytes, the upstream exchange stops reading (:meth:`Exchange.pause_reading`) and a
     timer checks every ``poll_s`` wall seconds for it to drain below ``low_water`` (a slow client slows
     its upstream down instead of growing the relay's memory).
@@ -157,12 +157,12 @@ class _Origin:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {base_url!r}")
         self.ssl = parts.scheme == "https"
+        default = 443 if self.ssl else 80
         self.host = parts.hostname
-        self.port = parts.port or (443 if self.ssl else 80)
+        self.port = parts.port or default
         self.prefix = parts.path.rstrip("/")
         self.key = (parts.scheme, self.host, self.port)
         host = f"[{self.host}]" if ":" in self.host else self.host
-        default = 443 if self.ssl else 80
         self.host_header = (host if self.port == default else f"{host}:{self.port}").encode("idna")
 
 
@@ -296,7 +296,7 @@ class Exchange:
         data = b"".join(self._chunks) if len(self._chunks) > 1 else self._chunks[0]
         self._chunks.clear()
         self._size = 0
-        self._resume()
+        self.resume_reading()
         return data
 
     async def readany(self) -> bytes:
@@ -370,7 +370,16 @@ class Exchange:
 
     def resume_reading(self) -> None:
         """Read the upstream socket again after :meth:`pause_reading`."""
-        self._resume()
+        if self._paused:
+            self._paused = False
+            conn = self._conn
+            if conn is not None and conn.transport is not None and not conn.lost:
+                conn.transport.resume_reading()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def fail(self, exc: BaseException) -> None:
         """Fail the exchange with ``exc`` from outside (an abort, a stall), in any state; idempotent.
@@ -392,9 +401,7 @@ class Exchange:
                                                 answered=self._answered)
             self._wake_all(self._failed)
         conn, self._conn = self._conn, None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._cancel_timer()
         self._sink = None
         if conn is not None:
             conn.exchange = None
@@ -411,15 +418,14 @@ class Exchange:
         self._sink = None
         self._chunks.clear()
         self._size = 0
-        self._resume()
+        self.resume_reading()
         if self._conn is None:
             self._pool._done(self, None)
             return
         if self._complete:
             self._give_back()
             return
-        if self._timer is not None:
-            self._timer.cancel()
+        self._cancel_timer()
         self._timer = self._loop.call_later(self._pool.eof_wait_s, self.close)
 
     # ---- httptools callbacks -----------------------------------------------------------------------
@@ -463,9 +469,8 @@ class Exchange:
         if 100 <= self.status < 200 and self.status != 101:
             return  # an interim answer ended: the same parser reads the final one
         self._complete = True
-        if self._timer is not None and not self._released:
-            self._timer.cancel()
-            self._timer = None
+        if not self._released:  # a released exchange's timer is its end-of-body wait, ended by _give_back
+            self._cancel_timer()
         self._finish_body()
 
     # ---- internals -------------------------------------------------------------------------------
@@ -524,18 +529,14 @@ class Exchange:
             self._give_back()
 
     def _give_back(self) -> None:
+        self._cancel_timer()
+        self.resume_reading()
         conn, self._conn = self._conn, None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         if conn is None:
             self._pool._done(self, None)
             return
         conn.exchange = None
         keep = self._keep_alive and self._framed and not conn.lost
-        if self._paused and conn.transport is not None:
-            self._paused = False
-            conn.transport.resume_reading()
         if not keep:
             conn.close()
             conn = None
@@ -543,9 +544,7 @@ class Exchange:
 
     def _conn_lost(self, exc: Exception | None) -> None:
         self._conn = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._cancel_timer()
         if self._complete or self._failed is not None:
             self._pool._done(self, None)
             return
@@ -582,13 +581,6 @@ class Exchange:
             self._timer = self._loop.call_at(due, self._check_timeout)
             return
         self.fail(UpstreamTimeout(f"no byte from upstream for {timeout:g} s"))
-
-    def _resume(self) -> None:
-        if self._paused:
-            self._paused = False
-            conn = self._conn
-            if conn is not None and conn.transport is not None and not conn.lost:
-                conn.transport.resume_reading()
 
 
 class Http1Pool:

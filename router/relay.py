@@ -152,25 +152,33 @@ def sse_error_event(message: str, code: int = 502) -> bytes:
 
 
 class _StreamPipe:
-    """The sink of one relayed stream after its first chunk (:meth:`Exchange.pipe`): counts the SSE
-    events, writes each chunk to the client as it is read (:class:`ClientSink`) and keeps the one that
-    ends with ``[DONE]`` for ``write_eof``."""
+    """One relayed stream's SSE accounting and, after its first chunk, its sink (:meth:`Exchange.pipe`).
+
+    :meth:`take` counts a chunk's events and says whether it completed the answer (``[DONE]``);
+    :meth:`on_chunk` takes each further chunk, writes it to the client as it is read
+    (:attr:`client`) and keeps the one that ends with ``[DONE]`` for ``write_eof``.
+    """
 
     __slots__ = ("client", "events", "tail", "last", "gone")
 
-    def __init__(self, client: ClientSink, events: int, tail: bytes) -> None:
-        self.client = client
-        self.events = events
-        self.tail = tail
+    def __init__(self) -> None:
+        self.client: ClientSink | None = None  # set once the first chunk went out
+        self.events = 0
+        self.tail = b"\n"  # the last bytes seen (a line start before the first chunk)
         self.last: bytes | None = None  # the chunk that completed the answer (sent with the end of body)
         self.gone = False  # the client's connection closed
 
-    def on_chunk(self, chunk: bytes) -> bool:
+    def take(self, chunk: bytes) -> bool:
+        """Count ``chunk``'s events; True when it ends with ``[DONE]``."""
         self.events += count_events(chunk, self.tail)
         tail = self.tail = chunk[-16:] if len(chunk) >= 16 else (self.tail + chunk)[-16:]
-        if tail.rstrip().endswith(b"[DONE]"):
+        return tail.rstrip().endswith(b"[DONE]")
+
+    def on_chunk(self, chunk: bytes) -> bool:
+        if self.take(chunk):
             self.last = chunk
             return True
+        assert self.client is not None
         if not self.client.send(chunk):
             self.gone = True
             return True
@@ -361,8 +369,8 @@ class Relay:
         resp = FirstChunkStreamResponse(status=status, headers=response_headers)  # headers + first chunk: one send
         resp.content_type = ctype.split(";", 1)[0]
         resp.headers["Cache-Control"] = "no-cache"
-        events, tail = count_events(first, b"\n"), first[-16:]
-        complete = tail.rstrip().endswith(b"[DONE]")
+        pipe = _StreamPipe()
+        complete = pipe.take(first)
         try:
             await resp.prepare(request)
             # the chunk that ends the answer goes out with the end of the body, in one write
@@ -374,15 +382,15 @@ class Relay:
             upstream.close()
             return RelayOutcome("client_gone", None, status, "client disconnected")
         if complete:
-            return RelayOutcome("ok", resp, status, events=events - 1)
+            return RelayOutcome("ok", resp, status, events=pipe.events - 1)
         transport = request.transport
         if transport is None or transport.is_closing():
             upstream.close()
             return RelayOutcome("client_gone", resp, status, "client disconnected")
         # every further chunk is written from the upstream socket's read callback, up to [DONE]
-        pipe = _StreamPipe(ClientSink(transport, upstream, request.version >= HttpVersion11), events, tail)
+        client = pipe.client = ClientSink(transport, upstream, request.version >= HttpVersion11)
         try:
-            await upstream.pipe(pipe.on_chunk, pipe.client.flush)
+            await upstream.pipe(pipe.on_chunk, client.flush)
         except asyncio.CancelledError:
             upstream.close()
             raise

@@ -19,7 +19,7 @@ import collections
 import dataclasses
 import json
 
-from loadgen.fleet.bench import build_arrivals, fleet_config, headline_setup, trace_rows
+from loadgen.fleet.bench import add_point_args, build_arrivals, fleet_config, headline_setup, trace_rows
 from loadgen.fleet.sim import run_fleet
 from loadgen.sim.engine_time import load_engine_time_model
 from loadgen.stats import Slo, meets_slo
@@ -32,15 +32,8 @@ EDGES = (0, 500, 1000, 2000, 3000, 4000, 5400, 7000, 10_000, 32_768)
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", default="azure-code")
-    ap.add_argument("--profile", default="llama-3-8b-a100")
+    add_point_args(ap, trace="azure-code", ttft_ms=1000.0, duration_s=300.0, warmup_s=60.0)
     ap.add_argument("--policy", default="pab+fairbatching")
-    ap.add_argument("--rate", type=float, required=True)
-    ap.add_argument("--replicas", type=int, default=16)
-    ap.add_argument("--ttft-ms", type=float, default=1000.0)
-    ap.add_argument("--tpot-ms", type=float, default=100.0)
-    ap.add_argument("--duration-s", type=float, default=300.0)
-    ap.add_argument("--warmup-s", type=float, default=60.0)
     ap.add_argument("--drain-s", type=float, default=120.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.fleet.bench import build_arrivals, fleet_config, headline_setup, trace_rows
+from loadgen.fleet.bench import add_point_args, build_arrivals, fleet_config, headline_setup, trace_rows
 from loadgen.fleet.bound import WorkModel, request_work_ms, steady_state_bound
 from loadgen.fleet.sim import FleetSim
 from loadgen.sim.engine import SimEngine
@@ -44,15 +44,8 @@ from replica_agent.profiles import load_profile
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", required=True)
-    ap.add_argument("--profile", default="llama-3-8b-a100")
+    add_point_args(ap, trace=None, ttft_ms=1000.0, duration_s=600.0, warmup_s=120.0)
     ap.add_argument("--policy", default="pab+fairbatching")
-    ap.add_argument("--rate", type=float, required=True)
-    ap.add_argument("--replicas", type=int, default=16)
-    ap.add_argument("--ttft-ms", type=float, default=1000.0)
-    ap.add_argument("--tpot-ms", type=float, default=100.0)
-    ap.add_argument("--duration-s", type=float, default=600.0)
-    ap.add_argument("--warmup-s", type=float, default=120.0)
     ap.add_argument("--drain-s", type=float, default=120.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

@@ -29,7 +29,7 @@ import argparse
 import json
 import math
 
-from loadgen.fleet.bench import build_arrivals, trace_rows
+from loadgen.fleet.bench import add_point_args, build_arrivals, trace_rows
 from loadgen.fleet.bound import steady_state_bound
 from loadgen.fleet.sim import FleetRequest
 from loadgen.sim.engine_time import load_engine_time_model
@@ -71,14 +71,7 @@ def shareable_within(reqs: list[FleetRequest], block_tokens: int, delta_ms: floa
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", default="mooncake-conv")
-    ap.add_argument("--profile", default="llama-3-8b-a100")
-    ap.add_argument("--rate", type=float, required=True)
-    ap.add_argument("--replicas", type=int, default=16)
-    ap.add_argument("--ttft-ms", type=float, default=2500.0)
-    ap.add_argument("--tpot-ms", type=float, default=100.0)
-    ap.add_argument("--duration-s", type=float, default=600.0)
-    ap.add_argument("--warmup-s", type=float, default=120.0)
+    add_point_args(ap, trace="mooncake-conv", ttft_ms=2500.0, duration_s=600.0, warmup_s=120.0)
     ap.add_argument("--block-tokens", type=int, default=512, help="tokens per prefix id (512 for Mooncake)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

@@ -242,6 +242,24 @@ class Setup:
     work_shed: WorkShedSettings | None = None
 
 
+def add_point_args(ap: argparse.ArgumentParser, *, trace: str | None, ttft_ms: float, duration_s: float,
+                   warmup_s: float) -> None:
+    """The flags of one steady-state fleet point that the analysis scripts share: ``--trace`` (required when
+    ``trace`` is None), ``--profile``, ``--rate`` (required), ``--replicas``, ``--ttft-ms``, ``--tpot-ms``,
+    ``--duration-s`` and ``--warmup-s`` (simulated ms and s), with the script's own defaults."""
+    if trace is None:
+        ap.add_argument("--trace", required=True)
+    else:
+        ap.add_argument("--trace", default=trace)
+    ap.add_argument("--profile", default="llama-3-8b-a100")
+    ap.add_argument("--rate", type=float, required=True)
+    ap.add_argument("--replicas", type=int, default=16)
+    ap.add_argument("--ttft-ms", type=float, default=ttft_ms)
+    ap.add_argument("--tpot-ms", type=float, default=100.0)
+    ap.add_argument("--duration-s", type=float, default=duration_s)
+    ap.add_argument("--warmup-s", type=float, default=warmup_s)
+
+
 def headline_setup(kept: tuple[TraceRequest, ...], native_rps: float, replicas: int, profile: str, ttft_ms: float,
                    tpot_ms: float, duration_s: float, drain_s: float, warmup_s: float,
                    engine_time: EngineTimeModel | None) -> Setup:  # fmt: skip
