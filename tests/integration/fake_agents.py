@@ -108,13 +108,17 @@ class FakeAdmission(admission_pb2_grpc.AdmissionServiceServicer):
 
 @dataclass
 class FakeUpstream:
-    """The agent's HTTP side. ``mode``: ok | fail503 | bad-request | drop (close before any byte) | slow."""
+    """The agent's HTTP side. ``mode``: ok | fail503 | bad-request | drop (close before any byte) | slow.
+
+    ``hold``: when set, every request waits for it before it is answered (cleared: answered at once).
+    """
 
     replica_id: str
     mode: str = "ok"
     hits: list[CIMultiDict[str]] = field(default_factory=list)
     bodies: list[bytes] = field(default_factory=list)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+    hold: asyncio.Event | None = None
 
     def chunks(self) -> list[bytes]:
         out = []
@@ -127,6 +131,8 @@ class FakeUpstream:
         self.hits.append(CIMultiDict(request.headers))
         body = await request.read()
         self.bodies.append(body)
+        if self.hold is not None:
+            await self.hold.wait()
         if self.mode == "fail503":
             return web.json_response({"error": {"message": "engine down"}}, status=503)
         if self.mode == "bad-request":  # what vLLM answers to e.g. max_tokens: -5 (JSON, also when stream is set)

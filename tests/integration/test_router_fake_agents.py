@@ -121,7 +121,15 @@ async def test_inline_mode_takes_a_reserve_lease_where_the_agent_is_not_on_the_h
 
 async def test_concurrent_requests_spread(fleet: Fleet) -> None:
     await fleet.start({"r0": 400.0, "r1": 400.0})
-    resps = await asyncio.gather(*(fleet.post(completion()) for _ in range(8)))
+    # no request is answered (so none releases its lease) until all 8 are placed: each placement sees
+    # the budgets the earlier ones left (400, 380, ... ms on each), so they alternate 4 and 4
+    hold = asyncio.Event()
+    for up in fleet.upstreams.values():
+        up.hold = hold
+    posts = [asyncio.ensure_future(fleet.post(completion())) for _ in range(8)]
+    await fleet.wait(lambda: sum(len(u.hits) for u in fleet.upstreams.values()) == 8, "8 requests placed")
+    hold.set()
+    resps = await asyncio.gather(*posts)
     placed = [r.headers["x-fairbatch-replica"] for r in resps]
     assert all(r.status == 200 for r in resps)
     assert placed.count("r0") == placed.count("r1") == 4, placed
