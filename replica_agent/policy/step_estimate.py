@@ -7,7 +7,9 @@ decode-only step: its features are the decodes tracked at that time (``num_decod
 one new token each, reading their summed context), and its time is the gap. The proxy takes a
 sample only when no request was in prefill anywhere in the gap (a prefill chunk would ride in the
 same steps and its size is unknown here), and gives each of the ``k`` streams' samples of a step
-weight ``1/k``, so a step counts once.
+weight ``1/k``, so a step counts once. :class:`StepStride` then keeps one sample per step's worth of
+that weight (weight 1): the k samples of a decode-only step time the same step, so teaching the model
+one of them costs 1/k of teaching all k and tells it the same thing.
 
 What it cannot see: a decode the engine left out of a step (a FairBatching plugin's non-urgent
 decode, a preempted request) makes a gap of two steps; such a sample over-states the step time, so
@@ -16,6 +18,8 @@ which reads the engine's own step times instead.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from replica_agent.policy.time_model import StepFeatures
 
@@ -51,3 +55,28 @@ def decode_step_sample(
     ctx = max(0, decode_context_tokens)
     f = StepFeatures(num_decodes, ctx, ctx, num_decodes, num_decodes, 0, num_decodes)
     return f, gap / tokens, 1.0 / num_decodes
+
+
+@dataclass(slots=True)
+class StepStride:
+    """Keeps one proxy sample per step's worth of sample weight.
+
+    :meth:`take` adds a sample's weight (``1/k`` from :func:`decode_step_sample`) to what is owed and
+    answers True, keep this one (at weight 1), each time the owed weight reaches 1: with k streams
+    decoding, one token event in k is kept, so the online model sees each step once, as a weight-1
+    observation, instead of k times at weight 1/k. The rest of the weight carries over to the next
+    step (k may change between steps).
+
+    Attributes:
+        owed: weight seen since the last kept sample, in [0, 1).
+    """
+
+    owed: float = 0.0
+
+    def take(self, weight: float) -> bool:
+        """Add ``weight`` (in (0, 1]); True when this sample is to be kept."""
+        self.owed += weight
+        if self.owed >= 1.0 - 1e-9:  # k additions of 1/k may fall short of 1 by a rounding
+            self.owed = max(0.0, self.owed - 1.0)
+            return True
+        return False

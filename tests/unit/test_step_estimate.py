@@ -10,7 +10,7 @@ from replica_agent.clock import Clock
 from replica_agent.engine_metrics import EngineMetrics
 from replica_agent.policy.calibration import CalibratorConfig
 from replica_agent.policy.pab import SloClass
-from replica_agent.policy.step_estimate import decode_step_sample
+from replica_agent.policy.step_estimate import StepStride, decode_step_sample
 from replica_agent.policy.time_model import StepFeatures, TimeModel
 from replica_agent.tracker import Tracker
 
@@ -24,6 +24,19 @@ def test_sample_rules_by_hand():
     assert decode_step_sample(100.0, 130.0, 1, 4, 8000, None) is None  # a prefill is running
     assert decode_step_sample(None, 130.0, 1, 4, 8000, 90.0) is None  # first token: a prefill's time
     assert decode_step_sample(100.0, 100.0, 1, 4, 8000, 90.0) is None  # no gap
+
+
+def test_stride_keeps_one_sample_per_step_worth():
+    s = StepStride()
+    assert [s.take(0.25) for _ in range(8)] == [False, False, False, True] * 2  # 4 streams: one gap in 4
+    kept = [s.take(1 / 3) for _ in range(9)]  # 3 streams: 1/3 three times sums to 1 within rounding
+    assert kept == [False, False, True] * 3
+    s = StepStride()
+    # k changes between steps: 2 streams (0.5 + 0.5), then 4 (0.25 x 4), then one gap of 1
+    assert [s.take(w) for w in (0.5, 0.5, 0.25, 0.25, 0.25, 0.25, 1.0)] == [False, True, False, False, False, True, True]
+    s = StepStride()
+    assert [s.take(w) for w in (0.4, 0.4, 0.4, 0.4, 0.4)] == [False, False, True, False, True]  # 1.2 -> 0.2 owed
+    assert s.owed == pytest.approx(0.0)
 
 
 def test_tracker_aggregates_follow_every_event():
@@ -91,8 +104,8 @@ def test_proxy_agent_learns_decode_steps_from_token_gaps():
         for i in ids:
             agent.request_done(i, t, "ok")
     m = agent.calibrator.model()
-    # 8 x 30 steps seen k times with weight 1/k: 240 step observations
-    assert agent.metrics.time_model_steps.labels("proxy")._value.get() == pytest.approx(sum((2, 4, 8, 16, 32, 3, 12, 24)) * 30)
+    # 8 x 30 steps, each seen by k streams at weight 1/k, of which StepStride keeps one: 240 observations
+    assert agent.metrics.time_model_steps.labels("proxy")._value.get() == 240
     for k in (5, 20):
         f = StepFeatures(k, 2000 * k, 2000 * k, k, k, 0, k)
         assert m.step_ms(f) == pytest.approx(ENGINE.step_ms(f), rel=0.03)  # was 25-38 % low with the prior
