@@ -439,3 +439,56 @@ async def test_an_origin_whose_connections_all_closed_is_forgotten(server: Serve
         await asyncio.sleep(0.01)
     assert pool.idle_connections() == 0 and pool.origins() == 0
     await pool.close()
+
+
+async def test_an_https_origin_is_read_over_tls_and_its_connection_is_reused() -> None:
+    # a loopback TLS server with a certificate of a test CA (trustme): the pool trusts that CA
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    cert.configure_cert(server_ctx)
+    client_ctx = ssl.create_default_context()
+    ca.configure_trust(client_ctx)
+    peers: list[int] = []
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername")[1])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(3):
+            await resp.write(b"data: %d\n\n" % i)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/stream", stream)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ctx)
+    await site.start()
+    url = f"https://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    pool = Http1Pool(ssl_context=client_ctx)
+    try:
+        for _ in range(2):
+            ex = pool.exchange("POST", url, "/stream", {}, b"")
+            await ex.start()
+            assert ex.status == 200
+            got = [await ex.readany()]
+            assert await ex.pipe(got.append) is False
+            assert b"".join(got) == b"data: 0\n\ndata: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+            ex.release()
+        assert len(peers) == 2 and len(set(peers)) == 1  # one TLS connection served both
+        # the system's default trust store does not know the test CA: a connect error, not a hang
+        strict = Http1Pool(connect_timeout_s=5.0)
+        ex = strict.exchange("POST", url, "/stream", {}, b"")
+        with pytest.raises(UpstreamConnectError):
+            await ex.start()
+        await strict.close()
+    finally:
+        await pool.close()
+        await runner.cleanup()
