@@ -36,6 +36,14 @@ def error_body(message: str, err_type: str = INVALID_REQUEST, code: str | None =
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
+def sse_error_event(message: str, code: int = 502) -> bytes:
+    """The SSE events that end a stream whose upstream failed after its first byte: an error event in
+    OpenAI's shape (``type`` ``upstream_error``, ``param`` null, ``code`` the HTTP-like status), then
+    ``data: [DONE]`` (what vLLM's server sends when a stream fails, so clients stop reading)."""
+    payload = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\ndata: [DONE]\n\n"
+
+
 def classify(status: int, message: str, param: str | None) -> tuple[str, str | None, str | None]:
     """(type, code, param) of an error with ``status`` and ``message`` in the vocabulary above."""
     if status >= 500:

@@ -59,7 +59,7 @@ from replica_agent.http_guard import (
     new_request_id,
     read_body,
 )
-from replica_agent.openai_errors import map_engine_error
+from replica_agent.openai_errors import map_engine_error, sse_error_event
 from replica_agent.openai_stream import (
     fast_event_tokens,
     finish_reasons,
@@ -75,7 +75,6 @@ log = logging.getLogger(__name__)
 
 BYTES_PER_TOKEN = 4
 CHAT_TOKENS_PER_MESSAGE = 4
-_DONE_EVENT = b"data: [DONE]\n\n"
 _DISCONNECT_POLL_S = 0.05
 _FORWARDED_HEADERS = ("authorization", "accept")
 
@@ -788,9 +787,8 @@ class Proxy:
                 return resp, "ok"
             if not pipe.done:
                 upstream_error = pipe.error or "engine stream ended without [DONE]"
-                err = {"error": {"message": upstream_error, "type": "upstream_error", "param": None, "code": 502}}
                 try:
-                    await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n" + _DONE_EVENT)
+                    await resp.write(sse_error_event(upstream_error))
                     await resp.write_eof()
                 except (ConnectionError, aiohttp.ClientConnectionResetError, OSError, RuntimeError):
                     pass

@@ -29,7 +29,6 @@ ends with the SSE error event, exactly as for a replica that dies.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 
 from replica_agent.aio import FirstChunkStreamResponse
+from replica_agent.openai_errors import sse_error_event
 from replica_agent.upstream import ClientSink, Exchange, Http1Pool, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -143,12 +143,6 @@ def count_events(chunk: bytes, tail: bytes) -> int:
     """SSE ``data:`` lines that end inside ``chunk`` (``tail``: the previous chunk's last 5 bytes, or
     ``b"\\n"`` before the first chunk). A JSON string holds no raw newline, so a line start is an event."""
     return (tail[-5:] + chunk[:5]).count(b"\ndata:") + chunk.count(b"\ndata:")
-
-
-def sse_error_event(message: str, code: int = 502) -> bytes:
-    """The SSE error event sent when the upstream fails mid-stream (followed by ``[DONE]``)."""
-    payload = {"error": {"message": message, "type": "upstream_error", "code": code}}
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n" + _SSE_DONE
 
 
 class _StreamPipe:

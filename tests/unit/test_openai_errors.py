@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from replica_agent.openai_errors import map_engine_error
+from replica_agent.openai_errors import map_engine_error, sse_error_event
 
 
 def vllm(message: str, status: int, param: str | None = None, kind: str = "BadRequestError") -> bytes:
@@ -42,3 +42,11 @@ def test_mapped(status: int, body: bytes, expected: tuple) -> None:
 def test_non_error_bodies_unchanged() -> None:
     for body in (b"not json", b"[1, 2]", b'{"detail": "Not Found"}', b""):
         assert map_engine_error(404, body) == body
+
+
+def test_sse_error_event_is_an_openai_error_then_done():
+    raw = sse_error_event("engine stream ended without [DONE]")
+    first, second, rest = raw.split(b"\n\n")
+    assert first.startswith(b"data: ") and second == b"data: [DONE]" and rest == b""
+    assert json.loads(first[6:]) == {"error": {"message": "engine stream ended without [DONE]",
+                                               "type": "upstream_error", "param": None, "code": 502}}
