@@ -9,7 +9,7 @@ fields go to stderr as JSON.
 Usage::
 
     python scripts/fleet_stream_bounds.py docs/evaluation/steady-mooncake-conv-16.json [--rates 12 16 20] \
-        [--grid-s 0.5] [--max-span-s 30]
+        [--grid-s 1] [--max-span-s 120]
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("fleet_json")
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="default: every rate of the file")
-    ap.add_argument("--grid-s", type=float, default=0.5, help="interval bound: grid of span end points (s)")
-    ap.add_argument("--max-span-s", type=float, default=30.0, help="interval bound: longest span (s)")
+    ap.add_argument("--grid-s", type=float, default=1.0, help="interval bound: grid of span end points (s)")
+    ap.add_argument("--max-span-s", type=float, default=120.0, help="interval bound: longest span (s)")
     args = ap.parse_args(argv)
     with open(args.fleet_json, encoding="utf-8") as fh:
         d = json.load(fh)

@@ -368,8 +368,8 @@ def interval_attainment_bound(
     end_ms: float,
     max_num_batched_tokens: int = 8192,
     cached_tokens: Sequence[float] | None = None,
-    grid_ms: float = 500.0,
-    max_span_ms: float = 30_000.0,
+    grid_ms: float = 1000.0,
+    max_span_ms: float = 120_000.0,
     steps_ms: Sequence[float] | None = None,
 ) -> tuple[float, float]:
     """Upper bound on the SLO attainment any schedule reaches on this stream, from disjoint spans (burst-aware).
@@ -401,7 +401,7 @@ def interval_attainment_bound(
     coarser one's points) or a longer max span only tightens it. One pass costs about
     ``J * (requests in a max span) * log`` operations per T (one sort per end point); a first pass on every
     4th grid point (a subfamily of the spans, so a bound at least as high) skips each T that cannot beat the
-    best T found, without changing the result. At 16 replicas, ~60k counted requests, 0.5 s grid and 30 s
+    best T found, without changing the result. At 16 replicas, ~60k counted requests, 1 s grid and 120 s
     spans it takes a few seconds.
 
     Args:
