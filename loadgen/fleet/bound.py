@@ -61,6 +61,19 @@ step ``λ * (1/n) * sum_q (P_i + O_i) * T / 1000 <= M``.
 Bound = replicas * max over T of the smallest of the four per-replica limits. It ignores burstiness and
 queueing (both only lower capacity) and the finite benchmark window; within the constant-step-length
 model it is an upper bound on the capacity at attainment q.
+
+**Bursts** (attainment bounds on one arrival stream, the N replicas pooled into one machine doing
+``N * (1 - m*a/T)`` GPU-ms of work per ms, each request's least work W_i(T) split into its prefill and its
+decodes by :func:`request_work_parts_ms`). A request i that meets its SLO has its prefill done within
+``[t_i, t_i + ttft]`` and its decodes within ``[t_i, t_i + ttft + (O_i - 1) * tpot]``. So in any span [s, e],
+the requests with ``s <= t_i`` and ``t_i + ttft <= e`` that meet their SLO do there their prefill, and their
+decodes where those are due by e, and all of it fits the machine's work in the span; the cheapest of them
+fit first, which gives the fewest that must miss. :func:`windowed_attainment_bound` cuts the window into
+intervals of one length L by arrival, each with a span reaching ttft + D past its end (the spans overlap, so
+capacity is counted more than once); :func:`interval_attainment_bound` takes pairwise disjoint spans, whose
+requests are then disjoint (each prefill window lies inside its span), adds their forced misses, and finds
+the family with the most by a dynamic programme over span end points on a grid. Both are valid; neither
+need be below the other (the windowed one at a long L is close to the steady bound).
 """
 
 from __future__ import annotations
@@ -391,7 +404,8 @@ def interval_attainment_bound(
     share an end point) the sets R are disjoint, since each member's prefill window has length ttft > 0 and
     lies inside its span; so the forced misses of a family of disjoint spans add up, and
     ``1 - max over families of sum miss / n`` bounds the attainment over the n requests arriving in
-    [start, end) (the only ones counted; the others are left out, which only loosens it).
+    [start, end) (the only ones counted; the others are left out, which only loosens it), within the
+    constant-step model, for the best T.
 
     The family is found by a dynamic programme over span end points on the grid ``g_j = start + j * grid_ms``,
     j = 0..J with g_J the first point >= end + max_span (no span that holds a counted request ends later),
