@@ -7,6 +7,7 @@ reading context x costs b + f + e x = 0.102 + 0.001 x ms. TTFT 100 ms, TPOT 50 m
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 
 from loadgen.fleet.bound import (
     WorkModel,
+    interval_attainment_bound,
     request_work_ms,
     shared_prefix_tokens,
     steady_state_bound,
@@ -24,6 +26,7 @@ from replica_agent.policy.time_model import TimeModel
 
 M = EngineTimeModel(a_ms=10.0, b_ms=0.1, e_ms=0.001, f_ms=0.002)
 BIG = 10**12  # KV, sequences: never binding here
+D_MS = 8.0  # the brute-force cases: cost per sequence in a step (ms)
 
 
 def test_request_work_hand_worked() -> None:
@@ -141,3 +144,129 @@ def test_windowed_attainment_bound_by_hand() -> None:
     assert att == pytest.approx(0.6)
     with pytest.raises(ValueError):
         windowed_attainment_bound(t, p, o, m, 100.0, 50.0, 1, 2000.0, 3000.0)
+
+
+def test_interval_attainment_bound_burst_by_hand() -> None:
+    # a = 10, b = 0.1 only, T = 50: one replica does 0.8 ms of work per ms. Six 400-token prompts (40 ms of work
+    # each, output 1) at 60, 70, ..., 110 ms; TTFT 100 ms; counted window [0, 1000); grid 10 ms, spans <= 200 ms.
+    m = EngineTimeModel(a_ms=10.0, b_ms=0.1)
+    t, p, o = [60.0, 70.0, 80.0, 90.0, 100.0, 110.0], [400] * 6, [1] * 6
+    # Windowed, L = 100: [0, 100) holds 60..90 (4): 0.8 * (100 + 100) = 160 ms -> all 4 fit; [100, 200) holds 100,
+    # 110: 160 ms -> both fit. L = 1000: 0.8 * 1100 = 880 -> all 6. So it allows 1.0.
+    att, _, _ = windowed_attainment_bound(t, p, o, m, 100.0, 50.0, 1, 0.0, 1000.0, 10_000,
+                                          windows_ms=[100.0, 1000.0], steps_ms=[50.0])  # fmt: skip
+    assert att == 1.0
+    # Disjoint spans: a span holding a request ends at >= its arrival + 100 > 110, after the last arrival, so one
+    # span of a family at most holds any. A span holding k consecutive arrivals from the first, s and e on the
+    # grid, has e - s >= 10 (k - 1) + 100, and forces k - floor(0.8 (e - s) / 40) misses: k = 6 in [60, 210]:
+    # 120 ms -> 3 fit, 3 miss; k = 5 in [60, 200]: 112 ms -> 2 fit, 3 miss; k = 4 in [60, 190]: 104 -> 2 miss; a
+    # later first arrival only removes requests. So 3 forced misses: 1 - 3/6 = 0.5. A schedule meets that: serve
+    # 60 in [60, 110], 70 in [110, 160], 110 in [160, 210] (each by its arrival + 100).
+    att, step = interval_attainment_bound(t, p, o, m, 100.0, 50.0, 1, 0.0, 1000.0, 10_000, grid_ms=10.0,
+                                          max_span_ms=200.0, steps_ms=[50.0])  # fmt: skip
+    assert (att, step) == (0.5, 50.0)
+    # A 40 ms grid (points 0, 40, 80, ...): from s = 40, all six need e >= 210 -> 240: 0.8 * 200 = 160, 4 fit, 2 miss;
+    # five need e >= 200: 128 -> 3 fit, 2 miss; from s = 80 (80..110) at most 1 miss. The coarser grid: 1 - 2/6
+    # (looser, and still valid).
+    att, _ = interval_attainment_bound(t, p, o, m, 100.0, 50.0, 1, 0.0, 1000.0, 10_000, grid_ms=40.0,
+                                       max_span_ms=200.0, steps_ms=[50.0])  # fmt: skip
+    assert att == pytest.approx(4 / 6)
+    with pytest.raises(ValueError):
+        interval_attainment_bound(t, p, o, m, 100.0, 50.0, 1, 0.0, 1000.0, grid_ms=10.0, max_span_ms=50.0)
+    with pytest.raises(ValueError):
+        interval_attainment_bound(t, p, o, m, 100.0, 50.0, 1, 2000.0, 3000.0)
+    with pytest.raises(ValueError):
+        interval_attainment_bound(t, p, o, m, 100.0, 50.0, 1, 0.0, 1000.0, grid_ms=0.0)
+
+
+def test_interval_attainment_bound_light_load_and_infeasible() -> None:
+    # 400-token prompts with 10 decodes (0.1 ms each at b = 0.1: 41 ms of work) every 200 ms, T = 50 (0.8 ms of
+    # work per ms). A span of length l >= 100 holds at most 1 + (l - 100) / 200 of them (each needs t >= s and
+    # t + 100 <= e), 41 + 0.205 (l - 100) ms of work <= 0.8 l: every span fits, nothing is forced to miss.
+    m = EngineTimeModel(a_ms=10.0, b_ms=0.1)
+    t = [200.0 * i for i in range(10)]
+    att, _ = interval_attainment_bound(t, [400] * 10, [11] * 10, m, 100.0, 50.0, 1, 0.0, 2000.0, 10_000,
+                                       grid_ms=10.0, max_span_ms=1000.0, steps_ms=[50.0])  # fmt: skip
+    assert att == 1.0
+    # 150 tokens per step at most: the prompt of 400 needs ceil(400 / 150) = 3 chunks > floor(100 / 50) = 2
+    # steps within the TTFT, so it cannot meet its SLO at T = 50; one such request in ten -> 0.9.
+    p = [400] + [300] * 9
+    att, _ = interval_attainment_bound(t, p, [11] * 10, m, 100.0, 50.0, 1, 0.0, 2000.0, 150, grid_ms=10.0,
+                                       max_span_ms=1000.0, steps_ms=[50.0])  # fmt: skip
+    assert att == pytest.approx(0.9)
+
+
+def test_interval_attainment_bound_decodes_by_hand() -> None:
+    # a = 10, b = 0.1, d = 35 ms per sequence in a step; T = 50 (0.8 ms of work per ms), TTFT 100, TPOT 50.
+    # Two requests at 0 with P = 40, O = 2: prefill 0.1 * 40 + 35 = 39 ms, one decode 35.1 ms due at
+    # 0 + 100 + 50 = 150. Span [0, 100]: both prefills, 78 <= 80: no miss. Span [0, 150]: both in full, 148.2 >
+    # 0.8 * 150 = 120: one must miss (and does: after both prefills by 100, 50 ms do 40 < 70.2 of decodes).
+    m = EngineTimeModel(a_ms=10.0, b_ms=0.1, d_ms=35.0)
+    args = (m, 100.0, 50.0, 1, 0.0, 1000.0, 10_000)
+    att, _ = interval_attainment_bound([0.0, 0.0], [40, 40], [2, 2], *args, grid_ms=50.0, max_span_ms=200.0,
+                                       steps_ms=[50.0])  # fmt: skip
+    assert att == 0.5
+    # with output 1 (no decode) both fit every span; with spans of at most 100 ms the decode is never due inside
+    att, _ = interval_attainment_bound([0.0, 0.0], [40, 40], [1, 1], *args, grid_ms=50.0, max_span_ms=200.0,
+                                       steps_ms=[50.0])  # fmt: skip
+    assert att == 1.0
+    att, _ = interval_attainment_bound([0.0, 0.0], [40, 40], [2, 2], *args, grid_ms=50.0, max_span_ms=100.0,
+                                       steps_ms=[50.0])  # fmt: skip
+    assert att == 1.0
+
+
+def _brute_force_interval_bound(t, p, o, ttft, tpot, rate_of, start, end, grid_ms, max_span_ms, m_tokens):
+    """Independent of the library's search: every family of disjoint spans, every subset within a span.
+
+    Model a = 10, b = 0.1, d = D_MS (per sequence in a step), so at step T a request's least prefill is
+    0.1 P + D_MS K ms with K = ceil(P / m_tokens) chunks if K <= floor(ttft / T) (else it cannot meet its TTFT)
+    and its decodes (0.1 + D_MS) (O - 1) ms.
+    """
+    counted = [i for i in range(len(t)) if start <= t[i] < end]
+    n_grid = math.ceil((end + max_span_ms - start) / grid_ms)
+    grid = [start + grid_ms * j for j in range(n_grid + 1)]
+    best = 0.0
+    for step, rate in rate_of.items():
+        spans = []
+        for a in range(len(grid)):
+            for b in range(a + 1, len(grid)):
+                s, e = grid[a], grid[b]
+                if not ttft <= e - s <= max_span_ms:
+                    continue
+                cost = []
+                for i in counted:
+                    if s <= t[i] and t[i] + ttft <= e:
+                        k = math.ceil(p[i] / m_tokens)
+                        due = t[i] + ttft + (o[i] - 1) * tpot
+                        dec = (0.1 + D_MS) * (o[i] - 1) if due <= e else 0.0
+                        cost.append(0.1 * p[i] + D_MS * k + dec if k <= math.floor(ttft / step) else math.inf)
+                fit = max(k for k in range(len(cost) + 1)
+                          if any(sum(c) <= rate * (e - s) + 1e-6 for c in itertools.combinations(cost, k)))
+                spans.append((a, b, len(cost) - fit))
+
+        def most(after: int) -> int:  # most forced misses of disjoint spans starting at grid index >= after
+            return max([0] + [x + most(b) for a, b, x in spans if a >= after and x > 0])
+
+        best = max(best, 1.0 - most(0) / len(counted))
+    return best
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
+def test_interval_attainment_bound_matches_brute_force(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = 10
+    t = sorted(rng.uniform(0.0, 400.0, n).round(1).tolist())
+    p = (rng.integers(10, 120, n) * 10).tolist()  # 100..1190 tokens: 10..119 ms of prefill
+    o = rng.integers(1, 6, n).tolist()  # 0..4 decodes, due within 200 ms after the TTFT (TPOT 50)
+    m = EngineTimeModel(a_ms=10.0, b_ms=0.1, d_ms=D_MS)
+    steps = {20.0: 0.5, 25.0: 0.6, 50.0: 0.8}  # T -> 1 - 10 / T (one replica)
+    want = _brute_force_interval_bound(t, p, o, 100.0, 50.0, steps, 50.0, 350.0, 50.0, 400.0, 400)
+    got, _ = interval_attainment_bound(t, p, o, m, 100.0, 50.0, 1, 50.0, 350.0, 400, grid_ms=50.0,
+                                       max_span_ms=400.0, steps_ms=list(steps))  # fmt: skip
+    assert got == pytest.approx(want)
+    assert want < 1.0  # the streams are loaded enough to force misses
+    # the decodes count where they are due inside a span: without them (all outputs 1) the bound is no lower
+    fewer, _ = interval_attainment_bound(t, p, [1] * n, m, 100.0, 50.0, 1, 50.0, 350.0, 400, grid_ms=50.0,
+                                         max_span_ms=400.0, steps_ms=list(steps))  # fmt: skip
+    assert fewer == pytest.approx(_brute_force_interval_bound(t, p, [1] * n, 100.0, 50.0, steps, 50.0, 350.0, 50.0,
+                                                              400.0, 400)) and fewer >= got  # fmt: skip

@@ -201,6 +201,9 @@ def test_bench_fleet_merge_joins_policies_and_rows(tmp_path) -> None:
     d = json.loads(out.read_text())
     assert list(d["policies"]) == ["round-robin", "pab"]  # POLICIES order, the first run's policy kept
     assert [r["rate_rps"] for r in d["policies"]["round-robin"]["rows"]] == [1.0, 2.0]
+    row = d["policies"]["round-robin"]["rows"][0]  # every row carries the stream's bounds
+    assert (row["interval_bound_grid_s"], row["interval_bound_max_span_s"]) == (1.0, 120.0)
+    assert 0.0 <= row["interval_attainment_bound"] <= 1.0 and 0.0 <= row["attainment_bound"] <= 1.0
     rr_cap = d["policies"]["round-robin"]["capacity_rps"]
     assert d["policies"]["pab"]["x_round_robin"] == round(d["policies"]["pab"]["capacity_rps"] / rr_cap, 3)
     # a rerun policy gets the union of its rows by rate
