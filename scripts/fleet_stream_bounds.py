@@ -21,7 +21,6 @@ import sys
 from loadgen.fleet.bench import Setup, build_arrivals, stream_bounds, trace_rows
 from loadgen.fleet.sim import FleetConfig
 from loadgen.sim.engine_time import load_engine_time_model
-from replica_agent.profiles import load_profile
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +32,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with open(args.fleet_json, encoding="utf-8") as fh:
         d = json.load(fh)
-    prof = load_profile(d["profile"])
     engine = d.get("engine_time_model") or {}
     spec = engine.get("name") if isinstance(engine, dict) else engine
     et = load_engine_time_model(None if spec in (None, f"shipped:{d['profile'].lower()}") else spec, d["profile"])

@@ -347,7 +347,7 @@ def windowed_attainment_bound(
             continue
         pre, dec = request_work_parts_ms(p, o, model, float(step), ttft_ms, max_num_batched_tokens, h)
         rate = replicas * (1.0 - a / step)  # GPU-ms of work per ms
-        worst = (1.0, 0.0)
+        worst = (1.0, float(windows_ms[0]))  # every L allows 1.0: the first one is reported
         finite = np.isfinite(pre)  # the others cannot meet their TTFT at this T
         for length in windows_ms:
             k_all = np.floor((t - start_ms) / length).astype(np.int64)

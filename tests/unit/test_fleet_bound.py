@@ -129,9 +129,9 @@ def test_windowed_attainment_bound_by_hand() -> None:
     m = EngineTimeModel(a_ms=10.0, b_ms=0.1)
     t, p, o = [0.0, 10.0, 20.0, 30.0, 40.0], [1000] * 5, [1] * 5
     # L = 1000: one interval, 0.8 * (1000 + 100) = 880 ms of work -> all 5 fit.
-    att, _, _ = windowed_attainment_bound(t, p, o, m, 100.0, 50.0, 1, 0.0, 1000.0, 10_000, windows_ms=[1000.0],
-                                          steps_ms=[50.0])  # fmt: skip
-    assert att == 1.0
+    att, length, _ = windowed_attainment_bound(t, p, o, m, 100.0, 50.0, 1, 0.0, 1000.0, 10_000, windows_ms=[1000.0],
+                                               steps_ms=[50.0])  # fmt: skip
+    assert (att, length) == (1.0, 1000.0)  # the length that allowed it (every length does), not 0
     # L = 100: all 5 in [0, 100); D = 0: 0.8 * (100 + 100) = 160 ms -> one fits (two need 200); D = 100: 240 ms
     # -> two. The bound is the smaller: 1 of 5. By hand: the second prompt done needs 2 * 100 / 0.8 = 250 ms of
     # the machine from time 0, past every deadline (<= 140 ms), so no schedule meets more than one.
