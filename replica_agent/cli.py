@@ -338,7 +338,7 @@ async def serve(args: argparse.Namespace) -> None:
     grpc_server, grpc_port = await start_grpc_server(agent, args.host, args.grpc_port, proxy_cfg.agent_token)
     scrape_timeout_s = max(0.5, clock.to_wall_s(agent.config.stale_after_ms))
     scraper = MetricsScraper(
-        session, args.engine_url, clock, agent.config.metrics_interval_ms, agent.on_engine_metrics,
+        proxy.pool, args.engine_url, clock, agent.config.metrics_interval_ms, agent.on_engine_metrics,
         timeout_s=scrape_timeout_s,
     )
     tasks = [
@@ -373,6 +373,7 @@ async def serve(args: argparse.Namespace) -> None:
             reader.close()
         await grpc_server.stop(grace=2.0)
         await runner.cleanup()
+        await proxy.pool.close()  # proxy mode: already closed by the app's cleanup; --no-proxy: the scrape's
         await session.close()
 
 

@@ -440,6 +440,11 @@ class Proxy:
         self._base = config.engine_url.rstrip("/")
         self._key_counter = 0
 
+    @property
+    def pool(self) -> Http1Pool:
+        """The keep-alive HTTP/1.1 pool to the engine (generation requests; the /metrics scrape too)."""
+        return self._pool
+
     def app(self) -> web.Application:
         """The aiohttp application with all routes."""
         app = web.Application(client_max_size=self._cfg.max_body_bytes + 1, middlewares=[error_middleware("agent")])

@@ -62,14 +62,15 @@ async def start(tmp_path, scale: float, stall_timeout_s: float | None = None) ->
         agent = Agent(cfg, clock, lease_id_prefix="t")
         pcfg = ProxyConfig(engine_url=engine_url, stall_timeout_s=stall_timeout_s)
         session = make_session(pcfg)
-        runner = make_runner(Proxy(agent, pcfg, session, make_tracer("t")).app())
+        proxy = Proxy(agent, pcfg, session, make_tracer("t"))
+        runner = make_runner(proxy.app())
         await runner.setup()
         aport = free_port()
         from aiohttp import web
 
         await web.TCPSite(runner, "127.0.0.1", aport).start()
         scraper = asyncio.create_task(MetricsScraper(
-            session, engine_url, clock, cfg.metrics_interval_ms, agent.on_engine_metrics, timeout_s=0.3).run())
+            proxy.pool, engine_url, clock, cfg.metrics_interval_ms, agent.on_engine_metrics, timeout_s=0.3).run())
         try:
             yield Setup(agent, f"http://127.0.0.1:{aport}", engine_url, engine)
         finally:

@@ -104,7 +104,7 @@ async def agent_proxy(engine):
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     scraper = asyncio.create_task(
-        MetricsScraper(session, engine, clock, cfg.metrics_interval_ms, agent.on_engine_metrics).run()
+        MetricsScraper(proxy.pool, engine, clock, cfg.metrics_interval_ms, agent.on_engine_metrics).run()
     )
     try:
         yield agent, f"http://127.0.0.1:{port}"
