@@ -391,15 +391,11 @@ def stream_bounds(
         setup.tpot_ms, setup.replicas, prof.kv_capacity_tokens, setup.max_num_seqs, setup.max_num_batched_tokens,
         0.9, cached_tokens=None if h is None else h[counted],
     )  # fmt: skip
-    att, length, _ = windowed_attainment_bound(
-        [r.arrival_ms for r in reqs], [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], model,
-        setup.ttft_ms, setup.tpot_ms, setup.replicas, t0, setup.duration_s * 1000.0, setup.max_num_batched_tokens, h,
-    )  # fmt: skip
-    spans, _ = interval_attainment_bound(
-        [r.arrival_ms for r in reqs], [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], model,
-        setup.ttft_ms, setup.tpot_ms, setup.replicas, t0, setup.duration_s * 1000.0, setup.max_num_batched_tokens, h,
-        grid_ms=grid_ms, max_span_ms=max_span_ms,
-    )  # fmt: skip
+    stream = ([r.arrival_ms for r in reqs], [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], model,
+              setup.ttft_ms, setup.tpot_ms, setup.replicas, t0, setup.duration_s * 1000.0,
+              setup.max_num_batched_tokens, h)  # fmt: skip
+    att, length, _ = windowed_attainment_bound(*stream)
+    spans, _ = interval_attainment_bound(*stream, grid_ms=grid_ms, max_span_ms=max_span_ms)
     return {
         "stream_steady_bound_rps": round(steady.rps, 3),
         "prefix_shareable_frac": None if h is None else round(float(h[counted].sum()) /

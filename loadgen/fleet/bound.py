@@ -329,17 +329,8 @@ def windowed_attainment_bound(
     Raises:
         ValueError: on no request in [start, end), start >= end, or tpot_ms <= m*a with no ``steps_ms``.
     """
-    t = np.asarray(arrival_ms, dtype=float)
-    p = np.maximum(1, np.asarray(prompt_tokens, dtype=float))
-    o = np.maximum(1, np.asarray(output_tokens, dtype=float))
-    if not start_ms < end_ms:
-        raise ValueError("start_ms must be < end_ms")
-    sel = (t >= start_ms) & (t < end_ms)
-    n = int(sel.sum())
-    if n == 0:
-        raise ValueError("no request arrives in [start_ms, end_ms)")
-    t, p, o = t[sel], p[sel], o[sel]
-    h = None if cached_tokens is None else np.minimum(np.asarray(cached_tokens, dtype=float)[sel], p - 1)
+    t, p, o, h = _counted(arrival_ms, prompt_tokens, output_tokens, cached_tokens, start_ms, end_ms)
+    n = t.size
     a, steps = _step_grid(model, tpot_ms, steps_ms, 11)
     best = (0.0, 0.0, float(steps[-1]))
     for step in steps:
@@ -434,20 +425,13 @@ def interval_attainment_bound(
         ValueError: on no request in [start, end), start >= end, grid_ms <= 0, max_span_ms < ttft_ms, ttft_ms
             <= 0, or tpot_ms <= m*a with no ``steps_ms``.
     """
-    t = np.asarray(arrival_ms, dtype=float)
-    p = np.maximum(1, np.asarray(prompt_tokens, dtype=float))
-    o = np.maximum(1, np.asarray(output_tokens, dtype=float))
-    if not start_ms < end_ms:
-        raise ValueError("start_ms must be < end_ms")
     if not grid_ms > 0 or not ttft_ms > 0 or not max_span_ms >= ttft_ms:
         raise ValueError(f"need grid_ms > 0 and max_span_ms >= ttft_ms > 0, got {grid_ms}, {max_span_ms}, {ttft_ms}")
-    sel = (t >= start_ms) & (t < end_ms)
-    n = int(sel.sum())
-    if n == 0:
-        raise ValueError("no request arrives in [start_ms, end_ms)")
-    order = np.argsort(t[sel], kind="stable")
-    t, p, o = t[sel][order], p[sel][order], o[sel][order]
-    h = None if cached_tokens is None else np.minimum(np.asarray(cached_tokens, dtype=float)[sel][order], p - 1)
+    t, p, o, h = _counted(arrival_ms, prompt_tokens, output_tokens, cached_tokens, start_ms, end_ms)
+    n = t.size
+    order = np.argsort(t, kind="stable")
+    t, p, o = t[order], p[order], o[order]
+    h = None if h is None else h[order]
     grid = start_ms + grid_ms * np.arange(int(math.ceil((end_ms + max_span_ms - start_ms) / grid_ms - 1e-9)) + 1)
     lengths = np.arange(int(math.ceil(ttft_ms / grid_ms - 1e-9)), int(math.floor(max_span_ms / grid_ms + 1e-9)) + 1)
     due = t + ttft_ms + (o - 1) * tpot_ms  # the last token's deadline
@@ -558,6 +542,29 @@ def _span_misses(cost: np.ndarray, desc: np.ndarray, lo: np.ndarray, cap: np.nda
 
 _B = 64  # block of cost ranks in _span_misses
 _COARSE = 4  # interval_attainment_bound's first pass: every 4th grid point
+
+
+def _counted(
+    arrival_ms: Sequence[float], prompt_tokens: Sequence[int], output_tokens: Sequence[int],
+    cached_tokens: Sequence[float] | None, start_ms: float, end_ms: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """The requests arriving in [start, end) of a stream as float arrays (arrival ms, prompt and output
+    tokens, each at least 1, cached prefix tokens at most P - 1 or None), in the stream's order.
+
+    Raises:
+        ValueError: on start >= end or no request in [start, end).
+    """
+    t = np.asarray(arrival_ms, dtype=float)
+    p = np.maximum(1, np.asarray(prompt_tokens, dtype=float))
+    o = np.maximum(1, np.asarray(output_tokens, dtype=float))
+    if not start_ms < end_ms:
+        raise ValueError("start_ms must be < end_ms")
+    sel = (t >= start_ms) & (t < end_ms)
+    if not sel.any():
+        raise ValueError("no request arrives in [start_ms, end_ms)")
+    t, p, o = t[sel], p[sel], o[sel]
+    h = None if cached_tokens is None else np.minimum(np.asarray(cached_tokens, dtype=float)[sel], p - 1)
+    return t, p, o, h
 
 
 def _step_grid(model: EngineTimeModel | TimeModel, tpot_ms: float, steps_ms: Sequence[float] | None, points: int) -> tuple[float, np.ndarray]:
