@@ -37,7 +37,7 @@ from replica_agent.policy.prefill_eta import inflight_schedule
 from replica_agent.policy.reserve import reserve_decision
 from replica_agent.policy.preemption import account_preempted
 from replica_agent.policy.calibration import TERMS, CalibratorConfig, OnlineTimeModel
-from replica_agent.policy.step_estimate import StepStride, decode_step_sample
+from replica_agent.policy.step_estimate import StepStride, decode_step_features, decode_step_gap
 from replica_agent.policy.time_model import StepFeatures, TimeModel
 from replica_agent.tracker import FinishedRequest, Phase, Tracker, TrackedRequest
 
@@ -675,16 +675,16 @@ class Agent:
     def request_tokens(self, key: str, now_ms: float, n: int = 1) -> None:
         """Output tokens seen; notifies on the first (prefill -> decode). In proxy mode a decode's
         token gap teaches the time model a decode-only step, one of the k streams' gaps per step
-        (replica_agent/policy/step_estimate.py: :func:`decode_step_sample`, :class:`StepStride`)."""
+        (replica_agent/policy/step_estimate.py: :func:`decode_step_gap`, :class:`StepStride`)."""
         t = self.tracker
         if self.config.proxy_step_estimates and not self.config.plugin_mode:
             req = t.get(key)
             m = self._engine.metrics
             if req is not None and req.phase is Phase.DECODE and (m is None or m.num_waiting == 0):
-                sample = decode_step_sample(req.last_token_ms, now_ms, n, t.num_decodes, t.decode_context_tokens,
-                                            t.prefill_idle_since_ms)  # fmt: skip
-                if sample is not None and self._stride.take(sample[2]):
-                    self.observe_step(sample[0], sample[1], "proxy")
+                ms = decode_step_gap(req.last_token_ms, now_ms, n, t.num_decodes, t.prefill_idle_since_ms)
+                # the features are built only for the one sample in k that the stride keeps
+                if ms is not None and self._stride.take(1.0 / t.num_decodes):
+                    self.observe_step(decode_step_features(t.num_decodes, t.decode_context_tokens), ms, "proxy")
         if t.on_token(key, now_ms, n):
             self.notify()
 

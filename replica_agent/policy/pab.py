@@ -255,22 +255,33 @@ class ClassBudget:
 
 
 def decode_iterations(now_ms: float, horizon_ms: float, decodes: Iterable[DecodeState]) -> int:
-    """N = max_d max(0, floor((t + H - ddl_d) / tpot_d) + 1); 0 without decodes (docs/design.md section 4)."""
-    n = 0
+    """N = max_d max(0, floor((t + H - ddl_d) / tpot_d) + 1); 0 without decodes (docs/design.md section 4).
+
+    Computed as ``max(0, floor(max_d x_d) + 1)`` with ``x_d = (t + H - ddl_d) / tpot_d``: floor is
+    non-decreasing, so the largest floor is the floor of the largest ``x_d`` (one pass, one floor)."""
     end = now_ms + horizon_ms
-    for d in decodes:
-        n_d = max(0, math.floor((end - d.next_deadline_ms) / d.tpot_ms + _EPS) + 1)
-        n = max(n, n_d)
-    return n
+    x = max(((end - d.next_deadline_ms) / d.tpot_ms for d in decodes), default=None)
+    if x is None:
+        return 0
+    return max(0, math.floor(x + _EPS) + 1)
 
 
 def growth_reserve_tokens(horizon_ms: float, decodes: Iterable[DecodeState]) -> int:
-    """Sum over decodes of min(remaining output, ceil(H / tpot_d) + 1) (tokens)."""
+    """Sum over decodes of min(remaining output, ceil(H / tpot_d) + 1) (tokens); the cap is computed
+    once per distinct TPOT (a fleet has a few SLO classes, a replica many decodes)."""
     total = 0
+    caps: dict[float, int] = {}
     for d in decodes:
-        cap = math.ceil(horizon_ms / d.tpot_ms - _EPS) + 1
-        remaining = cap if d.max_tokens is None else max(0, d.max_tokens - d.tokens_out)
-        total += min(remaining, cap)
+        tpot = d.tpot_ms
+        cap = caps.get(tpot)
+        if cap is None:
+            cap = caps[tpot] = math.ceil(horizon_ms / tpot - _EPS) + 1
+        mt = d.max_tokens
+        if mt is None:
+            total += cap
+        else:
+            remaining = mt - d.tokens_out
+            total += cap if remaining >= cap else max(0, remaining)
     return total
 
 

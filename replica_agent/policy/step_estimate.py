@@ -24,26 +24,25 @@ from dataclasses import dataclass
 from replica_agent.policy.time_model import StepFeatures
 
 
-def decode_step_sample(
+def decode_step_gap(
     prev_token_ms: float | None,
     now_ms: float,
     tokens: int,
     num_decodes: int,
-    decode_context_tokens: int,
     prefill_idle_since_ms: float | None,
-) -> tuple[StepFeatures, float, float] | None:
-    """One decode-only step observed from a stream's token gap, or None when the gap is not one.
+) -> float | None:
+    """The time of one decode-only step read from a stream's token gap (ms), or None when the gap is
+    not one: before the stream's first token, without a decode, while or since a prefill ran in it.
 
     Args:
         prev_token_ms: time of the stream's previous token (ms), None before its first.
         now_ms: time of this chunk (ms).
         tokens: tokens the chunk carries (>= 1; a chunk of k tokens spans k steps).
         num_decodes: decodes tracked now (this stream included).
-        decode_context_tokens: their summed context (prompt + tokens out).
         prefill_idle_since_ms: since when no tracked request has been in prefill (ms); None while one is.
 
     Returns:
-        (features, step time in ms, weight in (0, 1]) or None.
+        ``(now_ms - prev_token_ms) / tokens`` (ms, > 0) or None.
     """
     if prev_token_ms is None or tokens < 1 or num_decodes < 1 or prefill_idle_since_ms is None:
         return None
@@ -52,16 +51,21 @@ def decode_step_sample(
     gap = now_ms - prev_token_ms
     if not gap > 0:
         return None
+    return gap / tokens
+
+
+def decode_step_features(num_decodes: int, decode_context_tokens: int) -> StepFeatures:
+    """The features of a decode-only step over ``num_decodes`` decodes reading
+    ``decode_context_tokens`` tokens of context in all: one new token each."""
     ctx = max(0, decode_context_tokens)
-    f = StepFeatures(num_decodes, ctx, ctx, num_decodes, num_decodes, 0, num_decodes)
-    return f, gap / tokens, 1.0 / num_decodes
+    return StepFeatures(num_decodes, ctx, ctx, num_decodes, num_decodes, 0, num_decodes)
 
 
 @dataclass(slots=True)
 class StepStride:
     """Keeps one proxy sample per step's worth of sample weight.
 
-    :meth:`take` adds a sample's weight (``1/k`` from :func:`decode_step_sample`) to what is owed and
+    :meth:`take` adds a sample's weight (``1/k`` for one of k decoding streams' :func:`decode_step_gap`) to what is owed and
     answers True, keep this one (at weight 1), each time the owed weight reaches 1: with k streams
     decoding, one token event in k is kept, so the online model sees each step once, as a weight-1
     observation, instead of k times at weight 1/k. The rest of the weight carries over to the next

@@ -20,7 +20,9 @@ from replica_agent.policy.pab import (
     admits,
     class_budget,
     compute_budgets,
+    decode_iterations,
     fits,
+    growth_reserve_tokens,
     inflight_lumps,
     on_time,
 )
@@ -318,3 +320,21 @@ def test_router_rule_never_admits_what_the_agent_refuses():
         agent_only += agent and not router
         late += router and not on_time(p, fresh, tm, w)
     assert router_yes > 400 and agent_only > 10 and late > 100  # every side of the rule is exercised
+
+
+def test_decode_iterations_and_growth_reserve_by_hand():
+    # t = 0, H = 900 ms. N: (900 - 100) / 100 = 8 -> 9 iterations; (900 - 850) / 50 = 1 -> 2;
+    # (900 - 1000) / 100 = -0.1 -> floor -1, + 1 = 0; the largest is 9
+    ds = [DecodeState(100.0, 100.0, 500, 3), DecodeState(850.0, 50.0, 500, 3), DecodeState(1000.0, 100.0, 500, 3)]
+    assert decode_iterations(0.0, 900.0, ds) == 9
+    assert decode_iterations(0.0, 900.0, []) == 0
+    assert decode_iterations(0.0, 900.0, [DecodeState(2000.0, 100.0, 500, 3)]) == 0  # first deadline past t + H
+    # growth caps: ceil(900 / 100) + 1 = 10 at TPOT 100, ceil(900 / 50) + 1 = 19 at TPOT 50
+    gs = [
+        DecodeState(0.0, 100.0, 500, 3, None),  # unknown length: the cap, 10
+        DecodeState(0.0, 100.0, 500, 25, 30),  # 5 left
+        DecodeState(0.0, 50.0, 500, 10, 100),  # 90 left, capped at 19
+        DecodeState(0.0, 50.0, 500, 9, 5),  # past its max_tokens: 0
+    ]
+    assert growth_reserve_tokens(900.0, gs) == 10 + 5 + 19 + 0
+    assert growth_reserve_tokens(900.0, []) == 0

@@ -10,20 +10,21 @@ from replica_agent.clock import Clock
 from replica_agent.engine_metrics import EngineMetrics
 from replica_agent.policy.calibration import CalibratorConfig
 from replica_agent.policy.pab import SloClass
-from replica_agent.policy.step_estimate import StepStride, decode_step_sample
+from replica_agent.policy.step_estimate import StepStride, decode_step_features, decode_step_gap
 from replica_agent.policy.time_model import StepFeatures, TimeModel
 from replica_agent.tracker import Tracker
 
 
 def test_sample_rules_by_hand():
     # 4 decodes with 8,000 context tokens in all, no prefill since t = 90; a token at 130 after one at 100
-    f, ms, w = decode_step_sample(100.0, 130.0, 1, 4, 8000, 90.0)
-    assert f == StepFeatures(4, 8000, 8000, 4, 4, 0, 4) and ms == 30.0 and w == 0.25
-    assert decode_step_sample(100.0, 160.0, 2, 4, 8000, 90.0)[1] == 30.0  # a 2-token chunk spans 2 steps
-    assert decode_step_sample(100.0, 130.0, 1, 4, 8000, 110.0) is None  # a prefill ended inside the gap
-    assert decode_step_sample(100.0, 130.0, 1, 4, 8000, None) is None  # a prefill is running
-    assert decode_step_sample(None, 130.0, 1, 4, 8000, 90.0) is None  # first token: a prefill's time
-    assert decode_step_sample(100.0, 100.0, 1, 4, 8000, 90.0) is None  # no gap
+    assert decode_step_gap(100.0, 130.0, 1, 4, 90.0) == 30.0
+    assert decode_step_features(4, 8000) == StepFeatures(4, 8000, 8000, 4, 4, 0, 4)
+    assert decode_step_gap(100.0, 160.0, 2, 4, 90.0) == 30.0  # a 2-token chunk spans 2 steps
+    assert decode_step_gap(100.0, 130.0, 1, 4, 110.0) is None  # a prefill ended inside the gap
+    assert decode_step_gap(100.0, 130.0, 1, 4, None) is None  # a prefill is running
+    assert decode_step_gap(None, 130.0, 1, 4, 90.0) is None  # first token: a prefill's time
+    assert decode_step_gap(100.0, 100.0, 1, 4, 90.0) is None  # no gap
+    assert decode_step_gap(100.0, 130.0, 1, 0, 90.0) is None  # no decode tracked
 
 
 def test_stride_keeps_one_sample_per_step_worth():
