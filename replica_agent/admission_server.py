@@ -149,6 +149,7 @@ class SnapshotFeed:
         period_s = agent.clock.to_wall_s(agent.config.push_interval_ms)
         min_s = agent.clock.to_wall_s(agent.config.min_push_interval_ms)
         loop = asyncio.get_running_loop()
+        snapshots = agent.metrics.budget_snapshots
         sent = loop.time()
         try:
             while True:
@@ -161,6 +162,7 @@ class SnapshotFeed:
                 changed = agent.change_event
                 snap = snapshot_pb(agent, agent.compute_budget(agent.clock.now_ms()))
                 self.computed += 1
+                snapshots.inc()
                 sent = loop.time()
                 for sub in self._subs:
                     sub.put(snap)
@@ -191,6 +193,7 @@ class AdmissionService(admission_pb2_grpc.AdmissionServiceServicer):
         log.info("WatchBudget from router %r", request.router_id)
         changed = agent.change_event
         first = snapshot_pb(agent, agent.compute_budget(agent.clock.now_ms()))
+        agent.metrics.budget_snapshots.inc()
         sub = self.feed.subscribe(changed)
         try:
             yield first

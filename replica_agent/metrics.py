@@ -120,6 +120,11 @@ class AgentMetrics:
             "fairbatch_agent_time_model_steps", "steps the online time model learned from, by source (plugin, proxy)",
             ["source"], registry=r,
         )
+        self.budget_snapshots = Counter(
+            "fairbatch_agent_budget_snapshots",
+            "budget snapshots computed for WatchBudget streams: each stream's first, then the shared feed's "
+            "pushes (one computation goes to every subscribed router)", registry=r,
+        )
         self.config_reloads = Counter(
             "fairbatch_agent_config_reloads", "slo_classes reloads by result (ok, invalid)", ["result"], registry=r,
         )

@@ -67,6 +67,18 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def agent_snapshots(base: str) -> float | None:
+    """The agent's ``fairbatch_agent_budget_snapshots_total`` from its /metrics (None when the agent
+    does not export it: an older checkout in an A/B)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{base}/metrics", timeout=5.0) as r:  # noqa: S310 - loopback
+        for line in r.read().decode().splitlines():
+            if line.startswith("fairbatch_agent_budget_snapshots_total "):
+                return float(line.split()[1])
+    return None
+
+
 def pct(xs: list[float], q: float) -> float:
     """Nearest-rank percentile ``q`` (0..100) of ``xs``."""
     s = sorted(xs)
@@ -280,6 +292,8 @@ def run_load(name: str, load: Load, args: argparse.Namespace) -> dict[str, Any]:
         results: dict[str, list[dict[str, Any]]] = {n: [] for n in paths}
         cpu_busy: dict[str, dict[str, float]] = {n: {c: 0.0 for c in children} for n in paths}
         wall: dict[str, float] = dict.fromkeys(paths, 0.0)
+        snaps: dict[str, float | None] = dict.fromkeys(paths, 0.0)  # the agent's budget snapshots per path
+        agent_url = f"http://127.0.0.1:{ahttp}"
         per_round = [requests // args.rounds + (1 if r < requests % args.rounds else 0) for r in range(args.rounds)]
         t_all0 = time.monotonic()
         cpu_all0 = {c: cpu_s(ch.popen.pid) for c, ch in children.items()}
@@ -287,11 +301,17 @@ def run_load(name: str, load: Load, args: argparse.Namespace) -> dict[str, Any]:
             for pname, base in paths.items():
                 spies = _start_py_spy(args.py_spy, name, children) if args.py_spy and r == 0 and \
                     pname == "router+agent" else []
+                snap0 = agent_snapshots(agent_url)
                 before = {c: cpu_s(ch.popen.pid) for c, ch in children.items()}
                 t0 = time.monotonic()
                 results[pname] += loop(base, n, f"{pname}-{r}")
                 _stop_py_spy(spies)
                 wall[pname] += time.monotonic() - t0
+                snap1 = agent_snapshots(agent_url)
+                if snap0 is None or snap1 is None or snaps[pname] is None:
+                    snaps[pname] = None
+                else:
+                    snaps[pname] += snap1 - snap0
                 for c, ch in children.items():
                     cpu_busy[pname][c] += cpu_s(ch.popen.pid) - before[c]
                 print(f"{name} round {r + 1}/{args.rounds} {pname}: {n} requests in {time.monotonic() - t0:.1f} s",
@@ -308,6 +328,9 @@ def run_load(name: str, load: Load, args: argparse.Namespace) -> dict[str, Any]:
         s = summarize(results[pname])
         n_ok = max(1, s["ok"])
         entry: dict[str, Any] = {**s, "wall_s": wall[pname], "req_per_s": s["ok"] / wall[pname] if wall[pname] else 0.0}
+        if snaps[pname] is not None and wall[pname]:  # what the agent computed and pushed while this path ran
+            entry["agent_budget_snapshots_per_s"] = snaps[pname] / wall[pname]
+            entry["agent_budget_snapshots_per_request"] = snaps[pname] / n_ok
         if s["ok"] and direct.get("ok"):
             entry["added_ttft_ms"] = {q: s["ttft_ms"][q] - direct["ttft_ms"][q] for q in ("p50", "p99", "mean")}
             # standard error of the difference of the two means (independent samples)
@@ -460,6 +483,8 @@ def print_table(name: str, load: dict[str, Any]) -> None:
         mean = f"{add['mean']:+.1f}±{add['mean_stderr']:.1f}"
         cpu = ", ".join(f"{p} {c['cpu_s_per_1000']:.2f} ({c['net_cpu_s_per_1000']:.2f})" for p, c in e["cpu"].items()
                         if p != "engine")
+        if "agent" in e["cpu"] and "agent_budget_snapshots_per_request" in e:
+            cpu += f"; agent pushes {e['agent_budget_snapshots_per_s']:.0f}/s, {e['agent_budget_snapshots_per_request']:.2f}/req"
         print(f"{pname:<14}{e['ok']:>6}{e['ttft_ms']['p50']:>10.1f}{e['ttft_ms']['p99']:>10.1f}{add['p50']:>+8.1f}"
               f"{add['p99']:>+8.1f}{mean:>14}{e['req_per_s']:>8.1f}{e.get('req_per_s_vs_direct', 1.0):>8.2f}"
               f"  {cpu or '-'}")

@@ -257,6 +257,8 @@ async def test_one_snapshot_per_push_for_every_subscribed_router() -> None:
         assert a.seq == b.seq > max(f1.seq, f2.seq) and a.active_leases == b.active_leases == 10
         assert interactive(a).inflight_reservation_ms == pytest.approx(10 * 100 * 0.1)  # b * 100 tokens each
         assert calls == 3 and service.feed.computed == 1  # one computation for both routers
+        # the operator's count: two first snapshots and one push
+        assert agent.metrics.registry.get_sample_value("fairbatch_agent_budget_snapshots_total") == 3.0
         s1.cancel()
         for _ in range(100):  # the server sees the cancellation
             if len(service.feed._subs) == 1:
