@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
 ADMIT_REFUSED_STATUS = 409  # with x-fairbatch-refused: the agent refused an inline admission
 _SSE_DONE = b"data: [DONE]\n\n"
+# an SSE event whose JSON payload starts with the key "error" (the agent's and vLLM's error event): at a
+# line start, so a token-keyed logprobs object ({"error": -0.1} in top_logprobs) is not one
+_ERROR_EVENT = re.compile(rb'(?:^|\n)data:[ \t]*\{"error"')
 
 
 @dataclass(slots=True)
@@ -57,7 +61,8 @@ class RelayOutcome:
             error status other than 502/503/504, e.g. 400 for a bad ``max_tokens`` or 404 for an
             unknown model: relayed as is, no token produced, not retried since every replica
             would answer the same), ``retryable`` (failed before any byte reached the client),
-            ``upstream_error`` (failed mid-stream; error event sent), ``client_gone`` (client
+            ``upstream_error`` (failed mid-stream: the router sent an error event, or relayed the
+            replica's own before ``[DONE]``), ``client_gone`` (client
             disconnected; upstream closed), ``lease_refused`` (the agent refused the inline
             admission: nothing ran, re-place the request; ``detail`` = the agent's reason).
         response: the response to return from the handler (prepared when streamed); None when
@@ -139,6 +144,16 @@ async def _admit_refused(upstream: Exchange) -> RelayOutcome:
                         pab_ms=pab_ms, pab_tokens=pab_tokens)
 
 
+def has_error_event(chunk: bytes, tail: bytes) -> bool:
+    """Whether an SSE error event (a ``data:`` line whose JSON starts with ``{"error"``) starts in
+    ``chunk`` (``tail``: the previous chunk's last 16 bytes, ``b"\\n"`` before the first, so an event
+    split between two reads is seen). A JSON string escapes its quotes, so generated text never
+    matches. Cheap on a token chunk: two substring searches; the pattern only when one hits."""
+    if b'"error' not in chunk and b'"error' not in tail[-6:] + chunk[:6]:
+        return False
+    return _ERROR_EVENT.search(tail[-16:] + chunk) is not None
+
+
 def count_events(chunk: bytes, tail: bytes) -> int:
     """SSE ``data:`` lines that end inside ``chunk`` (``tail``: the previous chunk's last 5 bytes, or
     ``b"\\n"`` before the first chunk). A JSON string holds no raw newline, so a line start is an event."""
@@ -148,12 +163,14 @@ def count_events(chunk: bytes, tail: bytes) -> int:
 class _StreamPipe:
     """One relayed stream's SSE accounting and, after its first chunk, its sink (:meth:`Exchange.pipe`).
 
-    :meth:`take` counts a chunk's events and says whether it completed the answer (``[DONE]``);
-    :meth:`on_chunk` takes each further chunk, writes it to the client as it is read
-    (:attr:`client`) and keeps the one that ends with ``[DONE]`` for ``write_eof``.
+    :meth:`take` counts a chunk's events, notes an error event (:attr:`error`: the replica failed
+    mid-stream and said so in the stream, as the agent does when its engine dies) and says whether
+    the chunk completed the answer (``[DONE]``); :meth:`on_chunk` takes each further chunk, writes it
+    to the client as it is read (:attr:`client`) and keeps the one that ends with ``[DONE]`` for
+    ``write_eof``.
     """
 
-    __slots__ = ("client", "events", "tail", "last", "gone")
+    __slots__ = ("client", "events", "tail", "last", "gone", "error")
 
     def __init__(self) -> None:
         self.client: ClientSink | None = None  # set once the first chunk went out
@@ -161,10 +178,13 @@ class _StreamPipe:
         self.tail = b"\n"  # the last bytes seen (a line start before the first chunk)
         self.last: bytes | None = None  # the chunk that completed the answer (sent with the end of body)
         self.gone = False  # the client's connection closed
+        self.error = False  # an error event was relayed
 
     def take(self, chunk: bytes) -> bool:
         """Count ``chunk``'s events; True when it ends with ``[DONE]``."""
         self.events += count_events(chunk, self.tail)
+        if not self.error and has_error_event(chunk, self.tail):
+            self.error = True
         tail = self.tail = chunk[-16:] if len(chunk) >= 16 else (self.tail + chunk)[-16:]
         return tail.rstrip().endswith(b"[DONE]")
 
@@ -177,6 +197,14 @@ class _StreamPipe:
             self.gone = True
             return True
         return False
+
+
+def _stream_end(pipe: _StreamPipe, resp: web.StreamResponse, status: int, events: int) -> RelayOutcome:
+    """A stream relayed to its ``[DONE]``: ``ok``, or ``upstream_error`` when it carried an error event
+    (the client has the replica's own error event; the request failed, after tokens went out)."""
+    if pipe.error:
+        return RelayOutcome("upstream_error", resp, status, "upstream error event mid-stream", events=events)
+    return RelayOutcome("ok", resp, status, events=events)
 
 
 class Relay:
@@ -376,7 +404,7 @@ class Relay:
             upstream.close()
             return RelayOutcome("client_gone", None, status, "client disconnected")
         if complete:
-            return RelayOutcome("ok", resp, status, events=pipe.events - 1)
+            return _stream_end(pipe, resp, status, pipe.events - 1)
         transport = request.transport
         if transport is None or transport.is_closing():
             upstream.close()
@@ -410,4 +438,4 @@ class Relay:
         except (ConnectionError, RuntimeError):
             upstream.close()
             return RelayOutcome("client_gone", resp, status, "client disconnected")
-        return RelayOutcome("ok", resp, status, events=pipe.events - (pipe.last is not None))
+        return _stream_end(pipe, resp, status, pipe.events - (pipe.last is not None))

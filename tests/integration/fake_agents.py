@@ -154,6 +154,17 @@ class FakeUpstream:
                                  b'"param": null, "code": 502}}\n\ndata: [DONE]\n\n')
                 await resp.write_eof()
                 return resp
+            if self.mode == "error-mid":  # two events, then what an agent sends when its engine dies: an
+                # error event and [DONE], split inside the event's key so that it straddles two reads
+                for c in self.chunks()[:2]:
+                    await resp.write(c)
+                await asyncio.sleep(0.02)
+                await resp.write(b'data: {"er')
+                await asyncio.sleep(0.02)
+                await resp.write(b'ror": {"message": "engine stream failed: UpstreamDisconnected", '
+                                 b'"type": "upstream_error", "param": null, "code": 502}}\n\ndata: [DONE]\n\n')
+                await resp.write_eof()
+                return resp
             if self.mode == "cut":  # two events, then the replica dies mid-stream
                 for c in self.chunks()[:2]:
                     await resp.write(c)

@@ -382,6 +382,26 @@ async def test_failure_mid_stream_ends_with_error_event(fleet: Fleet) -> None:
     assert not fleet.upstreams["r1"].hits  # no retry after the first byte
 
 
+async def test_error_event_mid_stream_counts_as_a_failure(fleet: Fleet) -> None:
+    """The agent whose engine dies mid-stream sends an error event and [DONE]: the client gets it as
+    sent, and the router counts an upstream_error and an SLO miss, not an ok answer (a user's trial:
+    a crashed engine's streams were counted ok and attained)."""
+    await fleet.start({"r0": 400.0, "r1": 300.0}, modes={"r0": "error-mid"})
+    resp = await fleet.post(completion(stream=True))
+    assert resp.status == 200 and resp.headers["x-fairbatch-replica"] == "r0"
+    raw = await resp.read()
+    chunks = fleet.upstreams["r0"].chunks()
+    assert raw.startswith(chunks[0] + chunks[1]) and raw.endswith(b"data: [DONE]\n\n")
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert json.loads(events[-2][len("data: "):])["error"]["code"] == 502  # relayed whole, across the split
+    assert not fleet.upstreams["r1"].hits  # tokens went out: no retry
+    metrics = await (await fleet.session.get(fleet.url + "/metrics")).text()  # type: ignore[union-attr]
+    assert 'fairbatch_router_requests_total{outcome="upstream_error",slo_class="interactive",tenant="acme"} 1.0' \
+        in metrics
+    assert 'outcome="ok"' not in metrics
+    assert 'fairbatch_router_slo_misses_total{kind="failed",slo_class="interactive",tenant="acme"} 1.0' in metrics
+
+
 async def test_error_event_first_everywhere_is_relayed(fleet: Fleet) -> None:
     await fleet.start({"r0": 400.0, "r1": 300.0}, modes={"r0": "error-first", "r1": "error-first"})
     resp = await fleet.post(completion(stream=True))
