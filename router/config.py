@@ -625,10 +625,21 @@ class AgentSection(BaseModel):
 def parse_agent_section(text: str, path: Path | str = "<config>") -> AgentSection:
     """Validate the agent's part of router YAML text (same models, same ``file:line`` errors as the router).
 
+    A file that holds only ``slo_classes`` (an agent's own file) is checked with :class:`AgentSection`.
+    A file with any other top-level key is the router's file and is checked whole, with
+    :class:`RouterConfig`, as the router checks it: so an agent never applies classes from a file the
+    router refuses (a bad tenant weight, an unknown class named by a tenant), and the two never plan
+    with different targets after a reload.
+
     Raises:
-        ConfigError: YAML syntax error, no ``slo_classes``, or a class field that fails validation.
+        ConfigError: YAML syntax error, no ``slo_classes``, a class field that fails validation, or
+            (the router's file) anything the router refuses.
     """
-    return _validate(AgentSection, text, path)
+    section = _validate(AgentSection, text, path)
+    _, data = _compose(text, Path(path))
+    if set(data) - {"slo_classes"}:
+        return AgentSection(slo_classes=_validate(RouterConfig, text, path).slo_classes)
+    return section
 
 
 def load_agent_section(path: Path | str) -> AgentSection:

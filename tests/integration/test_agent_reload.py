@@ -4,7 +4,8 @@ A real agent process in front of a real simulated engine (loopback). On an idle 
 PAB is its horizon H = ttft_ms * (1 - margin), margin 0.1 by default: 500 ms -> 0.45 s,
 1000 ms -> 0.9 s (docs/architecture.md). The file changes -> the new classes apply (no restart);
 SIGHUP on a broken file -> refused, counted, the running classes kept, a ``file:line`` message and
-no traceback in the log. A file the router's models refuse stops the agent at start the same way.
+no traceback in the log. A file the router's models refuse stops the agent at start the same way, and a router file the
+router refuses anywhere (not only in ``slo_classes``) is refused by the agent too.
 """
 
 from __future__ import annotations
@@ -95,6 +96,12 @@ def test_slo_classes_reload_on_file_change_and_sighup(tmp_path: Path) -> None:
         config.write_text(BASE + "  interactive: {ttft_ms: -5, tpot_ms: 50}\n")
         wait_value(url, invalid, n + 1.0)
         assert metric_value(url, pab) == 0.9
+        # new class targets in a file the router refuses elsewhere (a tenant's weight 0): the router
+        # keeps its running file, so the agent keeps its classes too (a user's trial found them apart)
+        config.write_text(BASE + "  interactive: {ttft_ms: 400, tpot_ms: 50}\n"
+                          "tenants:\n  acme: {weight: 0, slo_class: interactive}\n")
+        wait_value(url, invalid, n + 2.0)
+        assert metric_value(url, pab) == 0.9
         assert metric_value(url, 'fairbatch_agent_config_reloads_total{result="ok"}') == 1.0
         assert child.popen.poll() is None  # type: ignore[attr-defined]
     log = Path(child.log_path).read_text()  # type: ignore[attr-defined]
@@ -111,6 +118,8 @@ def test_agent_refuses_at_start_what_the_router_refuses(tmp_path: Path) -> None:
         ("  interactive: {ttft_ms: 500, tpot_ms: 50, colour: red}\n",
          "fairbatch.yaml:4: slo_classes.interactive.colour: Extra inputs are not permitted"),
         ("  interactive: {ttft_ms: 500\n", "fairbatch.yaml:5: YAML syntax error"),
+        ("  interactive: {ttft_ms: 500, tpot_ms: 50}\ntenants:\n  acme: {weight: 0, slo_class: interactive}\n",
+         "fairbatch.yaml:6: tenants.acme.weight: Input should be greater than 0"),  # outside slo_classes
     ]:
         config.write_text(BASE + body)
         with pytest.raises(ConfigError) as router_err:
