@@ -114,11 +114,15 @@ def api_error_response(exc: ApiError, headers: dict[str, str] | None = None) -> 
     return json_error(exc.status, exc.message, exc.err_type, exc.code, exc.param, headers)
 
 
-def error_middleware(name: str) -> Callable[[web.Request, Any], Awaitable[web.StreamResponse]]:
+def error_middleware(
+    name: str, not_found: Callable[[str, str], web.StreamResponse] | None = None
+) -> Callable[[web.Request, Any], Awaitable[web.StreamResponse]]:
     """The middleware that makes every error answer OpenAI JSON (see the module docstring).
 
     Args:
         name: the server's name in the 500 message and log (``router``, ``agent``).
+        not_found: the answer to a path no route serves, from (method, path); None: 404 JSON naming
+            the path (the router names what it serves instead: router/openai_surface.py ``unsupported``).
     """
 
     @web.middleware
@@ -128,6 +132,8 @@ def error_middleware(name: str) -> Callable[[web.Request, Any], Awaitable[web.St
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
+            if not_found is not None and isinstance(exc, web.HTTPNotFound):
+                return not_found(request.method, request.path)
             text = exc.text or ""
             if not text or text.startswith(f"{exc.status}:"):  # aiohttp's default body, e.g. "404: Not Found"
                 text = f"{exc.reason}: {request.method} {request.path}"

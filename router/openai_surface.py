@@ -4,7 +4,7 @@ the relayed utility paths and the refused ones.
 | path | what the router does |
 | --- | --- |
 | ``POST /v1/completions``, ``POST /v1/chat/completions`` | admitted (PAB lease, quotas, fair queue): router/server.py |
-| ``GET /v1/models``, ``GET /v1/models/{id}`` | served from the catalog: the union of the replicas' own ``/v1/models`` cards |
+| ``GET /v1/models``, ``GET /v1/models/{id}`` | tenant auth, then served from the catalog: the union of the replicas' own ``/v1/models`` cards |
 | ``POST /tokenize``, ``POST /detokenize`` | relayed to a healthy replica after tenant auth; no lease (no GPU work) |
 | ``/v1/embeddings``, ``/v1/responses``, any other path | 404 ``unsupported_endpoint`` naming what is supported |
 

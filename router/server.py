@@ -184,7 +184,8 @@ def answer_response(answer: Answer) -> web.Response:
                         headers={"Retry-After": str(answer.retry_after_s), "x-fairbatch-reason": answer.code})
 
 
-openai_http_errors = error_middleware("router")
+openai_http_errors = error_middleware("router", not_found=unsupported)  # any unrouted path: unsupported_endpoint
+metrics_http_errors = error_middleware("router")  # the metrics port serves no OpenAI path
 """aiohttp's own HTTP errors (404, 405, 413), :class:`ApiError` refusals and our own bugs (500 with the
 request id) as OpenAI-format JSON, like every other answer of the router."""
 
@@ -314,7 +315,7 @@ class Router:
     def build_metrics_app(self) -> web.Application:
         """The application of ``http.metrics_port``: ``/metrics`` and the detailed ``/health`` (no
         lifecycle hooks: the main application starts and stops the router)."""
-        app = web.Application(middlewares=[openai_http_errors])
+        app = web.Application(middlewares=[metrics_http_errors])
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
         return app
@@ -1009,13 +1010,21 @@ class Router:
             outcome.response.headers.setdefault("x-fairbatch-replica", grant.replica_id)
         return outcome
 
+    def _refuse_unauthenticated(self, request: web.Request) -> web.Response | None:
+        """401 ``invalid_api_key`` when the request names no tenant the authenticator accepts, else None
+        (every ``/v1`` path asks for a key, as vLLM with ``--api-key`` and OpenAI do)."""
+        if self.auth.identify(request.headers, request.remote) is None:
+            return openai_error(401, self.auth.refusal(request.headers, request.remote), code="invalid_api_key")
+        return None
+
     async def handle_models(self, request: web.Request) -> web.Response:
-        """GET /v1/models: the replicas' own model cards (router/openai_surface.py)."""
-        return await self.catalog.list_response()
+        """GET /v1/models: the replicas' own model cards (router/openai_surface.py); tenant auth first."""
+        return self._refuse_unauthenticated(request) or await self.catalog.list_response()
 
     async def handle_model(self, request: web.Request) -> web.Response:
-        """GET /v1/models/{id}: one card, or 404 ``model_not_found``."""
-        return await self.catalog.model_response(request.match_info["model_id"])
+        """GET /v1/models/{id}: one card, or 404 ``model_not_found``; tenant auth first."""
+        return self._refuse_unauthenticated(request) or await self.catalog.model_response(
+            request.match_info["model_id"])
 
     async def handle_unsupported(self, request: web.Request) -> web.Response:
         """An OpenAI path the router refuses: 404 naming what is supported."""

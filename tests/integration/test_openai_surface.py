@@ -19,18 +19,21 @@ async def post(s: aiohttp.ClientSession, fleet, path: str, body: dict, auth: boo
 
 
 async def test_models_are_the_engines_cards(fleet) -> None:  # noqa: F811
-    url, _ = targets(fleet)["router"]
+    url, h = targets(fleet)["router"]
     async with aiohttp.ClientSession() as s:
         async with s.get(fleet.engine_urls[0] + "/v1/models") as r:
             engine_card = (await r.json())["data"][0]
-        async with s.get(url + "/v1/models") as r:
+        async with s.get(url + "/v1/models", headers=h) as r:
             listed = await r.json()
-        async with s.get(url + f"/v1/models/{MODEL}") as r:
+        async with s.get(url + f"/v1/models/{MODEL}", headers=h) as r:
             assert r.status == 200
             one = await r.json()
-        async with s.get(url + "/v1/models/no-such-model") as r:
+        async with s.get(url + "/v1/models/no-such-model", headers=h) as r:
             assert r.status == 404
             err = (await r.json())["error"]
+        for path in ("/v1/models", f"/v1/models/{MODEL}"):  # a key, as for every /v1 path (vLLM --api-key, OpenAI)
+            async with s.get(url + path) as r:
+                assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
     assert listed == {"object": "list", "data": [engine_card]}
     assert one == engine_card
     assert (one["max_model_len"], one["root"], one["owned_by"]) == (32768, MODEL, "vllm")

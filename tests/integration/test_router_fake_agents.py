@@ -421,8 +421,9 @@ async def test_all_replicas_fail_503(fleet: Fleet) -> None:
 async def test_models_health_metrics(fleet: Fleet) -> None:
     await fleet.start({"r0": 400.0})
     assert fleet.session is not None
-    models = await (await fleet.session.get(fleet.url + "/v1/models")).json()
+    models = await (await fleet.session.get(fleet.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})).json()
     assert models["data"][0]["id"] == "sim-model"
+    assert (await fleet.session.get(fleet.url + "/v1/models")).status == 401  # a key, as for every /v1 path
     health = await fleet.session.get(fleet.url + "/health")
     assert health.status == 200 and (await health.json())["replicas_usable"] == ["r0"]
     assert "x-request-id" in health.headers
@@ -467,8 +468,11 @@ async def test_unknown_path_and_wrong_method_answer_openai_errors(fleet: Fleet) 
     assert fleet.session is not None
     async with fleet.session.get(fleet.url + "/v1/nope") as resp:
         assert resp.status == 404 and resp.content_type == "application/json"
-        assert (await resp.json())["error"] == {
-            "message": "Not Found: GET /v1/nope", "type": "invalid_request_error", "param": None, "code": 404}
+        err = (await resp.json())["error"]
+        # any unrouted path names what the router serves (router/openai_surface.py), as the README says
+        assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", None, "unsupported_endpoint")
+        assert err["message"].startswith("GET /v1/nope is not supported by fairbatch-router; supported: ")
+        assert "POST /v1/completions" in err["message"]
     async with fleet.session.get(fleet.url + "/v1/completions") as resp:
         assert resp.status == 405 and resp.headers["Allow"] == "POST"
         assert (await resp.json())["error"]["message"] == "Method Not Allowed: GET /v1/completions"

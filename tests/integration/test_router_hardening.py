@@ -259,7 +259,7 @@ async def test_metrics_port_keeps_names_off_the_public_port(fleet: InProcess) ->
     try:
         assert (await fleet.post("acme")).status == 200
         public = await fleet.session.get(fleet.url + "/metrics")
-        assert public.status == 404 and (await public.json())["error"]["code"] == 404
+        assert public.status == 404 and (await public.json())["error"]["code"] == "unsupported_endpoint"
         assert await (await fleet.session.get(fleet.url + "/health")).json() == {"status": "ok"}
         text = await (await fleet.session.get(murl + "/metrics")).text()
         assert 'tenant="acme"' in text and 'replica="r0"' in text
