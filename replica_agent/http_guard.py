@@ -8,6 +8,9 @@
 - :func:`read_body`: the body of a request, bounded: 413 from ``Content-Length`` before a byte is
   read, 413 when a chunked body grows past the bound, 408 when it does not arrive within the
   timeout, 415 for a ``Content-Encoding`` other than ``identity``, 400 when the connection breaks.
+- :func:`bounded_expect_handler`: ``Expect: 100-continue`` gets ``100 Continue`` only for a body
+  :func:`read_body` would read; a body it refuses from its headers alone (413, 415) gets no
+  interim answer, so the handler's refusal is the client's final answer before it sends the body.
 - :func:`error_middleware`: every error answer is OpenAI's JSON ``{"error": {...}}``: aiohttp's own
   HTTP errors (404, 405, 413) and :class:`~replica_agent.api_schema.ApiError`; any other exception is
   our own bug and becomes a 500 in the same JSON with the request id (logged with its traceback,
@@ -28,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
@@ -112,6 +116,38 @@ def json_error(status: int, message: str, err_type: str, code: Any, param: str |
 def api_error_response(exc: ApiError, headers: dict[str, str] | None = None) -> web.Response:
     """The response for an :class:`ApiError`."""
     return json_error(exc.status, exc.message, exc.err_type, exc.code, exc.param, headers)
+
+
+def bounded_expect_handler(max_bytes: Callable[[], int]) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:
+    """An aiohttp route ``expect_handler`` for a body read by :func:`read_body` with ``max_bytes()``.
+
+    ``Expect: 100-continue`` on HTTP/1.1: ``100 Continue`` (what aiohttp's default sends), except
+    when the headers already say the body will be refused (``Content-Length`` over the limit, a
+    ``Content-Encoding``): then no interim answer, the handler runs and answers 413 or 415 unread,
+    and a client that waits for the 100 never uploads the body (RFC 9110 section 10.1.1: a server
+    may send the final status instead). Any other ``Expect`` value: 417 ``expectation_failed`` in
+    OpenAI's error JSON. HTTP/1.0: nothing (as aiohttp's default).
+
+    Args:
+        max_bytes: returns the body limit now (bytes; a reloaded configuration may change it).
+    """
+
+    async def handler(request: web.Request) -> web.StreamResponse | None:
+        if request.version != HttpVersion11:
+            return None
+        expect = request.headers.get("Expect", "")
+        if expect.strip().lower() != "100-continue":
+            return json_error(417, "Only 'Expect: 100-continue' is supported.", "invalid_request_error",
+                              "expectation_failed")
+        length = request.content_length
+        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        if (length is not None and length > max_bytes()) or encoding not in ("", "identity"):
+            return None  # read_body refuses it from the headers: that answer is final, no 100 first
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the interim answer is not the response's body
+        return None
+
+    return handler
 
 
 def error_middleware(

@@ -56,6 +56,7 @@ from replica_agent.clock import Clock
 from replica_agent.http_guard import (
     REQUEST_ID,
     api_error_response,
+    bounded_expect_handler,
     client_request_id,
     error_middleware,
     json_error,
@@ -294,12 +295,13 @@ class Router:
         """The aiohttp application (routes, lifecycle hooks, response headers)."""
         app = web.Application(client_max_size=self.config.http.max_body_bytes + 1, middlewares=[openai_http_errors])
         app[_ROUTER_KEY] = self
-        app.router.add_post("/v1/completions", self.handle_completions)
-        app.router.add_post("/v1/chat/completions", self.handle_chat)
+        expect = bounded_expect_handler(lambda: self.config.http.max_body_bytes)  # no 100 before a 413
+        app.router.add_post("/v1/completions", self.handle_completions, expect_handler=expect)
+        app.router.add_post("/v1/chat/completions", self.handle_chat, expect_handler=expect)
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/v1/models/{model_id}", self.handle_model)
         for path in RELAYED_PATHS:
-            app.router.add_post(path, self.handle_utility)
+            app.router.add_post(path, self.handle_utility, expect_handler=expect)
         for path in REFUSED_PATHS:
             app.router.add_route("*", path, self.handle_unsupported)
         if self.config.http.metrics_port is None:

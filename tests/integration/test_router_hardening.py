@@ -23,7 +23,8 @@ ACME = {"acme": {"weight": 1, "slo_class": "interactive"}}
 
 
 async def raw_http(url: str, data: bytes, read_timeout_s: float = 3.0, then: bytes | None = None) -> bytes:
-    """Send ``data`` as is on a new connection; return what came back before it closed or went quiet."""
+    """Send ``data`` as is on a new connection; return what came back before it closed or went quiet.
+    ``then``: sent once a ``100 Continue`` has come back (a client that waited for it)."""
     parts = urlsplit(url)
     reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
     try:
@@ -40,8 +41,15 @@ async def raw_http(url: str, data: bytes, read_timeout_s: float = 3.0, then: byt
             if not chunk:
                 break
             out += chunk
-            if b"\r\n\r\n" in out and then is None:
-                head, _, rest = out.partition(b"\r\n\r\n")
+            final = out
+            if out.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"):
+                final = out[len(b"HTTP/1.1 100 Continue\r\n\r\n"):]
+                if then is not None:
+                    writer.write(then)
+                    await writer.drain()
+                    then = None
+            if b"\r\n\r\n" in final:
+                head, _, rest = final.partition(b"\r\n\r\n")
                 length = [int(line.split(b":")[1]) for line in head.split(b"\r\n")
                           if line.lower().startswith(b"content-length:")]
                 if length and len(rest) >= length[0]:
@@ -115,6 +123,31 @@ async def test_body_over_the_limit_is_413_before_it_is_sent(fleet: InProcess) ->
     resp = await fleet.session.post(fleet.url + "/v1/completions", data=_chunks(b"x" * 1024, 8),
                                     headers={"Authorization": f"Bearer {KEYS['acme']}"})
     assert resp.status == 413 and (await resp.json())["error"]["code"] == "body_too_large"
+
+
+async def test_expect_100_continue_only_for_a_body_that_will_be_read(fleet: InProcess) -> None:
+    """A client that sends ``Expect: 100-continue`` uploads nothing until the 100; a body the router
+    refuses from its headers gets the refusal instead of a 100 (a fresh-user trial: curl got 100
+    Continue and then the 413)."""
+    await fleet.start({"r0": 400.0}, ACME, http={"max_body_bytes": 4096, "body_timeout_s": 0.5})
+    auth = b"Authorization: Bearer " + KEYS["acme"].encode() + b"\r\n"
+    big = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth + b"Expect: 100-continue\r\nContent-Length: 4800059\r\n\r\n"
+    out = await raw_http(fleet.url, big)
+    assert out.startswith(b"HTTP/1.1 413 ") and b"100 Continue" not in out
+    status, doc = status_and_json(out)
+    assert status == 413 and doc["error"]["code"] == "body_too_large"
+    gz = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth + b"Expect: 100-continue\r\nContent-Encoding: gzip\r\nContent-Length: 10\r\n\r\n"
+    out = await raw_http(fleet.url, gz)
+    assert out.startswith(b"HTTP/1.1 415 ") and b"100 Continue" not in out
+    # a body within the limit: 100 Continue, then the body, then the answer
+    body = json.dumps({"model": "m", "prompt": "x" * 40, "max_tokens": 2}).encode()
+    small = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Type: application/json\r\n"
+             b"Expect: 100-continue\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    out = await raw_http(fleet.url, small, read_timeout_s=1.0, then=body)
+    assert out.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 "), out[:200]
+    odd = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth + b"Expect: 200-ok\r\nContent-Length: 2\r\n\r\n{}"
+    status, doc = status_and_json(await raw_http(fleet.url, odd))
+    assert status == 417 and doc["error"]["code"] == "expectation_failed"
 
 
 async def _chunks(piece: bytes, n: int):
