@@ -204,7 +204,8 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict[str, Any
             f"{engine_label(engine_time)}), router on 127.0.0.1:{router_port}, "
             f"time scale {opts.time_scale}; replaying {len(reqs)} requests "
             f"({opts.duration_s:g} s of {opts.trace} at rate x{opts.rate_scale:g}); arrivals span about "
-            f"{max(r.arrival_ms for r in reqs) / 1000.0 * opts.time_scale:.0f} wall s, then the last requests finish"
+            f"{max(r.arrival_ms for r in reqs) / 1000.0 * opts.time_scale:.0f} wall s, then the last requests finish",
+            soft_wrap=True,  # one line, however wide the terminal: rich would break it mid-phrase
         )
         cfg = ReplayConfig(
             target=f"http://127.0.0.1:{router_port}",

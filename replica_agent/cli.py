@@ -391,7 +391,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         try:
             config_from_args(args)  # fail fast with a readable message
-        except (ConfigError, ValueError, KeyError, OSError) as e:
+        except ConfigError as e:  # the file, not the flags: no usage line (as the router says it)
+            print(f"fairbatch-agent: invalid config: {e}", file=sys.stderr)
+            return 2
+        except (ValueError, KeyError, OSError) as e:
             parser.error(str(e))
         hold_grpc_aio()
         run(serve(args))

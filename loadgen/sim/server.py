@@ -252,7 +252,6 @@ class SimServer:
         batch = vllm_serve_batch_defaults(profile.gpu).resolve(config.max_num_batched_tokens, config.max_num_seqs)
         self.clock = Clock(config.time_scale)
         self.engine_time = load_engine_time_model(config.engine_time_model, profile.name)
-        log.info("engine step time: %s", engine_label(self.engine_time))
         self.engine = SimEngine(
             EngineConfig(
                 time_model=profile.time_model,
@@ -363,10 +362,10 @@ class SimServer:
         task = asyncio.create_task(self.engine_loop(), name="sim-engine-loop")
         log.info(
             "sim engine up: model=%s blocks=%d block_size=%d max_num_batched_tokens=%d max_num_seqs=%d "
-            "time_scale=%g policy=%s",
+            "time_scale=%g policy=%s engine step time: %s",
             self.model_name, self.engine.config.num_gpu_blocks, self.engine.config.block_size,
             self.engine.config.max_num_batched_tokens, self.engine.config.max_num_seqs,
-            self.config.time_scale, self.config.policy,
+            self.config.time_scale, self.config.policy, engine_label(self.engine_time),
         )  # fmt: skip
         try:
             yield

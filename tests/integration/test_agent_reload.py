@@ -130,3 +130,4 @@ def test_agent_refuses_at_start_what_the_router_refuses(tmp_path: Path) -> None:
             capture_output=True, text=True, timeout=60)  # fmt: skip
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr and "Traceback" not in proc.stderr
+        assert "usage:" not in proc.stderr  # a file error, not a flag error
