@@ -72,11 +72,22 @@ def tenant_over(reason: str, tenant: str, retry_after_s: float) -> Answer:
                   retry_after(retry_after_s))  # fmt: skip
 
 
+MAX_INFEASIBLE_RETRY_AFTER_S = 60
+"""Largest ``Retry-After`` (wall seconds) of an ``slo-infeasible`` refusal: a prediction further out
+says only that the fleet is far behind (a drain rate near 0 on a burst predicts waits of years:
+a user's trial got ``Retry-After: 56113674``), and the state it was made on is gone well before."""
+
+
 def slo_infeasible(slo_class: str, ttft_ms: float, wait_ms: float, retry_after_s: float) -> Answer:
     """429 ``slo-infeasible`` at arrival: the predicted wait ``wait_ms`` (simulated ms) makes the
     class's first-token deadline ``ttft_ms`` unreachable; retry after the wait (``retry_after_s``,
-    the same wait in wall seconds). An infinite wait (no replica can start it in time,
+    the same wait in wall seconds), at most :data:`MAX_INFEASIBLE_RETRY_AFTER_S` (a longer wait is
+    reported as over that). An infinite wait (no replica can start it in time,
     router/shedding.py ``lump_start_ms``) says so and retries after ``RETRY_AFTER_S``."""
+    if math.isfinite(retry_after_s) and retry_after_s > MAX_INFEASIBLE_RETRY_AFTER_S:
+        return Answer("slo_infeasible", 429, "slo-infeasible",
+                      f"The first-token deadline ({ttft_ms:g} ms) of class {slo_class!r} cannot be met "
+                      f"(predicted wait over {MAX_INFEASIBLE_RETRY_AFTER_S} s).", MAX_INFEASIBLE_RETRY_AFTER_S)
     if not math.isfinite(wait_ms) or not math.isfinite(retry_after_s):
         return Answer("slo_infeasible", 429, "slo-infeasible",
                       f"The first-token deadline ({ttft_ms:g} ms) of class {slo_class!r} cannot be met "

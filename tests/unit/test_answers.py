@@ -46,6 +46,11 @@ def test_slo_infeasible_at_arrival_names_the_wait() -> None:
     inf = slo_infeasible("batch", 2500.0, float("inf"), float("inf"))
     assert (inf.status, inf.code, inf.retry_after_s) == (429, "slo-infeasible", 1)
     assert inf.message == "The first-token deadline (2500 ms) of class 'batch' cannot be met (no replica can start it in time)."
+    # a finite wait of years (a drain rate near 0 on a burst): Retry-After capped at 60 s, said so
+    far = slo_infeasible("interactive", 500.0, 5.6e10, 5.6e7)
+    assert (far.status, far.code, far.retry_after_s) == (429, "slo-infeasible", 60)
+    assert far.message == "The first-token deadline (500 ms) of class 'interactive' cannot be met (predicted wait over 60 s)."
+    assert slo_infeasible("batch", 2500.0, 60000.0, 60.0).retry_after_s == 60  # at the cap: the wait itself
 
 
 def test_a_queue_expiry_is_a_timeout_or_no_replica_or_infeasible() -> None:
