@@ -403,6 +403,10 @@ class RedisLedger:
         while True:
             await asyncio.sleep(delay)
             try:
+                # the pool's connections of before the outage are dead (a restarted Redis closed them):
+                # drop them all, so that the ping and every later call open fresh ones; otherwise the
+                # next calls meet them one by one and each falls back to the local ledger for a moment
+                await within(self._client.connection_pool.disconnect(), self.timeout_s)
                 await within(self._client.ping(), self.timeout_s)
             except self._errors:
                 delay = min(self.retry_max_s, delay * 2)

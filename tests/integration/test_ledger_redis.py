@@ -118,6 +118,36 @@ async def test_redis_killed_degrades_to_local_then_rejoins(redis_clean: RedisSer
         await led.close()
 
 
+async def test_rejoin_leaves_no_dead_pooled_connection(redis_clean: RedisServer) -> None:
+    """After Redis restarts, the pooled connections of before are dead; rejoining must not hand them
+    out (a user's trial: the next burst met them one by one, each fell back to the local ledger for a
+    moment, and max_concurrency 4 let 9 of 10 through across two routers)."""
+    states: list[bool] = []
+    led = make(redis_clean, states)
+    await led.start()
+    try:
+        lim = TenantLimits(max_concurrency=2)
+        tickets = await asyncio.gather(*(led.acquire("acme", f"w{i}", lim, 1) for i in range(6)))  # several connections
+        for t in tickets:
+            if isinstance(t, Ticket):
+                await led.release(t)
+        redis_clean.stop()
+        assert isinstance(await led.acquire("acme", "x", lim, 1), Ticket) and states == [True]
+        redis_clean.start()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 5.0
+        while led.degraded and loop.time() < end:
+            await asyncio.sleep(0.05)
+        assert not led.degraded and states == [True, False]
+        burst = await asyncio.gather(*(led.acquire("acme", f"b{i}", lim, 1) for i in range(6)))
+        assert sum(isinstance(t, Ticket) and t.backend == "redis" for t in burst) == 2, burst
+        assert sum(isinstance(t, Refusal) for t in burst) == 4
+        assert states == [True, False] and not led.degraded  # no spurious fallback
+    finally:
+        redis_clean.start()
+        await led.close()
+
+
 async def test_unreachable_at_start_is_degraded(redis_clean: RedisServer) -> None:
     states: list[bool] = []
     led = RedisLedger("redis://127.0.0.1:1/0", Clk(), timeout_ms=200, retry_initial_ms=50, retry_max_ms=100,
