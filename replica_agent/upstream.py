@@ -224,11 +224,13 @@ class Exchange:
     __slots__ = (
         "status", "headers", "_pool", "_origin", "_head", "_conn", "_parser", "_loop", "_head_fut", "_end_fut",
         "_wait", "_chunks", "_size", "_sink", "_complete", "_failed", "_answered", "_released", "_last_read",
-        "_timer", "_framed", "_slot", "_max_body", "_paused", "_piped", "_was_reused", "_keep_alive", "_flush", "_delivered",
+        "_timer", "_framed", "_slot", "_max_body", "read_timeout_s", "_paused", "_piped", "_was_reused", "_keep_alive", "_flush", "_delivered",
     )
 
-    def __init__(self, pool: Http1Pool, origin: _Origin, head: bytes) -> None:
+    def __init__(self, pool: Http1Pool, origin: _Origin, head: bytes, read_timeout_s: float | None = None) -> None:
         self.status = 0
+        # wall seconds allowed without a byte of the answer: this exchange's, else the pool's
+        self.read_timeout_s = pool.read_timeout_s if read_timeout_s is None else read_timeout_s
         self.headers: dict[str, str] = {}
         self._pool = pool
         self._origin = origin
@@ -280,8 +282,8 @@ class Exchange:
             self._parser = httptools.HttpResponseParser(self)
             self._head_fut = self._loop.create_future()
             self._last_read = self._loop.time()
-            if pool.read_timeout_s is not None:
-                self._timer = self._loop.call_at(self._last_read + pool.read_timeout_s, self._check_timeout)
+            if self.read_timeout_s is not None:
+                self._timer = self._loop.call_at(self._last_read + self.read_timeout_s, self._check_timeout)
             assert conn.transport is not None
             conn.transport.write(self._head)
             await self._head_fut
@@ -569,7 +571,7 @@ class Exchange:
 
     def _check_timeout(self) -> None:
         self._timer = None
-        timeout = self._pool.read_timeout_s
+        timeout = self.read_timeout_s
         if timeout is None or self._complete or self._failed is not None or self._conn is None:
             return
         if self._paused:  # the consumer is slow, not the upstream
@@ -624,10 +626,13 @@ class Http1Pool:
         self._busy: dict[tuple[str, str, int], int] = {}  # exchanges holding a slot, per origin
         self._closed = False
 
-    def exchange(self, method: str, base_url: str, path: str, headers: Mapping[str, str], body: bytes = b"") -> Exchange:
+    def exchange(self, method: str, base_url: str, path: str, headers: Mapping[str, str], body: bytes = b"",
+                 read_timeout_s: float | None = None) -> Exchange:
         """A new exchange (nothing sent yet): ``method`` ``base_url`` + ``path`` with ``headers`` and ``body``.
 
         ``Host`` and ``Content-Length`` are set here; other headers are sent as given.
+        ``read_timeout_s``: wall seconds without a byte of the answer for this exchange (None: the
+        pool's ``read_timeout_s``).
 
         Raises:
             ValueError: ``base_url`` is not an http(s) URL, or a header name or value holds CR or LF.
@@ -656,7 +661,7 @@ class Http1Pool:
                                             value.encode("utf-8", "surrogateescape")))
         lines.append(b"\r\n")
         lines.append(body)
-        return Exchange(self, origin, b"".join(lines))
+        return Exchange(self, origin, b"".join(lines), read_timeout_s)
 
     async def _checkout(self, ex: Exchange) -> _Conn:
         """A connection for ``ex``: an idle one of its origin, else a new one (holding one of its slots)."""

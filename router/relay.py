@@ -278,6 +278,7 @@ class Relay:
         upstream_headers: Mapping[str, str],
         response_headers: Mapping[str, str],
         abort: UpstreamAbort | None = None,
+        silence_s: float | None = None,
     ) -> RelayOutcome:
         """POST ``body`` to ``base_url + path`` and relay the answer to ``request``'s client.
 
@@ -289,12 +290,16 @@ class Relay:
             upstream_headers: headers for the agent (content-type, x-request-id, lease, ...).
             response_headers: extra headers for the client (x-request-id, x-fairbatch-replica).
             abort: optional handle that fails this attempt from outside (replica removed).
+            silence_s: wall seconds the agent may send nothing before the attempt fails as a timeout
+                (None: the pool's ``read_timeout_s``); before the first byte a retryable failure,
+                after it an ``upstream_error`` with an error event (router/server.py
+                ``Router.silence_s``: a frozen agent does not hold the client for ``read_timeout_s``).
 
         Raises:
             asyncio.CancelledError: the handler was cancelled (client gone); upstream is closed first.
         """
         try:
-            upstream = await self.open(base_url, path, body, upstream_headers, abort)
+            upstream = await self.open(base_url, path, body, upstream_headers, abort, silence_s)
         except ValueError:  # a header that cannot go on the wire (CR/LF): the client's request, not the replica
             err = {"error": {"message": "a request header cannot be forwarded", "type": "invalid_request_error",
                              "param": None, "code": 400}}
@@ -310,7 +315,8 @@ class Relay:
             upstream.release()  # back to the pool once its body is complete (no-op when closed)
 
     async def open(
-        self, base_url: str, path: str, body: bytes, headers: Mapping[str, str], abort: UpstreamAbort | None = None
+        self, base_url: str, path: str, body: bytes, headers: Mapping[str, str], abort: UpstreamAbort | None = None,
+        silence_s: float | None = None,
     ) -> Exchange | None:
         """POST to the agent and wait for the answer's head: the exchange, or None when ``abort`` fired
         first (nothing relayed; the connection was dropped, so the agent sees the request abandoned).
@@ -320,7 +326,7 @@ class Relay:
             UpstreamError: the POST failed (connect, disconnect, timeout, not HTTP).
             asyncio.CancelledError: the caller was cancelled (the connection is dropped first).
         """
-        upstream = self.pool.exchange("POST", base_url, path, headers, body)
+        upstream = self.pool.exchange("POST", base_url, path, headers, body, silence_s)
         if abort is not None:
             abort.attach(upstream)
         try:

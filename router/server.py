@@ -64,6 +64,7 @@ from replica_agent.http_guard import (
     read_body,
 )
 from replica_agent.openai_stream import requested_choices
+from replica_agent.proxy import default_stall_ms
 from replica_agent.telemetry import extract_context, genai_request_attributes, inject_context, make_tracer
 from replica_agent.telemetry import set_http_status
 from router.admission import (
@@ -85,7 +86,7 @@ from router.auth import ApiKeyAuthenticator, Principal
 from router.budget_client import BudgetClient
 from router.budgets import BudgetBook
 from router.charges import decode_correction, decode_estimate
-from router.config import ConfigError, ReplicaConfig, RouterConfig, load_config
+from router.config import ConfigError, ReplicaConfig, RouterConfig, SloClassConfig, load_config
 from router.discovery import DiscoverySource, build_discovery, diff_replicas
 from router.fair_queue import FairQueue, TenantShare
 from router.ledger import CONCURRENCY_RETRY_MS, Ledger, Refusal, TenantLimits, build_ledger
@@ -184,6 +185,9 @@ def answer_response(answer: Answer) -> web.Response:
     return openai_error(answer.status, answer.message, answer.err_type, answer.code,
                         headers={"Retry-After": str(answer.retry_after_s), "x-fairbatch-reason": answer.code})
 
+
+SILENCE_GRACE_S = 5.0
+"""Wall seconds added to twice a class's stall timeout before a silent agent is given up (:meth:`Router.silence_s`)."""
 
 openai_http_errors = error_middleware("router", not_found=unsupported)  # any unrouted path: unsupported_endpoint
 metrics_http_errors = error_middleware("router")  # the metrics port serves no OpenAI path
@@ -914,7 +918,7 @@ class Router:
                 break
             except PlacementFailed as exc:  # placement raised for this request: answered, never retried
                 return self._answer(placement_error(exc.reason))
-            outcome = await self._forward(request, principal, grant, raw, request_id, arrival_ms)
+            outcome = await self._forward(request, principal, grant, raw, request_id, arrival_ms, stream)
             action = tries.after(outcome.kind, grant.replica_id)  # router/admission.py after_relay
             if action.refund:  # nothing was generated: the dispatch charge goes back
                 self._charge(principal.tenant, -prompt_tokens, -decode_estimate)
@@ -965,7 +969,8 @@ class Router:
             self._charge(tenant, 0, delta)
 
     async def _forward(
-        self, request: web.Request, principal: Principal, grant: Grant, raw: bytes, request_id: str, arrival_ms: float
+        self, request: web.Request, principal: Principal, grant: Grant, raw: bytes, request_id: str, arrival_ms: float,
+        stream: bool = True,
     ) -> RelayOutcome:
         replica = self.replicas.get(grant.replica_id)
         if replica is None:  # removed by discovery between Reserve and here
@@ -994,7 +999,10 @@ class Router:
             inject_context(headers)
             try:
                 outcome = await self.relay.forward(
-                    request, replica.http_url, request.path, raw, headers, response_headers, abort
+                    request, replica.http_url, request.path, raw, headers, response_headers, abort,
+                    # a stream only: a non-stream answer is silent until the end, the agent watching its engine
+                    # by /metrics meanwhile (a long one may take minutes)
+                    self.silence_s(principal.slo) if stream else None,
                 )
             except asyncio.CancelledError:
                 self._release(grant, "client-disconnect")
@@ -1018,6 +1026,19 @@ class Router:
         if self.auth.identify(request.headers, request.remote) is None:
             return openai_error(401, self.auth.refusal(request.headers, request.remote), code="invalid_api_key")
         return None
+
+    def silence_s(self, slo: SloClassConfig) -> float:
+        """Wall seconds an agent may send nothing on a streamed generation request of class ``slo``
+        before the router gives the attempt up: twice the class's stall timeout plus
+        :data:`SILENCE_GRACE_S` (a non-stream answer keeps the pool's limit: it is silent until done).
+
+        A running agent is never silent that long: it ends a request whose engine sent nothing for
+        the stall timeout (``stall_timeout_ms``, else replica_agent/proxy.py ``default_stall_ms``:
+        3 s for TTFT 500 / TPOT 50 ms) with an error of its own. So the limit only fires on an agent
+        that froze or whose host did (a user's trial: ``kill -STOP`` on the agent held a client's
+        stream for as long as it was stopped; the pool's limit was 600 s)."""
+        stall_ms = slo.stall_timeout_ms or default_stall_ms(slo.ttft_ms, slo.tpot_ms)
+        return 2.0 * self.clock.to_wall_s(stall_ms) + SILENCE_GRACE_S
 
     async def handle_models(self, request: web.Request) -> web.Response:
         """GET /v1/models: the replicas' own model cards (router/openai_surface.py); tenant auth first."""

@@ -154,6 +154,11 @@ class FakeUpstream:
                                  b'"param": null, "code": 502}}\n\ndata: [DONE]\n\n')
                 await resp.write_eof()
                 return resp
+            if self.mode == "freeze":  # two events, then nothing: a frozen agent (SIGSTOP) keeps the socket open
+                for c in self.chunks()[:2]:
+                    await resp.write(c)
+                await asyncio.sleep(30)
+                return resp
             if self.mode == "error-mid":  # two events, then what an agent sends when its engine dies: an
                 # error event and [DONE], split inside the event's key so that it straddles two reads
                 for c in self.chunks()[:2]:

@@ -402,6 +402,30 @@ async def test_error_event_mid_stream_counts_as_a_failure(fleet: Fleet) -> None:
     assert 'fairbatch_router_slo_misses_total{kind="failed",slo_class="interactive",tenant="acme"} 1.0' in metrics
 
 
+async def test_a_frozen_agent_does_not_hold_the_stream(fleet: Fleet) -> None:
+    """An agent that stops mid-stream (SIGSTOP) with the socket open: the router gives it up after its
+    silence limit (Router.silence_s, here 0.5 s) with an error event, not after the pool's 600 s."""
+    await fleet.start({"r0": 400.0, "r1": 300.0}, modes={"r0": "freeze"})
+    assert fleet.router is not None
+    limit = fleet.router.silence_s(fleet.router.config.slo_classes["interactive"])
+    assert limit == pytest.approx(2 * 3.0 + 5.0)  # twice the default stall of TTFT 500 / TPOT 50 (3 s), + 5 s
+    fleet.router.silence_s = lambda slo: 0.5  # type: ignore[method-assign]
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    resp = await fleet.post(completion(stream=True))
+    assert resp.status == 200 and resp.headers["x-fairbatch-replica"] == "r0"
+    raw = await asyncio.wait_for(resp.read(), 10.0)
+    assert loop.time() - t0 < 5.0
+    chunks = fleet.upstreams["r0"].chunks()
+    assert raw.startswith(chunks[0] + chunks[1]) and raw.endswith(b"data: [DONE]\n\n")
+    events = [e for e in raw.decode().split("\n\n") if e]
+    err = json.loads(events[-2][len("data: "):])["error"]
+    assert err["type"] == "upstream_error" and "UpstreamTimeout" in err["message"]
+    metrics = await (await fleet.session.get(fleet.url + "/metrics")).text()  # type: ignore[union-attr]
+    assert 'fairbatch_router_requests_total{outcome="upstream_error",slo_class="interactive",tenant="acme"} 1.0' \
+        in metrics
+
+
 async def test_error_event_first_everywhere_is_relayed(fleet: Fleet) -> None:
     await fleet.start({"r0": 400.0, "r1": 300.0}, modes={"r0": "error-first", "r1": "error-first"})
     resp = await fleet.post(completion(stream=True))
