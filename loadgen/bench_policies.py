@@ -363,7 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         att = at.get("slo_attainment")
         ttft_s = "-" if ttft is None else str(round(ttft))
         att_s = "-" if att is None else f"{att:.3f}"
-        print(f"{name:<14} {pol['capacity_rps']:>9.3f} {ratio:>7.2f} {ttft_s:>19} {att_s:>17}")
+        bound = pol.get("capacity_bound")  # "at-least": the sweep's top rate met the target; "below-sweep": none did
+        cap_s = {"at-least": f">={pol['capacity_rps']:.3f}", "below-sweep": "<sweep"}.get(bound, f"{pol['capacity_rps']:.3f}")
+        print(f"{name:<14} {cap_s:>9} {ratio:>7.2f} {ttft_s:>19} {att_s:>17}")
     return 0
 
 

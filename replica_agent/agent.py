@@ -288,6 +288,9 @@ class Agent:
                 ev.logged_missing.add(name)
                 log.warning("engine /metrics lacks %s; treated conservatively", name)
         old = ev.metrics
+        if old is not None and not was_healthy:  # unhealthy since an earlier good scrape: it is back (logged,
+            # as its going was; the first scrape after start-up is not a recovery)
+            log.warning("engine answers again (%s); agent healthy", ev.error or "metrics were stale")
         ev.metrics, ev.ok_ms, ev.error, ev.missing = metrics, now, "", tuple(missing)
         self.prefix_window.add(now, metrics.prefix_queries, metrics.prefix_hits)
         material = (

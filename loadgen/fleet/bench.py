@@ -485,17 +485,18 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags of ``bench-fleet``."""
-    p = argparse.ArgumentParser(prog="fairbatch-loadgen bench-fleet", description=__doc__.splitlines()[0])
-    p.add_argument("--replicas", type=int, default=16)
+    p = argparse.ArgumentParser(prog="fairbatch-loadgen bench-fleet", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--replicas", type=int, default=16, help="simulated replicas (engine + agent each)")
     p.add_argument("--trace", required=True, help="embedded trace name (azure-conv, azure-code, mooncake-conv) or path")
-    p.add_argument("--profile", default="llama-3-8b-a100")
+    p.add_argument("--profile", default="llama-3-8b-a100", help="GPU step-time profile of every replica")
     p.add_argument("--out", required=True, help="fleet.json")
     p.add_argument("--plot", default=None, help="fleet.png")
     p.add_argument("--routers", type=int, default=1, help="router copies")
-    p.add_argument("--push-period-ms", type=float, default=100.0)
-    p.add_argument("--net-delay-ms", type=float, default=0.5)
-    p.add_argument("--ttft-ms", type=float, default=1000.0)
-    p.add_argument("--tpot-ms", type=float, default=100.0)
+    p.add_argument("--push-period-ms", type=float, default=100.0, help="agents' periodic budget push (simulated ms)")
+    p.add_argument("--net-delay-ms", type=float, default=0.5, help="one-way router-agent network delay (simulated ms)")
+    p.add_argument("--ttft-ms", type=float, default=1000.0, help="TTFT target of the one SLO class (ms)")
+    p.add_argument("--tpot-ms", type=float, default=100.0, help="TPOT target of the one SLO class (ms)")
     p.add_argument("--rates", type=float, nargs="+", default=None,
                    help="arrival rates (req/s); default: 0.4..1.1 x the analytic bound")  # fmt: skip
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
@@ -517,7 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(router admission.lease_mode)")
     p.add_argument("--min-push-interval-ms", type=float, default=None,
                    help="agents also push on change, at most one snapshot per this many ms (default: periodic only)")
-    p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--max-model-len", type=int, default=32768, help="requests longer than this are left out (tokens)")
     p.add_argument("--windows", type=int, default=None,
                    help="interleaved trace windows (default: --replicas); 1 = one stretch of the trace, its "
                         "conversations whole (the prefix-cache study)")
@@ -526,10 +527,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pab routers: work-aware admission under contention (router/work_shed.py; the router's "
                         "admission.work_shed, off by default there too)")
     ws = WorkShedSettings()
-    p.add_argument("--work-shed-gain", type=float, default=ws.gain)
-    p.add_argument("--work-shed-max-share", type=float, default=ws.max_share)
-    p.add_argument("--work-shed-window", type=int, default=ws.window)
-    p.add_argument("--work-shed-horizon", type=int, default=ws.horizon)
+    p.add_argument("--work-shed-gain", type=float, default=ws.gain, help="work shed: refused share per refused-for-budget share")
+    p.add_argument("--work-shed-max-share", type=float, default=ws.max_share, help="work shed: largest refused share")
+    p.add_argument("--work-shed-window", type=int, default=ws.window, help="work shed: arrivals whose work sets the threshold")
+    p.add_argument("--work-shed-horizon", type=int, default=ws.horizon, help="work shed: arrivals over which contention is measured")
     add_engine_and_trace_args(p)
     add_engine_time_arg(p)
     p.add_argument("--seed", type=int, default=0, help="tenant draw, push phases, power-of-two choices, arrival spread")

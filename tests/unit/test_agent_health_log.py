@@ -1,0 +1,33 @@
+"""The agent says in its log when its engine comes back, as it says when it goes (a user's trial:
+the unhealthy warning had no matching line)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from replica_agent.agent import Agent, AgentConfig
+from replica_agent.engine_metrics import EngineMetrics
+from replica_agent.policy.pab import SloClass
+from replica_agent.policy.time_model import TimeModel
+from tests.fakes import FakeClock
+
+
+def test_recovery_is_logged_once_and_not_at_start(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = AgentConfig(replica_id="r0", time_model=TimeModel(10.0, 0.1, 0.0),
+                      slo_classes=(SloClass("interactive", 1000.0, 100.0),), default_slo_class="interactive",
+                      kv_capacity_tokens=100_000, metrics_stale_ms=10**9)  # fmt: skip
+    agent = Agent(cfg, FakeClock())  # type: ignore[arg-type]
+    good = EngineMetrics(kv_usage=0.1, block_size=16, num_gpu_blocks=1000)
+    with caplog.at_level(logging.WARNING, logger="replica_agent.agent"):
+        agent.on_engine_metrics(good, [], "", 0.0)  # the first scrape: not a recovery
+        assert not [r for r in caplog.records if "answers again" in r.getMessage()]
+        agent.on_engine_metrics(good, [], "", 50.0)  # healthy and healthy: nothing
+        agent.engine_stalled("engine stalled: no byte for 3 s")
+        assert not agent.health(60.0)[0]
+        agent.on_engine_metrics(good, [], "", 100.0)
+        agent.on_engine_metrics(good, [], "", 150.0)
+    lines = [r.getMessage() for r in caplog.records if "answers again" in r.getMessage()]
+    assert lines == ["engine answers again (engine stalled: no byte for 3 s); agent healthy"]
+    assert agent.health(150.0)[0]
