@@ -87,6 +87,16 @@ async def test_shared_vtc_counters(redis_clean: RedisServer) -> None:
         await b.close()
 
 
+async def restart_and_rejoin(redis: RedisServer, led: RedisLedger, timeout_s: float = 5.0) -> None:
+    """Start Redis again and wait (at most ``timeout_s``) until ``led`` has rejoined it."""
+    redis.start()
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while led.degraded and loop.time() < end:
+        await asyncio.sleep(0.05)
+    assert not led.degraded
+
+
 async def test_redis_killed_degrades_to_local_then_rejoins(redis_clean: RedisServer) -> None:
     states: list[bool] = []
     led = make(redis_clean, states)
@@ -104,12 +114,8 @@ async def test_redis_killed_degrades_to_local_then_rejoins(redis_clean: RedisSer
         await led.release(t)  # type: ignore[arg-type]
         await led.add_service("acme", 5.0)
         assert (await led.counters())["acme"] == 5.0
-        redis_clean.start()
-        loop = asyncio.get_running_loop()
-        end = loop.time() + 5.0
-        while led.degraded and loop.time() < end:
-            await asyncio.sleep(0.05)
-        assert not led.degraded and states == [True, False]
+        await restart_and_rejoin(redis_clean, led)
+        assert states == [True, False]
         # rejoined: shared state again (Redis restarted empty: no keys survived)
         assert (await led.acquire("acme", "r4", lim, 1)) == Ticket("acme", "r4", "redis")
         assert await led.counters() == {}
@@ -133,12 +139,8 @@ async def test_rejoin_leaves_no_dead_pooled_connection(redis_clean: RedisServer)
                 await led.release(t)
         redis_clean.stop()
         assert isinstance(await led.acquire("acme", "x", lim, 1), Ticket) and states == [True]
-        redis_clean.start()
-        loop = asyncio.get_running_loop()
-        end = loop.time() + 5.0
-        while led.degraded and loop.time() < end:
-            await asyncio.sleep(0.05)
-        assert not led.degraded and states == [True, False]
+        await restart_and_rejoin(redis_clean, led)
+        assert states == [True, False]
         burst = await asyncio.gather(*(led.acquire("acme", f"b{i}", lim, 1) for i in range(6)))
         assert sum(isinstance(t, Ticket) and t.backend == "redis" for t in burst) == 2, burst
         assert sum(isinstance(t, Refusal) for t in burst) == 4
