@@ -224,7 +224,8 @@ class Exchange:
     __slots__ = (
         "status", "headers", "_pool", "_origin", "_head", "_conn", "_parser", "_loop", "_head_fut", "_end_fut",
         "_wait", "_chunks", "_size", "_sink", "_complete", "_failed", "_answered", "_released", "_last_read",
-        "_timer", "_framed", "_slot", "_max_body", "read_timeout_s", "_paused", "_piped", "_was_reused", "_keep_alive", "_flush", "_delivered",
+        "_timer", "_framed", "_slot", "_max_body", "read_timeout_s", "_paused", "_piped", "_was_reused",
+        "_keep_alive", "_flush", "_delivered",
     )
 
     def __init__(self, pool: Http1Pool, origin: _Origin, head: bytes, read_timeout_s: float | None = None) -> None:

@@ -635,11 +635,10 @@ def parse_agent_section(text: str, path: Path | str = "<config>") -> AgentSectio
         ConfigError: YAML syntax error, no ``slo_classes``, a class field that fails validation, or
             (the router's file) anything the router refuses.
     """
-    section = _validate(AgentSection, text, path)
     _, data = _compose(text, Path(path))
     if set(data) - {"slo_classes"}:
         return AgentSection(slo_classes=_validate(RouterConfig, text, path).slo_classes)
-    return section
+    return _validate(AgentSection, text, path)
 
 
 def load_agent_section(path: Path | str) -> AgentSection:

@@ -121,11 +121,9 @@ class UpstreamAbort:
 
 
 def _is_error_event(first_chunk: bytes) -> bool:
-    """True when a stream's first chunk is an SSE error event (checked once per request, not per chunk)."""
-    head = first_chunk[:64].lstrip()
-    if not head.startswith(b"data:"):
-        return False
-    return head[5:].lstrip().startswith(b'{"error"')
+    """True when a stream's first chunk is an SSE error event (checked once per request, not per chunk;
+    the same event pattern as :func:`has_error_event`, at the chunk's start)."""
+    return _ERROR_EVENT.match(first_chunk[:64].lstrip()) is not None
 
 
 async def _admit_refused(upstream: Exchange) -> RelayOutcome:

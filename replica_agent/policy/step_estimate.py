@@ -65,8 +65,8 @@ def decode_step_features(num_decodes: int, decode_context_tokens: int) -> StepFe
 class StepStride:
     """Keeps one proxy sample per step's worth of sample weight.
 
-    :meth:`take` adds a sample's weight (``1/k`` for one of k decoding streams' :func:`decode_step_gap`) to what is owed and
-    answers True, keep this one (at weight 1), each time the owed weight reaches 1: with k streams
+    :meth:`take` adds a sample's weight (``1/k`` for one of k decoding streams' :func:`decode_step_gap`)
+    to what is owed and answers True, keep this one (at weight 1), each time the owed weight reaches 1: with k streams
     decoding, one token event in k is kept, so the online model sees each step once, as a weight-1
     observation, instead of k times at weight 1/k. The rest of the weight carries over to the next
     step (k may change between steps).
