@@ -274,6 +274,11 @@ class DispatchStats:
         admit_calls: calls to ``admit`` (entries skipped as dominated are not counted).
         shed_kept: blocked sheddable entries that ``shed`` kept (still feasible): the next pass
             comes within ``Dispatcher.shed_recheck_ms`` to ask again.
+        stalled: the chain (:meth:`Dispatcher.dispatch_chain`) covered the queue, admitted nothing,
+            and ``probe`` says the head of some band could be placed now: the dispatcher failed its
+            work conservation (:meth:`Dispatcher.stalled_ms`, the watchdog).
+        covered: entries (in the pass's order from its first) that got both phases, placed or not:
+            all of them unless the pass was truncated.
     """
 
     admitted: int = 0
@@ -283,6 +288,8 @@ class DispatchStats:
     truncated: bool = False
     admit_calls: int = 0
     shed_kept: int = 0
+    stalled: bool = False
+    covered: int = 0
 
 
 
@@ -317,7 +324,20 @@ class Dispatcher(Generic[G]):
     makes every longer prompt of the same class, exclusions and avoid set not fit, and in phase 1
     every such prompt that waited at least as long: pab.fits, pab.on_time and the start window are
     all monotone in P and w), entries dominated by a failure of the same pass are skipped without
-    an admit call, so one pass covers a long queue of similar requests in a few calls.
+    an admit call, so one pass covers a long queue of similar requests in a few calls. Phase 1
+    also skips, without a call, an entry already past its first-token deadline
+    (``now >= first_token_deadline_ms``): it cannot be on time anywhere (pab.on_time needs
+    ``a + b*P <= H - w`` with ``H = ttft * (1 - margin) <= ttft <= w``).
+
+    Scan budget (issue 25): one pass makes at most ``max_scan`` admit calls, and phase 1 never
+    takes the calls phase 2 needs: once phase 1 has left entries to phase 2, it stops at
+    ``max_scan - min(len(late), max_scan // 2)`` calls (the pass is truncated there), so phase 2
+    always gets at least one call per pass. Before, a queue of 64 or more entries that all failed
+    phase 1 spent every pass's calls in phase 1, each truncated pass resumed in phase 1 again, and
+    phase 2 never ran: 128 late requests waited in front of two idle replicas until their queue
+    timeout. A truncated pass resumes at the first entry of its order that did not get both of
+    its phases (the phase-1 cut, or the phase-2 cut when that comes first), so successive passes
+    move through the whole queue with both phases.
 
     Args:
         queue: the admission queue.
@@ -326,9 +346,9 @@ class Dispatcher(Generic[G]):
             when it raises, the entry is removed and its future fails with :class:`PlacementFailed`.
         release_orphan: async ``grant -> None`` for a grant whose waiter left meanwhile.
         max_bypass: entries admitted behind a blocked head (same band) before it gets a hold.
-        max_scan: admit calls per pass (bounds the work of one wake-up); a pass cut there
-            schedules the next at once, which starts at the first entry not tried and wraps
-            around, so successive passes reach every entry.
+        max_scan: admit calls per pass (>= 2; bounds the work of one wake-up); a pass cut there
+            schedules the next at once, which starts at the first entry not fully tried and wraps
+            around, so successive passes reach every entry in both phases (see "Scan budget").
         idle_poll_s: wall seconds between passes when nothing wakes the dispatcher.
         hold_for: ``entry -> replica id | None``: the replica to hold for a starving head (None,
             or a callback answering None: no hold).
@@ -344,6 +364,12 @@ class Dispatcher(Generic[G]):
             overruns its predicted end), and between changes the agents push only every
             ``push_interval_ms`` (100 ms by default), so such an entry could stay queued that
             long after it turned infeasible (issue 18: refused within 50 ms of arrival).
+        probe: ``(entry, attempt) -> bool``, side-effect free: would ``admit`` place ``entry`` with
+            ``attempt`` now (the placement alone, no Reserve)? Asked only after a chain of passes
+            (:meth:`dispatch_chain`) that covered the queue and admitted nothing, for the head of each band (the attempt it may use: on time only
+            for a sheddable one, the held replica avoided behind the holder). True for any of
+            them = the queue is stalled while budget is free (:meth:`stalled_ms`; issue 25).
+            None: no watchdog.
     """
 
     queue: AdmissionQueue
@@ -360,7 +386,14 @@ class Dispatcher(Generic[G]):
     shed_recheck_ms: float = 10.0
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _hold: tuple[WaitingRequest, str] | None = None
+    probe: Callable[[WaitingRequest, Attempt], bool] | None = None
     _resume: WaitingRequest | None = None  # first entry a truncated pass did not try
+    _resume_head: WaitingRequest | None = None  # the blocked head of that pass (the next one keeps it)
+    _stalled_since_ms: float | None = None  # end of the first chain of the current stall (watchdog)
+
+    def __post_init__(self) -> None:
+        if self.max_scan < 2:
+            raise ValueError(f"max_scan must be >= 2 (one call for each phase), got {self.max_scan}")
 
     @property
     def hold(self) -> tuple[WaitingRequest, str] | None:
@@ -370,12 +403,56 @@ class Dispatcher(Generic[G]):
             self._hold = h = None
         return h
 
+    def stalled_ms(self, now_ms: float) -> float:
+        """How long the queue has not moved while the head of a band could be placed (simulated
+        ms; 0 when not stalled). It starts at the end of the first chain (:meth:`dispatch_chain`)
+        that covered the queue, admitted nothing and in which ``probe`` found a placeable band
+        head, and ends at the next chain that admits or finds the queue empty or no head
+        placeable. A working dispatcher reads 0 (or one push period while an agent refuses a
+        Reserve its stale view promised); the router exports it as
+        ``fairbatch_router_dispatch_stalled_seconds``."""
+        since = self._stalled_since_ms
+        return 0.0 if since is None else max(0.0, now_ms - since)
+
+    def _placeable_head(self, now_ms: float) -> bool:
+        """``probe`` on the head of each band in queue order (see ``probe``)."""
+        if self.probe is None:
+            return False
+        hold = self.hold
+        behind_holder = False
+        seen: set[int] = set()
+        for n, entry in enumerate(self.queue.ordered(now_ms)):
+            if n >= self.max_entries:
+                break
+            if entry.future.done():
+                continue
+            if entry.priority not in seen:
+                seen.add(entry.priority)
+                avoid = frozenset((hold[1],)) if hold is not None and behind_holder else frozenset()
+                if self.probe(entry, Attempt(on_time_only=entry.sheddable, avoid=avoid)):
+                    return True
+            if hold is not None and entry is hold[0]:
+                behind_holder = True
+        return False
+
+    def _watch(self, stats: DispatchStats, streak: int, now_ms: float) -> None:
+        """Update the stall watchdog after a chain whose passes since the last admission covered
+        ``streak`` entries (a stall needs a chain that admitted nothing in its last full cycle)."""
+        if streak < len(self.queue) or stats.admitted or not len(self.queue) or not self._placeable_head(now_ms):
+            self._stalled_since_ms = None
+            return
+        stats.stalled = True
+        if self._stalled_since_ms is None:
+            self._stalled_since_ms = now_ms
+
     def wake(self) -> None:
         """Ask for a dispatch pass soon (budget update, release, new entry)."""
         self._wake.set()
 
     async def run(self) -> None:
-        """Dispatch until cancelled."""
+        """Dispatch until cancelled: after every wake-up (or ``idle_poll_s``, or the next queue
+        deadline, or ``shed_recheck_ms`` after a pass that kept sheddable entries), one
+        :meth:`dispatch_chain`."""
         recheck = False  # the last pass kept blocked sheddable entries
         while True:
             timeout = self.idle_poll_s
@@ -387,7 +464,7 @@ class Dispatcher(Generic[G]):
             await wait_event(self._wake, timeout)
             self._wake.clear()
             try:
-                stats = await self.dispatch_once()
+                stats = await self.dispatch_chain(_yield)
             except asyncio.CancelledError:
                 raise
             except Exception:  # never let one bad pass stop the dispatcher
@@ -395,13 +472,41 @@ class Dispatcher(Generic[G]):
                 recheck = False
                 continue
             recheck = stats.shed_kept > 0
-            if stats.truncated:
-                self._wake.set()  # the rest of the queue gets its pass at once
-                await asyncio.sleep(0)  # but let the event loop serve others first
+
+    async def dispatch_chain(self, pause: Callable[[], Awaitable[None]] | None = None) -> DispatchStats:
+        """What one wake-up does: :meth:`dispatch_once`, and again at once while the pass was
+        truncated and the passes since the last admission have not yet given every queued entry
+        both phases (``DispatchStats.covered`` summed), so that a wake-up places whatever some
+        replica can take now however long the queue is, and a long queue that fits nowhere costs
+        one cycle over it per wake-up, not a busy loop. ``pause`` is awaited between passes (the
+        router yields to its event loop; the fleet simulation passes None). Then the stall
+        watchdog (:meth:`stalled_ms`) is updated when the chain covered the queue.
+
+        Returns:
+            the passes' stats added up (``truncated``, ``held``, ``shed_kept`` of the last pass).
+        """
+        total = DispatchStats()
+        streak = 0  # entries covered since the last pass that admitted
+        while True:
+            stats = await self.dispatch_once()
+            total.admitted += stats.admitted
+            total.expired += stats.expired
+            total.failed += stats.failed
+            total.admit_calls += stats.admit_calls
+            total.covered += stats.covered
+            total.truncated, total.held, total.shed_kept = stats.truncated, stats.held, stats.shed_kept
+            streak = 0 if stats.admitted else streak + stats.covered
+            complete = not stats.truncated or streak >= len(self.queue)
+            if complete:
+                self._watch(total, streak, self.clock.now_ms())
+                return total
+            if pause is not None:
+                await pause()
 
     async def dispatch_once(self) -> DispatchStats:
         """One pass (see the class docstring): expire, phase 1 (on time), phase 2 (normal fit),
-        bypass count and hold."""
+        bypass count and hold. Positions (holder, head, "behind") are in queue order, also when a
+        pass starts where a truncated one stopped."""
         stats = DispatchStats()
         now = self.clock.now_ms()
         for entry in self.queue.expire(now):
@@ -416,33 +521,38 @@ class Dispatcher(Generic[G]):
             entries.append(entry)
             if len(entries) >= self.max_entries:
                 break
+        n = len(entries)
+        start = 0
         resume, self._resume = self._resume, None
+        resume_head, self._resume_head = self._resume_head, None
+        head_at: int | None = None  # first in queue order of the entries phase 1 could not place
         if resume is not None:  # the previous pass was cut: start where it stopped, wrap around
             for i, entry in enumerate(entries):
                 if entry is resume:
-                    entries = entries[i:] + entries[:i]
-                    break
+                    start = i
+                if entry is resume_head:  # its blocked head stays the head (tried before this pass's start)
+                    head_at = i
+        order = [*range(start, n), *range(start)]  # queue indices in this pass's order
         # entries behind the holder in queue order may not use the held replica; entries ahead of
         # it (or all of them, when it lies beyond the entries looked at) may
         hold = self.hold
-        holder_at = len(entries)
+        holder_at = n
         if hold is not None:
             stats.held = True
             for i, entry in enumerate(entries):
                 if entry is hold[0]:
                     holder_at = i
                     break
-        head_at: int | None = None  # the first entry phase 1 could not place (the blocked head)
         failed: dict[tuple, list[tuple[int, float]]] = {}
         late: list[int] = []
         blocked: list[int] = []
 
         def not_placed(i: int, entry: WaitingRequest, phase: int) -> None:
             """Entry ``i`` was not placed in this phase: phase 1 leaves it to phase 2 (the normal fit)
-            unless it is sheddable; the first one phase 1 could not place is the blocked head."""
+            unless it is sheddable; the first one (queue order) phase 1 could not place is the blocked head."""
             nonlocal head_at
             (late if phase == 1 and not entry.sheddable else blocked).append(i)
-            if head_at is None and phase == 1:
+            if phase == 1 and (head_at is None or i < head_at):
                 head_at = i
 
         def take_hold(i: int) -> None:
@@ -454,12 +564,14 @@ class Dispatcher(Generic[G]):
                     holder_at = i
                     stats.held = True
 
-        for phase, indices in ((1, range(len(entries))), (2, late)):
+        cut_rank: int | None = None  # pass position of the first entry this pass did not give both phases
+        phase2_reserve = self.max_scan // 2  # calls phase 1 leaves to phase 2 once it has late entries
+        for phase, indices in ((1, order), (2, late)):
             failed.clear()
             for i in indices:
                 entry = entries[i]
                 if hold is not None and hold[0].future.done():  # the holder was placed (or left)
-                    hold, self._hold, holder_at = None, None, len(entries)
+                    hold, self._hold, holder_at = None, None, n
                 if head_at is not None and entries[head_at].future.done():
                     head_at = None
                 if (head_at is not None and i > head_at and entry.priority > entries[head_at].priority
@@ -468,14 +580,20 @@ class Dispatcher(Generic[G]):
                 avoid = frozenset((hold[1],)) if hold is not None and i > holder_at else frozenset()
                 key = (entry.slo_class, entry.exclude, avoid)
                 waited = entry.waited_ms(now)
-                if self.skip_dominated and any(
-                    p <= entry.prompt_tokens and (phase == 2 or w <= waited) for p, w in failed.get(key, ())
+                if self.skip_dominated and (
+                    (phase == 1 and now >= entry.first_token_deadline_ms)  # cannot be on time anywhere
+                    or any(p <= entry.prompt_tokens and (phase == 2 or w <= waited) for p, w in failed.get(key, ()))
                 ):
                     not_placed(i, entry, phase)
                     continue
+                rank = (i - start) % n
+                if phase == 1 and late and stats.admit_calls >= self.max_scan - min(len(late), phase2_reserve):
+                    stats.truncated = True  # the rest of phase 1 waits for the next pass; phase 2 runs now
+                    cut_rank = rank
+                    break
                 if stats.admit_calls >= self.max_scan:
                     stats.truncated = True
-                    self._resume = entry
+                    cut_rank = rank if cut_rank is None else min(cut_rank, rank)
                     break
                 stats.admit_calls += 1
                 try:
@@ -505,8 +623,11 @@ class Dispatcher(Generic[G]):
                     head.passed_by += self.max_bypass if entry.priority > head.priority else 1
                     if head.passed_by >= self.max_bypass:
                         take_hold(head_at)
-            if stats.truncated:
-                break
+        stats.covered = n if cut_rank is None else cut_rank
+        if cut_rank is not None:
+            self._resume = entries[order[cut_rank]]
+            if head_at is not None and not entries[head_at].future.done():
+                self._resume_head = entries[head_at]
         if blocked and self.shed is not None:
             for i in blocked:
                 entry = entries[i]
@@ -520,3 +641,8 @@ class Dispatcher(Generic[G]):
                     stats.shed_kept += 1
         stats.held = self.hold is not None
         return stats
+
+
+async def _yield() -> None:
+    """Let the event loop serve others between the passes of one chain."""
+    await asyncio.sleep(0)

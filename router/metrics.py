@@ -118,6 +118,11 @@ class RouterMetrics:
             "fairbatch_router_inflight_requests", "Generation requests being handled (queued, relayed)", registry=r
         )
         self.queue_depth = Gauge("fairbatch_router_queue_depth", "Requests waiting in the admission queue", registry=r)
+        self.dispatch_stalled = Gauge(
+            "fairbatch_router_dispatch_stalled_seconds",
+            "How long the admission queue has not moved while the head of a band could be placed (router clock, "
+            "s; 0 = not stalled; router/admission_queue.py Dispatcher.stalled_ms)", registry=r,
+        )
         self.queue_wait = Histogram(
             "fairbatch_router_queue_wait_seconds", "Time spent in the admission queue (router clock, s)",
             buckets=QUEUE_WAIT_BUCKETS_S, registry=r,

@@ -263,6 +263,7 @@ class Router:
             skip_dominated=True,
             shed=self._shed,
             shed_recheck_ms=config.queue.shed_recheck_ms,
+            probe=self._probe_waiting,
         )
         self.book.add_listener(self.dispatcher.wake)
         self.budgets = BudgetClient(
@@ -602,17 +603,10 @@ class Router:
         only on-time replicas count and which replicas are held for an entry ahead. Placement
         applies the start window of ``admission`` (``start_window_steps``, ``step_tokens``).
         """
-        waited_ms = max(0.0, self.clock.now_ms() - arrival_ms)
         adm = self.config.admission
         t0 = time.perf_counter()
-        capped = self._contention_excluded()
         prefix = self.prefix
-        raw, cached = self._cached(request_id, prompt_tokens)
-        preq = PlacementRequest(
-            slo_class, prompt_tokens, exclude | attempt.avoid | capped, waited_ms,
-            on_time_only=attempt.on_time_only, window_steps=adm.start_window_steps, step_tokens=adm.step_tokens,
-            cached_tokens=cached,
-        )
+        preq, raw, cached = self._placement_request(slo_class, prompt_tokens, request_id, exclude, arrival_ms, attempt)
         policy = self.policy  # a reload may swap it while the Reserves below are awaited
         result = policy.place(preq, self.book.views())
         self.metrics.placement_seconds.observe(time.perf_counter() - t0)
@@ -644,6 +638,29 @@ class Router:
             self._replica_load[replica_id] += 1
             return grant
         return None
+
+    def _placement_request(
+        self, slo_class: str, prompt_tokens: int, request_id: str, exclude: frozenset[str], arrival_ms: float,
+        attempt: Attempt,
+    ) -> tuple[PlacementRequest, dict[str, int], dict[str, int]]:
+        """(placement request, raw cached, discounted cached) for one placement now: the request's
+        age, the contention cap, the start window and the prefix map's estimates (no side effect)."""
+        adm = self.config.admission
+        waited_ms = max(0.0, self.clock.now_ms() - arrival_ms)
+        raw, cached = self._cached(request_id, prompt_tokens)
+        preq = PlacementRequest(
+            slo_class, prompt_tokens, exclude | attempt.avoid | self._contention_excluded(), waited_ms,
+            on_time_only=attempt.on_time_only, window_steps=adm.start_window_steps, step_tokens=adm.step_tokens,
+            cached_tokens=cached,
+        )
+        return preq, raw, cached
+
+    def _probe_waiting(self, entry: WaitingRequest, attempt: Attempt) -> bool:
+        """The dispatcher's watchdog probe: would the placement put ``entry`` somewhere now
+        (router/admission_queue.py ``Dispatcher.probe``; no Reserve, no bookkeeping)."""
+        preq, _, _ = self._placement_request(entry.slo_class, entry.prompt_tokens, entry.request_id, entry.exclude,
+                                             entry.arrived_ms, attempt)
+        return bool(self.policy.place(preq, self.book.views()).candidates)
 
     def _lease_done(self, grant: Grant) -> None:
         """The request of ``grant`` ended (served, failed, released or gone): it no longer counts
@@ -1103,6 +1120,7 @@ class Router:
         now = self.clock.now_ms()
         m = self.metrics
         m.queue_depth.set(len(self.queue))
+        m.dispatch_stalled.set(self.dispatcher.stalled_ms(now) / 1000.0)
         for tenant, value in self.queue.counters().items():
             m.tenant_vtc.labels(tenant).set(value)
         hold = self.dispatcher.hold

@@ -77,8 +77,11 @@ class Fleet:
 
 
 def start_fleet(work: Path, n: int, classes: dict[str, Any], tenants: dict[str, Any], default_class: str,
-                admission: dict[str, Any] | None = None, seed: int | None = None) -> Fleet:
-    """Start ``n`` engines + agents and a router with these classes and tenants (waits for health)."""
+                admission: dict[str, Any] | None = None, seed: int | None = None,
+                engine_args: list[str] | None = None) -> Fleet:
+    """Start ``n`` engines + agents and a router with these classes and tenants (waits for health).
+
+    ``engine_args``: extra ``sim-engine`` arguments (e.g. ``--num-gpu-blocks 2000``) for every engine."""
     keys = {t: f"key-{t}" for t in tenants}
     ports = [(free_port(), free_port(), free_port()) for _ in range(n)]
     router_port = free_port()
@@ -101,7 +104,7 @@ def start_fleet(work: Path, n: int, classes: dict[str, Any], tenants: dict[str, 
     try:
         engines = [group.start(f"engine-r{i}", script("fairbatch-loadgen") + [
             "sim-engine", "--host", "127.0.0.1", "--port", str(e), "--profile", PROFILE, "--time-scale", "1",
-            "--seed", str(i)]) for i, (e, _, _) in enumerate(ports)]
+            "--seed", str(i)] + list(engine_args or [])) for i, (e, _, _) in enumerate(ports)]
         for (e, _, _), c in zip(ports, engines, strict=True):
             group.wait_http_ok(c, f"http://127.0.0.1:{e}/health", 60)
         agents = [group.start(f"agent-r{i}", script("fairbatch-agent") + [

@@ -686,7 +686,8 @@ def test_alert_rules_use_exported_series_and_pass_promtool(helm: Path, tmp_path:
     groups = rule["spec"]["groups"]
     alerts = {r["alert"]: r for g in groups for r in g["rules"] if "alert" in r}
     assert set(alerts) == {"FairbatchSloBurnFast", "FairbatchSloBurnSlow", "FairbatchNoSparePab",
-                           "FairbatchReplicaBudgetStale"}  # fmt: skip
+                           "FairbatchReplicaBudgetStale", "FairbatchDispatchStalled"}  # fmt: skip
+    assert "fairbatch_router_dispatch_stalled_seconds) > 10" in alerts["FairbatchDispatchStalled"]["expr"]
     # the objective of the values (0.99) sets the burn thresholds: 14.4 x 1 % over 1 h and 5 min
     assert "> (14.4 * (1 - 0.99))" in alerts["FairbatchSloBurnFast"]["expr"]
     exported = _exported_names()
@@ -698,6 +699,29 @@ def test_alert_rules_use_exported_series_and_pass_promtool(helm: Path, tmp_path:
     path = tmp_path / "rules.yaml"
     path.write_text(yaml.safe_dump({"groups": groups}))
     proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_dispatch_stalled_alert_fires_after_ten_seconds_stalled_for_a_minute(helm: Path, tmp_path: Path) -> None:
+    """FairbatchDispatchStalled (issue 25): the gauge above 10 s for 1 min pages; a queue that moves
+    again (the gauge back to 0) clears it. promtool's rule unit test, minute by minute."""
+    groups = one(render(helm, _ci("multi-tenant-redis-values.yaml")), "PrometheusRule")["spec"]["groups"]
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package prometheus)")
+    rules = _rules_file(groups, tmp_path / "rules.yaml")
+    # stalled 0 s, 30 s (fires after 1 m: at 2m), 90 s, 150 s, then moving again
+    series = [{"series": 'fairbatch_router_dispatch_stalled_seconds{pod="router-0"}', "values": "0 30 90 150 0 0"}]
+    alert = {"alertname": "FairbatchDispatchStalled", "exp_alerts": []}
+    firing = [{"exp_labels": {"pod": "router-0", "severity": "page"}, "exp_annotations": {
+        "summary": "Router router-0 holds queued requests while budget is free",
+        "description": "The admission queue has not moved for more than 10 s although a replica's PAB covers the "
+                       "head of a band; restart the router and report it."}}]
+    cases = [dict(alert, eval_time=f"{m}m", exp_alerts=firing if m in (2, 3) else []) for m in range(6)]
+    test = tmp_path / "test.yaml"
+    test.write_text(yaml.safe_dump({"rule_files": [str(rules)], "evaluation_interval": "1m",
+                                    "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": cases}]}))
+    proc = subprocess.run([promtool, "test", "rules", str(test)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -385,3 +385,146 @@ async def test_a_kept_sheddable_entry_is_asked_again_within_shed_recheck_ms_with
     d2: Dispatcher[str] = Dispatcher(queue=q2, clock=clock, admit=admit, release_orphan=release,  # type: ignore[arg-type]
                                      shed=shed)
     assert (await d2.dispatch_once()).shed_kept == 0
+
+
+# ---------------------------------------------------------------- issue 25: a backlog that stops draining
+
+
+def late_queue(n: int, first_token_deadline_ms: float = float("inf")) -> tuple[FifoQueue, list[WaitingRequest]]:
+    q = FifoQueue(4096, 10**9)
+    es = [entry(f"e{i}", deadline_ms=10**9) for i in range(n)]
+    for e in es:
+        e.first_token_deadline_ms = first_token_deadline_ms
+        q.push(e)
+    return q, es
+
+
+def late_only_admit(calls: list[tuple[str, bool]]):  # noqa: ANN201
+    """Fails every on-time attempt, places every normal-fit one: a queue of requests whose TTFT is
+    lost, in front of replicas with budget (the issue's fleet at t = 30 s)."""
+
+    async def admit(e: WaitingRequest, attempt: Attempt) -> str | None:
+        calls.append((e.request_id, attempt.on_time_only))
+        return None if attempt.on_time_only else f"lease-{e.request_id}"
+
+    return admit
+
+
+async def release_none(grant: str) -> None:
+    raise AssertionError("no orphan here")
+
+
+async def test_a_long_queue_that_fails_phase_one_is_placed_in_phase_two() -> None:
+    # 100 entries, the default 64 calls per pass. Phase 1 stops once it has used
+    # 64 - min(late, 32) calls: after 32 calls (32 late entries), so phase 2 places those 32 in the
+    # same pass. Before the fix phase 1 spent all 64 calls, every pass was cut in phase 1 and
+    # resumed in phase 1: 0 placed, pass after pass.
+    q, es = late_queue(100)
+    calls: list[tuple[str, bool]] = []
+    d: Dispatcher[str] = Dispatcher(queue=q, clock=FakeClock(), admit=late_only_admit(calls),  # type: ignore[arg-type]
+                                    release_orphan=release_none)
+    stats = await d.dispatch_once()
+    assert stats.truncated and stats.admit_calls == 64 and stats.admitted == 32
+    assert calls == [(f"e{i}", True) for i in range(32)] + [(f"e{i}", False) for i in range(32)]
+    assert [e.future.done() for e in es] == [True] * 32 + [False] * 68
+    # the next passes resume at e32 (the first entry phase 1 did not try): 32, 32, then the last 4
+    admitted = [(await d.dispatch_once()).admitted for _ in range(3)]
+    assert admitted == [32, 32, 4] and len(q) == 0
+
+
+async def test_phase_one_skips_entries_past_their_first_token_deadline() -> None:
+    # with a monotone placement (skip_dominated), an entry whose first-token deadline passed cannot
+    # be on time anywhere: no phase-1 call, straight to the normal fit
+    clock = FakeClock(t=5000.0)
+    q, es = late_queue(70, first_token_deadline_ms=4000.0)
+    fresh = entry("fresh", deadline_ms=10**9)
+    fresh.first_token_deadline_ms = 6000.0
+    q.push(fresh)
+    calls: list[tuple[str, bool]] = []
+    d: Dispatcher[str] = Dispatcher(queue=q, clock=clock, admit=late_only_admit(calls),  # type: ignore[arg-type]
+                                    release_orphan=release_none, skip_dominated=True)
+    stats = await d.dispatch_once()
+    # phase 1: one call (fresh), phase 2: 63 calls on e0..e62 (64 in all); fresh comes last in order
+    assert calls[0] == ("fresh", True) and all(not on_time for _, on_time in calls[1:])
+    assert stats.admitted == 63 and stats.truncated
+    assert (await d.dispatch_once()).admitted == 8 and len(q) == 0
+
+
+async def test_max_scan_below_two_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_scan"):
+        Dispatcher(queue=FifoQueue(1, 1), clock=FakeClock(), admit=late_only_admit([]),  # type: ignore[arg-type]
+                   release_orphan=release_none, max_scan=1)
+
+
+async def test_one_wake_drains_a_late_backlog_without_another_push() -> None:
+    # the router's loop: one wake (the last arrival), idle poll 30 s, no budget push after it.
+    # Truncated passes chain at once, so the whole backlog is placed within a push period.
+    q, es = late_queue(200)
+    d: Dispatcher[str] = Dispatcher(queue=q, clock=FakeClock(), admit=late_only_admit([]),  # type: ignore[arg-type]
+                                    release_orphan=release_none, idle_poll_s=30.0)
+    task = asyncio.create_task(d.run())
+    d.wake()
+    try:
+        await asyncio.wait_for(asyncio.gather(*(e.future for e in es)), 0.1)  # one push period (100 ms)
+    finally:
+        task.cancel()
+    assert len(q) == 0
+
+
+async def test_watchdog_reports_a_queue_that_does_not_move_while_a_head_could_be_placed() -> None:
+    # a dispatcher whose admit never places (an agent that refuses every Reserve its view promised)
+    # while the probe says the head fits: stalled from the first complete pass on; a pass that
+    # admits ends it; a probe that finds no room means a full fleet, not a stall
+    clock = FakeClock(t=1000.0)
+    q, es = late_queue(3)
+    room = {"probe": True, "admit": False}
+
+    async def admit(e: WaitingRequest, attempt: Attempt) -> str | None:
+        return f"lease-{e.request_id}" if room["admit"] else None
+
+    probed: list[tuple[str, Attempt]] = []
+
+    def probe(e: WaitingRequest, attempt: Attempt) -> bool:
+        probed.append((e.request_id, attempt))
+        return room["probe"]
+
+    d: Dispatcher[str] = Dispatcher(queue=q, clock=clock, admit=admit, release_orphan=release_none,  # type: ignore[arg-type]
+                                    probe=probe)
+    assert (await d.dispatch_chain()).stalled and d.stalled_ms(1000.0) == 0.0
+    assert probed == [("e0", Attempt())]  # one band: its head only
+    clock.t = 4000.0
+    assert (await d.dispatch_chain()).stalled and d.stalled_ms(4500.0) == 3500.0
+    room["probe"] = False  # no replica has room: the queue waits, nothing is stalled
+    assert not (await d.dispatch_chain()).stalled and d.stalled_ms(5000.0) == 0.0
+    room["probe"] = True
+    clock.t = 6000.0
+    assert (await d.dispatch_chain()).stalled and d.stalled_ms(7000.0) == 1000.0
+    room["admit"] = True
+    stats = await d.dispatch_chain()
+    assert stats.admitted == 3 and not stats.stalled and d.stalled_ms(9000.0) == 0.0
+
+
+async def test_watchdog_probes_each_band_head_as_the_dispatcher_may_place_it() -> None:
+    # two bands: the head of band 0 is sheddable (probed on time only); the band-1 head sits
+    # behind the holder, so it is probed with the held replica avoided
+    clock = FakeClock()
+    q = FifoQueue(10, 1000)
+    a, b, c = entry("a", deadline_ms=10**9), entry("b", deadline_ms=10**9), entry("c", deadline_ms=10**9)
+    a.sheddable = True
+    c.priority = 1
+    for e in (a, b, c):
+        q.push(e)
+    probed: list[tuple[str, Attempt]] = []
+
+    async def admit(e: WaitingRequest, attempt: Attempt) -> str | None:
+        return None
+
+    def probe(e: WaitingRequest, attempt: Attempt) -> bool:
+        probed.append((e.request_id, attempt))
+        return False
+
+    d: Dispatcher[str] = Dispatcher(queue=q, clock=clock, admit=admit, release_orphan=release_none,  # type: ignore[arg-type]
+                                    probe=probe, max_bypass=0, hold_for=lambda e: "r1")
+    stats = await d.dispatch_chain()
+    assert d.hold is not None and d.hold[0] is a and not stats.stalled
+    assert probed == [("a", Attempt(on_time_only=True)), ("c", Attempt(avoid=frozenset({"r1"})))]
