@@ -353,6 +353,7 @@ def run_point(setup: Setup, policy: str, rate_rps: float) -> dict[str, Any]:
         "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
         "max_load_ratio": _max_ratio(st.replica_busy_ms), "max_requests_ratio": _max_ratio(st.replica_requests),
         "preemptions": st.preemptions, "steps": st.steps, "dispatch_passes": st.dispatch_passes,
+        "dispatch_stalled_ms": st.dispatch_stalled_ms,
         "sim_end_s": st.end_ms / 1000.0, "wall_s": round(res.wall_s, 2),
         **bounds,
     }  # fmt: skip

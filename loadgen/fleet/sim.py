@@ -325,7 +325,10 @@ class FleetStats:
         snapshots_delivered: budget snapshots received, all routers together.
         pushes: budget snapshots computed, all agents together (periodic and on change).
         reserve_answers: Reserve answers received, all routers together.
-        dispatch_passes: dispatcher passes, all routers together.
+        dispatch_passes: dispatcher wake-ups (chains of passes), all routers together.
+        dispatch_stalled_ms: the longest stall the dispatchers' watchdog saw (router/admission_queue.py
+            ``Dispatcher.stalled_ms``: queued requests that did not move while the head of a band
+            could be placed; issue 25), all routers; 0 for a work-conserving dispatcher.
         placement_us: wall microseconds of each placement decision (views + place), sampled.
         preemptions: preemptions by recompute, all replicas.
         steps: engine steps, all replicas.
@@ -352,6 +355,7 @@ class FleetStats:
     pushes: int = 0
     reserve_answers: int = 0
     dispatch_passes: int = 0
+    dispatch_stalled_ms: float = 0.0
     placement_us: list[float] = field(default_factory=list)
     preemptions: int = 0
     steps: int = 0
@@ -533,7 +537,8 @@ class _Router:
             else:
                 self.queue = FifoQueue(cfg.queue_max_requests, cfg.queue_max_tokens)
             self.dispatcher: Dispatcher[_Grant] = Dispatcher(self.queue, self.clock, self._admit, self._orphan,  # type: ignore[arg-type]
-                                                             shed=self._shed if cfg.sheddable else None)
+                                                             shed=self._shed if cfg.sheddable else None,
+                                                             probe=self._probe)
         else:
             self.policy = reg.build(placement_name(cfg.policy), load=self.load, seed=seed)
             tm = cfg.time_model
@@ -556,17 +561,9 @@ class _Router:
         waited_ms = max(0.0, now - arrival_ms)
         t0 = time.perf_counter()
         cfg = sim.cfg
-        cached: dict[str, int] = {}
-        raw: dict[str, int] = {}
-        keys: list[int] = []
-        if self.prefix is not None:
-            keys = sim.router_keys(idx)
-            raw = cached = self.prefix.cached_tokens(keys, prompt_tokens)
-            if self.prefix_correction is not None and raw:  # the map's estimate, discounted by the measured hits
-                cached = self.prefix_correction.discount(raw, self.book.prefix_measured)
-        result = self.policy.place(PlacementRequest(slo_class, prompt_tokens, exclude, waited_ms, on_time_only,
-                                                    cfg.start_window_steps, cfg.max_num_batched_tokens, cached),
-                                   self.book.views(now))  # fmt: skip
+        preq, raw, keys = self._placement_request(idx, slo_class, prompt_tokens, exclude, waited_ms, on_time_only)
+        cached = preq.cached_tokens
+        result = self.policy.place(preq, self.book.views(now))
         sim.sample_decision(time.perf_counter() - t0)
         # no round trip: the agent decides on arrival (router/admission.py use_inline, as router/server.py)
         inline = cfg.leases and bool(result.candidates) and use_inline(
@@ -622,6 +619,32 @@ class _Router:
         return self._place(int(entry.request_id), entry.slo_class, entry.prompt_tokens,
                            entry.exclude | attempt.avoid, entry.arrived_ms, attempt.on_time_only)
 
+    def _placement_request(self, idx: int, slo_class: str, prompt_tokens: int, exclude: frozenset[str],
+                           waited_ms: float, on_time_only: bool) -> tuple[PlacementRequest, dict[str, int], list[int]]:
+        """(placement request, the prefix map's raw estimate, the prompt's prefix keys) for one
+        placement now: the start window, and the map's estimate discounted by the measured hits."""
+        cfg = self.sim.cfg
+        cached: dict[str, int] = {}
+        raw: dict[str, int] = {}
+        keys: list[int] = []
+        if self.prefix is not None:
+            keys = self.sim.router_keys(idx)
+            raw = cached = self.prefix.cached_tokens(keys, prompt_tokens)
+            if self.prefix_correction is not None and raw:  # the map's estimate, discounted by the measured hits
+                cached = self.prefix_correction.discount(raw, self.book.prefix_measured)
+        preq = PlacementRequest(slo_class, prompt_tokens, exclude, waited_ms, on_time_only, cfg.start_window_steps,
+                                cfg.max_num_batched_tokens, cached)  # fmt: skip
+        return preq, raw, keys
+
+    def _probe(self, entry: WaitingRequest, attempt: Attempt) -> bool:
+        """The dispatcher's watchdog probe (router/server.py ``_probe_waiting``): would the placement
+        put this entry somewhere now (no Reserve, no bookkeeping)."""
+        now = self.clock.t
+        preq, _, _ = self._placement_request(int(entry.request_id), entry.slo_class, entry.prompt_tokens,
+                                             entry.exclude | attempt.avoid, max(0.0, now - entry.arrived_ms),
+                                             attempt.on_time_only)  # fmt: skip
+        return bool(self.policy.place(preq, self.book.views(now)).candidates)
+
     async def _orphan(self, grant: _Grant) -> None:  # never happens: simulated waiters do not leave
         self.sim.replicas[grant.replica].leases.release(grant.lease_id)
 
@@ -650,7 +673,9 @@ class _Router:
         self.pass_at = None
         self.last_pass_ms = self.clock.t
         self.sim.stats.dispatch_passes += 1
-        stats = _drive(self.dispatcher.dispatch_once())
+        stats = _drive(self.dispatcher.dispatch_chain())
+        self.sim.stats.dispatch_stalled_ms = max(self.sim.stats.dispatch_stalled_ms,
+                                                 self.dispatcher.stalled_ms(self.clock.t))
         if len(self.queue):
             gap = self.sim.cfg.dispatch_gap_ms
             nd = self.queue.next_deadline_ms()
