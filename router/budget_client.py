@@ -256,7 +256,6 @@ class BudgetClient:
         except grpc.aio.AioRpcError as exc:
             reason = "timeout" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "unavailable"
             return ReserveResult(False, reason=reason)
-        self._book.apply_reserve(replica_id, slo_class, resp.pab_ms, resp.pab_tokens)
         if resp.granted:
             self._lease_replica[resp.lease_id] = replica_id
             if len(self._lease_replica) > MAX_TRACKED_LEASES:  # bound: forget the oldest (it lapses by TTL)

@@ -37,12 +37,9 @@ request's lease is consumed by the agent. Times are simulated ms from the router
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import random
-import time
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -67,96 +64,37 @@ from replica_agent.openai_stream import requested_choices
 from replica_agent.proxy import default_stall_ms
 from replica_agent.telemetry import extract_context, genai_request_attributes, inject_context, make_tracer
 from replica_agent.telemetry import set_http_status
-from router.admission import (
-    MAX_ADMIT_REFUSALS,
-    MAX_RELAY_TRIES,
-    RelayAttempts,
-    contention_excluded,
-    hold_replica,
-    lease_tokens,
-    offer_replicas,
-    prompt_decision,
-    use_inline,
-)
-from router.admission_queue import Attempt, Dispatcher, PlacementFailed, QueueFull, QueueTimeout, WaitingRequest
+from router.admission import MAX_RELAY_TRIES, prompt_decision
+from router.admission_queue import Dispatcher, PlacementFailed, QueueTimeout
 from router.answers import Answer, no_budget, placement_error, queue_expired, queue_full
 from router.answers import slo_infeasible, tenant_over, work_shed
-from router.arrival import Refuse, no_replica_left, place_now_exclude, queue_full_before_body, queue_or_refuse
+from router.arrival import queue_full_before_body
 from router.auth import ApiKeyAuthenticator, Principal
-from router.budget_client import BudgetClient
+from router.budget_client import BudgetClient, ReserveResult
 from router.budgets import BudgetBook
-from router.charges import decode_correction, decode_estimate
+from router.charges import decode_correction
 from router.config import ConfigError, ReplicaConfig, RouterConfig, SloClassConfig, load_config
+from router.core import CoreRequest, Grant, Placed, Refused, RouterCore, tenant_shares
 from router.discovery import DiscoverySource, build_discovery, diff_replicas
-from router.fair_queue import FairQueue, TenantShare
+from router.fair_queue import FairQueue
 from router.ledger import CONCURRENCY_RETRY_MS, Ledger, Refusal, TenantLimits, build_ledger
 from router.metrics import RouterMetrics
 from router.openai_surface import REFUSED_PATHS, RELAYED_PATHS, ModelCatalog, model_not_found, unsupported
-from router.placement import (
-    DEFAULT_MAX_CANDIDATES,
-    PlacementPolicy,
-    PlacementRequest,
-    ReplicaView,
-    default_registry,
-    largest_max_prompt,
-)
+from router.placement import PlacementPolicy, largest_max_prompt
 from router.relay import Relay, RelayOutcome, UpstreamAbort
-from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start, priced_tokens
 from router.prefix_correction import PrefixCorrection
 from router.prefix_index import PrefixIndex, text_block_keys
 from router.tokens import PromptError, estimate_prompt_tokens, prompt_is_exact, prompt_text
-from router.work_shed import BUDGET_REASONS, WorkShed, WorkShedSettings, refuse_by_work
+from router.work_shed import BUDGET_REASONS, WorkShed
+
+__all__ = ["Grant", "Router", "answer_response", "build_app", "openai_error", "tenant_limits", "tenant_shares"]
 
 log = logging.getLogger(__name__)
 
-MAX_RESERVE_CANDIDATES = DEFAULT_MAX_CANDIDATES  # Reserve calls per placement before giving up for this pass
 _ROUTER_KEY = web.AppKey("fairbatch_router", object)
 FIRST_BYTE_MS = web.RequestKey("fairbatch_first_byte_ms", float)
 RELAY_EVENTS = web.RequestKey("fairbatch_relay_events", int)
 STREAM_SHAPE = web.RequestKey("fairbatch_stream_shape", tuple)
-
-
-@dataclass(slots=True)
-class Grant:
-    """A lease on one replica for one request.
-
-    Attributes:
-        replica_id: the replica.
-        lease_id: the agent's lease id (``reserve`` mode), or the router's own key of an inline
-            admission (``inline`` mode: no lease exists on the agent until the request arrives).
-        inline: admitted on the router's view; the agent decides on arrival (``x-fairbatch-admit``).
-        prompt_tokens: the prompt tokens placed, less those the replica is estimated to hold in its
-            prefix cache (sent in ``x-fairbatch-admit``).
-    """
-
-    replica_id: str
-    lease_id: str
-    inline: bool = False
-    prompt_tokens: int = 0
-
-
-class NoReplica(Exception):
-    """Every replica has been tried (and failed) for this request."""
-
-
-class SloInfeasible(Exception):
-    """A sheddable request cannot meet its first-token deadline (predicted).
-
-    Attributes:
-        wait_ms: predicted queue wait (simulated ms).
-    """
-
-    def __init__(self, wait_ms: float) -> None:
-        super().__init__(f"predicted wait {wait_ms:.0f} ms")
-        self.wait_ms = wait_ms
-
-
-def tenant_shares(config: RouterConfig) -> dict[str, TenantShare]:
-    """Fair-queue contract per tenant from the config (weight, band of its class, min_share)."""
-    return {
-        name: TenantShare(t.weight, config.slo_classes[t.slo_class].priority, t.min_share or 0.0)
-        for name, t in config.tenants.items()
-    }
 
 
 def tenant_limits(config: RouterConfig) -> dict[str, TenantLimits]:
@@ -233,66 +171,86 @@ class Router:
         self.max_relay_tries = max(1, max_relay_tries)
         self.replicas = {r.id: r for r in config.replicas}
         self.auth = ApiKeyAuthenticator(config)
-        self.book = BudgetBook(self.clock, self.replicas)
         if seed is None:
             seed = config.placement.seed
         if seed is None:
             seed = random.SystemRandom().randrange(2**63)
-        self.seed = seed
-        self._policy_name = policy
-        self.policy: PlacementPolicy = self._build_policy(config)
-        self._applied_placement = config.placement.model_dump(exclude={"prefix_cache"})
-        self.prefix: PrefixIndex | None = None  # prefix-aware placement (placement.prefix_cache)
-        self.prefix_correction = PrefixCorrection()  # the map discounted by the engines' measured hits
-        self._prefix_keys: dict[str, list[int]] = {}  # request id -> its prompt's prefix keys, while placing
-        self._configure_prefix(config)
-        self._configure_work_shed(config)
-        fc = config.fairness
-        self.queue = FairQueue(
-            config.queue.max_requests, config.queue.max_tokens, tenant_shares(config),
-            fc.w_prefill, fc.w_decode, fc.default_max_tokens, config.queue.aging_floor_share,
-        )
-        self.limits = tenant_limits(config)
-        self.dispatcher: Dispatcher[Grant] = Dispatcher(
-            queue=self.queue,
-            clock=self.clock,
-            admit=self._admit_waiting,
-            release_orphan=self._release_orphan,
-            max_bypass=config.queue.max_bypass,
-            hold_for=self._hold_for,
-            skip_dominated=True,
-            shed=self._shed,
-            shed_recheck_ms=config.queue.shed_recheck_ms,
-            probe=self._probe_waiting,
-        )
-        self.book.add_listener(self.dispatcher.wake)
-        self.budgets = BudgetClient(
-            config.replicas, self.book, self.clock, router_id, config.admission.reserve_timeout_ms,
-            agent_token=agent_token,
-        )
-        self.relay = Relay()
         self.metrics = RouterMetrics([c.ttft_ms for c in config.slo_classes.values()],
                                      [c.tpot_ms for c in config.slo_classes.values()])
         self.metrics.config_generation.set(1)
         self.metrics.replicas.set(len(self.replicas))
+        self._shared_counters = config.redis_url is not None
+        self._background: set[asyncio.Task[Any]] = set()
+        self.core = RouterCore(
+            config, self.clock, _GrpcReserve(self), lambda: asyncio.get_running_loop().create_future(), seed,
+            policy_name=policy, replica_ids=self.replicas, on_charge=self._share_charge,
+            observe_placement=self.metrics.placement_seconds.observe, observe_reserve=self.metrics.reserve_seconds.observe,
+        )  # fmt: skip
+        self.limits = tenant_limits(config)
+        self.budgets = BudgetClient(
+            config.replicas, self.core.book, self.clock, router_id, config.admission.reserve_timeout_ms,
+            agent_token=agent_token,
+        )
+        self.relay = Relay()
         self.discovery = discovery if discovery is not None else build_discovery(config.discovery)
         self._discovery_task: asyncio.Task[None] | None = None
         self._inflight: dict[str, set[UpstreamAbort]] = {}
         self.ledger: Ledger = build_ledger(config, self.clock, self._on_ledger_degraded)
-        self._shared_counters = config.redis_url is not None
         self._sync_task: asyncio.Task[None] | None = None
         self.tracer = make_tracer(config.telemetry.service_name, otlp_endpoint or config.telemetry.otlp_endpoint,
                                   config.telemetry.sample_ratio)
-        self._background: set[asyncio.Task[Any]] = set()
-        self._leased: dict[str, str] = {}  # lease id -> replica id, until the request ends
-        self._inline_seq = 0  # keys of inline admissions (Grant.lease_id)
         self._upstream_headers = {"Content-Type": "application/json", "Accept-Encoding": "identity",
                                   **({"x-fairbatch-token": agent_token} if agent_token else {})}
-        self._replica_load: collections.Counter[str] = collections.Counter()
         self._dispatch_task: asyncio.Task[None] | None = None
         self.catalog = ModelCatalog(lambda: self.relay.session, lambda: [r.http_url for r in self.replicas.values()],
                                     fallback_model=config.model,
                                     headers={"x-fairbatch-token": agent_token} if agent_token else None)  # fmt: skip
+
+    # the core's state, as the tests and the metrics read it
+    @property
+    def book(self) -> BudgetBook:
+        """The budget book (router/budgets.py) of the core."""
+        return self.core.book
+
+    @property
+    def queue(self) -> FairQueue:
+        """The weighted fair queue of the core."""
+        return self.core.queue  # type: ignore[no-any-return]
+
+    @property
+    def dispatcher(self) -> Dispatcher[Grant]:
+        """The queue's dispatcher (router/admission_queue.py)."""
+        return self.core.dispatcher
+
+    @property
+    def policy(self) -> PlacementPolicy:
+        """The placement policy in force."""
+        return self.core.policy
+
+    @property
+    def prefix(self) -> PrefixIndex | None:
+        """The prefix map (``placement.prefix_cache``), None when off."""
+        return self.core.prefix
+
+    @property
+    def prefix_correction(self) -> PrefixCorrection:
+        """The prefix map's correction by the engines' measured hits."""
+        return self.core.prefix_correction
+
+    @property
+    def work_shed(self) -> WorkShed | None:
+        """Work-aware shedding (``admission.work_shed``), None when off."""
+        return self.core.work_shed
+
+    @property
+    def seed(self) -> int:
+        """The placement tie-break seed."""
+        return self.core.seed
+
+    def replica_load(self, replica_id: str) -> int:
+        """Requests this router holds a lease for on the replica, not yet ended (granted, being relayed)."""
+        return self.core.replica_load.get(replica_id, 0)
+
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -379,13 +337,12 @@ class Router:
             self._remove_replica(rid)
         for rep in diff.added:
             self.replicas[rep.id] = rep
-            self.book.add_replica(rep.id)
+            self.core.add_replica(rep.id)
             self.budgets.add(rep)
             self.metrics.replica_changes.labels("added").inc()
             log.info("replica %s added (%s, %s)", rep.id, rep.http_url, rep.grpc_target)
         if diff:
             self.metrics.replicas.set(len(self.replicas))
-            self.dispatcher.wake()
 
     def _remove_replica(self, rid: str) -> None:
         self.replicas.pop(rid, None)
@@ -393,53 +350,13 @@ class Router:
         for handle in aborts:
             handle.abort(f"replica {rid} was removed")
         self.metrics.replica_aborts.inc(len(aborts))
-        self.book.remove_replica(rid)
-        if self.prefix is not None:
-            self.prefix.forget(rid)
-        self.prefix_correction.forget(rid)
+        self.core.remove_replica(rid)
         self.budgets.remove(rid)
         self.metrics.replica_changes.labels("removed").inc()
         self.metrics.forget_replica(rid)
         log.info("replica %s removed (%d in-flight requests failed over)", rid, len(aborts))
 
     # ------------------------------------------------------------------ configuration and ledger
-
-    def _build_policy(self, config: RouterConfig) -> PlacementPolicy:
-        """The placement policy: the YAML's ``placement`` section (profile or plugin chain), or the
-        registry policy named at construction when it is not the default ``pab``."""
-        if self._policy_name != "pab":
-            return default_registry().build(self._policy_name, seed=self.seed)
-        return config.placement.build(self.seed)  # type: ignore[no-any-return]
-
-    def _configure_prefix(self, config: RouterConfig) -> None:
-        """Build (or drop) the prefix map for ``placement.prefix_cache``; a map whose settings did not
-        change is kept, with what it learned."""
-        pc = config.placement.prefix_cache
-        if not pc.enabled:
-            self.prefix = None
-            return
-        tokens_per_key = max(1, round(pc.chunk_chars / config.admission.bytes_per_token))
-        capacity = max(1, pc.capacity_tokens // tokens_per_key)
-        if self.prefix is None or (self.prefix.capacity_keys, self.prefix.tokens_per_key) != (capacity, tokens_per_key):
-            self.prefix = PrefixIndex(capacity, tokens_per_key)
-            self.prefix_correction = PrefixCorrection()
-
-    def _configure_work_shed(self, config: RouterConfig) -> None:
-        """Build (or drop) the state of ``admission.work_shed`` (router/work_shed.py); kept, with what
-        it learned, when its settings did not change."""
-        ws = config.admission.work_shed
-        new = WorkShedSettings(ws.gain, ws.max_share, ws.window, ws.horizon, ws.min_samples) if ws.enabled else None
-        old: WorkShed | None = getattr(self, "work_shed", None)
-        self.work_shed = None if new is None else old if old is not None and old.settings == new else WorkShed(new)
-
-    def _refuse_by_work(self, principal: Principal, views: list[ReplicaView], prompt_tokens: int,
-                        max_tokens: int) -> bool:
-        """router/work_shed.py at a new request's arrival (sheddable classes, ``admission.work_shed``
-        on): True = answer it 429 ``work-shed``. Priced on the whole prompt and the fair queue's decode
-        estimate, as the fleet simulation does."""
-        if self.work_shed is None or not principal.slo.sheddable:
-            return False
-        return refuse_by_work(self.work_shed, views, prompt_tokens, self._decode_estimate(max_tokens))
 
     def apply_config(self, config: RouterConfig) -> list[str]:
         """Swap in a validated configuration while serving; returns warnings for parts that need a
@@ -458,25 +375,8 @@ class Router:
         self.config = config
         self.auth = ApiKeyAuthenticator(config)
         self.limits = tenant_limits(config)
-        fc = config.fairness
-        self.queue.set_bounds(config.queue.max_requests, config.queue.max_tokens)
-        self.queue.set_tenants(tenant_shares(config))
-        self.queue.w_prefill, self.queue.w_decode = fc.w_prefill, fc.w_decode
-        self.queue.default_max_tokens = fc.default_max_tokens
-        self.queue.aging_floor_share = config.queue.aging_floor_share
-        self.dispatcher.max_bypass = config.queue.max_bypass
-        self.dispatcher.shed_recheck_ms = config.queue.shed_recheck_ms
-        old_pl = self._applied_placement
-        new_pl = config.placement.model_dump(exclude={"prefix_cache"})
-        if new_pl != old_pl:  # a new profile or chain: rebuilt now (the tie-break seed kept unless changed)
-            if new_pl.get("seed") is not None:
-                self.seed = new_pl["seed"]
-            self.policy = self._build_policy(config)
-            self._applied_placement = new_pl
-        self._configure_prefix(config)
-        self._configure_work_shed(config)
+        self.core.apply_config(config)
         self.metrics.config_generation.inc()
-        self.dispatcher.wake()
         return warnings
 
     def reload(self, path: str) -> bool:
@@ -508,50 +408,16 @@ class Router:
             except Exception:  # noqa: BLE001 - the ledger degrades itself; never stop syncing
                 log.exception("VTC counter sync failed")
 
-    def _charge(self, tenant: str, prefill_tokens: int, decode_tokens: int) -> None:
-        """Count service for the fair queue and, when shared, in the ledger (background)."""
-        delta = self.queue.charge(tenant, prefill_tokens, decode_tokens)
-        if self._shared_counters and delta:
+    def _share_charge(self, tenant: str, delta: float) -> None:
+        """A fair-queue charge moved ``tenant``'s counter: share it through the ledger (background)."""
+        if self._shared_counters:
             self._spawn(self.ledger.add_service(tenant, delta))
 
-    def _decode_estimate(self, max_tokens: int) -> int:
-        """The decode tokens charged at dispatch (router/charges.py ``decode_estimate``)."""
-        return decode_estimate(max_tokens, self.config.fairness.default_max_tokens)
+    def predict(self, slo_class: str, band: int, prompt_tokens: int, own_tokens: int = 0,
+                waited_ms: float = 0.0) -> tuple[float, float] | None:
+        """The core's queue-wait prediction (router/core.py ``RouterCore.predict``)."""
+        return self.core.predict(slo_class, band, prompt_tokens, own_tokens, waited_ms)
 
-    def _cached(self, request_id: str, prompt_tokens: int) -> tuple[dict[str, int], dict[str, int]]:
-        """(raw, discounted) prompt tokens the prefix map estimates each replica holds for this
-        request: the map's estimate, and the same discounted where an engine measured fewer hits
-        than the map promised (router/prefix_correction.py); both empty without a map or keys."""
-        prefix, keys = self.prefix, self._prefix_keys.get(request_id)
-        raw = prefix.cached_tokens(keys, prompt_tokens) if prefix is not None and keys else {}
-        return raw, (self.prefix_correction.discount(raw, self.book.prefix_measured) if raw else raw)
-
-    def _priced(self, request_id: str, prompt_tokens: int) -> int:
-        """The prompt tokens the shedding rule prices (router/shedding.py ``priced_tokens``, as the
-        fleet simulation's routers do): what is left to compute on the warmest replica."""
-        return priced_tokens(prompt_tokens, self._cached(request_id, prompt_tokens)[1]) if self.prefix else prompt_tokens
-
-    def _shed(self, entry: WaitingRequest, now_ms: float) -> bool:
-        """A queued sheddable request that the dispatcher could not place: True when the prediction
-        (:meth:`predict` on its priced tokens, its own tokens not counted as ahead of it) says it can
-        no longer start in time (router/shedding.py ``infeasible``)."""
-        prediction = self.predict(entry.slo_class, entry.priority, self._priced(entry.request_id, entry.prompt_tokens),
-                                  entry.prompt_tokens, max(0.0, now_ms - entry.arrival_ms))
-        return infeasible(now_ms, entry.first_token_deadline_ms, prediction, self._margin_ms(entry.slo_class))
-
-    def _margin_ms(self, slo_class: str) -> float:
-        """The agents' safety margin for the class (router/shedding.py ``agent_margin_ms``)."""
-        return agent_margin_ms(self.book.views(), slo_class)
-
-    def predict(
-        self, slo_class: str, band: int, prompt_tokens: int, own_tokens: int = 0, waited_ms: float = 0.0
-    ) -> tuple[float, float] | None:
-        """(predicted queue wait, predicted prefill) in simulated ms, or None without a usable replica
-        (router/shedding.py ``predict_start``; ``own_tokens``: the request's own when it is queued
-        already, not counted as ahead of it; ``waited_ms``: since its arrival)."""
-        tokens = max(0, self.queue.tokens_ahead(band) - own_tokens)
-        return predict_start(self.book.views(), self.book.drain, slo_class, prompt_tokens, tokens, MAX_DRAIN_RATE,
-                             self.clock.now_ms(), waited_ms)
 
     async def _on_startup(self, app: web.Application) -> None:
         await self.start()
@@ -574,201 +440,41 @@ class Router:
     # ------------------------------------------------------------------ leases
 
     def _release(self, grant: Grant, reason: str) -> None:
-        """Release ``grant`` in the background (never delays the response). An inline admission
-        has no lease on the agent (it was taken, or not, when the request arrived, and the agent
-        frees it with the request): only the router's own count is dropped."""
-        self._lease_done(grant)
-        if grant.inline:
-            self.book.notify()  # a slot freed here: wake the dispatcher as a Release answer would
-            return
-        self._spawn(self.budgets.release(grant.lease_id, reason))
+        """Release ``grant`` (router/core.py ``RouterCore.release``; never delays the response)."""
+        self.core.release(grant, reason)
 
-    async def _release_orphan(self, grant: Grant) -> None:
-        self._release(grant, "client-gone")
-
-    async def _place_and_reserve(
-        self,
-        slo_class: str,
-        prompt_tokens: int,
-        max_tokens: int,
-        request_id: str,
-        exclude: frozenset[str],
-        arrival_ms: float,
-        attempt: Attempt = Attempt(),
-    ) -> Grant | None:
-        """Placement, then Reserve on the candidates in order; None when none granted.
-
-        Both see the request's age ``waited_ms = now - arrival_ms`` (router clock, simulated ms):
-        its TTFT has that much less time left (pab.py "Aged requests"); ``attempt`` says whether
-        only on-time replicas count and which replicas are held for an entry ahead. Placement
-        applies the start window of ``admission`` (``start_window_steps``, ``step_tokens``).
-        """
-        adm = self.config.admission
-        t0 = time.perf_counter()
-        prefix = self.prefix
-        preq, raw, cached = self._placement_request(slo_class, prompt_tokens, request_id, exclude, arrival_ms, attempt)
-        policy = self.policy  # a reload may swap it while the Reserves below are awaited
-        result = policy.place(preq, self.book.views())
-        self.metrics.placement_seconds.observe(time.perf_counter() - t0)
-        # no round trip where the agent decides when the request arrives (router/admission.py use_inline)
-        inline = bool(result.candidates) and use_inline(adm.lease_mode, self.book.inline_admission(result.candidates[0]))
-        # which candidates, with which lease parameters: router/admission.py offer_replicas, lease_tokens
-        for replica_id in offer_replicas(result.candidates, inline, MAX_RESERVE_CANDIDATES):
-            uncached = lease_tokens(prompt_tokens, cached, replica_id)  # the prefill left to compute
-            self.book.take_local(replica_id, slo_class, uncached)
-            if inline:
-                self._inline_seq += 1
-                grant = Grant(replica_id, f"inline-{self._inline_seq}", True, uncached)
-            else:
-                t1 = time.perf_counter()
-                waited_ms = max(0.0, self.clock.now_ms() - arrival_ms)  # refused Reserves before took time
-                answer = await self.budgets.reserve(
-                    replica_id, slo_class, uncached, request_id, max_tokens, waited_ms
-                )
-                self.metrics.reserve_seconds.observe(time.perf_counter() - t1)
-                if not answer.granted:
-                    continue
-                grant = Grant(replica_id, answer.lease_id)
-            keys = self._prefix_keys.get(request_id)
-            if prefix is not None and keys:  # post-decision: the replica now holds this prompt
-                prefix.insert(replica_id, keys)
-                self.prefix_correction.record(replica_id, raw.get(replica_id, 0), prompt_tokens)
-            policy.after_decision(preq, replica_id)  # post-decision hooks of the placement plugins
-            self._leased[grant.lease_id] = replica_id
-            self._replica_load[replica_id] += 1
-            return grant
-        return None
-
-    def _placement_request(
-        self, slo_class: str, prompt_tokens: int, request_id: str, exclude: frozenset[str], arrival_ms: float,
-        attempt: Attempt,
-    ) -> tuple[PlacementRequest, dict[str, int], dict[str, int]]:
-        """(placement request, raw cached, discounted cached) for one placement now: the request's
-        age, the contention cap, the start window and the prefix map's estimates (no side effect)."""
-        adm = self.config.admission
-        waited_ms = max(0.0, self.clock.now_ms() - arrival_ms)
-        raw, cached = self._cached(request_id, prompt_tokens)
-        preq = PlacementRequest(
-            slo_class, prompt_tokens, exclude | attempt.avoid | self._contention_excluded(), waited_ms,
-            on_time_only=attempt.on_time_only, window_steps=adm.start_window_steps, step_tokens=adm.step_tokens,
-            cached_tokens=cached,
-        )
-        return preq, raw, cached
-
-    def _probe_waiting(self, entry: WaitingRequest, attempt: Attempt) -> bool:
-        """The dispatcher's watchdog probe: would the placement put ``entry`` somewhere now
-        (router/admission_queue.py ``Dispatcher.probe``; no Reserve, no bookkeeping)."""
-        preq, _, _ = self._placement_request(entry.slo_class, entry.prompt_tokens, entry.request_id, entry.exclude,
-                                             entry.arrived_ms, attempt)
-        return bool(self.policy.place(preq, self.book.views()).candidates)
-
-    def _lease_done(self, grant: Grant) -> None:
-        """The request of ``grant`` ended (served, failed, released or gone): it no longer counts
-        in its replica's load. Idempotent."""
-        rid = self._leased.pop(grant.lease_id, None)
-        if rid is not None:
-            self._replica_load[rid] -= 1
-            if self._replica_load[rid] <= 0:
-                del self._replica_load[rid]
-
-    def replica_load(self, replica_id: str) -> int:
-        """Requests this router holds a lease for on the replica, not yet ended (granted, being relayed)."""
-        return self._replica_load.get(replica_id, 0)
-
-    def _contention_excluded(self) -> frozenset[str]:
-        """Replicas at the contention cap (router/admission.py ``contention_excluded``)."""
-        return contention_excluded(self.config.admission.contention_max_inflight, self.queue.backlogged_tenants(),
-                                   self._replica_load)  # fmt: skip
-
-    async def _admit_waiting(self, entry: WaitingRequest, attempt: Attempt = Attempt()) -> Grant | None:
-        return await self._place_and_reserve(
-            entry.slo_class, entry.prompt_tokens, entry.max_tokens, entry.request_id, entry.exclude, entry.arrived_ms,
-            attempt,
-        )
-
-    def _hold_for(self, entry: WaitingRequest) -> str | None:
-        """The replica to hold for a starving queue head (router/admission.py ``hold_replica``)."""
-        return hold_replica(entry.slo_class, entry.prompt_tokens, entry.exclude, self.book.views())
-
-    async def _acquire(
-        self,
-        principal: Principal,
-        prompt_tokens: int,
-        max_tokens: int,
-        request_id: str,
-        exclude: frozenset[str],
-        arrival_ms: float,
-        avoid_now: frozenset[str] = frozenset(),
-    ) -> Grant:
-        """A lease for this request: at once when a replica fits and nobody waits, else via the queue.
+    async def _acquire(self, req: CoreRequest, exclude: frozenset[str],
+                       avoid_now: frozenset[str] = frozenset()) -> Grant | Refused:
+        """A lease for this request: the core's answer (router/core.py ``RouterCore.acquire``),
+        waiting for the dispatcher when it was queued. Charged once granted.
 
         ``avoid_now``: replicas left out of the immediate placement only (an inline admission they
         refused); the queue entry may use them again once their budget frees.
-
-        Raises:
-            QueueFull: the queue is at its bound.
-            QueueTimeout: ``max_queue_ms`` of the class passed while waiting.
-            NoReplica: every replica already failed for this request.
-            PlacementFailed: placement or Reserve raised for this request (at once or in the dispatcher).
         """
-        replica_ids = self.replicas.keys()
-        if no_replica_left(replica_ids, exclude):  # router/arrival.py
-            raise NoReplica()
-        place_exclude = place_now_exclude(replica_ids, exclude, avoid_now, len(self.queue))
-        if place_exclude is not None:  # nobody waits: placed at once when a replica fits
-            with self.tracer.start_as_current_span("router.placement") as span:
-                try:
-                    grant = await self._place_and_reserve(
-                        principal.slo_class, prompt_tokens, max_tokens, request_id, place_exclude, arrival_ms,
-                    )
-                except Exception as exc:  # noqa: BLE001 - one request's failure answers that request only
-                    log.error("request %s: placement failed: %s", request_id, type(exc).__name__, exc_info=exc)
-                    raise PlacementFailed(type(exc).__name__) from None
-                span.set_attribute("fairbatch.replica", grant.replica_id if grant else "")
-            if grant is not None:
-                self._charge(principal.tenant, prompt_tokens, self._decode_estimate(max_tokens))
-                return grant
-        now = self.clock.now_ms()
-        slo, slo_class = principal.slo, principal.slo_class
-        band = slo.priority
-        decision = queue_or_refuse(now, arrival_ms, slo.ttft_ms, slo.max_queue_ms, slo.sheddable,  # router/arrival.py
-                                   lambda: self.predict(slo_class, band, self._priced(request_id, prompt_tokens), 0,
-                                                        max(0.0, now - arrival_ms)),
-                                   lambda: self._margin_ms(slo_class))  # fmt: skip
-        if isinstance(decision, Refuse):
-            if decision.reason == "slo-infeasible":
-                raise SloInfeasible(decision.wait_ms)
-            raise QueueTimeout(decision.reason)
-        deadline_ms, expire_reason = decision.deadline_ms, decision.expire_reason
-        entry = WaitingRequest(
-            request_id=request_id,
-            tenant=principal.tenant,
-            slo_class=principal.slo_class,
-            prompt_tokens=prompt_tokens,
-            max_tokens=max_tokens,
-            enqueued_ms=now,
-            deadline_ms=deadline_ms,
-            future=asyncio.get_running_loop().create_future(),
-            exclude=exclude,
-            priority=band,
-            first_token_deadline_ms=decision.first_token_deadline_ms,
-            expire_reason=expire_reason,
-            arrival_ms=arrival_ms,
-            promote_at_ms=decision.promote_at_ms,
-            sheddable=slo.sheddable,
-        )
-        before = self.queue.counter(principal.tenant)
-        after = self.queue.push(entry)  # QueueFull propagates
-        if self._shared_counters and after > before:
-            self._spawn(self.ledger.lift(principal.tenant, after))
+        with self.tracer.start_as_current_span("router.placement") as span:
+            got = await self.core.acquire(req, exclude, avoid_now)
+            if isinstance(got, Placed):
+                span.set_attribute("fairbatch.replica", got.grant.replica_id)
+        if isinstance(got, Refused):
+            return got
+        if isinstance(got, Placed):
+            self.core.charge_dispatch(req)
+            return got.grant
+        entry = got.entry
+        if self._shared_counters and got.lifted_counter is not None:
+            self._spawn(self.ledger.lift(req.tenant, got.lifted_counter))
         self.metrics.queue_depth.set(len(self.queue))
-        self.dispatcher.wake()
+        now = entry.enqueued_ms
         try:
-            grant = await within(entry.future, self.clock.to_wall_s(deadline_ms - now))
-            self._charge(principal.tenant, prompt_tokens, self._decode_estimate(max_tokens))
-            return grant
+            grant = await within(entry.future, self.clock.to_wall_s(entry.deadline_ms - now))
+            self.core.charge_dispatch(req)
+            return grant  # type: ignore[no-any-return]
         except TimeoutError:
-            raise QueueTimeout(expire_reason) from None
+            return Refused(entry.expire_reason, queued=True)
+        except QueueTimeout as exc:
+            return Refused(exc.reason, queued=True)
+        except PlacementFailed as exc:
+            return Refused("placement-error", detail=exc.reason, queued=True)
         except asyncio.CancelledError:
             # the client left; a grant handed over in the same instant must not leak
             fut = entry.future
@@ -779,6 +485,7 @@ class Router:
             self.queue.remove(entry)
             self.metrics.queue_depth.set(len(self.queue))
             self.metrics.queue_wait.observe((self.clock.now_ms() - now) / 1000.0)
+
 
     # ------------------------------------------------------------------ handlers
 
@@ -885,67 +592,47 @@ class Router:
             return "bad_request", openai_error(400, cap.refusal, param="messages" if chat else "prompt",
                                                code="context_length_exceeded")  # fmt: skip
         prompt_tokens = cap.tokens
-        if self._refuse_by_work(principal, views, prompt_tokens, max_tokens):
+        req = CoreRequest(request_id, principal.tenant, principal.slo_class, prompt_tokens, max_tokens, arrival_ms,
+                          text_block_keys(prompt_text(body, chat), self.config.placement.prefix_cache.chunk_chars)
+                          if self.core.prefix is not None else ())  # fmt: skip
+        if self.core.refuse_by_work(req, views):
             return self._answer(work_shed(principal.slo_class))
 
         quota = await self.ledger.acquire(
-            principal.tenant, request_id, limits, prompt_tokens + self._decode_estimate(max_tokens)
+            principal.tenant, request_id, limits, prompt_tokens + self.core.decode_estimate(max_tokens)
         )
         if isinstance(quota, Refusal):
             return self._answer(tenant_over(quota.reason, principal.tenant, self.clock.to_wall_s(quota.retry_after_ms)))
-        if self.prefix is not None:
-            self._prefix_keys[request_id] = text_block_keys(prompt_text(body, chat),
-                                                            self.config.placement.prefix_cache.chunk_chars)
+        self.core.track_prefix(req)
         try:
-            return await self._serve_placed(request, principal, raw, request_id, arrival_ms, prompt_tokens, max_tokens,
-                                            valid.stream)
+            return await self._serve_placed(request, principal, raw, req, valid.stream)
         finally:
-            self._prefix_keys.pop(request_id, None)
+            self.core.forget_prefix(request_id)
             self._spawn(self.ledger.release(quota))
 
     async def _serve_placed(
-        self, request: web.Request, principal: Principal, raw: bytes, request_id: str, arrival_ms: float,
-        prompt_tokens: int, max_tokens: int, stream: bool,
+        self, request: web.Request, principal: Principal, raw: bytes, req: CoreRequest, stream: bool,
     ) -> tuple[str, web.StreamResponse]:
+        """Acquire a lease (the core), relay, and follow the core's rule after each attempt."""
         last: RelayOutcome | None = None
         last_replica = ""
-        decode_estimate = self._decode_estimate(max_tokens)
-        tries = RelayAttempts(self.max_relay_tries, MAX_ADMIT_REFUSALS)  # router/admission.py: bounds, exclusions
+        core = self.core
+        tries = core.attempts(self.max_relay_tries)  # router/admission.py: bounds, exclusions
         slo = principal.slo
         while tries.next_try():
-            try:
-                # after an inline refusal: placed elsewhere at once when another replica fits, else
-                # queued for any replica (the refusing one's answer already updated the view)
-                grant = await self._acquire(principal, prompt_tokens, max_tokens, request_id, tries.exclude,
-                                            arrival_ms, tries.refused_on)  # fmt: skip
-            except QueueFull:
-                return self._answer(queue_full())
-            except SloInfeasible as exc:
-                if self.work_shed is not None:
-                    self.work_shed.budget_refused()
-                return self._answer(slo_infeasible(principal.slo_class, slo.ttft_ms, exc.wait_ms,
-                                                   self.clock.to_wall_s(exc.wait_ms)))  # fmt: skip
-            except QueueTimeout as exc:
-                if self.work_shed is not None and exc.reason in BUDGET_REASONS:
-                    self.work_shed.budget_refused()
-                usable = exc.reason == "slo-infeasible" or any(v.healthy and v.fresh for v in self.book.views())
-                return self._answer(queue_expired(exc.reason, principal.slo_class, slo.ttft_ms, slo.max_queue_ms,
-                                                  usable))  # fmt: skip
-            except NoReplica:
-                break
-            except PlacementFailed as exc:  # placement raised for this request: answered, never retried
-                return self._answer(placement_error(exc.reason))
-            outcome = await self._forward(request, principal, grant, raw, request_id, arrival_ms, stream)
-            action = tries.after(outcome.kind, grant.replica_id)  # router/admission.py after_relay
-            if action.refund:  # nothing was generated: the dispatch charge goes back
-                self._charge(principal.tenant, -prompt_tokens, -decode_estimate)
-            if action.release is not None:
-                self._release(grant, action.release)
-            else:
-                self._lease_done(grant)
+            # after an inline refusal: placed elsewhere at once when another replica fits, else
+            # queued for any replica (the refusing one's answer already updated the view)
+            got = await self._acquire(req, tries.exclude, tries.refused_on)
+            if isinstance(got, Refused):
+                if got.reason == "no-replica":
+                    break
+                if got.reason in BUDGET_REASONS:
+                    core.budget_refused()
+                return self._answer(self._refusal_answer(got, principal, slo))
+            grant = got
+            outcome = await self._forward(request, principal, grant, raw, req.request_id, req.arrival_ms, stream)
+            action = core.after_attempt(tries, req, grant, outcome.kind, outcome.pab_ms, outcome.pab_tokens)
             if outcome.kind == "lease_refused":  # the agent's budget was gone on arrival: nothing ran
-                if outcome.pab_ms >= 0:
-                    self.book.apply_reserve(grant.replica_id, principal.slo_class, outcome.pab_ms, outcome.pab_tokens)
                 self.metrics.admit_refusals.labels(grant.replica_id).inc()
             if action.next == "give_up":
                 return self._answer(no_budget(tries.refusals))
@@ -955,14 +642,14 @@ class Router:
                 if outcome.kind == "ok":
                     self.budgets.forget(grant.lease_id)
                     if not stream and isinstance(outcome.response, web.Response):
-                        self._correct_decode(principal.tenant, outcome.response, decode_estimate)
+                        self._correct_decode(principal.tenant, outcome.response, core.decode_estimate(req.max_tokens))
                 elif outcome.kind == "refused":
-                    log.info("request %s: replica %s refused it: %s", request_id, grant.replica_id, outcome.detail)
+                    log.info("request %s: replica %s refused it: %s", req.request_id, grant.replica_id, outcome.detail)
                 elif outcome.kind == "client_gone":
                     return action.outcome, outcome.response or web.Response(status=499)
                 return action.outcome, outcome.response  # type: ignore[return-value]
             log.warning("request %s: replica %s failed before the first byte: %s",
-                        request_id, grant.replica_id, outcome.detail)
+                        req.request_id, grant.replica_id, outcome.detail)
             last, last_replica = outcome, grant.replica_id
         if last is not None and last.status and last.error_body:
             return "upstream_error", web.Response(
@@ -972,6 +659,17 @@ class Router:
         return "upstream_error", openai_error(
             503, "No replica could serve the request (upstream failures).", "service_unavailable", 503
         )
+
+    def _refusal_answer(self, got: Refused, principal: Principal, slo: SloClassConfig) -> Answer:
+        """The answer of one of the core's refusals (router/answers.py)."""
+        if got.reason == "queue-full":
+            return queue_full()
+        if got.reason == "placement-error":
+            return placement_error(got.detail)
+        if got.reason == "slo-infeasible" and not got.queued:  # predicted at arrival
+            return slo_infeasible(principal.slo_class, slo.ttft_ms, got.wait_ms, self.clock.to_wall_s(got.wait_ms))
+        usable = got.reason == "slo-infeasible" or any(v.healthy and v.fresh for v in self.book.views())
+        return queue_expired(got.reason, principal.slo_class, slo.ttft_ms, slo.max_queue_ms, usable)
 
     @staticmethod
     def _answer(answer: Answer) -> tuple[str, web.StreamResponse]:
@@ -983,7 +681,7 @@ class Router:
         (router/charges.py ``decode_correction``)."""
         delta = decode_correction(response.body, estimate)
         if delta:
-            self._charge(tenant, 0, delta)
+            self.core.charge(tenant, 0, delta)
 
     async def _forward(
         self, request: web.Request, principal: Principal, grant: Grant, raw: bytes, request_id: str, arrival_ms: float,
@@ -1143,6 +841,25 @@ class Router:
             m.fleet_pab.labels(name).set(spare.get(name, 0.0))
             m.fleet_replicas_without_pab.labels(name).set(empty.get(name, len(self.replicas)))
         return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+
+class _GrpcReserve:
+    """The core's :class:`~router.core.ReservePort` over the agents' gRPC service
+    (router/budget_client.py); a Release runs in the router's background."""
+
+    __slots__ = ("_router",)
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    async def reserve(self, replica_id: str, slo_class: str, prompt_tokens: int, request_id: str,
+                      max_tokens: int, waited_ms: float) -> ReserveResult:
+        return await self._router.budgets.reserve(replica_id, slo_class, prompt_tokens, request_id, max_tokens,
+                                                  waited_ms)  # fmt: skip
+
+    def release(self, lease_id: str, reason: str) -> None:
+        self._router._spawn(self._router.budgets.release(lease_id, reason))
 
 
 def build_app(

@@ -509,7 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-s", type=float, default=0.0,
                    help="requests arriving in the first this many seconds load the fleet but are not counted "
                         "(steady state: the window measured is [warmup, duration])")
-    p.add_argument("--queue", choices=("fair", "fifo"), default="fair", help="admission queue of the pab routers")
+    p.add_argument("--queue", choices=("fair",), default="fair",
+                   help="admission queue of the pab routers (the router's weighted fair queue)")
     p.add_argument("--queue-cap-tokens", type=int, default=None,
                    help="static-queue-cap bound (tokens); default: the prompt tokens one replica prefills "
                         "within the TTFT target, floor((ttft - a) / b)")  # fmt: skip

@@ -92,17 +92,15 @@ from replica_agent.policy.pab import (
 from replica_agent.policy.prefill_eta import inflight_schedule
 from replica_agent.policy.reserve import reserve_decision
 from replica_agent.policy.time_model import TimeModel
-from router.admission import MAX_ADMIT_REFUSALS, RelayAttempts, lease_tokens, offer_replicas, use_inline
-from router.arrival import Refuse, place_now_exclude, queue_or_refuse
+from router.admission import RelayAttempts
 from router.autoscale import FleetSignal, Stabilizer, pab_desired, waiting_desired
-from router.admission_queue import Attempt, Dispatcher, FifoQueue, QueueFull, WaitingRequest
-from router.budgets import BudgetBook
-from router.fair_queue import FairQueue, TenantShare
+from router.budget_client import ReserveResult
+from router.config import RouterConfig
+from router.core import CoreRequest, Grant, Placed, Queued, RouterCore
 from router.placement import DEFAULT_MAX_CANDIDATES, PlacementRequest, ReplicaView
 from router.prefix_correction import PrefixCorrection
 from router.prefix_index import PrefixIndex
-from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start, priced_tokens
-from router.work_shed import BUDGET_REASONS, REASON as WORK_SHED_REASON, WorkShed, WorkShedSettings, refuse_by_work
+from router.work_shed import BUDGET_REASONS, REASON as WORK_SHED_REASON, WorkShed, WorkShedSettings
 
 POLICIES: dict[str, tuple[str, str]] = {
     "round-robin": ("direct", "vllm-default"),
@@ -229,7 +227,8 @@ class FleetConfig:
         start_window_steps: the router's start window (router/config.py ``admission``; the router's
             default is 4): a replica takes a prompt only while its un-started prefill work fits this
             many steps of ``max_num_batched_tokens``. 0 = no window.
-        queue_kind: ``fair`` (router/fair_queue.py) or ``fifo`` (router/admission_queue.py).
+        queue_kind: ``fair`` (router/fair_queue.py), the only queue the router has (the fleet's
+            routers are the shipped router's core, router/core.py).
         queue_max_requests, queue_max_tokens: router queue bounds.
         dispatch_gap_ms: at most one dispatcher pass per this many ms per router.
         queue_cap_tokens: ``static-queue-cap`` bound on a replica's waiting prompt tokens.
@@ -303,8 +302,8 @@ class FleetConfig:
             raise ValueError(f"lease_mode must be 'reserve' or 'inline', got {self.lease_mode!r}")
         if self.min_push_interval_ms is not None and self.min_push_interval_ms < 0:
             raise ValueError("min_push_interval_ms must be >= 0")
-        if self.queue_kind not in ("fair", "fifo"):
-            raise ValueError(f"queue_kind must be 'fair' or 'fifo', got {self.queue_kind!r}")
+        if self.queue_kind != "fair":
+            raise ValueError(f"queue_kind must be 'fair' (the router's weighted fair queue), got {self.queue_kind!r}")
         a = self.autoscale
         if a is not None:
             if a.signal not in AUTOSCALE_SIGNALS or (a.signal == "pab" and POLICIES[self.policy][0] != "pab"):
@@ -419,6 +418,81 @@ class _SimFuture:
         self.on_error(exc)
 
 
+def _unset(value: Any) -> None:
+    raise AssertionError("a queue entry's callbacks are set when it is queued")
+
+
+def _unset_future() -> _SimFuture:
+    """The core's ``new_future``: callbacks are attached once the entry is known to be queued."""
+    return _SimFuture(_unset, _unset)
+
+
+def sim_router_config(cfg: FleetConfig, seed: int) -> RouterConfig:
+    """The router configuration a fleet's ``pab`` routers run (router/config.py), from ``cfg``: one
+    class (``SLO_CLASS``: its TTFT, TPOT, sheddability and max queue time), the tenants of
+    ``tenant_weights`` (``t0`` when none), the queue bounds, the admission settings (lease mode,
+    start window of ``max_num_batched_tokens``-token steps, work shedding) and, for the
+    prefix-aware policies, the prefix map (one key per ``prefix_block_tokens`` tokens, about one
+    KV cache remembered per replica). Everything else is the router's default, as a user gets it:
+    among them the contention cap (``admission.contention_max_inflight``, 32) and the dispatcher's
+    holds (``queue.max_bypass``, 8)."""
+    ws = cfg.work_shed
+    return RouterConfig.model_validate({
+        "model": "fleet-sim",
+        "slo_classes": {SLO_CLASS: {"ttft_ms": cfg.ttft_ms, "tpot_ms": cfg.tpot_ms, "sheddable": cfg.sheddable,
+                                    "max_queue_ms": cfg.max_queue_ms}},
+        "tenants": {t: {"weight": w, "slo_class": SLO_CLASS} for t, w in (cfg.tenant_weights or (("t0", 1.0),))},
+        "replicas": [{"id": f"r{i}", "http_url": f"http://127.0.0.1:{i + 1}", "grpc_target": f"127.0.0.1:{i + 1}"}
+                     for i in range(cfg.replicas)],
+        "queue": {"max_requests": cfg.queue_max_requests, "max_tokens": cfg.queue_max_tokens},
+        "admission": {
+            "lease_mode": cfg.lease_mode if cfg.leases else "reserve", "bytes_per_token": 4.0,
+            "start_window_steps": cfg.start_window_steps, "step_tokens": cfg.max_num_batched_tokens,
+            "work_shed": {"enabled": True, "gain": ws.gain, "max_share": ws.max_share, "window": ws.window,
+                          "horizon": ws.horizon, "min_samples": ws.min_samples}
+            if ws is not None and cfg.sheddable else {},
+        },
+        "placement": {"seed": seed, "prefix_cache": {
+            "enabled": cfg.policy in PREFIX_POLICIES, "chunk_chars": 4 * cfg.prefix_block_tokens,
+            "capacity_tokens": max(cfg.prefix_block_tokens, cfg.kv_capacity_tokens)}},
+    })  # fmt: skip
+
+
+class _SimReserve:
+    """The core's :class:`~router.core.ReservePort` on the simulated agents (:meth:`FleetSim.reserve`).
+
+    Counts each request's refused Reserves until its grant (they delay its arrival at the replica
+    by a round trip each); a lease given back returns to its replica's table."""
+
+    def __init__(self, sim: FleetSim, clock: _Clock) -> None:
+        self.sim = sim
+        self.clock = clock
+        self.refusals: dict[str, int] = {}
+        self._lease_replica: dict[str, int] = {}
+        self._n = 0
+
+    async def reserve(self, replica_id: str, slo_class: str, prompt_tokens: int, request_id: str,
+                      max_tokens: int, waited_ms: float) -> ReserveResult:
+        sim = self.sim
+        ri = sim.index_of[replica_id]
+        granted, lease_id, after = sim.reserve(ri, prompt_tokens, self.clock.t, waited_ms)
+        sim.stats.reserve_answers += 1
+        if not granted:
+            self.refusals[request_id] = self.refusals.get(request_id, 0) + 1
+        elif not lease_id:  # no leases (forward on the view alone): a key of our own for the load count
+            self._n += 1
+            lease_id = f"nolease-{self._n}"
+        else:
+            self._lease_replica[lease_id] = ri
+        return ReserveResult(granted, lease_id, "", after.pab_ms if after is not None else -1.0,
+                             after.pab_tokens if after is not None else -1)  # fmt: skip
+
+    def release(self, lease_id: str, reason: str) -> None:
+        ri = self._lease_replica.pop(lease_id, None)
+        if ri is not None:
+            self.sim.replicas[ri].leases.release(lease_id)
+
+
 @dataclass(slots=True)
 class _Clock:
     """Router clock for BudgetBook / Dispatcher: simulated ms, no wall time."""
@@ -430,15 +504,6 @@ class _Clock:
 
     def to_wall_s(self, sim_ms: float) -> float:
         return sim_ms / 1000.0
-
-
-@dataclass(slots=True)
-class _Grant:
-    replica: int
-    lease_id: str
-    refusals: int
-    inline: bool = False
-    prompt_tokens: int = 0  # inline: the uncached prompt tokens the agent is asked to admit
 
 
 @dataclass(slots=True)
@@ -470,6 +535,7 @@ class _ReqState:
     lease_id: str = ""
     admit_tokens: int = 0  # inline: the prompt tokens the agent is asked to admit (uncached)
     attempts: RelayAttempts | None = None  # inline refusals so far (router/admission.py), from the first one
+    grant: Grant | None = None  # pab routers: the core's grant, until the request ends
 
 
 def _drive(coro: Any) -> Any:
@@ -521,132 +587,33 @@ class _Router:
         self.prefix: PrefixIndex | None = None
         # pab routers discount the map by the engines' measured hits (router/prefix_correction.py), as router/server.py
         self.prefix_correction: PrefixCorrection | None = None
-        if cfg.policy in PREFIX_POLICIES:
-            self.prefix = PrefixIndex(max(1, cfg.kv_capacity_tokens // cfg.prefix_block_tokens), cfg.prefix_block_tokens)
-            if self.kind == "pab":
-                self.prefix_correction = PrefixCorrection()
         self.work_shed: WorkShed | None = None
-        if self.kind == "pab":
-            self.book = BudgetBook(self.clock, self.ids)  # type: ignore[arg-type]
-            if cfg.work_shed is not None and cfg.sheddable:
-                self.work_shed = WorkShed(cfg.work_shed)
-            self.policy = reg.build("pab", seed=seed)
-            if cfg.queue_kind == "fair":
-                shares = {t: TenantShare(weight=w) for t, w in cfg.tenant_weights}
-                self.queue: Any = FairQueue(cfg.queue_max_requests, cfg.queue_max_tokens, shares)
-            else:
-                self.queue = FifoQueue(cfg.queue_max_requests, cfg.queue_max_tokens)
-            self.dispatcher: Dispatcher[_Grant] = Dispatcher(self.queue, self.clock, self._admit, self._orphan,  # type: ignore[arg-type]
-                                                             shed=self._shed if cfg.sheddable else None,
-                                                             probe=self._probe)
+        if self.kind == "pab":  # the shipped router's core (router/core.py), on simulated ports
+            self.reserve_port = _SimReserve(sim, self.clock)
+            self.core = RouterCore(sim_router_config(cfg, seed), self.clock, self.reserve_port,  # type: ignore[arg-type]
+                                   _unset_future, seed, replica_ids=self.ids, observe_placement=sim.sample_decision)
+            self.book = self.core.book
+            self.queue: Any = self.core.queue
+            self.dispatcher = self.core.dispatcher
+            self.policy = self.core.policy
+            self.prefix = self.core.prefix
+            self.prefix_correction = self.core.prefix_correction
+            self.work_shed = self.core.work_shed
         else:
+            if cfg.policy in PREFIX_POLICIES:  # SGLang / vllm-router / llm-d keep a map of their own decisions
+                self.prefix = PrefixIndex(max(1, cfg.kv_capacity_tokens // cfg.prefix_block_tokens),
+                                          cfg.prefix_block_tokens)  # fmt: skip
             self.policy = reg.build(placement_name(cfg.policy), load=self.load, seed=seed)
             tm = cfg.time_model
             self.static_views = [ReplicaView(rid, True, True, tm, {}, cfg.max_model_len) for rid in self.ids]
 
     # ------------------------------------------------------------ pab path
 
-    def _place(self, idx: int, slo_class: str, prompt_tokens: int, exclude: frozenset[str], arrival_ms: float,
-               on_time_only: bool = False) -> _Grant | None:
-        """router/server.py ``_place_and_reserve``: placement, then Reserve on up to 3 candidates,
-        both with the request's age ``waited_ms = now - arrival_ms`` (arrival at the router), and
-        the router's start window (``FleetConfig.start_window_steps`` steps of the engine's
-        ``max_num_batched_tokens``; 0 = none). The contention cap and holds are not modelled.
-
-        Prefix-aware (``pab-prefix``): placement gets each replica's estimated cached tokens from
-        this router's prefix map; the Reserve on a candidate asks for its uncached tokens (the lease
-        and the book take that much), and the granted replica is recorded in the map."""
-        sim = self.sim
-        now = self.clock.t
-        waited_ms = max(0.0, now - arrival_ms)
-        t0 = time.perf_counter()
-        cfg = sim.cfg
-        preq, raw, keys = self._placement_request(idx, slo_class, prompt_tokens, exclude, waited_ms, on_time_only)
-        cached = preq.cached_tokens
-        result = self.policy.place(preq, self.book.views(now))
-        sim.sample_decision(time.perf_counter() - t0)
-        # no round trip: the agent decides on arrival (router/admission.py use_inline, as router/server.py)
-        inline = cfg.leases and bool(result.candidates) and use_inline(
-            cfg.lease_mode, self.book.inline_admission(result.candidates[0]))
-        refusals = 0
-        # the router's offers and lease parameters (router/admission.py), as router/server.py
-        for rid in offer_replicas(result.candidates, inline, MAX_RESERVE_CANDIDATES):
-            p = lease_tokens(prompt_tokens, cached, rid)
-            self.book.take_local(rid, slo_class, p)
-            ri = sim.index_of[rid]
-            if inline:
-                grant = _Grant(ri, "", 0, inline=True, prompt_tokens=p)
-            else:
-                granted, lease_id, after = sim.reserve(ri, p, now, waited_ms)
-                sim.stats.reserve_answers += 1
-                if after is not None:
-                    self.book.apply_reserve(rid, slo_class, after.pab_ms, after.pab_tokens)
-                if not granted:
-                    refusals += 1
-                    continue
-                grant = _Grant(ri, lease_id, refusals)
-            if self.prefix is not None:  # the post-decision update of the prefix map
-                self.prefix.insert(rid, keys)
-                if self.prefix_correction is not None:
-                    self.prefix_correction.record(rid, raw.get(rid, 0), prompt_tokens)
-            return grant
-        return None
-
-    def _uncached(self, idx: int, prompt_tokens: int) -> int:
-        """The prompt's tokens left to compute on the warmest replica of this router's prefix map
-        (the whole prompt without one): what the shedding rule prices (its best case)."""
-        if self.prefix is None:
-            return prompt_tokens
-        cached = self.prefix.cached_tokens(self.sim.router_keys(idx), prompt_tokens)
-        if self.prefix_correction is not None and cached:  # discounted as for placement (router/server.py _cached)
-            cached = self.prefix_correction.discount(cached, self.book.prefix_measured)
-        return priced_tokens(prompt_tokens, cached)
-
-    def _predict(self, prompt_tokens: int, own_tokens: int, waited_ms: float) -> tuple[float, float] | None:
-        """router/server.py ``predict``: router/shedding.py ``predict_start`` on this router's book."""
-        ahead = self.queue.tokens_ahead(0) if isinstance(self.queue, FairQueue) else 0
-        return predict_start(self.book.views(self.clock.t), self.book.drain, SLO_CLASS, prompt_tokens,
-                             max(0, ahead - own_tokens), MAX_DRAIN_RATE, self.clock.t, max(0.0, waited_ms))  # fmt: skip
-
-    def _shed(self, entry: WaitingRequest, now_ms: float) -> bool:
-        """router/server.py ``_shed``: a blocked queued request that can no longer start in time."""
-        p = self._uncached(int(entry.request_id), entry.prompt_tokens)
-        return infeasible(now_ms, entry.first_token_deadline_ms,
-                          self._predict(p, entry.prompt_tokens, now_ms - entry.arrival_ms),
-                          agent_margin_ms(self.book.views(now_ms), SLO_CLASS))  # fmt: skip
-
-    async def _admit(self, entry: WaitingRequest, attempt: Attempt) -> _Grant | None:
-        return self._place(int(entry.request_id), entry.slo_class, entry.prompt_tokens,
-                           entry.exclude | attempt.avoid, entry.arrived_ms, attempt.on_time_only)
-
-    def _placement_request(self, idx: int, slo_class: str, prompt_tokens: int, exclude: frozenset[str],
-                           waited_ms: float, on_time_only: bool) -> tuple[PlacementRequest, dict[str, int], list[int]]:
-        """(placement request, the prefix map's raw estimate, the prompt's prefix keys) for one
-        placement now: the start window, and the map's estimate discounted by the measured hits."""
-        cfg = self.sim.cfg
-        cached: dict[str, int] = {}
-        raw: dict[str, int] = {}
-        keys: list[int] = []
-        if self.prefix is not None:
-            keys = self.sim.router_keys(idx)
-            raw = cached = self.prefix.cached_tokens(keys, prompt_tokens)
-            if self.prefix_correction is not None and raw:  # the map's estimate, discounted by the measured hits
-                cached = self.prefix_correction.discount(raw, self.book.prefix_measured)
-        preq = PlacementRequest(slo_class, prompt_tokens, exclude, waited_ms, on_time_only, cfg.start_window_steps,
-                                cfg.max_num_batched_tokens, cached)  # fmt: skip
-        return preq, raw, keys
-
-    def _probe(self, entry: WaitingRequest, attempt: Attempt) -> bool:
-        """The dispatcher's watchdog probe (router/server.py ``_probe_waiting``): would the placement
-        put this entry somewhere now (no Reserve, no bookkeeping)."""
-        now = self.clock.t
-        preq, _, _ = self._placement_request(int(entry.request_id), entry.slo_class, entry.prompt_tokens,
-                                             entry.exclude | attempt.avoid, max(0.0, now - entry.arrived_ms),
-                                             attempt.on_time_only)  # fmt: skip
-        return bool(self.policy.place(preq, self.book.views(now)).candidates)
-
-    async def _orphan(self, grant: _Grant) -> None:  # never happens: simulated waiters do not leave
-        self.sim.replicas[grant.replica].leases.release(grant.lease_id)
+    def core_request(self, idx: int) -> CoreRequest:
+        """Request ``idx`` as the core sees it (its output length is its ``max_tokens``)."""
+        req = self.sim.requests[idx]
+        keys = self.sim.router_keys(idx) if self.prefix is not None else ()
+        return CoreRequest(str(idx), req.tenant, SLO_CLASS, req.prompt_tokens, req.output_tokens, req.arrival_ms, keys)
 
     def _schedule_pass(self, at: float) -> None:
         """Make sure a dispatcher pass happens at ``at`` or earlier (an earlier one supersedes a later)."""
@@ -688,82 +655,67 @@ class _Router:
         """A client request reaches this router (or comes back refused: ``avoid`` = the replica that
         refused it, left out of the immediate placement only)."""
         sim = self.sim
-        req = sim.requests[idx]
         st = sim.states[idx]
         st.router = self.index
         now = self.clock.t
         if self.kind != "pab":
             self._forward_direct(idx, frozenset())
             return
-        cfg = sim.cfg
+        core = self.core
+        creq = self.core_request(idx)
         # work-aware admission under contention (router/work_shed.py), once per new request
-        if self.work_shed is not None and not avoid and st.attempts is None and refuse_by_work(
-            self.work_shed, self.book.views(now), req.prompt_tokens, req.output_tokens
-        ):
+        if not avoid and st.attempts is None and core.refuse_by_work(creq, self.book.views(now)):
             sim.reject(idx, WORK_SHED_REASON)
             return
-        # the router's own rules (router/arrival.py): placed at once only when nobody waits
-        exclude = place_now_exclude(self.id_set, frozenset(), avoid, len(self.queue))
-        if exclude is not None:
-            grant = self._place(idx, SLO_CLASS, req.prompt_tokens, exclude, req.arrival_ms)
-            if grant is not None:
-                self._charge(req)
-                sim.forward_granted(idx, grant, now)
-                return
-        decision = queue_or_refuse(now, req.arrival_ms, cfg.ttft_ms, cfg.max_queue_ms, cfg.sheddable,
-                                   lambda: self._predict(self._uncached(idx, req.prompt_tokens), 0, now - req.arrival_ms),
-                                   lambda: agent_margin_ms(self.book.views(now), SLO_CLASS))  # fmt: skip
-        if isinstance(decision, Refuse):
-            sim.reject(idx, decision.reason)
-            return
-        deadline, reason = decision.deadline_ms, decision.expire_reason
-        if deadline <= now:  # the router's wait would time out at once
-            sim.reject(idx, reason)
-            return
-        entry = WaitingRequest(
-            request_id=str(idx), tenant=req.tenant, slo_class=SLO_CLASS, prompt_tokens=req.prompt_tokens,
-            max_tokens=req.output_tokens, enqueued_ms=now, deadline_ms=deadline,
-            future=_SimFuture(lambda g, i=idx: self._granted_from_queue(i, g),  # type: ignore[arg-type,misc]
-                              lambda e, i=idx: sim.reject(i, getattr(e, "reason", "queue-timeout"))),
-            first_token_deadline_ms=req.arrival_ms + cfg.ttft_ms, expire_reason=reason, arrival_ms=req.arrival_ms,
-            sheddable=cfg.sheddable,
-        )  # fmt: skip
-        try:
-            self.queue.push(entry)
-        except QueueFull:
-            sim.reject(idx, "queue-full")
-            return
-        self.wake()
+        core.track_prefix(creq)
+        got = _drive(core.acquire(creq, frozenset(), avoid))  # router/core.py: placed, queued or refused
+        if isinstance(got, Placed):
+            self._granted(idx, got.grant)
+        elif isinstance(got, Queued):
+            fut = got.entry.future
+            fut.on_result = lambda g, i=idx: self._granted(i, g)
+            fut.on_error = lambda e, i=idx: self._rejected(i, getattr(e, "reason", "queue-timeout"))
+            self.wake()
+        else:
+            self._rejected(idx, got.reason)
 
     def refused(self, idx: int, ri: int, after: ClassBudget | None) -> None:
-        """An inline admission came back refused (router/server.py ``_serve_placed``): apply the
-        budget the agent reported, then the router's rule after the attempt (router/admission.py
-        ``RelayAttempts``): refund the charge, re-place the request away from the replicas that
-        refused it, or give it up at ``MAX_ADMIT_REFUSALS``."""
+        """An inline admission came back refused (router/server.py ``_serve_placed``): the core's
+        rule after the attempt (router/core.py ``after_attempt``: the budget the agent reported
+        applied, the charge refunded), then the request is re-placed away from the replicas that
+        refused it, or given up at ``MAX_ADMIT_REFUSALS``."""
         sim = self.sim
-        rid = sim.replicas[ri].rid
-        if after is not None:
-            self.book.apply_reserve(rid, SLO_CLASS, after.pab_ms, after.pab_tokens)
-        req = sim.requests[idx]
         st = sim.states[idx]
         if st.attempts is None:
-            st.attempts = RelayAttempts(1, MAX_ADMIT_REFUSALS)
+            st.attempts = self.core.attempts(1)
         st.attempts.next_try()  # the attempt that just came back (a refusal gives it back)
-        action = st.attempts.after("lease_refused", rid)
-        if action.refund and isinstance(self.queue, FairQueue):
-            self.queue.charge(req.tenant, -req.prompt_tokens, -req.output_tokens)
+        grant, st.grant = st.grant, None
+        assert grant is not None, "a refused admission had a grant"
+        action = self.core.after_attempt(st.attempts, self.core_request(idx), grant, "lease_refused",
+                                         after.pab_ms if after is not None else -1.0,
+                                         after.pab_tokens if after is not None else -1)  # fmt: skip
         if action.next == "give_up":
-            sim.reject(idx, "no-budget")
+            self._rejected(idx, "no-budget")
             return
         self.arrive(idx, st.attempts.refused_on)
 
-    def _granted_from_queue(self, idx: int, grant: _Grant) -> None:
-        self._charge(self.sim.requests[idx])
-        self.sim.forward_granted(idx, grant, self.clock.t)
+    def _granted(self, idx: int, grant: Grant) -> None:
+        """The core granted request ``idx`` (at once or from the queue): charge it, forward it."""
+        self.core.charge_dispatch(self.core_request(idx))
+        self.sim.states[idx].grant = grant
+        self.sim.forward_granted(idx, grant, self.clock.t, self.reserve_port.refusals.pop(str(idx), 0))
 
-    def _charge(self, req: FleetRequest) -> None:
-        if isinstance(self.queue, FairQueue):
-            self.queue.charge(req.tenant, req.prompt_tokens, req.output_tokens)
+    def _rejected(self, idx: int, reason: str) -> None:
+        self.core.forget_prefix(str(idx))
+        self.sim.reject(idx, reason)
+
+    def ended(self, idx: int) -> None:
+        """Request ``idx`` finished on its replica: its lease settles (the contention cap's count)."""
+        st = self.sim.states[idx]
+        if st.grant is not None:
+            self.core.lease_done(st.grant)
+            st.grant = None
+        self.core.forget_prefix(str(idx))
 
     # ------------------------------------------------------------ baselines
 
@@ -878,15 +830,18 @@ class FleetSim:
         after = class_budget(replace(state, prefills=[*state.prefills, PendingPrefill(prompt_tokens)]), self.slo)
         return True, lease_id, after
 
-    def forward_granted(self, idx: int, grant: _Grant, now_ms: float) -> None:
+    def forward_granted(self, idx: int, grant: Grant, now_ms: float, refusals: int = 0) -> None:
+        """Send a granted request to its replica: one hop after an inline admission, else after
+        the Reserve round trips (``refusals`` refused ones first) and the hop."""
         d = self.cfg.net_delay_ms
         st = self.states[idx]
         st.lease_id = grant.lease_id
+        ri = self.index_of[grant.replica_id]
         if grant.inline:
             st.admit_tokens = grant.prompt_tokens
-            self.push_event(now_ms + d, _FORWARD, idx, (grant.replica,))
+            self.push_event(now_ms + d, _FORWARD, idx, (ri,))
             return
-        self.push_event(now_ms + 3 * d + 2 * d * grant.refusals, _FORWARD, idx, (grant.replica,))
+        self.push_event(now_ms + 3 * d + 2 * d * refusals, _FORWARD, idx, (ri,))
 
     def changed(self, ri: int, t: float) -> None:
         """Replica ``ri``'s state changed: push a snapshot now, or at the end of the coalescing
@@ -993,7 +948,9 @@ class FleetSim:
             if out.finished:
                 st.outcome = OK
                 router = self.routers[st.router]
-                if router.kind != "pab":
+                if router.kind == "pab":
+                    router.ended(idx)
+                else:
                     req = self.requests[idx]
                     router.load.add(rep.rid, -(req.prompt_tokens + req.output_tokens))
         self._start_step(ri, t)

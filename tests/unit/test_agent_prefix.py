@@ -12,6 +12,7 @@ from replica_agent.engine_metrics import EngineMetrics
 from replica_agent.policy.pab import SloClass
 from replica_agent.policy.time_model import TimeModel
 from router.budgets import BudgetBook
+from router.core import CoreRequest
 from router.prefix_correction import PrefixCorrection
 from tests.fakes import FakeClock
 
@@ -64,9 +65,9 @@ async def _place(r0_pab: float, r1_hits: int, routers: list[object] | None = Non
     keys = [11, 12, 13, 14]
     assert router.prefix is not None
     router.prefix.insert("r1", keys)
-    router._prefix_keys["q"] = keys
+    router.core.track_prefix(CoreRequest("q", "t0", "interactive", 2048, 10, 0.0, keys))
     router.prefix_correction.record("r1", 1024, 2048)
-    grant = await router._place_and_reserve("interactive", 2048, 10, "q", frozenset(), 0.0)
+    grant = await router.core.place("interactive", 2048, 10, "q", frozenset(), 0.0)
     if routers is not None:
         routers.append(router)
     return None if grant is None else (grant.replica_id, grant.prompt_tokens)

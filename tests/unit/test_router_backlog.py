@@ -1,7 +1,7 @@
 """Router state for admission under backlog (issue 18): tie-break seed from the YAML, per-replica
 load (leases granted, not ended), the contention cap, the hold choice and the per-replica gauges.
 
-One replica r0 with a fake Reserve (always granted); time model a = 10 ms, b = 0.1 ms/token.
+Two replicas with a fake Reserve (always granted, no budget in its answer); time model a = 10 ms, b = 0.1 ms/token.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def make_router(cfg: RouterConfig) -> Router:
     n = iter(range(10**6))
 
     async def reserve(replica_id, slo_class, prompt_tokens, request_id, max_tokens=0, waited_ms=0.0):
-        return ReserveResult(True, f"lease-{next(n)}", "", 100.0, 1000)
+        return ReserveResult(True, f"lease-{next(n)}")  # no budget in the answer: the view stays as pushed
 
     router.budgets.reserve = reserve  # type: ignore[method-assign]
     router.book.update("r0", snapshot("r0"))
@@ -65,22 +65,22 @@ async def test_seed_from_yaml_and_random_by_default() -> None:
 async def test_replica_load_and_contention_cap() -> None:
     router = make_router(config(admission={"contention_max_inflight": 1, "start_window_steps": 0}))
     # r0 has the larger headroom (nothing reserved) -> the first grant goes there
-    g = await router._place_and_reserve("loose", 1000, 10, "x", frozenset(), 0.0)
+    g = await router.core.place("loose", 1000, 10, "x", frozenset(), 0.0)
     assert g is not None and g.replica_id == "r0" and router.replica_load("r0") == 1
     # no contention (queue empty): no replica is capped
-    assert router._contention_excluded() == frozenset()
+    assert router.core.contention_excluded() == frozenset()
     a, b = waiting("a", "A"), waiting("b", "B")
     router.queue.push(a)
     router.queue.push(b)
     # two tenants waiting: r0 runs 1 >= cap 1 -> excluded, so the dispatcher places on r1 only
-    assert router._contention_excluded() == frozenset({"r0"})
+    assert router.core.contention_excluded() == frozenset({"r0"})
     await router.dispatcher.dispatch_once()
     assert a.future.result().replica_id == "r1"
     # b: r0 and r1 capped (1 each), one tenant left waiting -> no contention any more, r0 again
     assert b.future.done() and b.future.result().replica_id == "r0"
     # every end of a request frees its slot, once
-    router._lease_done(g)
-    router._lease_done(g)
+    router.core.lease_done(g)
+    router.core.lease_done(g)
     assert router.replica_load("r0") == 1
     router._release(Grant("r0", b.future.result().lease_id), "test")
     assert router.replica_load("r0") == 0
@@ -90,9 +90,9 @@ async def test_replica_load_and_contention_cap() -> None:
 async def test_hold_goes_to_the_least_reserved_replica_and_gauges() -> None:
     router = make_router(config())
     e = waiting("h", "A")
-    assert router._hold_for(e) == "r0"  # r1 has 50 ms in flight
+    assert router.core._hold_for(e) == "r0"  # r1 has 50 ms in flight
     e.exclude = frozenset({"r0"})
-    assert router._hold_for(e) == "r1"
+    assert router.core._hold_for(e) == "r1"
     body = (await router.handle_metrics(None)).body.decode()  # type: ignore[arg-type]
     assert 'fairbatch_router_replica_queued_requests{replica="r1"} 3.0' in body
     assert 'fairbatch_router_replica_inflight_requests{replica="r0"} 0.0' in body

@@ -1,5 +1,5 @@
 """The router (router/server.py) and a fleet simulation's router (loadgen/fleet/sim.py) take the same
-decision on one built state: both call the pure rules of router/admission.py and router/arrival.py.
+decision on one built state: both drive one core (router/core.py) through their own ports.
 
 Two replicas, time model a = 10 ms, b = 0.1 ms/token (prefill of P tokens: 10 + 0.1 P ms), horizon
 900 ms; each router's book gets the same snapshots.
@@ -11,12 +11,13 @@ import asyncio
 
 import pytest
 
-from loadgen.fleet.sim import FleetConfig, FleetRequest, FleetSim
+from loadgen.fleet.sim import FleetConfig, FleetRequest, FleetSim, _drive
 from proto import admission_pb2
 from replica_agent.policy.time_model import TimeModel
 from router.admission_queue import WaitingRequest
 from router.config import RouterConfig, hash_api_key
-from router.server import Router, SloInfeasible
+from router.core import CoreRequest, Queued, Refused
+from router.server import Router
 from router.work_shed import WorkShedSettings
 from tests.fakes import FakeClock
 
@@ -75,13 +76,14 @@ async def test_inline_placement_on_the_warm_replica_with_its_uncached_tokens() -
     assert router.prefix is not None and router.prefix.tokens_per_key == 512
     router.prefix.insert("r1", keys)
     srouter.prefix.insert("r1", keys)  # type: ignore[attr-defined]
-    router._prefix_keys["0"] = keys
+    router.core.track_prefix(CoreRequest("0", "t0", "interactive", 2048, 10, 0.0, keys))
+    srouter.core.track_prefix(srouter.core_request(0))  # type: ignore[attr-defined]
 
-    grant = await router._place_and_reserve("interactive", 2048, 10, "0", frozenset(), 0.0)
-    sgrant = srouter._place(0, "interactive", 2048, frozenset(), 0.0)  # type: ignore[attr-defined]
+    grant = await router.core.place("interactive", 2048, 10, "0", frozenset(), 0.0)
+    sgrant = _drive(srouter.core.place("interactive", 2048, 10, "0", frozenset(), 0.0))  # type: ignore[attr-defined]
     assert grant is not None and sgrant is not None
     assert (grant.replica_id, grant.inline, grant.prompt_tokens) == ("r1", True, 1)
-    assert (sim.replicas[sgrant.replica].rid, sgrant.inline, sgrant.prompt_tokens) == ("r1", True, 1)
+    assert (sgrant.replica_id, sgrant.inline, sgrant.prompt_tokens) == ("r1", True, 1)
     # both books took the same 1-token prefill locally: 50 - (10 + 0.1) ms
     for book in (router.book, srouter.book):  # type: ignore[attr-defined]
         assert book.get("r1").classes["interactive"].pab_ms == pytest.approx(39.9)
@@ -101,11 +103,9 @@ async def test_queued_behind_others_a_late_sheddable_request_is_refused_by_both(
     loop = asyncio.get_running_loop()
     for queue in (router.queue, srouter.queue):  # type: ignore[attr-defined]
         queue.push(WaitingRequest("w", "t0", "interactive", 1, 1, 0.0, 1e9, loop.create_future()))
-    principal = router.auth.identify({"Authorization": "Bearer k"}, None)
-    assert principal is not None
-    with pytest.raises(SloInfeasible) as exc:
-        await router._acquire(principal, 8000, 10, "x", frozenset(), 0.0)
-    assert exc.value.wait_ms == pytest.approx(810.05)
+    got = await router.core.acquire(CoreRequest("x", "t0", "interactive", 8000, 10, 0.0))
+    assert isinstance(got, Refused) and got.reason == "slo-infeasible" and not got.queued
+    assert got.wait_ms == pytest.approx(810.05)
     srouter.arrive(0)  # type: ignore[attr-defined]
     assert (sim.states[0].outcome, sim.states[0].reason) == ("rejected", "slo-infeasible")
 
@@ -124,18 +124,17 @@ async def test_both_price_the_warmest_replicas_uncached_tokens_when_shedding() -
     keys = sim.router_keys(0)
     router.prefix.insert("r1", keys)  # type: ignore[union-attr]
     srouter.prefix.insert("r1", keys)  # type: ignore[attr-defined]
-    router._prefix_keys["x"] = keys
+    router.core.track_prefix(CoreRequest("x", "t0", "interactive", 8000, 10, 0.0, keys))
+    srouter.core.track_prefix(srouter.core_request(0))  # type: ignore[attr-defined]
     loop = asyncio.get_running_loop()
     for queue in (router.queue, srouter.queue):  # type: ignore[attr-defined]
         queue.push(WaitingRequest("w", "t0", "interactive", 1, 1, 0.0, 1e9, loop.create_future()))
-    assert router._priced("x", 8000) == srouter._uncached(0, 8000) == 1  # type: ignore[attr-defined]
-    wait, prefill = router.predict("interactive", 0, router._priced("x", 8000))  # type: ignore[misc]
+    assert router.core.priced("x", 8000) == srouter.core.priced("0", 8000) == 1  # type: ignore[attr-defined]
+    wait, prefill = router.predict("interactive", 0, router.core.priced("x", 8000))  # type: ignore[misc]
     assert (wait, prefill) == (pytest.approx(10.15), pytest.approx(10.1))
-    assert srouter._predict(1, 0, 0.0) == (pytest.approx(10.15), pytest.approx(10.1))  # type: ignore[attr-defined]
-    principal = router.auth.identify({"Authorization": "Bearer k"}, None)
-    assert principal is not None
-    with pytest.raises(asyncio.TimeoutError):  # queued (waiting for budget), not refused
-        await asyncio.wait_for(router._acquire(principal, 8000, 10, "x", frozenset(), 0.0), 0.2)
+    assert srouter.core.predict("interactive", 0, 1) == (pytest.approx(10.15), pytest.approx(10.1))  # type: ignore[attr-defined]
+    got = await router.core.acquire(CoreRequest("x", "t0", "interactive", 8000, 10, 0.0, keys))
+    assert isinstance(got, Queued)  # queued (waiting for budget), not refused
     srouter.arrive(0)  # type: ignore[attr-defined]
     assert sim.states[0].outcome != "rejected"
 
@@ -154,9 +153,10 @@ async def test_work_shed_refuses_the_same_arrival_in_both() -> None:
     for rid in ("r0", "r1"):
         router.book.update(rid, snapshot(rid, 5000.0))
         srouter.book.update(rid, snapshot(rid, 5000.0))  # type: ignore[attr-defined]
-    principal = router.auth.identify({"Authorization": "Bearer k"}, None)
-    assert principal is not None
-    assert router._refuse_by_work(principal, router.book.views(), 1000, 10) is False
+    def refused_by_work(prompt: int) -> bool:
+        return router.core.refuse_by_work(CoreRequest("a", "t0", "interactive", prompt, 10, 0.0))
+
+    assert refused_by_work(1000) is False
     srouter.arrive(0)  # type: ignore[attr-defined]
     assert sim.states[0].reason != "work-shed"
     # a budget refusal on each side: the server's answer path, the simulator's record
@@ -166,10 +166,10 @@ async def test_work_shed_refuses_the_same_arrival_in_both() -> None:
     sim.reject(1, "slo-infeasible")
     assert router.work_shed.contention_share == pytest.approx(0.1)
     assert srouter.work_shed.contention_share == pytest.approx(0.1)  # type: ignore[attr-defined]
-    assert router._refuse_by_work(principal, router.book.views(), 2000, 10) is True
+    assert refused_by_work(2000) is True
     srouter.arrive(2)  # type: ignore[attr-defined]
     assert (sim.states[2].outcome, sim.states[2].reason) == ("rejected", "work-shed")
-    assert router._refuse_by_work(principal, router.book.views(), 500, 10) is False
+    assert refused_by_work(500) is False
     srouter.arrive(3)  # type: ignore[attr-defined]
     assert sim.states[3].reason != "work-shed"
 
@@ -198,12 +198,13 @@ async def test_prefix_map_discounted_by_the_measured_hits_in_both() -> None:
     for r in (router, srouter):
         r.prefix.insert("r1", keys)  # type: ignore[attr-defined]
         r.prefix_correction.record("r1", 1000, 2000)  # type: ignore[attr-defined]
-    router._prefix_keys["0"] = keys
-    grant = await router._place_and_reserve("interactive", 2048, 10, "0", frozenset(), 0.0)
-    sgrant = srouter._place(0, "interactive", 2048, frozenset(), 0.0)  # type: ignore[attr-defined]
+    router.core.track_prefix(CoreRequest("0", "t0", "interactive", 2048, 10, 0.0, keys))
+    srouter.core.track_prefix(srouter.core_request(0))  # type: ignore[attr-defined]
+    grant = await router.core.place("interactive", 2048, 10, "0", frozenset(), 0.0)
+    sgrant = _drive(srouter.core.place("interactive", 2048, 10, "0", frozenset(), 0.0))  # type: ignore[attr-defined]
     assert grant is not None and sgrant is not None
     assert (grant.replica_id, grant.prompt_tokens) == ("r1", 1639)
-    assert (sim.replicas[sgrant.replica].rid, sgrant.prompt_tokens) == ("r1", 1639)
+    assert (sgrant.replica_id, sgrant.prompt_tokens) == ("r1", 1639)
     for book in (router.book, srouter.book):  # type: ignore[attr-defined]
         assert book.get("r1").classes["interactive"].pab_ms == pytest.approx(26.1)
     # both recorded this placement's undiscounted prediction: p = (1000 * (1 - 1/64) + 2047) / (2000 * (1 - 1/64) + 2048)

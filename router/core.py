@@ -1,0 +1,554 @@
+"""The router's request sequence as sans-IO code: one core that the HTTP server and the fleet
+simulation both drive (issue 26; docs/architecture.md "Who decides what").
+
+:class:`RouterCore` holds the router's decision state (budget book, weighted fair queue and its
+dispatcher, placement policy, prefix map and its correction, work-aware shedding, per-replica
+load) and strings the pure rules together:
+
+1. arrival (:meth:`RouterCore.refuse_by_work`): a sheddable class under contention may be
+   refused by work (router/work_shed.py) before any budget is spent;
+2. :meth:`RouterCore.acquire`: placed at once when nobody waits and a replica fits
+   (router/arrival.py ``place_now_exclude``), else queued with a deadline or refused
+   (``queue_or_refuse``): the answer is a value, :class:`Placed`, :class:`Queued` or
+   :class:`Refused`, never an exception;
+3. :meth:`RouterCore.place`: placement (filters -> scorers -> picker on the book's views, with the
+   request's age, the contention cap, the start window and the prefix map's estimates), then
+   Reserve on the candidates in order through the :class:`ReservePort` (inline admission: no
+   round trip), then the post-decision bookkeeping (local take, prefix map, prefix correction,
+   the placement plugins' hooks, replica load);
+4. the queue's :class:`~router.admission_queue.Dispatcher` places waiting requests by the same
+   :meth:`RouterCore.place` whenever budget may have appeared; a sheddable request that can no
+   longer start in time leaves (router/shedding.py);
+5. after a relay attempt (:meth:`RouterCore.after_attempt`): router/admission.py ``RelayAttempts``
+   says whether to refund, release and try again; the lease is released or settled.
+
+I/O goes through ports: :class:`ReservePort` (Reserve and Release; the gRPC budget client and the
+simulated agents are two implementations) and the ``new_future`` factory (an asyncio future in
+the server, a callback future in the simulation). Coroutines of the core only await the ports;
+with ports that never suspend (the simulation's) they run to completion when driven by hand.
+Times are simulated ms on the core's clock.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from replica_agent.clock import Clock
+from router.admission import (
+    MAX_ADMIT_REFUSALS,
+    RelayAction,
+    RelayAttempts,
+    contention_excluded,
+    hold_replica,
+    lease_tokens,
+    offer_replicas,
+    use_inline,
+)
+from router.admission_queue import Attempt, Dispatcher, QueueFull, WaitingRequest
+from router.arrival import Refuse, no_replica_left, place_now_exclude, queue_or_refuse
+from router.budget_client import ReserveResult
+from router.budgets import BudgetBook
+from router.charges import decode_estimate
+from router.config import RouterConfig
+from router.fair_queue import FairQueue, TenantShare
+from router.placement import DEFAULT_MAX_CANDIDATES, PlacementPolicy, PlacementRequest, ReplicaView, default_registry
+from router.prefix_correction import PrefixCorrection
+from router.prefix_index import PrefixIndex
+from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start, priced_tokens
+from router.work_shed import WorkShed, WorkShedSettings, refuse_by_work
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CoreRequest", "Grant", "Placed", "Queued", "Refused", "ReservePort", "RouterCore", "tenant_shares"]
+
+
+@dataclass(slots=True)
+class Grant:
+    """A lease on one replica for one request.
+
+    Attributes:
+        replica_id: the replica.
+        lease_id: the agent's lease id (``reserve`` mode), or the router's own key of an inline
+            admission (``inline`` mode: no lease exists on the agent until the request arrives).
+        inline: admitted on the router's view; the agent decides on arrival (``x-fairbatch-admit``).
+        prompt_tokens: the prompt tokens placed, less those the replica is estimated to hold in its
+            prefix cache (sent in ``x-fairbatch-admit``).
+    """
+
+    replica_id: str
+    lease_id: str
+    inline: bool = False
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CoreRequest:
+    """What the core needs of one parsed request.
+
+    Attributes:
+        request_id: the router-made id (keys the queue entry, the lease and the prefix keys).
+        tenant, slo_class: who sent it and its class (names of the config).
+        prompt_tokens: prompt size (tokens, the router's estimate or exact count).
+        max_tokens: output tokens asked for, all choices together (0 = unknown).
+        arrival_ms: router clock at its arrival (simulated ms).
+        prefix_keys: the prompt's prefix-block keys (router/prefix_index.py; empty without a map).
+    """
+
+    request_id: str
+    tenant: str
+    slo_class: str
+    prompt_tokens: int
+    max_tokens: int
+    arrival_ms: float
+    prefix_keys: Sequence[int] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """Placed at once: the request holds ``grant``."""
+
+    grant: Grant
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """Waiting in the fair queue: ``entry.future`` resolves with a :class:`Grant` or fails with
+    :class:`~router.admission_queue.QueueTimeout` (its deadline, or shed as infeasible).
+
+    Attributes:
+        entry: the queue entry.
+        lifted_counter: the tenant's VTC counter when the push lifted it (a tenant that was idle:
+            router/fair_queue.py), to be shared with the other routers; None when it did not move.
+    """
+
+    entry: WaitingRequest
+    lifted_counter: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Not placed, not queued.
+
+    Attributes:
+        reason: ``queue-full``, ``slo-infeasible`` (predicted wait ``wait_ms``), ``queue-timeout``
+            (the class's max queue time already passed), ``no-replica`` (every replica failed for
+            it) or ``placement-error`` (placement raised; ``detail`` names the exception class).
+        wait_ms: the predicted queue wait of an ``slo-infeasible`` refusal (simulated ms).
+        detail: the exception class name of a ``placement-error``.
+        queued: refused after waiting in the queue (its deadline, or shed there), not at arrival.
+    """
+
+    reason: str
+    wait_ms: float = 0.0
+    detail: str = ""
+    queued: bool = False
+
+
+Acquired = Placed | Queued | Refused
+
+
+class ReservePort(Protocol):
+    """The core's I/O with the agents (router/budget_client.py over gRPC; loadgen/fleet/sim.py in
+    simulation)."""
+
+    async def reserve(self, replica_id: str, slo_class: str, prompt_tokens: int, request_id: str,
+                      max_tokens: int, waited_ms: float) -> ReserveResult:
+        """A lease of ``prompt_tokens`` on ``replica_id`` (never raises for transport errors: a
+        refusal with a reason; ``pab_ms`` / ``pab_tokens`` -1 when no answer arrived)."""
+        ...
+
+    def release(self, lease_id: str, reason: str) -> None:
+        """Give the lease back, in the background (never blocks the caller)."""
+        ...
+
+
+def tenant_shares(config: RouterConfig) -> dict[str, TenantShare]:
+    """Fair-queue contract per tenant from the config (weight, band of its class, min_share)."""
+    return {
+        name: TenantShare(t.weight, config.slo_classes[t.slo_class].priority, t.min_share or 0.0)
+        for name, t in config.tenants.items()
+    }
+
+
+def _no_observer(seconds: float) -> None:
+    return None
+
+
+@dataclass(slots=True)
+class RouterCore:
+    """The router's decision state and request sequence (module docstring).
+
+    Args:
+        config: validated router configuration (classes, tenants, queue, admission, placement).
+        clock: router clock (simulated ms).
+        reserve: the :class:`ReservePort`.
+        new_future: makes the future of a queue entry (``asyncio.get_running_loop().create_future``
+            in the server).
+        seed: tie-break seed of the placement policy.
+        policy_name: a registry policy that replaces the YAML's ``placement`` (``pab``: the YAML's).
+        replica_ids: the replicas now (the book's set; discovery changes it through
+            :meth:`add_replica` / :meth:`remove_replica`).
+        on_charge: ``(tenant, delta)`` after every fair-queue charge that moved the tenant's
+            counter (the server shares it through the ledger; None: nobody).
+        observe_placement, observe_reserve: wall seconds of each placement decision and Reserve
+            call (metrics in the server, decision-time samples in the simulation).
+        queue: the admission queue (default: the weighted fair queue of ``config``).
+    """
+
+    config: RouterConfig
+    clock: Clock
+    reserve: ReservePort
+    new_future: Callable[[], Any]
+    seed: int
+    policy_name: str = "pab"
+    replica_ids: Iterable[str] = ()
+    on_charge: Callable[[str, float], None] | None = None
+    observe_placement: Callable[[float], None] = _no_observer
+    observe_reserve: Callable[[float], None] = _no_observer
+    queue: Any = None
+    book: BudgetBook = field(init=False)
+    policy: PlacementPolicy = field(init=False)
+    dispatcher: Dispatcher[Grant] = field(init=False)
+    prefix: PrefixIndex | None = field(init=False, default=None)
+    prefix_correction: PrefixCorrection = field(init=False, default_factory=PrefixCorrection)
+    work_shed: WorkShed | None = field(init=False, default=None)
+    replica_load: collections.Counter[str] = field(init=False, default_factory=collections.Counter)
+    _applied_placement: dict[str, Any] = field(init=False, default_factory=dict)
+    _leased: dict[str, str] = field(init=False, default_factory=dict)
+    _inline_seq: int = field(init=False, default=0)
+    _prefix_keys: dict[str, Sequence[int]] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        config = self.config
+        self.book = BudgetBook(self.clock, list(self.replica_ids))
+        self.policy = self._build_policy(config)
+        self._applied_placement = config.placement.model_dump(exclude={"prefix_cache"})
+        self._configure_prefix(config)
+        self._configure_work_shed(config)
+        if self.queue is None:
+            fc = config.fairness
+            self.queue = FairQueue(config.queue.max_requests, config.queue.max_tokens, tenant_shares(config),
+                                   fc.w_prefill, fc.w_decode, fc.default_max_tokens, config.queue.aging_floor_share)
+        self.dispatcher = Dispatcher(
+            queue=self.queue, clock=self.clock, admit=self._admit_waiting, release_orphan=self._release_orphan,
+            max_bypass=config.queue.max_bypass, hold_for=self._hold_for, skip_dominated=True, shed=self.shed,
+            shed_recheck_ms=config.queue.shed_recheck_ms, probe=self.probe,
+        )  # fmt: skip
+        self.book.add_listener(self.dispatcher.wake)
+
+    # ------------------------------------------------------------------ configuration
+
+    def _build_policy(self, config: RouterConfig) -> PlacementPolicy:
+        """The YAML's ``placement`` (profile or plugin chain), or the registry policy named at
+        construction when it is not the default ``pab``."""
+        if self.policy_name != "pab":
+            return default_registry().build(self.policy_name, seed=self.seed)
+        return config.placement.build(self.seed)  # type: ignore[no-any-return]
+
+    def _configure_prefix(self, config: RouterConfig) -> None:
+        """Build (or drop) the prefix map for ``placement.prefix_cache``; a map whose settings did not
+        change is kept, with what it learned."""
+        pc = config.placement.prefix_cache
+        if not pc.enabled:
+            self.prefix = None
+            return
+        tokens_per_key = max(1, round(pc.chunk_chars / config.admission.bytes_per_token))
+        capacity = max(1, pc.capacity_tokens // tokens_per_key)
+        if self.prefix is None or (self.prefix.capacity_keys, self.prefix.tokens_per_key) != (capacity, tokens_per_key):
+            self.prefix = PrefixIndex(capacity, tokens_per_key)
+            self.prefix_correction = PrefixCorrection()
+
+    def _configure_work_shed(self, config: RouterConfig) -> None:
+        """Build (or drop) the state of ``admission.work_shed``; kept, with what it learned, when its
+        settings did not change."""
+        ws = config.admission.work_shed
+        new = WorkShedSettings(ws.gain, ws.max_share, ws.window, ws.horizon, ws.min_samples) if ws.enabled else None
+        old = self.work_shed
+        self.work_shed = None if new is None else old if old is not None and old.settings == new else WorkShed(new)
+
+    def apply_config(self, config: RouterConfig) -> None:
+        """Swap in a validated configuration: queue bounds and tenants, fairness weights, dispatcher
+        knobs, placement (rebuilt when it changed; the seed kept unless the YAML sets one), prefix
+        map and work shedding. Queued and running requests continue."""
+        self.config = config
+        fc = config.fairness
+        self.queue.set_bounds(config.queue.max_requests, config.queue.max_tokens)
+        self.queue.set_tenants(tenant_shares(config))
+        self.queue.w_prefill, self.queue.w_decode = fc.w_prefill, fc.w_decode
+        self.queue.default_max_tokens = fc.default_max_tokens
+        self.queue.aging_floor_share = config.queue.aging_floor_share
+        self.dispatcher.max_bypass = config.queue.max_bypass
+        self.dispatcher.shed_recheck_ms = config.queue.shed_recheck_ms
+        new_pl = config.placement.model_dump(exclude={"prefix_cache"})
+        if new_pl != self._applied_placement:
+            if new_pl.get("seed") is not None:
+                self.seed = new_pl["seed"]
+            self.policy = self._build_policy(config)
+            self._applied_placement = new_pl
+        self._configure_prefix(config)
+        self._configure_work_shed(config)
+        self.dispatcher.wake()
+
+    def add_replica(self, replica_id: str) -> None:
+        """A replica joined: it becomes placeable with its first snapshot."""
+        self.book.add_replica(replica_id)
+        self.dispatcher.wake()
+
+    def remove_replica(self, replica_id: str) -> None:
+        """A replica left: its budget, prefix-map entries and correction are forgotten."""
+        self.book.remove_replica(replica_id)
+        if self.prefix is not None:
+            self.prefix.forget(replica_id)
+        self.prefix_correction.forget(replica_id)
+        self.dispatcher.wake()
+
+    # ------------------------------------------------------------------ accounting
+
+    def decode_estimate(self, max_tokens: int) -> int:
+        """The decode tokens charged at dispatch (router/charges.py ``decode_estimate``)."""
+        return decode_estimate(max_tokens, self.config.fairness.default_max_tokens)
+
+    def charge(self, tenant: str, prefill_tokens: int, decode_tokens: int) -> None:
+        """Count service for the fair queue (negative = refund); ``on_charge`` hears the delta."""
+        delta = self.queue.charge(tenant, prefill_tokens, decode_tokens)
+        if self.on_charge is not None and delta:
+            self.on_charge(tenant, delta)
+
+    def charge_dispatch(self, req: CoreRequest) -> None:
+        """The charge of a request that got its lease: prompt + the decode estimate."""
+        self.charge(req.tenant, req.prompt_tokens, self.decode_estimate(req.max_tokens))
+
+    def lease_done(self, grant: Grant) -> None:
+        """The request of ``grant`` ended (served, failed, released or gone): it no longer counts
+        in its replica's load. Idempotent."""
+        rid = self._leased.pop(grant.lease_id, None)
+        if rid is not None:
+            self.replica_load[rid] -= 1
+            if self.replica_load[rid] <= 0:
+                del self.replica_load[rid]
+
+    def release(self, grant: Grant, reason: str) -> None:
+        """Give ``grant`` back: the load count at once; the agent's lease through the port (an
+        inline admission has none: the book is poked so the dispatcher retries, as a Release
+        answer would)."""
+        self.lease_done(grant)
+        if grant.inline:
+            self.book.notify()
+            return
+        self.reserve.release(grant.lease_id, reason)
+
+    async def _release_orphan(self, grant: Grant) -> None:
+        self.release(grant, "client-gone")
+
+    def contention_excluded(self) -> frozenset[str]:
+        """Replicas at the contention cap (router/admission.py ``contention_excluded``)."""
+        return contention_excluded(self.config.admission.contention_max_inflight, self.queue.backlogged_tenants(),
+                                   self.replica_load)  # fmt: skip
+
+    # ------------------------------------------------------------------ prefix map
+
+    def track_prefix(self, req: CoreRequest) -> None:
+        """Remember the request's prefix keys while it is placed (no-op without a map or keys)."""
+        if self.prefix is not None and req.prefix_keys:
+            self._prefix_keys[req.request_id] = req.prefix_keys
+
+    def forget_prefix(self, request_id: str) -> None:
+        """The request is placed for good or gone: drop its keys."""
+        self._prefix_keys.pop(request_id, None)
+
+    def cached(self, request_id: str, prompt_tokens: int) -> tuple[dict[str, int], dict[str, int]]:
+        """(raw, discounted) prompt tokens the prefix map estimates each replica holds for this
+        request: the map's estimate, and the same discounted where an engine measured fewer hits
+        than the map promised (router/prefix_correction.py); both empty without a map or keys."""
+        prefix, keys = self.prefix, self._prefix_keys.get(request_id)
+        raw = prefix.cached_tokens(keys, prompt_tokens) if prefix is not None and keys else {}
+        return raw, (self.prefix_correction.discount(raw, self.book.prefix_measured) if raw else raw)
+
+    def priced(self, request_id: str, prompt_tokens: int) -> int:
+        """The prompt tokens the shedding rule prices (router/shedding.py ``priced_tokens``): what
+        is left to compute on the warmest replica."""
+        return priced_tokens(prompt_tokens, self.cached(request_id, prompt_tokens)[1]) if self.prefix else prompt_tokens
+
+    # ------------------------------------------------------------------ predictions and shedding
+
+    def margin_ms(self, slo_class: str) -> float:
+        """The agents' safety margin for the class (router/shedding.py ``agent_margin_ms``)."""
+        return agent_margin_ms(self.book.views(), slo_class)
+
+    def predict(self, slo_class: str, band: int, prompt_tokens: int, own_tokens: int = 0,
+                waited_ms: float = 0.0) -> tuple[float, float] | None:
+        """(predicted queue wait, predicted prefill) in simulated ms, or None without a usable replica
+        (router/shedding.py ``predict_start``; ``own_tokens``: the request's own when it is queued
+        already, not counted as ahead of it; ``waited_ms``: since its arrival)."""
+        tokens = max(0, self.queue.tokens_ahead(band) - own_tokens)
+        return predict_start(self.book.views(), self.book.drain, slo_class, prompt_tokens, tokens, MAX_DRAIN_RATE,
+                             self.clock.now_ms(), waited_ms)  # fmt: skip
+
+    def shed(self, entry: WaitingRequest, now_ms: float) -> bool:
+        """A queued sheddable request that the dispatcher could not place: True when the prediction
+        on its priced tokens (its own not counted as ahead of it) says it can no longer start in
+        time (router/shedding.py ``infeasible``)."""
+        prediction = self.predict(entry.slo_class, entry.priority, self.priced(entry.request_id, entry.prompt_tokens),
+                                  entry.prompt_tokens, max(0.0, now_ms - entry.arrived_ms))  # fmt: skip
+        return infeasible(now_ms, entry.first_token_deadline_ms, prediction, self.margin_ms(entry.slo_class))
+
+    def refuse_by_work(self, req: CoreRequest, views: list[ReplicaView] | None = None) -> bool:
+        """router/work_shed.py at a new request's arrival (a sheddable class, ``admission.work_shed``
+        on): True = answer it 429 ``work-shed``. Priced on the whole prompt and the decode estimate."""
+        if self.work_shed is None or not self.config.slo_classes[req.slo_class].sheddable:
+            return False
+        return refuse_by_work(self.work_shed, self.book.views() if views is None else views, req.prompt_tokens,
+                              self.decode_estimate(req.max_tokens))  # fmt: skip
+
+    def budget_refused(self) -> None:
+        """Tell work shedding that a request was refused for budget (slo-infeasible or its queue time)."""
+        if self.work_shed is not None:
+            self.work_shed.budget_refused()
+
+    # ------------------------------------------------------------------ placement
+
+    def placement_request(self, slo_class: str, prompt_tokens: int, request_id: str, exclude: frozenset[str],
+                          arrival_ms: float, attempt: Attempt) -> tuple[PlacementRequest, dict[str, int]]:
+        """(placement request, raw cached) for one placement now: the request's age, the contention
+        cap, the start window and the prefix map's estimates (no side effect)."""
+        adm = self.config.admission
+        waited_ms = max(0.0, self.clock.now_ms() - arrival_ms)
+        raw, cached = self.cached(request_id, prompt_tokens)
+        preq = PlacementRequest(
+            slo_class, prompt_tokens, exclude | attempt.avoid | self.contention_excluded(), waited_ms,
+            on_time_only=attempt.on_time_only, window_steps=adm.start_window_steps, step_tokens=adm.step_tokens,
+            cached_tokens=cached,
+        )
+        return preq, raw
+
+    def probe(self, entry: WaitingRequest, attempt: Attempt) -> bool:
+        """The dispatcher's watchdog probe: would the placement put ``entry`` somewhere now
+        (router/admission_queue.py ``Dispatcher.probe``; no Reserve, no bookkeeping)."""
+        preq, _ = self.placement_request(entry.slo_class, entry.prompt_tokens, entry.request_id, entry.exclude,
+                                         entry.arrived_ms, attempt)  # fmt: skip
+        return bool(self.policy.place(preq, self.book.views()).candidates)
+
+    def _hold_for(self, entry: WaitingRequest) -> str | None:
+        """The replica to hold for a starving queue head (router/admission.py ``hold_replica``)."""
+        return hold_replica(entry.slo_class, entry.prompt_tokens, entry.exclude, self.book.views())
+
+    async def place(self, slo_class: str, prompt_tokens: int, max_tokens: int, request_id: str,
+                    exclude: frozenset[str], arrival_ms: float, attempt: Attempt = Attempt()) -> Grant | None:
+        """Placement, then Reserve on the candidates in order (module docstring, step 3); None when
+        none granted. A Reserve's answer updates the book."""
+        t0 = time.perf_counter()
+        preq, raw = self.placement_request(slo_class, prompt_tokens, request_id, exclude, arrival_ms, attempt)
+        cached = preq.cached_tokens
+        policy, prefix = self.policy, self.prefix  # a reload may swap them while the Reserves are awaited
+        result = policy.place(preq, self.book.views())
+        self.observe_placement(time.perf_counter() - t0)
+        adm = self.config.admission
+        # no round trip where the agent decides when the request arrives (router/admission.py use_inline)
+        inline = bool(result.candidates) and use_inline(adm.lease_mode, self.book.inline_admission(result.candidates[0]))
+        for replica_id in offer_replicas(result.candidates, inline, DEFAULT_MAX_CANDIDATES):
+            uncached = lease_tokens(prompt_tokens, cached, replica_id)  # the prefill left to compute
+            self.book.take_local(replica_id, slo_class, uncached)
+            if inline:
+                self._inline_seq += 1
+                grant = Grant(replica_id, f"inline-{self._inline_seq}", True, uncached)
+            else:
+                t1 = time.perf_counter()
+                waited_ms = max(0.0, self.clock.now_ms() - arrival_ms)  # refused Reserves before took time
+                answer = await self.reserve.reserve(replica_id, slo_class, uncached, request_id, max_tokens, waited_ms)
+                self.observe_reserve(time.perf_counter() - t1)
+                if answer.pab_ms >= 0:
+                    self.book.apply_reserve(replica_id, slo_class, answer.pab_ms, answer.pab_tokens)
+                if not answer.granted:
+                    continue
+                grant = Grant(replica_id, answer.lease_id)
+            keys = self._prefix_keys.get(request_id)
+            if prefix is not None and keys:  # post-decision: the replica now holds this prompt
+                prefix.insert(replica_id, keys)
+                self.prefix_correction.record(replica_id, raw.get(replica_id, 0), prompt_tokens)
+            policy.after_decision(preq, replica_id)  # post-decision hooks of the placement plugins
+            self._leased[grant.lease_id] = replica_id
+            self.replica_load[replica_id] += 1
+            return grant
+        return None
+
+    async def _admit_waiting(self, entry: WaitingRequest, attempt: Attempt = Attempt()) -> Grant | None:
+        return await self.place(entry.slo_class, entry.prompt_tokens, entry.max_tokens, entry.request_id,
+                                entry.exclude, entry.arrived_ms, attempt)  # fmt: skip
+
+    async def acquire(self, req: CoreRequest, exclude: frozenset[str] = frozenset(),
+                      avoid_now: frozenset[str] = frozenset()) -> Acquired:
+        """Step 2 of the module docstring: :class:`Placed` when a replica fits and nobody waits,
+        else :class:`Queued` (the dispatcher resolves its future) or :class:`Refused`.
+
+        ``exclude``: replicas that failed for this request; ``avoid_now``: replicas left out of the
+        immediate placement only (an inline admission they refused). A placement that raises is a
+        ``placement-error`` refusal for this request alone. The caller charges the request
+        (:meth:`charge_dispatch`) once it holds a grant.
+        """
+        replica_ids = set(self.book.replica_ids())
+        if no_replica_left(replica_ids, exclude):  # router/arrival.py
+            return Refused("no-replica")
+        place_exclude = place_now_exclude(replica_ids, exclude, avoid_now, len(self.queue))
+        if place_exclude is not None:  # nobody waits: placed at once when a replica fits
+            try:
+                grant = await self.place(req.slo_class, req.prompt_tokens, req.max_tokens, req.request_id,
+                                         place_exclude, req.arrival_ms)  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - one request's failure answers that request only
+                log.error("request %s: placement failed: %s", req.request_id, type(exc).__name__, exc_info=exc)
+                return Refused("placement-error", detail=type(exc).__name__)
+            if grant is not None:
+                return Placed(grant)
+        now = self.clock.now_ms()
+        slo = self.config.slo_classes[req.slo_class]
+        band = slo.priority
+        decision = queue_or_refuse(now, req.arrival_ms, slo.ttft_ms, slo.max_queue_ms, slo.sheddable,  # router/arrival.py
+                                   lambda: self.predict(req.slo_class, band, self.priced(req.request_id,
+                                                                                         req.prompt_tokens),
+                                                        0, max(0.0, now - req.arrival_ms)),
+                                   lambda: self.margin_ms(req.slo_class))  # fmt: skip
+        if isinstance(decision, Refuse):
+            return Refused(decision.reason, decision.wait_ms)
+        if decision.deadline_ms <= now:  # its wait would time out at once
+            return Refused(decision.expire_reason)
+        entry = WaitingRequest(
+            request_id=req.request_id, tenant=req.tenant, slo_class=req.slo_class, prompt_tokens=req.prompt_tokens,
+            max_tokens=req.max_tokens, enqueued_ms=now, deadline_ms=decision.deadline_ms, future=self.new_future(),
+            exclude=exclude, priority=band, first_token_deadline_ms=decision.first_token_deadline_ms,
+            expire_reason=decision.expire_reason, arrival_ms=req.arrival_ms, promote_at_ms=decision.promote_at_ms,
+            sheddable=slo.sheddable,
+        )  # fmt: skip
+        before = self.queue.counter(req.tenant)
+        try:
+            after = self.queue.push(entry)
+        except QueueFull:
+            return Refused("queue-full")
+        self.dispatcher.wake()
+        return Queued(entry, after if after > before else None)
+
+    def after_attempt(self, tries: RelayAttempts, req: CoreRequest, grant: Grant, kind: str,
+                      pab_ms: float = -1.0, pab_tokens: int = -1) -> RelayAction:
+        """Step 5: a relay attempt on ``grant`` ended as ``kind`` (router/relay.py outcome kinds).
+        The rule of router/admission.py ``RelayAttempts.after``; the charge is refunded when nothing
+        was generated, the lease released or settled, and an agent's refusal on arrival
+        (``lease_refused``, with the budget it reported: ``pab_ms`` >= 0) updates the book."""
+        action = tries.after(kind, grant.replica_id)
+        if action.refund:
+            self.charge(req.tenant, -req.prompt_tokens, -self.decode_estimate(req.max_tokens))
+        if action.release is not None:
+            self.release(grant, action.release)
+        else:
+            self.lease_done(grant)
+        if kind == "lease_refused" and pab_ms >= 0:
+            self.book.apply_reserve(grant.replica_id, req.slo_class, pab_ms, pab_tokens)
+        return action
+
+    @staticmethod
+    def attempts(max_tries: int) -> RelayAttempts:
+        """The bounds of one request's relay attempts (``max_tries`` replicas on failures, at most
+        ``MAX_ADMIT_REFUSALS`` inline refusals)."""
+        return RelayAttempts(max_tries, MAX_ADMIT_REFUSALS)
