@@ -246,6 +246,8 @@ class FleetConfig:
         prefix_caching: the engines' automatic prefix caching (vLLM's default; loadgen/sim/kv_cache.py).
         prefix_block_tokens: tokens per id of ``FleetRequest.prefix_ids`` (512 for Mooncake); also
             the unit of the routers' prefix maps, which hold about one replica's KV cache each.
+        placement_hooks: post-decision hooks of the ``pab`` routers' placement (router/config.py
+            ``placement.hooks``; router/placement/hooks/), told of every granted placement.
         work_shed: ``pab`` routers with a sheddable class refuse, under contention, the arrivals of
             costliest predicted work (router/work_shed.py, the router's ``admission.work_shed``;
             reason ``work-shed``); None: off, the router's default. The decode estimate is the
@@ -290,6 +292,7 @@ class FleetConfig:
     prefix_caching: bool = True
     prefix_block_tokens: int = 512
     work_shed: WorkShedSettings | None = None
+    placement_hooks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -452,7 +455,7 @@ def sim_router_config(cfg: FleetConfig, seed: int) -> RouterConfig:
                           "horizon": ws.horizon, "min_samples": ws.min_samples}
             if ws is not None and cfg.sheddable else {},
         },
-        "placement": {"seed": seed, "prefix_cache": {
+        "placement": {"seed": seed, "hooks": list(cfg.placement_hooks), "prefix_cache": {
             "enabled": cfg.policy in PREFIX_POLICIES, "chunk_chars": 4 * cfg.prefix_block_tokens,
             "capacity_tokens": max(cfg.prefix_block_tokens, cfg.kv_capacity_tokens)}},
     })  # fmt: skip
