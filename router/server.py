@@ -1,33 +1,20 @@
-"""The router's HTTP front door (aiohttp): OpenAI-compatible endpoints, request path, metrics.
+"""The router's HTTP front door (aiohttp): OpenAI-compatible generation endpoints.
 
 One request's path (docs/design.md section 5): authenticate (API key -> tenant, or a trusted gateway
-header) -> classify (tenant -> SLO class) -> estimate prompt tokens -> quotas (ledger: request and
-token buckets, concurrency; 429 tenant-rate / tenant-concurrency) -> place (filters -> scorers ->
-picker) and Reserve on the best replica, falling back to the next on refusal -> else, unless a
-sheddable request's first-token deadline is already out of reach (429 slo-infeasible), wait in the
-bounded weighted fair queue (:mod:`router.fair_queue`), woken on every budget update and release
--> relay to the replica's agent, bytes unchanged.
-
-The decisions on that path are pure functions this module only carries out (docs/architecture.md
-"Who decides what"): router/arrival.py (queue-full before the body, place now or queue, queue or
-refuse), router/admission.py (prompt cap, contention cap, held replica, which candidates get a
-Reserve and for how many tokens, what follows a relay attempt), router/answers.py (which status
-and reason a refusal gets) and router/charges.py (the fair-queue charge).
+header) -> classify (tenant -> SLO class) -> read and validate the body, estimate prompt tokens ->
+quotas (ledger: request and token buckets, concurrency; 429 tenant-rate / tenant-concurrency) ->
+the request core (router/core.py: work shedding, place and Reserve now, or queue in the weighted
+fair queue, or refuse; the answers are values) -> relay to the replica's agent, bytes unchanged ->
+the core's rule after the attempt (refund, release, try the next replica). This module does the
+HTTP part only: parse, call the core, carry out its answers (router/answers.py), relay
+(router/relay.py), metrics and spans. The process's wiring, lifecycle and reload live in
+router/wiring.py, the side endpoints (models, tokenizer, health, metrics) in router/endpoints.py.
 
 Fairness accounting (VTC): a request is charged ``w_prefill * prompt + w_decode * max_tokens`` when
 it gets its lease (``fairness.default_max_tokens`` when it gives no max_tokens). The relay does not
 parse stream chunks, so a streamed request keeps that estimate; a non-stream answer is buffered
 anyway, so its ``usage.completion_tokens`` corrects the decode part at completion. A request whose
 replica failed before its first byte is refunded.
-
-The configuration can be swapped while serving (:meth:`Router.reload`): new tenants, keys,
-classes, limits and queue bounds apply to new requests; queued and running requests continue.
-
-Replicas are the static ``replicas`` list, or come and go at run time from a discovery source
-(:mod:`router.discovery`, :meth:`Router.apply_replicas`): an added replica gets its WatchBudget
-subscription and becomes placeable with its first snapshot; a removed one is unsubscribed and
-dropped, and its in-flight requests fail as on a replica failure (not yet started: retried
-elsewhere; streams that already sent bytes: ended with the SSE error event).
 
 Every reservation is freed on every error path (Release RPC in the background); a successful
 request's lease is consumed by the agent. Times are simulated ms from the router's
@@ -38,56 +25,47 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
-from collections.abc import Coroutine, Mapping
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from opentelemetry import trace
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from replica_agent.aio import stop_task, within
-from replica_agent.api_schema import ApiError, validate_request
+from replica_agent.aio import within
 from replica_agent.clock import Clock
+from replica_agent.api_schema import ApiError, validate_request
 from replica_agent.http_guard import (
     REQUEST_ID,
     api_error_response,
     bounded_expect_handler,
     client_request_id,
     error_middleware,
-    json_error,
     new_request_id,
     read_body,
 )
 from replica_agent.openai_stream import requested_choices
 from replica_agent.proxy import default_stall_ms
-from replica_agent.telemetry import extract_context, genai_request_attributes, inject_context, make_tracer
-from replica_agent.telemetry import set_http_status
-from router.admission import MAX_RELAY_TRIES, prompt_decision
-from router.admission_queue import Dispatcher, PlacementFailed, QueueTimeout
+from replica_agent.telemetry import extract_context, genai_request_attributes, inject_context, set_http_status
+from router.admission import prompt_decision
+from router.admission_queue import PlacementFailed, QueueTimeout
 from router.answers import Answer, no_budget, placement_error, queue_expired, queue_full
 from router.answers import slo_infeasible, tenant_over, work_shed
 from router.arrival import queue_full_before_body
-from router.auth import ApiKeyAuthenticator, Principal
-from router.budget_client import BudgetClient, ReserveResult
-from router.budgets import BudgetBook
+from router.auth import Principal
 from router.charges import decode_correction
-from router.config import ConfigError, ReplicaConfig, RouterConfig, SloClassConfig, load_config
-from router.core import CoreRequest, Grant, Placed, Refused, RouterCore, tenant_shares
-from router.discovery import DiscoverySource, build_discovery, diff_replicas
-from router.fair_queue import FairQueue
-from router.ledger import CONCURRENCY_RETRY_MS, Ledger, Refusal, TenantLimits, build_ledger
-from router.metrics import RouterMetrics
-from router.openai_surface import REFUSED_PATHS, RELAYED_PATHS, ModelCatalog, model_not_found, unsupported
-from router.placement import PlacementPolicy, largest_max_prompt
-from router.relay import Relay, RelayOutcome, UpstreamAbort
-from router.prefix_correction import PrefixCorrection
-from router.prefix_index import PrefixIndex, text_block_keys
+from router.config import RouterConfig, SloClassConfig
+from router.core import CoreRequest, Grant, Placed, Refused, tenant_shares
+from router.endpoints import AuxEndpoints, answer_response, openai_error
+from router.ledger import CONCURRENCY_RETRY_MS, Refusal, TenantLimits
+from router.openai_surface import REFUSED_PATHS, RELAYED_PATHS, model_not_found, unsupported
+from router.placement import largest_max_prompt
+from router.prefix_index import text_block_keys
+from router.relay import RelayOutcome, UpstreamAbort
 from router.tokens import PromptError, estimate_prompt_tokens, prompt_is_exact, prompt_text
-from router.work_shed import BUDGET_REASONS, WorkShed
+from router.wiring import RouterWiring, tenant_limits
+from router.work_shed import BUDGET_REASONS
 
-__all__ = ["Grant", "Router", "answer_response", "build_app", "openai_error", "tenant_limits", "tenant_shares"]
+__all__ = ["Grant", "Router", "RouterWiring", "answer_response", "build_app", "openai_error", "tenant_limits",
+           "tenant_shares"]
 
 log = logging.getLogger(__name__)
 
@@ -95,33 +73,6 @@ _ROUTER_KEY = web.AppKey("fairbatch_router", object)
 FIRST_BYTE_MS = web.RequestKey("fairbatch_first_byte_ms", float)
 RELAY_EVENTS = web.RequestKey("fairbatch_relay_events", int)
 STREAM_SHAPE = web.RequestKey("fairbatch_stream_shape", tuple)
-
-
-def tenant_limits(config: RouterConfig) -> dict[str, TenantLimits]:
-    """Ledger quotas per tenant from the config."""
-    return {
-        name: TenantLimits(t.max_concurrency, t.tokens_per_minute, t.requests_per_minute)
-        for name, t in config.tenants.items()
-    }
-
-
-def openai_error(
-    status: int,
-    message: str,
-    err_type: str = "invalid_request_error",
-    code: str | int | None = None,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> web.Response:
-    """An OpenAI-format error response ``{"error": {"message", "type", "param", "code"}}``."""
-    return json_error(status, message, err_type, code, param, headers)
-
-
-def answer_response(answer: Answer) -> web.Response:
-    """The response of one of the router's refusals (router/answers.py): OpenAI-format error JSON with
-    ``Retry-After`` and ``x-fairbatch-reason``."""
-    return openai_error(answer.status, answer.message, answer.err_type, answer.code,
-                        headers={"Retry-After": str(answer.retry_after_s), "x-fairbatch-reason": answer.code})
 
 
 SILENCE_GRACE_S = 5.0
@@ -133,124 +84,9 @@ metrics_http_errors = error_middleware("router")  # the metrics port serves no O
 request id) as OpenAI-format JSON, like every other answer of the router."""
 
 
-class Router:
-    """All router state for one process; dependencies are built here and passed down.
-
-    Args:
-        config: validated configuration.
-        clock: router clock (simulated ms).
-        router_id: name in Reserve/WatchBudget calls and logs.
-        policy: placement policy name from the registry (default ``pab``).
-        seed: RNG seed for tie-breaks among replicas of equal score (None: the YAML's
-            ``placement.seed``, else a random seed per process).
-        max_relay_tries: replicas tried when one fails before its first byte.
-        discovery: source of the replica set (default: built from ``config.discovery``; None
-            there for ``static``, the ``replicas`` list).
-        agent_token: shared secret the agents require (``x-fairbatch-token`` on gRPC metadata and on
-            the HTTP hop); None = none (``FAIRBATCH_AGENT_TOKEN`` in the CLI).
-        otlp_endpoint: span exporter endpoint (``--otlp-endpoint``), before ``telemetry.otlp_endpoint``
-            and the ``OTEL_*`` variables (replica_agent/telemetry.py).
-    """
-
-    def __init__(
-        self,
-        config: RouterConfig,
-        clock: Clock | None = None,
-        router_id: str = "router-0",
-        policy: str = "pab",
-        seed: int | None = None,
-        max_relay_tries: int = MAX_RELAY_TRIES,
-        discovery: DiscoverySource | None = None,
-        agent_token: str | None = None,
-        otlp_endpoint: str | None = None,
-    ) -> None:
-        self._agent_token = agent_token
-        self.config = config
-        self.clock = clock or Clock(1.0)
-        self.router_id = router_id
-        self.max_relay_tries = max(1, max_relay_tries)
-        self.replicas = {r.id: r for r in config.replicas}
-        self.auth = ApiKeyAuthenticator(config)
-        if seed is None:
-            seed = config.placement.seed
-        if seed is None:
-            seed = random.SystemRandom().randrange(2**63)
-        self.metrics = RouterMetrics([c.ttft_ms for c in config.slo_classes.values()],
-                                     [c.tpot_ms for c in config.slo_classes.values()])
-        self.metrics.config_generation.set(1)
-        self.metrics.replicas.set(len(self.replicas))
-        self._shared_counters = config.redis_url is not None
-        self._background: set[asyncio.Task[Any]] = set()
-        self.core = RouterCore(
-            config, self.clock, _GrpcReserve(self), lambda: asyncio.get_running_loop().create_future(), seed,
-            policy_name=policy, replica_ids=self.replicas, on_charge=self._share_charge,
-            observe_placement=self.metrics.placement_seconds.observe, observe_reserve=self.metrics.reserve_seconds.observe,
-        )  # fmt: skip
-        self.limits = tenant_limits(config)
-        self.budgets = BudgetClient(
-            config.replicas, self.core.book, self.clock, router_id, config.admission.reserve_timeout_ms,
-            agent_token=agent_token,
-        )
-        self.relay = Relay()
-        self.discovery = discovery if discovery is not None else build_discovery(config.discovery)
-        self._discovery_task: asyncio.Task[None] | None = None
-        self._inflight: dict[str, set[UpstreamAbort]] = {}
-        self.ledger: Ledger = build_ledger(config, self.clock, self._on_ledger_degraded)
-        self._sync_task: asyncio.Task[None] | None = None
-        self.tracer = make_tracer(config.telemetry.service_name, otlp_endpoint or config.telemetry.otlp_endpoint,
-                                  config.telemetry.sample_ratio)
-        self._upstream_headers = {"Content-Type": "application/json", "Accept-Encoding": "identity",
-                                  **({"x-fairbatch-token": agent_token} if agent_token else {})}
-        self._dispatch_task: asyncio.Task[None] | None = None
-        self.catalog = ModelCatalog(lambda: self.relay.session, lambda: [r.http_url for r in self.replicas.values()],
-                                    fallback_model=config.model,
-                                    headers={"x-fairbatch-token": agent_token} if agent_token else None)  # fmt: skip
-
-    # the core's state, as the tests and the metrics read it
-    @property
-    def book(self) -> BudgetBook:
-        """The budget book (router/budgets.py) of the core."""
-        return self.core.book
-
-    @property
-    def queue(self) -> FairQueue:
-        """The weighted fair queue of the core."""
-        return self.core.queue  # type: ignore[no-any-return]
-
-    @property
-    def dispatcher(self) -> Dispatcher[Grant]:
-        """The queue's dispatcher (router/admission_queue.py)."""
-        return self.core.dispatcher
-
-    @property
-    def policy(self) -> PlacementPolicy:
-        """The placement policy in force."""
-        return self.core.policy
-
-    @property
-    def prefix(self) -> PrefixIndex | None:
-        """The prefix map (``placement.prefix_cache``), None when off."""
-        return self.core.prefix
-
-    @property
-    def prefix_correction(self) -> PrefixCorrection:
-        """The prefix map's correction by the engines' measured hits."""
-        return self.core.prefix_correction
-
-    @property
-    def work_shed(self) -> WorkShed | None:
-        """Work-aware shedding (``admission.work_shed``), None when off."""
-        return self.core.work_shed
-
-    @property
-    def seed(self) -> int:
-        """The placement tie-break seed."""
-        return self.core.seed
-
-    def replica_load(self, replica_id: str) -> int:
-        """Requests this router holds a lease for on the replica, not yet ended (granted, being relayed)."""
-        return self.core.replica_load.get(replica_id, 0)
-
+class Router(AuxEndpoints):
+    """The router process: wiring (router/wiring.py), side endpoints (router/endpoints.py) and the
+    generation path below. Arguments: :class:`router.wiring.RouterWiring`."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -285,140 +121,6 @@ class Router:
         app.router.add_get("/metrics", self.handle_metrics)
         return app
 
-    async def start(self) -> None:
-        """Open the relay session, the budget subscriptions and the dispatcher."""
-        await self.relay.start()
-        await self.ledger.start()
-        await self.budgets.start()
-        self._dispatch_task = asyncio.create_task(self.dispatcher.run(), name="dispatcher")
-        if self.discovery is not None:
-            self._discovery_task = asyncio.create_task(self._run_discovery(self.discovery), name="discovery")
-        if self._shared_counters:
-            self._sync_task = asyncio.create_task(self._sync_counters(), name="vtc-sync")
-
-    async def close(self) -> None:
-        """Stop discovery and the dispatcher, finish background releases (bounded), close clients."""
-        if self._discovery_task is not None:
-            await stop_task(self._discovery_task, 2.0)
-            self._discovery_task = None
-        if self._dispatch_task is not None:
-            await stop_task(self._dispatch_task)
-            self._dispatch_task = None
-        if self._sync_task is not None:
-            await stop_task(self._sync_task)
-            self._sync_task = None
-        if self._background:
-            await asyncio.wait(list(self._background), timeout=2.0)
-        await self.catalog.close()
-        await self.budgets.close()
-        await self.relay.close()
-        await self.ledger.close()
-
-    # ------------------------------------------------------------------ replicas (discovery)
-
-    async def _run_discovery(self, source: DiscoverySource) -> None:
-        """Run the discovery source; a crash is logged and the source restarted after 5 s (bounded
-        rate), the known replicas kept meanwhile."""
-        while True:
-            try:
-                await source.run(self.apply_replicas)
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - keep serving the replicas we know
-                log.exception("discovery failed; restarting it in 5 s")
-                await asyncio.sleep(5.0)
-
-    def apply_replicas(self, desired: Mapping[str, ReplicaConfig]) -> None:
-        """Make the replica set ``desired`` (by id): subscribe the new ones, drop the vanished ones
-        (their in-flight requests fail as on a replica failure). Synchronous; call in the loop."""
-        diff = diff_replicas(self.replicas, desired)
-        for rid in diff.removed:
-            self._remove_replica(rid)
-        for rep in diff.added:
-            self.replicas[rep.id] = rep
-            self.core.add_replica(rep.id)
-            self.budgets.add(rep)
-            self.metrics.replica_changes.labels("added").inc()
-            log.info("replica %s added (%s, %s)", rep.id, rep.http_url, rep.grpc_target)
-        if diff:
-            self.metrics.replicas.set(len(self.replicas))
-
-    def _remove_replica(self, rid: str) -> None:
-        self.replicas.pop(rid, None)
-        aborts = self._inflight.pop(rid, set())
-        for handle in aborts:
-            handle.abort(f"replica {rid} was removed")
-        self.metrics.replica_aborts.inc(len(aborts))
-        self.core.remove_replica(rid)
-        self.budgets.remove(rid)
-        self.metrics.replica_changes.labels("removed").inc()
-        self.metrics.forget_replica(rid)
-        log.info("replica %s removed (%d in-flight requests failed over)", rid, len(aborts))
-
-    # ------------------------------------------------------------------ configuration and ledger
-
-    def apply_config(self, config: RouterConfig) -> list[str]:
-        """Swap in a validated configuration while serving; returns warnings for parts that need a
-        restart (replicas, redis_url, telemetry), which keep their old values."""
-        warnings = []
-        if [r.model_dump() for r in config.replicas] != [r.model_dump() for r in self.config.replicas]:
-            warnings.append("replicas changed: restart the router to apply")
-            config = config.model_copy(update={"replicas": self.config.replicas})
-        if config.discovery != self.config.discovery:
-            warnings.append("discovery changed: restart the router to apply")
-            config = config.model_copy(update={"discovery": self.config.discovery})
-        if config.redis_url != self.config.redis_url:
-            warnings.append("redis_url changed: restart the router to apply")
-        if config.telemetry != self.config.telemetry:
-            warnings.append("telemetry changed: restart the router to apply")
-        self.config = config
-        self.auth = ApiKeyAuthenticator(config)
-        self.limits = tenant_limits(config)
-        self.core.apply_config(config)
-        self.metrics.config_generation.inc()
-        return warnings
-
-    def reload(self, path: str) -> bool:
-        """Load ``path`` and apply it; an invalid file is refused (logged, counted) and the old
-        configuration kept. Returns True when applied."""
-        try:
-            config = load_config(path)
-        except ConfigError as exc:
-            self.metrics.config_reloads.labels("invalid").inc()
-            log.error("config reload refused, keeping the running configuration: %s", exc)
-            return False
-        for w in self.apply_config(config):
-            log.warning("config reload: %s", w)
-        self.metrics.config_reloads.labels("ok").inc()
-        log.info("config reloaded from %s (%d tenants, %d keys)", path, len(config.tenants), len(config.api_keys))
-        return True
-
-    def _on_ledger_degraded(self, degraded: bool) -> None:
-        self.metrics.ledger_degraded.set(1 if degraded else 0)
-
-    async def _sync_counters(self) -> None:
-        """Merge the shared VTC counters into the queue every ``counter_sync_ms`` (bounded calls)."""
-        while True:
-            await asyncio.sleep(self.clock.to_wall_s(self.config.fairness.counter_sync_ms))
-            try:
-                self.queue.merge_counters(await self.ledger.counters())
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - the ledger degrades itself; never stop syncing
-                log.exception("VTC counter sync failed")
-
-    def _share_charge(self, tenant: str, delta: float) -> None:
-        """A fair-queue charge moved ``tenant``'s counter: share it through the ledger (background)."""
-        if self._shared_counters:
-            self._spawn(self.ledger.add_service(tenant, delta))
-
-    def predict(self, slo_class: str, band: int, prompt_tokens: int, own_tokens: int = 0,
-                waited_ms: float = 0.0) -> tuple[float, float] | None:
-        """The core's queue-wait prediction (router/core.py ``RouterCore.predict``)."""
-        return self.core.predict(slo_class, band, prompt_tokens, own_tokens, waited_ms)
-
-
     async def _on_startup(self, app: web.Application) -> None:
         await self.start()
 
@@ -431,17 +133,6 @@ class Router:
         if "x-request-id" not in response.headers:
             rid = request.get(REQUEST_ID) or client_request_id(request.headers.get("x-request-id")) or new_request_id()
             response.headers["x-request-id"] = rid
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    # ------------------------------------------------------------------ leases
-
-    def _release(self, grant: Grant, reason: str) -> None:
-        """Release ``grant`` (router/core.py ``RouterCore.release``; never delays the response)."""
-        self.core.release(grant, reason)
 
     async def _acquire(self, req: CoreRequest, exclude: frozenset[str],
                        avoid_now: frozenset[str] = frozenset()) -> Grant | Refused:
@@ -735,13 +426,6 @@ class Router:
             outcome.response.headers.setdefault("x-fairbatch-replica", grant.replica_id)
         return outcome
 
-    def _refuse_unauthenticated(self, request: web.Request) -> web.Response | None:
-        """401 ``invalid_api_key`` when the request names no tenant the authenticator accepts, else None
-        (every ``/v1`` path asks for a key, as vLLM with ``--api-key`` and OpenAI do)."""
-        if self.auth.identify(request.headers, request.remote) is None:
-            return openai_error(401, self.auth.refusal(request.headers, request.remote), code="invalid_api_key")
-        return None
-
     def silence_s(self, slo: SloClassConfig) -> float:
         """Wall seconds an agent may send nothing on a streamed generation request of class ``slo``
         before the router gives the attempt up: twice the class's stall timeout plus
@@ -754,112 +438,6 @@ class Router:
         stream for as long as it was stopped; the pool's limit was 600 s)."""
         stall_ms = slo.stall_timeout_ms or default_stall_ms(slo.ttft_ms, slo.tpot_ms)
         return 2.0 * self.clock.to_wall_s(stall_ms) + SILENCE_GRACE_S
-
-    async def handle_models(self, request: web.Request) -> web.Response:
-        """GET /v1/models: the replicas' own model cards (router/openai_surface.py); tenant auth first."""
-        return self._refuse_unauthenticated(request) or await self.catalog.list_response()
-
-    async def handle_model(self, request: web.Request) -> web.Response:
-        """GET /v1/models/{id}: one card, or 404 ``model_not_found``; tenant auth first."""
-        return self._refuse_unauthenticated(request) or await self.catalog.model_response(
-            request.match_info["model_id"])
-
-    async def handle_unsupported(self, request: web.Request) -> web.Response:
-        """An OpenAI path the router refuses: 404 naming what is supported."""
-        return unsupported(request.method, request.path)
-
-    async def handle_utility(self, request: web.Request) -> web.Response:
-        """POST /tokenize, /detokenize: tenant auth, then relayed to a healthy replica (no lease:
-        the engine runs no forward pass for them)."""
-        principal = self.auth.identify(request.headers, request.remote)
-        if principal is None:
-            return openai_error(401, self.auth.refusal(request.headers, request.remote), code="invalid_api_key")
-        try:
-            raw = await read_body(request, self.config.http.max_body_bytes, self.config.http.body_timeout_s)
-        except ApiError as exc:
-            return api_error_response(exc)
-        usable = [v.replica_id for v in self.book.views() if v.healthy and v.fresh and v.replica_id in self.replicas]
-        for rid in usable or list(self.replicas):
-            try:
-                async with self.relay.session.post(
-                    self.replicas[rid].http_url + request.path, data=raw,
-                    headers={"Content-Type": "application/json", "x-fairbatch-tenant": principal.tenant,
-                             **({"x-fairbatch-token": self._agent_token} if self._agent_token else {})},
-                    timeout=aiohttp.ClientTimeout(total=10.0),
-                ) as up:
-                    body = await up.read()
-                    if up.status in (502, 503, 504):
-                        continue
-                    return web.Response(status=up.status, body=body, headers={
-                        "Content-Type": up.headers.get("Content-Type", "application/json"), "x-fairbatch-replica": rid})
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                continue
-        return openai_error(503, "No replica could serve the request.", "service_unavailable", "no-replica")
-
-    async def handle_health(self, request: web.Request) -> web.Response:
-        """GET /health: 200 while the process serves (liveness and readiness: a router with no usable
-        replica still answers, with 503 ``no-replica`` per request, rather than vanishing from its
-        Service); ``status`` is ``degraded`` when no replica is healthy with a fresh budget."""
-        views = self.book.views()
-        usable = [v.replica_id for v in views if v.healthy and v.fresh]
-        return web.json_response(
-            {"status": "ok" if usable else "degraded", "replicas": len(views), "replicas_usable": usable,
-             "queue_depth": len(self.queue)}
-        )
-
-    async def handle_public_health(self, request: web.Request) -> web.Response:
-        """GET /health on the public port when a metrics port is configured: 200 with ``status`` only
-        (``ok`` or ``degraded``), no replica ids or counts."""
-        usable = any(v.healthy and v.fresh for v in self.book.views())
-        return web.json_response({"status": "ok" if usable else "degraded"})
-
-    async def handle_metrics(self, request: web.Request) -> web.Response:
-        """GET /metrics (Prometheus text format)."""
-        now = self.clock.now_ms()
-        m = self.metrics
-        m.queue_depth.set(len(self.queue))
-        m.dispatch_stalled.set(self.dispatcher.stalled_ms(now) / 1000.0)
-        for tenant, value in self.queue.counters().items():
-            m.tenant_vtc.labels(tenant).set(value)
-        hold = self.dispatcher.hold
-        spare: dict[str, float] = {}
-        empty: dict[str, int] = {}
-        for view in self.book.views(now):
-            rid = view.replica_id
-            m.replica_inflight.labels(rid).set(self.replica_load(rid))
-            stored = self.book.get(rid)
-            waiting = stored.num_waiting if stored is not None and view.fresh else 0
-            m.replica_queued.labels(rid).set(waiting + (1 if hold is not None and hold[1] == rid else 0))
-            age = self.book.age_ms(view.replica_id, now)
-            m.budget_age.labels(view.replica_id).set(-1.0 if age is None else age / 1000.0)
-            for name, budget in view.classes.items():
-                usable = budget.pab_ms if (view.healthy and view.fresh) else 0.0
-                m.replica_pab.labels(view.replica_id, name).set(usable / 1000.0)
-                spare[name] = spare.get(name, 0.0) + usable / 1000.0
-                empty[name] = empty.get(name, 0) + (usable <= 0.0)
-        for name in self.config.slo_classes:
-            m.fleet_pab.labels(name).set(spare.get(name, 0.0))
-            m.fleet_replicas_without_pab.labels(name).set(empty.get(name, len(self.replicas)))
-        return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-
-class _GrpcReserve:
-    """The core's :class:`~router.core.ReservePort` over the agents' gRPC service
-    (router/budget_client.py); a Release runs in the router's background."""
-
-    __slots__ = ("_router",)
-
-    def __init__(self, router: Router) -> None:
-        self._router = router
-
-    async def reserve(self, replica_id: str, slo_class: str, prompt_tokens: int, request_id: str,
-                      max_tokens: int, waited_ms: float) -> ReserveResult:
-        return await self._router.budgets.reserve(replica_id, slo_class, prompt_tokens, request_id, max_tokens,
-                                                  waited_ms)  # fmt: skip
-
-    def release(self, lease_id: str, reason: str) -> None:
-        self._router._spawn(self._router.budgets.release(lease_id, reason))
 
 
 def build_app(
