@@ -31,7 +31,7 @@ elsewhere; streams that already sent bytes: ended with the SSE error event).
 
 Every reservation is freed on every error path (Release RPC in the background); a successful
 request's lease is consumed by the agent. Times are simulated ms from the router's
-:class:`~replica_agent.clock.Clock`; metric durations in seconds are wall seconds.
+:class:`~fairbatch_common.clock.Clock`; metric durations in seconds are wall seconds.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ from aiohttp import web
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from replica_agent.aio import stop_task, within
-from replica_agent.api_schema import ApiError, validate_request
-from replica_agent.clock import Clock
-from replica_agent.http_guard import (
+from fairbatch_common.aio import stop_task, within
+from fairbatch_common.api_schema import ApiError, validate_request
+from fairbatch_common.clock import Clock
+from fairbatch_common.http_guard import (
     REQUEST_ID,
     api_error_response,
     bounded_expect_handler,
@@ -60,10 +60,10 @@ from replica_agent.http_guard import (
     new_request_id,
     read_body,
 )
-from replica_agent.openai_stream import requested_choices
-from replica_agent.proxy import default_stall_ms
-from replica_agent.telemetry import extract_context, genai_request_attributes, inject_context, make_tracer
-from replica_agent.telemetry import set_http_status
+from fairbatch_common.openai_stream import requested_choices
+from fairbatch_common.stall import default_stall_ms
+from fairbatch_common.telemetry import extract_context, genai_request_attributes, inject_context, make_tracer
+from fairbatch_common.telemetry import set_http_status
 from router.admission import MAX_RELAY_TRIES, prompt_decision
 from router.admission_queue import Dispatcher, PlacementFailed, QueueTimeout
 from router.answers import Answer, no_budget, placement_error, queue_expired, queue_full
@@ -149,7 +149,7 @@ class Router:
         agent_token: shared secret the agents require (``x-fairbatch-token`` on gRPC metadata and on
             the HTTP hop); None = none (``FAIRBATCH_AGENT_TOKEN`` in the CLI).
         otlp_endpoint: span exporter endpoint (``--otlp-endpoint``), before ``telemetry.otlp_endpoint``
-            and the ``OTEL_*`` variables (replica_agent/telemetry.py).
+            and the ``OTEL_*`` variables (fairbatch_common/telemetry.py).
     """
 
     def __init__(
@@ -748,7 +748,7 @@ class Router:
         :data:`SILENCE_GRACE_S` (a non-stream answer keeps the pool's limit: it is silent until done).
 
         A running agent is never silent that long: it ends a request whose engine sent nothing for
-        the stall timeout (``stall_timeout_ms``, else replica_agent/proxy.py ``default_stall_ms``:
+        the stall timeout (``stall_timeout_ms``, else fairbatch_common/stall.py ``default_stall_ms``:
         3 s for TTFT 500 / TPOT 50 ms) with an error of its own. So the limit only fires on an agent
         that froze or whose host did (a user's trial: ``kill -STOP`` on the agent held a client's
         stream for as long as it was stopped; the pool's limit was 600 s)."""
