@@ -45,7 +45,7 @@ from replica_agent.proxy import Proxy, ProxyConfig, make_session
 from fairbatch_common.http_guard import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, make_runner
 from fairbatch_common.runtime import hold_grpc_aio, run, setup_logging
 from fairbatch_common.telemetry import make_tracer
-from router.config import ConfigError, load_agent_section
+from fairbatch_common.config_schema import ConfigError, load_agent_section
 
 log = logging.getLogger("replica_agent")
 
@@ -90,7 +90,7 @@ def load_stall_timeouts(path: Path) -> dict[str, float]:
 
 def load_slo_classes(path: Path) -> list[SloClass]:
     """The ``slo_classes`` of a router YAML, validated by the router's own models
-    (router/config.py :class:`~router.config.AgentSection`); the agent plans with ttft_ms and tpot_ms.
+    (:class:`~fairbatch_common.config_schema.AgentSection`); the agent plans with ttft_ms and tpot_ms.
 
     Raises:
         ConfigError: unreadable file, YAML syntax error, no ``slo_classes``, or an invalid class; the
