@@ -230,7 +230,7 @@ def replay_to_report(
         out: JSON path, or None.
     """
     from loadgen.replay import replay
-    from replica_agent.runtime import run
+    from fairbatch_common.runtime import run
 
     result = run(replay(trace, cfg))
     doc = build_report(result, slos, meta)

@@ -332,7 +332,7 @@ def run_scenario(path: str | Path, out: str | None = None, keep_logs: str | None
                       f"the replay takes about {duration_s * scale:.0f} wall s plus its drain"
                       + (f", then a {alone_s:g} s slowdown baseline per tenant (about "
                          f"{alone_s * scale * len(traces):.0f} wall s in all)" if alone_s > 0 else ""))
-        from replica_agent.runtime import run
+        from fairbatch_common.runtime import run
 
         result = _merge(run(_replay_all(plans)), scale)
         for n, trace in traces.items():  # the slowdown baseline: each tenant alone on the idle fleet

@@ -33,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from loadgen.demo_setup import DEMO_TENANTS, SLO_CLASS, DemoOptions
 from loadgen.procs import Child, ProcessGroup, free_port, script
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -377,7 +378,7 @@ DEMO_MAX_OUTPUT_TOKENS = 200
 def run_vllm_demo(opts: Any, console: Any = None) -> dict[str, Any]:
     """``fairbatch-loadgen demo --engine vllm``: the demo of loadgen/demo.py with real vLLM replicas.
 
-    Takes the same :class:`loadgen.demo.DemoOptions` (``replicas``, ``trace``, ``duration_s``,
+    Takes the same :class:`loadgen.demo_setup.DemoOptions` (``replicas``, ``trace``, ``duration_s``,
     ``start_s``, ``rate_scale``, ``out``, ``keep_logs``, ``seed``, ``max_wall_s``,
     ``request_timeout_s``, ``progress``). ``time_scale`` is forced to 1 (a real engine runs in wall
     time); ``profile`` is ignored (the agents use :data:`CPU_TINY_COEFFICIENTS` and the engine's KV
@@ -389,7 +390,6 @@ def run_vllm_demo(opts: Any, console: Any = None) -> dict[str, Any]:
     Raises:
         RuntimeError: vLLM env missing or a child did not start (log tail in the message).
     """
-    from loadgen.demo import DEMO_TENANTS, SLO_CLASS, DemoOptions
     from loadgen.replay import ReplayConfig, TenantSpec
     from loadgen.report import default_console, replay_to_report
     from loadgen.stats import Slo

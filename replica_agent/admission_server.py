@@ -25,7 +25,7 @@ import grpc
 
 from proto import admission_pb2, admission_pb2_grpc
 from replica_agent.agent import Agent, BudgetView
-from replica_agent.aio import wait_event
+from fairbatch_common.aio import wait_event
 from replica_agent.policy.pab import ClassBudget
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from replica_agent.clock import Clock
+from fairbatch_common.clock import Clock
 from replica_agent.engine_metrics import EngineMetrics, PrefixHitWindow
 from replica_agent.metrics import AgentMetrics
 from replica_agent.policy.leases import Lease, LeaseTable, LeaseTableFull

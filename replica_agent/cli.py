@@ -31,10 +31,10 @@ import aiohttp
 from aiohttp import web
 
 from replica_agent.admission_server import expire_leases_loop, start_grpc_server
-from replica_agent.aio import watch_file
+from fairbatch_common.aio import watch_file
 from replica_agent.calibrate import calibrate, format_fit
 from replica_agent.agent import Agent, AgentConfig
-from replica_agent.clock import Clock
+from fairbatch_common.clock import Clock
 from replica_agent.engine_metrics import MetricsScraper
 from replica_agent.plugin_mode import PluginExportReader, parse_export_target
 from replica_agent.policy.pab import SloClass
@@ -42,10 +42,10 @@ from replica_agent.policy.calibration import CalibratorConfig
 from replica_agent.policy.time_model import TimeModel
 from replica_agent.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile, vllm_serve_batch_defaults
 from replica_agent.proxy import Proxy, ProxyConfig, make_session
-from replica_agent.http_guard import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, make_runner
-from replica_agent.runtime import hold_grpc_aio, run, setup_logging
-from replica_agent.telemetry import make_tracer
-from router.config import ConfigError, load_agent_section
+from fairbatch_common.http_guard import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, make_runner
+from fairbatch_common.runtime import hold_grpc_aio, run, setup_logging
+from fairbatch_common.telemetry import make_tracer
+from fairbatch_common.config_schema import ConfigError, load_agent_section
 
 log = logging.getLogger("replica_agent")
 
@@ -90,7 +90,7 @@ def load_stall_timeouts(path: Path) -> dict[str, float]:
 
 def load_slo_classes(path: Path) -> list[SloClass]:
     """The ``slo_classes`` of a router YAML, validated by the router's own models
-    (router/config.py :class:`~router.config.AgentSection`); the agent plans with ttft_ms and tpot_ms.
+    (:class:`~fairbatch_common.config_schema.AgentSection`); the agent plans with ttft_ms and tpot_ms.
 
     Raises:
         ConfigError: unreadable file, YAML syntax error, no ``slo_classes``, or an invalid class; the

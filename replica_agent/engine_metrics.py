@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from replica_agent.clock import Clock
-from replica_agent.upstream import Http1Pool, UpstreamError
+from fairbatch_common.clock import Clock
+from fairbatch_common.upstream import Http1Pool, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ class MetricsScraper:
     success, (None, [], reason) on failure. Every request is bounded by ``timeout_s`` (wall s).
     The wall interval is never below ``min_wall_interval_s`` so a small time scale cannot turn the
     loop into a busy poll. The GET goes through ``pool`` (the relays' keep-alive HTTP/1.1 client,
-    replica_agent/upstream.py; owned by the caller): one kept-alive connection to the engine, and no
+    fairbatch_common/upstream.py; owned by the caller): one kept-alive connection to the engine, and no
     aiohttp client request per scrape (that was about a sixth of an idle agent's CPU).
     """
 

@@ -1,9 +1,10 @@
-"""The agent's own Prometheus metrics (``fairbatch_agent_*``) and the registry both components use.
+"""The agent's own Prometheus metrics (``fairbatch_agent_*``), in a registry both components build alike.
 
 Base units and Prometheus names: durations in seconds (the agent's clock: wall seconds in
 production, simulated seconds under a time scale), shares as ``_ratio``, counters ``_total``
 (added by prometheus-client). Every registry carries the process, platform (``python_info``)
-and GC collectors and a ``fairbatch_build_info{version,component}`` gauge (:func:`standard_registry`).
+and GC collectors and a ``fairbatch_build_info{version,component}`` gauge
+(:func:`fairbatch_common.metrics.standard_registry`).
 Labels are bounded: SLO classes from the configuration, states and outcomes from fixed vocabularies.
 The time-model coefficients keep the planning model's own unit (ms and ms per token; their help
 text says so): they are the coefficients of docs/architecture.md's step-time formula.
@@ -11,37 +12,11 @@ text says so): they are the coefficients of docs/architecture.md's step-time for
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.gc_collector import GCCollector
-from prometheus_client.platform_collector import PlatformCollector
-from prometheus_client.process_collector import ProcessCollector
+from prometheus_client import Counter, Gauge
 
-
-def build_version() -> str:
-    """The installed fairbatch version ("unknown" when run from a tree that is not installed)."""
-    try:
-        return importlib.metadata.version("fairbatch")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def standard_registry(component: str) -> CollectorRegistry:
-    """A fresh registry (never the library's global one) with the process, platform and GC
-    collectors and ``fairbatch_build_info{version,component} 1``.
-
-    Args:
-        component: ``router`` or ``agent``.
-    """
-    r = CollectorRegistry(auto_describe=True)
-    ProcessCollector(registry=r)
-    PlatformCollector(registry=r)
-    GCCollector(registry=r)
-    info = Gauge("fairbatch_build_info", "Build of this process (value 1)", ["version", "component"], registry=r)
-    info.labels(build_version(), component).set(1)
-    return r
+from fairbatch_common.metrics import standard_registry
 
 
 class AgentMetrics:

@@ -2,14 +2,14 @@
 
 Relays ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``POST /tokenize`` and ``POST /detokenize`` to the engine (error bodies in fairbatch's vocabulary,
-replica_agent/openai_errors.py); serves ``GET /health`` (200 when the engine's /health answers
+fairbatch_common/openai_errors.py); serves ``GET /health`` (200 when the engine's /health answers
 200, else 503) and ``GET /metrics`` (the agent's own registry, ``fairbatch_agent_*``).
 
 Stream requests: the engine's bytes go to the client unchanged as they arrive; each SSE event is
 read on the side to timestamp tokens: the plain one-choice token chunk is counted from its bytes
 (``openai_stream.fast_event_tokens``), every other event (first chat chunk, finish, usage, errors,
 logprobs, tools, ``n > 1``) is parsed with orjson and counted field by field
-(replica_agent/openai_stream.py; the final ``usage`` corrects the counts). Non-stream
+(fairbatch_common/openai_stream.py; the final ``usage`` corrects the counts). Non-stream
 requests go upstream unchanged (still non-stream) and the engine's answer goes back byte for byte;
 the agent tracks them in prefill until the answer arrives and reads ``usage`` from it
 (docs/architecture.md "Non-stream requests" says why, with the measured cost). Headers honoured
@@ -21,7 +21,7 @@ span is created and injected upstream). Upstream, the agent adds ``x-fairbatch-t
 ``x-fairbatch-tpot-ms``: the SLO of the request's class, for deadline-aware engine policies.
 
 Failure handling: client disconnect (the server runs with handler cancellation,
-:func:`replica_agent.http_guard.make_runner`) -> the handler is cancelled wherever it waits, the upstream
+:func:`fairbatch_common.http_guard.make_runner`) -> the handler is cancelled wherever it waits, the upstream
 request or response closed (the engine aborts, also before its first byte) and the request dropped
 from the tracker; engine failure mid-stream -> ``data: {"error": {...}}`` then
 ``data: [DONE]`` and the request dropped; upstream 4xx/5xx before streaming -> status and body
@@ -47,9 +47,9 @@ from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from replica_agent.agent import Agent
-from replica_agent.aio import FirstChunkStreamResponse
-from replica_agent.api_schema import ApiError, validate_request
-from replica_agent.http_guard import (
+from fairbatch_common.aio import FirstChunkStreamResponse
+from fairbatch_common.api_schema import ApiError, validate_request
+from fairbatch_common.http_guard import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     REQUEST_ID,
@@ -59,17 +59,18 @@ from replica_agent.http_guard import (
     new_request_id,
     read_body,
 )
-from replica_agent.openai_errors import map_engine_error, sse_error_event
-from replica_agent.openai_stream import (
+from fairbatch_common.openai_errors import map_engine_error, sse_error_event
+from fairbatch_common.openai_stream import (
     fast_event_tokens,
     finish_reasons,
     generated_tokens,
     requested_choices,
     usage_counts,
 )
-from replica_agent.telemetry import extract_context, genai_request_attributes, inject_context, set_http_status
+from fairbatch_common.stall import default_stall_ms
+from fairbatch_common.telemetry import extract_context, genai_request_attributes, inject_context, set_http_status
 from replica_agent.tracker import TrackerFull
-from replica_agent.upstream import ClientSink, Exchange, Http1Pool, UpstreamDisconnected, UpstreamError
+from fairbatch_common.upstream import ClientSink, Exchange, Http1Pool, UpstreamDisconnected, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ class SseParser:
 
 def content_tokens(event: Mapping[str, Any]) -> int:
     """Generated tokens in one parsed SSE chunk, every choice and field counted
-    (:func:`replica_agent.openai_stream.generated_tokens`; kept under its old name)."""
+    (:func:`fairbatch_common.openai_stream.generated_tokens`; kept under its old name)."""
     return generated_tokens(event)
 
 
@@ -254,15 +255,6 @@ class ProxyConfig:
     class_stall_ms: tuple[tuple[str, float], ...] = ()
     agent_token: str | None = field(default=None, repr=False)
     engine_api_key: str | None = field(default=None, repr=False)
-
-
-STALL_MIN_MS = 1000.0
-
-
-def default_stall_ms(ttft_ms: float, tpot_ms: float) -> float:
-    """Stall timeout of an SLO class (simulated ms): ``max(1000, 4 * ttft_ms + 20 * tpot_ms)``; for
-    TTFT 500 ms / TPOT 50 ms: 3000 ms, four first-token targets plus twenty token gaps of silence."""
-    return max(STALL_MIN_MS, 4.0 * ttft_ms + 20.0 * tpot_ms)
 
 
 class EngineStalled(Exception):
@@ -723,7 +715,7 @@ class Proxy:
 
     @staticmethod
     async def _relay_error_status(up: Exchange, request_id: str) -> web.Response:
-        """The engine's error answer, its body in fairbatch's error vocabulary (replica_agent/openai_errors.py)."""
+        """The engine's error answer, its body in fairbatch's error vocabulary (fairbatch_common/openai_errors.py)."""
         try:
             raw = await up.read()
         except UpstreamError:
@@ -845,7 +837,7 @@ class Proxy:
         status, content_type, body = result
         resp_headers = {"Content-Type": content_type, "x-request-id": request_id}
         if status != 200:
-            body = map_engine_error(status, body)  # one error vocabulary (replica_agent/openai_errors.py)
+            body = map_engine_error(status, body)  # one error vocabulary (fairbatch_common/openai_errors.py)
             return web.Response(status=status, body=body, headers=resp_headers), "upstream_error"
         try:
             answer = orjson.loads(body)

@@ -32,8 +32,8 @@ from collections.abc import Awaitable, Callable, Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from replica_agent.aio import wait_event
-from replica_agent.clock import Clock
+from fairbatch_common.aio import wait_event
+from fairbatch_common.clock import Clock
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from proto import admission_pb2, admission_pb2_grpc
-from replica_agent.clock import Clock
+from fairbatch_common.clock import Clock
 from router.budgets import BudgetBook
 from router.config import ReplicaConfig
 

@@ -15,8 +15,8 @@ import asyncio
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from replica_agent.aio import wait_event
-from replica_agent.clock import Clock
+from fairbatch_common.aio import wait_event
+from fairbatch_common.clock import Clock
 from replica_agent.policy.time_model import TimeModel
 from replica_agent.policy.pab import ClassBudget
 from router.drain import DrainEstimator

@@ -26,10 +26,10 @@ import sys
 
 from aiohttp import web
 
-from replica_agent.clock import Clock
-from replica_agent.aio import watch_file
-from replica_agent.http_guard import make_runner
-from replica_agent.runtime import hold_grpc_aio, run, setup_logging
+from fairbatch_common.clock import Clock
+from fairbatch_common.aio import watch_file
+from fairbatch_common.http_guard import make_runner
+from fairbatch_common.runtime import hold_grpc_aio, run, setup_logging
 from router.config import ConfigError, RouterConfig, load_config
 from router.server import Router
 

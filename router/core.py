@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from replica_agent.clock import Clock
+from fairbatch_common.clock import Clock
 from router.admission import (
     MAX_ADMIT_REFUSALS,
     RelayAction,

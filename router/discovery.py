@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from replica_agent.aio import within
+from fairbatch_common.aio import within
 from router.config import DiscoveryConfig, ReplicaConfig
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from replica_agent.api_schema import ApiError
-from replica_agent.http_guard import api_error_response, json_error, read_body
+from fairbatch_common.api_schema import ApiError
+from fairbatch_common.http_guard import api_error_response, json_error, read_body
 from router.answers import Answer
 from router.openai_surface import unsupported
 from router.wiring import RouterWiring

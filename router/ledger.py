@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from replica_agent.aio import stop_task, within
+from fairbatch_common.aio import stop_task, within
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Units (the Prometheus naming rules: base units, ``_seconds``, ``_ratio``, ``_total`` for counters):
 every duration is in seconds. Durations of a request (TTFT, TPOT, queue wait, request duration)
-are taken on the router's :class:`~replica_agent.clock.Clock`, so they are wall seconds in
+are taken on the router's :class:`~fairbatch_common.clock.Clock`, so they are wall seconds in
 production (time scale 1) and simulated seconds under a time scale (the demo, the tests), the
 same unit the SLO targets and the load generator's report use. Placement and Reserve latency are
 wall seconds of this process. PAB and budget age come from the agents in simulated ms and are
@@ -35,7 +35,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from replica_agent.metrics import standard_registry
+from fairbatch_common.metrics import standard_registry
 
 TTFT_LADDER_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 """TTFT bucket edges kept whatever the classes (seconds)."""

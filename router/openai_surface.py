@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from replica_agent.openai_errors import MODEL_NOT_FOUND, error_body
+from fairbatch_common.openai_errors import MODEL_NOT_FOUND, error_body
 
 SUPPORTED = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{id}",
              "POST /tokenize", "POST /detokenize")  # fmt: skip
@@ -50,7 +50,7 @@ MISS_REFRESH_S = 1.0
 
 def json_error(status: int, message: str, err_type: str = "invalid_request_error", code: str | None = None,
                param: str | None = None) -> web.Response:  # fmt: skip
-    """An error response in the vocabulary of replica_agent/openai_errors.py."""
+    """An error response in the vocabulary of fairbatch_common/openai_errors.py."""
     return web.Response(status=status, text=json.dumps(error_body(message, err_type, code, param)),
                         content_type="application/json")  # fmt: skip
 

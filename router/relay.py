@@ -1,13 +1,13 @@
 """Upstream HTTP relay to a replica's agent: pooled connections, bytes passed through unchanged.
 
-Generation requests go over one :class:`~replica_agent.upstream.Http1Pool` for the whole router
+Generation requests go over one :class:`~fairbatch_common.upstream.Http1Pool` for the whole router
 (keep-alive connections per replica, bounded). The request body is forwarded as the client sent it
 (never re-encoded); the answer is relayed as it arrives:
 
 - stream: nothing is sent to the client until the first upstream body chunk arrives, so a replica
   that fails before its first byte can be retried elsewhere (:attr:`RelayOutcome.retryable`).
   After that every chunk is written as is, from the upstream socket's read callback (no task
-  wake-up, no per-chunk parsing: replica_agent/upstream.py), up to the one that ends with
+  wake-up, no per-chunk parsing: fairbatch_common/upstream.py), up to the one that ends with
   ``data: [DONE]``: the answer is complete there, so the relay ends the client stream at
   once instead of waiting for the upstream's end of body (a client that closes on ``[DONE]`` would
   otherwise cancel a finished request). An upstream failure mid-stream ends the client stream
@@ -38,9 +38,9 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http import HttpVersion11
 
-from replica_agent.aio import FirstChunkStreamResponse
-from replica_agent.openai_errors import sse_error_event
-from replica_agent.upstream import ClientSink, Exchange, Http1Pool, UpstreamError
+from fairbatch_common.aio import FirstChunkStreamResponse
+from fairbatch_common.openai_errors import sse_error_event
+from fairbatch_common.upstream import ClientSink, Exchange, Http1Pool, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def _stream_end(pipe: _StreamPipe, resp: web.StreamResponse, status: int, events
 class Relay:
     """Forwards requests to agents over pooled keep-alive connections.
 
-    Generation requests go through an :class:`~replica_agent.upstream.Http1Pool` (their streamed
+    Generation requests go through an :class:`~fairbatch_common.upstream.Http1Pool` (their streamed
     chunks are written to the client from the upstream socket's read callback); the other upstream
     calls (the model catalog, /tokenize) use :attr:`session`, an ``aiohttp.ClientSession``.
 

@@ -18,7 +18,7 @@ replica failed before its first byte is refunded.
 
 Every reservation is freed on every error path (Release RPC in the background); a successful
 request's lease is consumed by the agent. Times are simulated ms from the router's
-:class:`~replica_agent.clock.Clock`; metric durations in seconds are wall seconds.
+:class:`~fairbatch_common.clock.Clock`; metric durations in seconds are wall seconds.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from typing import Any
 from aiohttp import web
 from opentelemetry import trace
 
-from replica_agent.aio import within
-from replica_agent.clock import Clock
-from replica_agent.api_schema import ApiError, validate_request
-from replica_agent.http_guard import (
+from fairbatch_common.aio import within
+from fairbatch_common.clock import Clock
+from fairbatch_common.api_schema import ApiError, validate_request
+from fairbatch_common.http_guard import (
     REQUEST_ID,
     api_error_response,
     bounded_expect_handler,
@@ -42,9 +42,9 @@ from replica_agent.http_guard import (
     new_request_id,
     read_body,
 )
-from replica_agent.openai_stream import requested_choices
-from replica_agent.proxy import default_stall_ms
-from replica_agent.telemetry import extract_context, genai_request_attributes, inject_context, set_http_status
+from fairbatch_common.openai_stream import requested_choices
+from fairbatch_common.stall import default_stall_ms
+from fairbatch_common.telemetry import extract_context, genai_request_attributes, inject_context, set_http_status
 from router.admission import prompt_decision
 from router.admission_queue import PlacementFailed, QueueTimeout
 from router.answers import Answer, no_budget, placement_error, queue_expired, queue_full
@@ -432,7 +432,7 @@ class Router(AuxEndpoints):
         :data:`SILENCE_GRACE_S` (a non-stream answer keeps the pool's limit: it is silent until done).
 
         A running agent is never silent that long: it ends a request whose engine sent nothing for
-        the stall timeout (``stall_timeout_ms``, else replica_agent/proxy.py ``default_stall_ms``:
+        the stall timeout (``stall_timeout_ms``, else fairbatch_common/stall.py ``default_stall_ms``:
         3 s for TTFT 500 / TPOT 50 ms) with an error of its own. So the limit only fires on an agent
         that froze or whose host did (a user's trial: ``kill -STOP`` on the agent held a client's
         stream for as long as it was stopped; the pool's limit was 600 s)."""

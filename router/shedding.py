@@ -46,7 +46,7 @@ LUMP_SEEN_MS = 5.0
 """ms from now before the router can count an in-flight prefill's lump as freed (:func:`lump_start_ms`).
 
 A lump frees in the router's book only when a snapshot without it arrives: the agent pushes a change
-at most every ``min_push_interval_ms`` (5 ms by default, replica_agent/agent.py), so a lump the
+at most every ``min_push_interval_ms`` (5 ms by default, the agent's ``--min-push-interval-ms``), so a lump the
 agent predicted to end sooner than that, or one already past its predicted end and still listed,
 is taken to free that long from now. Counting an overdue lump as freed at once made the
 ``infeasible`` scenario of scripts/bench_backlog.py queue requests with a 2.6 ms slack that were

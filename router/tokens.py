@@ -24,7 +24,7 @@ class PromptError(ValueError):
 def text_tokens(text: str, bytes_per_token: float) -> int:
     """ceil(UTF-8 bytes / bytes_per_token) tokens for ``text`` (0 for an empty string).
 
-    Never raises: a lone surrogate (refused earlier by :mod:`replica_agent.api_schema`) counts its
+    Never raises: a lone surrogate (refused earlier by :mod:`fairbatch_common.api_schema`) counts its
     3 bytes (``surrogatepass``).
     """
     if not text:

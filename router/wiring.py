@@ -21,9 +21,9 @@ import random
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
-from replica_agent.aio import stop_task
-from replica_agent.clock import Clock
-from replica_agent.telemetry import make_tracer
+from fairbatch_common.aio import stop_task
+from fairbatch_common.clock import Clock
+from fairbatch_common.telemetry import make_tracer
 from router.admission import MAX_RELAY_TRIES
 from router.admission_queue import Dispatcher
 from router.auth import ApiKeyAuthenticator
@@ -69,7 +69,7 @@ class RouterWiring:
         agent_token: shared secret the agents require (``x-fairbatch-token`` on gRPC metadata and on
             the HTTP hop); None = none (``FAIRBATCH_AGENT_TOKEN`` in the CLI).
         otlp_endpoint: span exporter endpoint (``--otlp-endpoint``), before ``telemetry.otlp_endpoint``
-            and the ``OTEL_*`` variables (replica_agent/telemetry.py).
+            and the ``OTEL_*`` variables (fairbatch_common/telemetry.py).
     """
 
     def __init__(

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from replica_agent.admission_server import snapshot_pb  # noqa: E402
 from replica_agent.agent import Agent, AgentConfig  # noqa: E402
-from replica_agent.clock import Clock  # noqa: E402
+from fairbatch_common.clock import Clock  # noqa: E402
 from replica_agent.engine_metrics import parse_engine_metrics  # noqa: E402
 from replica_agent.policy.calibration import CalibratorConfig  # noqa: E402
 from replica_agent.policy.pab import SloClass  # noqa: E402

@@ -38,10 +38,10 @@ import grpc  # noqa: E402
 from proto import admission_pb2, admission_pb2_grpc  # noqa: E402
 from replica_agent.admission_server import AdmissionService, snapshot_pb  # noqa: E402
 from replica_agent.agent import Agent, AgentConfig  # noqa: E402
-from replica_agent.clock import Clock  # noqa: E402
+from fairbatch_common.clock import Clock  # noqa: E402
 from replica_agent.policy.pab import SloClass  # noqa: E402
 from replica_agent.profiles import load_profile  # noqa: E402
-from replica_agent.runtime import run  # noqa: E402
+from fairbatch_common.runtime import run  # noqa: E402
 
 
 def cpu_s() -> float:

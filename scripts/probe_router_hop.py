@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT / "tests" / "integration"))
 import uvloop  # noqa: E402
 
 from fake_agents import API_KEY, PROMPT, FakeAdmission, FakeUpstream, LoopbackFleet  # noqa: E402
-from replica_agent import upstream as upstream_mod  # noqa: E402
-from replica_agent.clock import Clock  # noqa: E402
+from fairbatch_common import upstream as upstream_mod  # noqa: E402
+from fairbatch_common.clock import Clock  # noqa: E402
 from router import server as server_mod  # noqa: E402
 from router.config import RouterConfig, hash_api_key  # noqa: E402
 from router.server import Router  # noqa: E402

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass
 class FakeClock:
     """A clock the test moves by hand: ``t`` simulated ms, ``scale`` wall ms per simulated ms
-    (:class:`replica_agent.clock.Clock`'s interface)."""
+    (:class:`fairbatch_common.clock.Clock`'s interface)."""
 
     t: float = 0.0
     scale: float = 1.0

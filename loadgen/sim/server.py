@@ -2,7 +2,7 @@
 
 The pure core (:mod:`loadgen.sim.engine`) decides batches and step times; this module owns time
 and I/O. One engine-loop task runs while work exists: take a step at the simulated time ``t``,
-sleep until ``t + duration_ms`` (simulated ms, via :class:`replica_agent.clock.Clock`), then
+sleep until ``t + duration_ms`` (simulated ms, via :class:`fairbatch_common.clock.Clock`), then
 deliver the step's tokens to per-request mailboxes; with no work it waits on an event.
 
 Steps are laid end to end on a simulated timeline (the next step starts where the previous one
@@ -57,11 +57,11 @@ from loadgen.sim.sampling import (EOS_ID, VOCAB, VOCAB_ID_BASE, ChoiceOutput, Sa
                                   chat_logprob_entry, completion_logprobs, generate, parse_sampling, token_id)
 from loadgen.sim.prefix_cache import block_hashes_from_bytes, block_hashes_from_tokens
 from loadgen.sim.tokenizer import BYTES_PER_TOKEN, OUTPUT_TOKEN_TEXT, count_tokens, render_chat
-from replica_agent.aio import stop_task, wait_event
-from replica_agent.clock import Clock
+from fairbatch_common.aio import stop_task, wait_event
+from fairbatch_common.clock import Clock
 from replica_agent.policy.batching import POLICIES, PolicyConfig, make_policy
 from replica_agent.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile, vllm_serve_batch_defaults
-from replica_agent.runtime import run, setup_logging
+from fairbatch_common.runtime import run, setup_logging
 
 log = logging.getLogger("loadgen.sim.server")
 

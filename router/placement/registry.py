@@ -2,8 +2,10 @@
 
 Discovery: every module of ``router/placement/filters``, ``scorers`` and ``pickers`` (and of
 ``hooks``) that defines ``PLUGIN`` (a dataclass with a ``name`` field whose default is the
-plugin's name) is registered under that name, so adding a scorer is one new module, its test and
-its line in the YAML docs (docs/architecture.md "Placement plugins"); nothing else changes.
+plugin's name) is registered under that name, so adding a scorer is one new module, its test,
+its line in the YAML docs (docs/architecture.md "Placement plugins") and its name in the YAML
+schema's ``PLACEMENT_PLUGINS`` (fairbatch_common/config_schema.py, which both processes validate
+the file with and which imports no router code; a test compares it with this registry).
 
 Profiles: ``pab`` (the default) is :class:`~router.placement.fused.FusedPabPolicy`, the one-pass
 form of the chain ``exclude, healthy, fresh, max-prompt, fits, on-time, window`` ->

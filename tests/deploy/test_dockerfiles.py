@@ -75,7 +75,7 @@ def test_router_and_agent_code_import_nothing_of_the_loadgen_extra() -> None:
     import ast
 
     bad = []
-    for pkg in ("router", "replica_agent", "proto"):
+    for pkg in ("fairbatch_common", "router", "replica_agent", "proto"):
         for path in (REPO / pkg).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else (

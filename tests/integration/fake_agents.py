@@ -25,7 +25,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proto import admission_pb2, admission_pb2_grpc
-from replica_agent.http_guard import make_runner
+from fairbatch_common.http_guard import make_runner
 from router.server import Router
 
 API_KEY = "sk-test-acme"

@@ -21,9 +21,9 @@ from aiohttp import web
 from loadgen.procs import free_port
 from proto import admission_pb2, admission_pb2_grpc
 from replica_agent.admission_server import start_grpc_server
-from replica_agent.http_guard import make_runner
+from fairbatch_common.http_guard import make_runner
 from replica_agent.proxy import Proxy, ProxyConfig, make_session
-from replica_agent.telemetry import make_tracer
+from fairbatch_common.telemetry import make_tracer
 from router.config import RouterConfig, hash_api_key
 from router.server import Router
 from tests.integration.test_agent_grpc import make_agent

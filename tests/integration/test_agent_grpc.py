@@ -14,7 +14,7 @@ import pytest
 from proto import admission_pb2, admission_pb2_grpc
 from replica_agent.admission_server import expire_leases_loop, start_grpc_server
 from replica_agent.agent import Agent, AgentConfig
-from replica_agent.clock import Clock
+from fairbatch_common.clock import Clock
 from replica_agent.engine_metrics import EngineMetrics
 from replica_agent.policy.pab import SloClass
 from replica_agent.policy.time_model import TimeModel

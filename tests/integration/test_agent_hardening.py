@@ -3,7 +3,7 @@ real simulated engine process on loopback.
 
 - bad bodies: 4xx in OpenAI's error JSON, nothing tracked;
 - a client leaving during prefill: the engine stops the request at once (the agent's server runs with
-  handler cancellation, replica_agent/http_guard.make_runner), where it used to run the whole prefill;
+  handler cancellation, fairbatch_common/http_guard.make_runner), where it used to run the whole prefill;
 - a frozen engine (SIGSTOP): a stream ends with the SSE error event within the stall timeout, a
   non-stream request gets 502 (retryable at the router: nothing was sent), the agent is unhealthy until
   the engine answers again (SIGCONT).
@@ -25,13 +25,14 @@ import pytest
 from loadgen.procs import Child, ProcessGroup, free_port
 from loadgen.sim.tokenizer import make_prompt
 from replica_agent.agent import Agent, AgentConfig
-from replica_agent.clock import Clock
+from fairbatch_common.clock import Clock
 from replica_agent.engine_metrics import MetricsScraper, parse_engine_metrics
-from replica_agent.http_guard import make_runner
+from fairbatch_common.http_guard import make_runner
 from replica_agent.policy.pab import SloClass
 from replica_agent.profiles import load_profile
-from replica_agent.proxy import Proxy, ProxyConfig, default_stall_ms, make_session
-from replica_agent.telemetry import make_tracer
+from replica_agent.proxy import Proxy, ProxyConfig, make_session
+from fairbatch_common.stall import default_stall_ms
+from fairbatch_common.telemetry import make_tracer
 from tests.integration.test_router_hardening import BAD_BODIES, post_bytes, raw_http, status_and_json
 
 MODEL = "llama-3-8b-a100"

@@ -24,13 +24,13 @@ from aiohttp import web
 from loadgen.procs import ProcessGroup, free_port, script
 from loadgen.sim.tokenizer import make_prompt
 from replica_agent.agent import Agent, AgentConfig
-from replica_agent.clock import Clock
-from replica_agent.http_guard import make_runner
+from fairbatch_common.clock import Clock
+from fairbatch_common.http_guard import make_runner
 from replica_agent.engine_metrics import MetricsScraper, parse_engine_metrics
 from replica_agent.policy.pab import SloClass
 from replica_agent.profiles import load_profile
 from replica_agent.proxy import Proxy, ProxyConfig, make_session
-from replica_agent.telemetry import make_tracer
+from fairbatch_common.telemetry import make_tracer
 from replica_agent.tracker import Phase
 
 SCALE = 0.05

@@ -1,4 +1,4 @@
-"""FirstChunkStreamResponse (replica_agent/aio.py): the headers leave with the first body write.
+"""FirstChunkStreamResponse (fairbatch_common/aio.py): the headers leave with the first body write.
 
 A real aiohttp server on loopback and a raw socket client. The handler prepares its response, then
 waits for the test; at that point nothing may be readable on the client's socket (loopback delivers
@@ -14,8 +14,8 @@ import socket
 
 from aiohttp import web
 
-from replica_agent.aio import FirstChunkStreamResponse
-from replica_agent.http_guard import make_runner
+from fairbatch_common.aio import FirstChunkStreamResponse
+from fairbatch_common.http_guard import make_runner
 
 
 async def _exchange(response_cls: type[web.StreamResponse]) -> tuple[bytes, bytes]:

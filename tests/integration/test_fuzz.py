@@ -33,13 +33,13 @@ from hypothesis import strategies as st
 
 from loadgen.procs import ProcessGroup, free_port
 from replica_agent.agent import Agent, AgentConfig
-from replica_agent.clock import Clock
-from replica_agent.http_guard import make_runner
-from replica_agent.log_redact import install
+from fairbatch_common.clock import Clock
+from fairbatch_common.http_guard import make_runner
+from fairbatch_common.log_redact import install
 from replica_agent.policy.pab import SloClass
 from replica_agent.profiles import load_profile
 from replica_agent.proxy import Proxy, ProxyConfig, make_session
-from replica_agent.telemetry import make_tracer
+from fairbatch_common.telemetry import make_tracer
 from tests.integration.test_router_hardening import raw_http
 from tests.integration.test_router_tenants import KEYS, InProcess
 

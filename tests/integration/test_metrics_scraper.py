@@ -15,9 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
 from test_engine_metrics import VLLM_032  # noqa: E402
 
-from replica_agent.clock import Clock  # noqa: E402
+from fairbatch_common.clock import Clock  # noqa: E402
 from replica_agent.engine_metrics import EngineMetrics, MetricsScraper  # noqa: E402
-from replica_agent.upstream import Http1Pool  # noqa: E402
+from fairbatch_common.upstream import Http1Pool  # noqa: E402
 
 
 async def serve(handler) -> tuple[web.AppRunner, str]:  # noqa: ANN001

@@ -1,4 +1,4 @@
-"""A stream answered at ``[DONE]`` gives its pooled connection back (replica_agent/upstream.py
+"""A stream answered at ``[DONE]`` gives its pooled connection back (fairbatch_common/upstream.py
 ``Exchange.release``): over real loopback HTTP, against a server that sends the end of its chunked
 body 50 ms after ``[DONE]``, as an engine or an agent that writes them apart does."""
 
@@ -9,7 +9,7 @@ import asyncio
 from aiohttp import web
 
 from loadgen.procs import free_port
-from replica_agent.upstream import Exchange, Http1Pool
+from fairbatch_common.upstream import Exchange, Http1Pool
 
 _TAIL_DELAY_S = 0.05
 

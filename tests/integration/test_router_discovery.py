@@ -23,7 +23,7 @@ from kubernetes import client as k8s
 
 from fake_agents import API_KEY, PROMPT, FakeAdmission, FakeUpstream, LoopbackFleet
 from loadgen.procs import free_port
-from replica_agent.clock import Clock
+from fairbatch_common.clock import Clock
 from router.config import ReplicaConfig, RouterConfig, hash_api_key
 from router.discovery import KubernetesDiscovery, KubernetesEndpointSliceApi, Publish
 from router.server import Router

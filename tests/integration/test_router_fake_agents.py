@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from fake_agents import API_KEY, PROMPT, FakeAdmission, FakeUpstream, LoopbackFleet
-from replica_agent.clock import Clock
+from fairbatch_common.clock import Clock
 from router.config import RouterConfig, hash_api_key
 from router.server import Router
 

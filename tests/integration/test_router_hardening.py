@@ -283,7 +283,7 @@ async def test_metrics_port_keeps_names_off_the_public_port(fleet: InProcess) ->
     assert router is not None
     from aiohttp import web
 
-    from replica_agent.http_guard import make_runner
+    from fairbatch_common.http_guard import make_runner
 
     runner = make_runner(router.build_metrics_app())
     await runner.setup()

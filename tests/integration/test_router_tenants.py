@@ -20,8 +20,8 @@ from aiohttp import web
 
 from fake_agents import FakeAdmission, FakeUpstream, LoopbackFleet
 from loadgen.procs import ProcessGroup, free_port, script
-from replica_agent.clock import Clock
-from replica_agent.http_guard import make_runner
+from fairbatch_common.clock import Clock
+from fairbatch_common.http_guard import make_runner
 from router.config import RouterConfig, hash_api_key
 from router.server import Router
 from tests.redis_fixture import RedisServer, redis_clean, redis_server  # noqa: F401

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from replica_agent.agent import Agent, AgentConfig
-from replica_agent.clock import Clock
+from fairbatch_common.clock import Clock
 from replica_agent.engine_metrics import EngineMetrics
 from replica_agent.policy.pab import DecodeState, PendingPrefill, ReplicaState, SloClass, compute_budgets
 from replica_agent.policy.time_model import TimeModel

@@ -1,4 +1,4 @@
-"""replica_agent.aio.wait_event keeps a cancellation that asyncio.wait_for drops on Python 3.11.
+"""fairbatch_common.aio.wait_event keeps a cancellation that asyncio.wait_for drops on Python 3.11.
 
 The case: the waiting task is cancelled in the same loop iteration in which its event is set (the
 router's dispatcher when Router.close() cancels it just as a release wakes it). Before the fix,
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from replica_agent.aio import wait_event, within
+from fairbatch_common.aio import wait_event, within
 
 
 async def set_and_cancel_together(wait) -> str:
@@ -82,7 +82,7 @@ async def test_wait_event_results() -> None:
 
 
 async def test_stop_task_ends_a_task_and_bounds_one_that_ignores_its_cancellation() -> None:
-    from replica_agent.aio import stop_task
+    from fairbatch_common.aio import stop_task
 
     normal = asyncio.create_task(asyncio.sleep(10))
     await asyncio.sleep(0)

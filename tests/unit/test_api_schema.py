@@ -1,4 +1,4 @@
-"""Request validation shared by router and agent (replica_agent/api_schema.py): every refusal is an
+"""Request validation shared by router and agent (fairbatch_common/api_schema.py): every refusal is an
 ApiError 400 naming the field; what passes is what the engine and proto/admission.proto can hold."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from replica_agent.api_schema import (
+from fairbatch_common.api_schema import (
     MAX_JSON_DEPTH,
     MAX_N,
     UINT32_MAX,

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from router.auth import hash_api_key
-from router.config import load_agent_section, load_config
+from fairbatch_common.config_schema import load_agent_section
+from router.config import load_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fairbatch.yaml"
 

@@ -1,4 +1,4 @@
-"""replica_agent/log_redact.py: keys, bearer tokens and aiohttp's quoted header lines never reach a log line."""
+"""fairbatch_common/log_redact.py: keys, bearer tokens and aiohttp's quoted header lines never reach a log line."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 
 from aiohttp.http_exceptions import BadHttpMessage
 
-from replica_agent.log_redact import RedactingFilter, install, redact
+from fairbatch_common.log_redact import RedactingFilter, install, redact
 
 
 def test_redact_values() -> None:

@@ -1,4 +1,4 @@
-"""Engine (vLLM) error answers mapped onto fairbatch's one error vocabulary (replica_agent/openai_errors.py)."""
+"""Engine (vLLM) error answers mapped onto fairbatch's one error vocabulary (fairbatch_common/openai_errors.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from replica_agent.openai_errors import map_engine_error, sse_error_event
+from fairbatch_common.openai_errors import map_engine_error, sse_error_event
 
 
 def vllm(message: str, status: int, param: str | None = None, kind: str = "BadRequestError") -> bytes:

@@ -1,4 +1,4 @@
-"""Token progress from vLLM stream chunks (replica_agent/openai_stream.py)."""
+"""Token progress from vLLM stream chunks (fairbatch_common/openai_stream.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from replica_agent.openai_stream import (
+from fairbatch_common.openai_stream import (
     fast_event_tokens,
     finish_reasons,
     generated_tokens,

@@ -15,7 +15,8 @@ from pydantic import ValidationError
 
 from replica_agent.policy.pab import ClassBudget
 from replica_agent.policy.time_model import TimeModel
-from router.config import PlacementConfig
+from fairbatch_common.config_schema import PLACEMENT_PLUGINS, ConfigError, parse_agent_section
+from router.config import PlacementConfig, parse_config
 from router.placement import FusedPabPolicy, PlacementPolicy, PlacementRequest, ReplicaView, default_registry
 from router.placement.registry import plugin_name
 from router.server import Router
@@ -84,6 +85,25 @@ def test_every_plugin_module_is_discovered() -> None:
             cls = importlib.import_module(f"router.placement.{kind}.{m}").PLUGIN
             assert table[plugin_name(cls)] is cls
             assert cls.__doc__ and importlib.import_module(f"router.placement.{kind}.{m}").__doc__
+
+
+def test_the_schema_knows_the_registered_names() -> None:
+    # fairbatch_common/config_schema.py checks placement names without router code (the agent
+    # checks a router file as the router does): its table is the registry's, name for name
+    reg = default_registry()
+    assert {kind: set(names) for kind, names in PLACEMENT_PLUGINS.items()} == {
+        "policies": set(reg.policies), "filters": set(reg.filters), "scorers": set(reg.scorers),
+        "pickers": set(reg.pickers), "hooks": set(reg.hooks),
+    }  # fmt: skip
+
+
+def test_router_and_agent_refuse_an_unknown_plugin_in_a_router_file() -> None:
+    text = ("slo_classes: {i: {ttft_ms: 500, tpot_ms: 50}}\n"
+            "replicas: [{id: r0, http_url: 'http://127.0.0.1:1', grpc_target: '127.0.0.1:2'}]\n"
+            "placement: {scorers: [{name: nope}]}\n")  # fmt: skip
+    for parse in (parse_config, parse_agent_section):
+        with pytest.raises(ConfigError, match="fairbatch.yaml:3: placement: .*unknown plugin 'nope'"):
+            parse(text, "fairbatch.yaml")
 
 
 def test_post_decision_hook_sees_granted_placements() -> None:

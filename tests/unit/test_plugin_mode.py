@@ -29,7 +29,7 @@ import pytest
 
 from replica_agent.policy.calibration import CalibratorConfig
 from replica_agent.agent import Agent, AgentConfig
-from replica_agent.clock import Clock
+from fairbatch_common.clock import Clock
 from replica_agent.engine_metrics import EngineMetrics
 from replica_agent.plugin_export import state_record, step_record
 from replica_agent.plugin_mode import (

@@ -8,7 +8,7 @@ min(remaining output, ceil(1800 / 200) + 1 = 10) tokens.
 from __future__ import annotations
 
 from replica_agent.agent import Agent, AgentConfig
-from replica_agent.clock import Clock
+from fairbatch_common.clock import Clock
 from replica_agent.engine_metrics import EngineMetrics
 from replica_agent.policy.pab import DecodeState, PendingPrefill, ReplicaState, SloClass, class_budget
 from replica_agent.policy.preemption import account_preempted

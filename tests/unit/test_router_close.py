@@ -1,7 +1,7 @@
 """Router.close() stops the dispatcher even when a wake-up races the cancellation.
 
 A release or budget update wakes the dispatcher while the router shuts down: before
-replica_agent.aio.wait_event, the dispatcher's asyncio.wait_for swallowed the cancellation on
+fairbatch_common.aio.wait_event, the dispatcher's asyncio.wait_for swallowed the cancellation on
 Python 3.11 and close() waited for it forever (seen as a 120 s teardown hang in CI).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from replica_agent.clock import Clock
+from fairbatch_common.clock import Clock
 from router.auth import hash_api_key
 from router.config import RouterConfig
 from router.server import Router

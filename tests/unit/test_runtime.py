@@ -1,4 +1,4 @@
-"""replica_agent.runtime.hold_grpc_aio: grpc.aio's poller thread outlives every loop once held.
+"""fairbatch_common.runtime.hold_grpc_aio: grpc.aio's poller thread outlives every loop once held.
 
 Run in a child interpreter: the test session itself already holds the reference (tests/conftest.py).
 """
@@ -12,7 +12,7 @@ import sys
 SCRIPT = """
 import asyncio, sys, threading
 import grpc
-from replica_agent.runtime import hold_grpc_aio
+from fairbatch_common.runtime import hold_grpc_aio
 
 if sys.argv[1] == "hold":
     hold_grpc_aio()
@@ -50,7 +50,7 @@ def test_held_grpc_keeps_one_poller_across_loops() -> None:
 
 LOOP_SCRIPT = """
 import asyncio
-from replica_agent.runtime import run
+from fairbatch_common.runtime import run
 
 async def loop_module() -> str:
     return type(asyncio.get_running_loop()).__module__

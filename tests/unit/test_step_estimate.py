@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from replica_agent.agent import Agent, AgentConfig
-from replica_agent.clock import Clock
+from fairbatch_common.clock import Clock
 from replica_agent.engine_metrics import EngineMetrics
 from replica_agent.policy.calibration import CalibratorConfig
 from replica_agent.policy.pab import SloClass

@@ -1,4 +1,4 @@
-"""replica_agent/telemetry.py: export settings, a no-op tracer without an exporter (context still passed on),
+"""fairbatch_common/telemetry.py: export settings, a no-op tracer without an exporter (context still passed on),
 sampling with one, and the HTTP/GenAI span conventions."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
 from loadgen.procs import free_port
-from replica_agent.telemetry import (
+from fairbatch_common.telemetry import (
     ExportSettings,
     export_settings,
     extract_context,

@@ -1,4 +1,4 @@
-"""replica_agent.upstream: the relays' HTTP/1.1 client, against a real aiohttp server on loopback.
+"""fairbatch_common.upstream: the relays' HTTP/1.1 client, against a real aiohttp server on loopback.
 
 Each test's expected bytes, statuses and connection counts follow from what the server handler does
 (written out in the handler), not from the client.
@@ -12,7 +12,7 @@ import socket
 import pytest
 from aiohttp import web
 
-from replica_agent.upstream import (
+from fairbatch_common.upstream import (
     Http1Pool,
     UpstreamConnectError,
     UpstreamDisconnected,
@@ -297,7 +297,7 @@ async def test_client_sink_frames_a_chunked_body_an_http_client_reads() -> None:
     reads the body whole), HTTP/1.0 the raw bytes up to the close."""
     import aiohttp
 
-    from replica_agent.upstream import ClientSink
+    from fairbatch_common.upstream import ClientSink
 
     async def handler(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse()
@@ -359,7 +359,7 @@ async def test_pieces_of_one_socket_read_reach_the_client_in_one_write() -> None
     transport one write (ClientSink.flush), and the client reads the three pieces in order."""
     import aiohttp
 
-    from replica_agent.upstream import ClientSink
+    from fairbatch_common.upstream import ClientSink
 
     async def upstream_handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")

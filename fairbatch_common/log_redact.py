@@ -1,6 +1,6 @@
 """A logging filter that keeps secrets and request content out of every log line (aiohttp's included).
 
-Installed on the log handlers by :func:`replica_agent.runtime.setup_logging` (both servers), so it sees
+Installed on the log handlers by :func:`fairbatch_common.runtime.setup_logging` (both servers), so it sees
 every record that reaches a handler, whatever logger it came from. Per record it:
 
 1. replaces a client's malformed HTTP (aiohttp's "Error handling request" with a parser exception,

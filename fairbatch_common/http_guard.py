@@ -12,7 +12,7 @@
   :func:`read_body` would read; a body it refuses from its headers alone (413, 415) gets no
   interim answer, so the handler's refusal is the client's final answer before it sends the body.
 - :func:`error_middleware`: every error answer is OpenAI's JSON ``{"error": {...}}``: aiohttp's own
-  HTTP errors (404, 405, 413) and :class:`~replica_agent.api_schema.ApiError`; any other exception is
+  HTTP errors (404, 405, 413) and :class:`~fairbatch_common.api_schema.ApiError`; any other exception is
   our own bug and becomes a 500 in the same JSON with the request id (logged with its traceback,
   which carries no request content).
 
@@ -35,7 +35,7 @@ from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from replica_agent.api_schema import ApiError
+from fairbatch_common.api_schema import ApiError
 
 log = logging.getLogger(__name__)
 

@@ -40,8 +40,8 @@ def hold_grpc_aio() -> None:
 
 def setup_logging(level: str = "INFO") -> None:
     """Plain structured-ish log lines on stderr, through the secret-redacting filter
-    (:mod:`replica_agent.log_redact`; no prompt text or key is ever logged, aiohttp's lines included)."""
-    from replica_agent import log_redact
+    (:mod:`fairbatch_common.log_redact`; no prompt text or key is ever logged, aiohttp's lines included)."""
+    from fairbatch_common import log_redact
 
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
