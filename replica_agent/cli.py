@@ -106,18 +106,19 @@ def load_slo_classes(path: Path) -> list[SloClass]:
 def reload_slo_classes(agent: Agent, proxy: Proxy, path: Path, flag_classes: Sequence[SloClass]) -> bool:
     """Re-read ``slo_classes`` from ``path`` and apply them (``--slo-class`` flags still override the
     file's class of the same name); an invalid file is refused, logged and counted, and the running
-    classes kept. Returns True when applied."""
+    classes kept (``fairbatch_agent_config_last_reload_success`` 1 or 0, and its timestamp). Returns True
+    when applied."""
     try:
         by_name = {c.name: c for c in load_slo_classes(path)}
         by_name.update({c.name: c for c in flag_classes})
         stalls = load_stall_timeouts(path)
         agent.set_slo_classes(tuple(by_name.values()))
     except (ConfigError, ValueError) as exc:
-        agent.metrics.config_reloads.labels("invalid").inc()
+        agent.metrics.observe_reload(False)
         log.error("slo_classes reload refused, keeping the running classes: %s", exc)
         return False
     proxy.set_class_stall_ms(tuple(stalls.items()))
-    agent.metrics.config_reloads.labels("ok").inc()
+    agent.metrics.observe_reload(True)
     log.info("slo_classes reloaded from %s: %s", path,
              ", ".join(f"{c.name}({c.ttft_ms:g}/{c.tpot_ms:g} ms)" for c in agent.config.slo_classes))  # fmt: skip
     return True

@@ -485,12 +485,12 @@ class Router:
         try:
             config = load_config(path)
         except ConfigError as exc:
-            self.metrics.config_reloads.labels("invalid").inc()
+            self.metrics.observe_reload(False)
             log.error("config reload refused, keeping the running configuration: %s", exc)
             return False
         for w in self.apply_config(config):
             log.warning("config reload: %s", w)
-        self.metrics.config_reloads.labels("ok").inc()
+        self.metrics.observe_reload(True)
         log.info("config reloaded from %s (%d tenants, %d keys)", path, len(config.tenants), len(config.api_keys))
         return True
 
