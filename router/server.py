@@ -212,6 +212,8 @@ class Router:
             the HTTP hop); None = none (``FAIRBATCH_AGENT_TOKEN`` in the CLI).
         otlp_endpoint: span exporter endpoint (``--otlp-endpoint``), before ``telemetry.otlp_endpoint``
             and the ``OTEL_*`` variables (replica_agent/telemetry.py).
+        redis_password: password of ``redis_url``'s Redis (``FAIRBATCH_REDIS_PASSWORD`` in the CLI); None = none
+            or the URL's own.
     """
 
     def __init__(
@@ -225,6 +227,7 @@ class Router:
         discovery: DiscoverySource | None = None,
         agent_token: str | None = None,
         otlp_endpoint: str | None = None,
+        redis_password: str | None = None,
     ) -> None:
         self._agent_token = agent_token
         self.config = config
@@ -278,7 +281,7 @@ class Router:
         self.discovery = discovery if discovery is not None else build_discovery(config.discovery)
         self._discovery_task: asyncio.Task[None] | None = None
         self._inflight: dict[str, set[UpstreamAbort]] = {}
-        self.ledger: Ledger = build_ledger(config, self.clock, self._on_ledger_degraded)
+        self.ledger: Ledger = build_ledger(config, self.clock, self._on_ledger_degraded, redis_password)
         self._shared_counters = config.redis_url is not None
         self._sync_task: asyncio.Task[None] | None = None
         self.tracer = make_tracer(config.telemetry.service_name, otlp_endpoint or config.telemetry.otlp_endpoint,
