@@ -654,9 +654,10 @@ def test_agent_token_and_engine_key_come_from_secrets(helm: Path) -> None:
 
 
 def _exported_names() -> set[str]:
-    """Every series name the router exports (histograms with their _bucket/_count/_sum)."""
+    """Every series name the router and the agent export (histograms with their _bucket/_count/_sum)."""
     from prometheus_client import generate_latest
 
+    from replica_agent.metrics import AgentMetrics
     from router.metrics import RouterMetrics
 
     m = RouterMetrics([500.0], [50.0])
@@ -666,7 +667,7 @@ def _exported_names() -> set[str]:
               m.fleet_replicas_without_pab.labels("interactive"), m.budget_age.labels("r0")):
         g.set(1)
     m.queue_wait.observe(0.1)
-    text = generate_latest(m.registry).decode()
+    text = generate_latest(m.registry).decode() + generate_latest(AgentMetrics().registry).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 
 
@@ -710,7 +711,8 @@ def test_alert_rules_use_exported_series_and_pass_promtool(helm: Path, tmp_path:
     groups = rule["spec"]["groups"]
     alerts = {r["alert"]: r for g in groups for r in g["rules"] if "alert" in r}
     assert set(alerts) == {"FairbatchSloBurnFast", "FairbatchSloBurnSlow", "FairbatchNoSparePab",
-                           "FairbatchReplicaBudgetStale", "FairbatchDispatchStalled"}  # fmt: skip
+                           "FairbatchReplicaBudgetStale", "FairbatchDispatchStalled",
+                           "FairbatchConfigReloadFailed"}  # fmt: skip
     assert "fairbatch_router_dispatch_stalled_seconds) > 10" in alerts["FairbatchDispatchStalled"]["expr"]
     # the objective of the values (0.99) sets the burn thresholds: 14.4 x 1 % over 1 h and 5 min
     assert "> (14.4 * (1 - 0.99))" in alerts["FairbatchSloBurnFast"]["expr"]
@@ -742,6 +744,42 @@ def test_dispatch_stalled_alert_fires_after_ten_seconds_stalled_for_a_minute(hel
         "description": "The admission queue has not moved for more than 10 s although a replica's PAB covers the "
                        "head of a band; restart the router and report it."}}]
     cases = [dict(alert, eval_time=f"{m}m", exp_alerts=firing if m in (2, 3) else []) for m in range(6)]
+    test = tmp_path / "test.yaml"
+    test.write_text(yaml.safe_dump({"rule_files": [str(rules)], "evaluation_interval": "1m",
+                                    "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": cases}]}))
+    proc = subprocess.run([promtool, "test", "rules", str(test)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_config_reload_failed_alert_fires_after_five_minutes_on_the_old_config(helm: Path, tmp_path: Path) -> None:
+    """FairbatchConfigReloadFailed (issue 30): a router or agent whose last reload was refused
+    (``fairbatch_{router,agent}_config_last_reload_success`` 0) for 5 minutes; a good reload clears it.
+    promtool's rule unit test, minute by minute."""
+    groups = one(render(helm, _ci("multi-tenant-redis-values.yaml")), "PrometheusRule")["spec"]["groups"]
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package prometheus)")
+    rules = _rules_file(groups, tmp_path / "rules.yaml")
+    # minute:                     0 1 2 3 4 5 6 7 8 9 10 11
+    router = "1 1 0 0 0 0 0 0 0 1 1 1"  # refused from 2m: 0 for 5 min at 7m, fires 7m and 8m; mended at 9m
+    agent = "1 1 1 1 1 0 0 0 0 0 0 0"   # refused from 5m: fires from 10m on
+    series = [
+        {"series": 'fairbatch_router_config_last_reload_success{pod="fb-router-0",namespace="llm"}', "values": router},
+        {"series": 'fairbatch_router_config_last_reload_success{pod="fb-router-1",namespace="llm"}',
+         "values": "1 1 1 1 1 1 1 1 1 1 1 1"},
+        {"series": 'fairbatch_agent_config_last_reload_success{pod="fb-vllm-0",namespace="llm"}', "values": agent},
+    ]
+
+    def firing(pod: str) -> dict[str, Any]:
+        return {"exp_labels": {"pod": pod, "severity": "warning"}, "exp_annotations": {
+            "summary": f"{pod} refused its new configuration and runs the previous one",
+            "description": "Its last configuration reload failed (fairbatch_router_config_reloads_total / "
+                           'fairbatch_agent_config_reloads_total{result="invalid"}); the pod\'s log names the file, '
+                           "line and field."}}
+
+    want = {7: ["fb-router-0"], 8: ["fb-router-0"], 10: ["fb-vllm-0"], 11: ["fb-vllm-0"]}
+    cases = [{"alertname": "FairbatchConfigReloadFailed", "eval_time": f"{m}m",
+              "exp_alerts": [firing(p) for p in want.get(m, [])]} for m in range(12)]
     test = tmp_path / "test.yaml"
     test.write_text(yaml.safe_dump({"rule_files": [str(rules)], "evaluation_interval": "1m",
                                     "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": cases}]}))
