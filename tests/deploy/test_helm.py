@@ -1054,3 +1054,28 @@ def test_redis_takes_connections_from_the_router_pods_only(helm: Path) -> None:
     router_pods = one(objs, "Deployment", "fb-fairbatch-router")["spec"]["selector"]["matchLabels"]
     assert rule == {"from": [{"podSelector": {"matchLabels": router_pods}}], "ports": [{"port": "redis", "protocol": "TCP"}]}
     assert {p["name"] for p in container(redis["spec"]["template"]["spec"], "redis")["ports"]} == {"redis"}
+
+
+def test_vllm_gets_the_otlp_traces_endpoint_and_the_tool_call_parser(helm: Path) -> None:
+    def vllm_args(*set_: str) -> list[str]:
+        return container(one(render(helm, set_=set_), "StatefulSet")["spec"]["template"]["spec"], "vllm")["args"]
+
+    plain = vllm_args()
+    for flag in ("--otlp-traces-endpoint", "--tool-call-parser", "--enable-auto-tool-choice"):
+        assert flag not in plain
+    endpoint = "http://otel-collector.observability.svc:4317"
+    args = vllm_args(f"otel.endpoint={endpoint}")
+    assert args[args.index("--otlp-traces-endpoint") + 1] == endpoint  # the endpoint router and agents use
+    objs = render(helm, set_=(f"otel.endpoint={endpoint}", "vllm.otlpTraces=false"))
+    vllm = container(one(objs, "StatefulSet")["spec"]["template"]["spec"], "vllm")
+    assert "--otlp-traces-endpoint" not in vllm["args"]
+    assert _env(vllm)["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == endpoint  # the variables stay
+    args = vllm_args("vllm.toolCallParser=hermes")
+    i = args.index("--tool-call-parser")
+    assert args[i:i + 3] == ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+    args = vllm_args("vllm.toolCallParser=llama3_json", "vllm.enableAutoToolChoice=false")
+    assert args[args.index("--tool-call-parser") + 1] == "llama3_json" and "--enable-auto-tool-choice" not in args
+    assert "--enable-auto-tool-choice" not in vllm_args("vllm.enableAutoToolChoice=true")  # needs a parser
+    # before extraArgs, so a flag given there still comes last
+    args = vllm_args("vllm.toolCallParser=hermes", "vllm.extraArgs[0]=--max-num-seqs=64")
+    assert args[-1] == "--max-num-seqs=64" and args.index("--tool-call-parser") < len(args) - 1
