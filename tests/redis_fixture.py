@@ -6,8 +6,9 @@ Import the fixtures into a conftest or a test module::
 
 ``redis_server`` starts ``redis-server --port N --save '' --appendonly no`` on a free loopback port
 once per session and yields a :class:`RedisServer` that can also be stopped and restarted on the
-same port (to test a Redis outage); ``redis_auth_server`` is another one started with ``--requirepass``. Tests using it are skipped, loudly, when no ``redis-server``
-binary exists (install: ``apt-get update && apt-get install -y redis-server``).
+same port (to test a Redis outage); ``redis_auth_server`` is another one started with
+``--requirepass``. Tests using them are skipped, loudly, when no ``redis-server`` binary exists
+(install: ``apt-get update && apt-get install -y redis-server``).
 """
 
 from __future__ import annotations

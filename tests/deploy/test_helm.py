@@ -450,7 +450,8 @@ def test_agent_sidecar_patch_applies_to_a_vllm_statefulset(helm: Path) -> None:
     # the chart's generated token Secret of a release "fairbatch" (the agent on 0.0.0.0 needs one to start)
     token = next(e for e in agent["env"] if e["name"] == "FAIRBATCH_AGENT_TOKEN")
     assert token["valueFrom"]["secretKeyRef"] == {"name": "fairbatch-agent-token", "key": "token"}
-    proc = _run(helm, "template", "fairbatch", str(CHART), "-n", "inference", "-f", str(_ci("existing-fleet-values.yaml")))
+    proc = _run(helm, "template", "fairbatch", str(CHART), "-n", "inference",
+                "-f", str(_ci("existing-fleet-values.yaml")))
     assert proc.returncode == 0, proc.stderr
     secrets = [d for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] == "Secret"]
     assert [(s["metadata"]["name"], list(s["data"])) for s in secrets] == [("fairbatch-agent-token", ["token"])]
@@ -483,7 +484,8 @@ def test_notes_say_how_to_call_the_router(helm: Path, tmp_path: Path) -> None:
     assert 'Authorization: Bearer $FAIRBATCH_API_KEY' in notes
     assert "http://127.0.0.1:8080/v1/completions" in notes
     assert '"model": "llama-3-8b"' in notes
-    assert "/metrics on the router's metrics port 8090 only" in notes and "port-forward deploy/fb-fairbatch-router 8090" in notes
+    assert "/metrics on the router's metrics port 8090 only" in notes
+    assert "port-forward deploy/fb-fairbatch-router 8090" in notes
     assert "token is in Secret fb-fairbatch-agent-token" in notes
     assert "the pods of namespace llm; add your gateway there" in notes
     assert "WARNING" not in notes
@@ -1052,7 +1054,8 @@ def test_redis_takes_connections_from_the_router_pods_only(helm: Path) -> None:
     assert pol["spec"]["podSelector"]["matchLabels"] == redis["spec"]["selector"]["matchLabels"]
     (rule,) = pol["spec"]["ingress"]
     router_pods = one(objs, "Deployment", "fb-fairbatch-router")["spec"]["selector"]["matchLabels"]
-    assert rule == {"from": [{"podSelector": {"matchLabels": router_pods}}], "ports": [{"port": "redis", "protocol": "TCP"}]}
+    assert rule == {"from": [{"podSelector": {"matchLabels": router_pods}}],
+                    "ports": [{"port": "redis", "protocol": "TCP"}]}
     assert {p["name"] for p in container(redis["spec"]["template"]["spec"], "redis")["ports"]} == {"redis"}
 
 

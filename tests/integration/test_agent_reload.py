@@ -83,7 +83,8 @@ def test_slo_classes_reload_on_file_change_and_sighup(tmp_path: Path) -> None:
         wait_value(url, pab, 0.9)
         wait_value(url, 'fairbatch_agent_pab_seconds{slo_class="batch"}', 18.0)
         assert metric_value(url, 'fairbatch_agent_config_reloads_total{result="ok"}') == 1.0
-        success, stamp = "fairbatch_agent_config_last_reload_success", "fairbatch_agent_config_last_reload_timestamp_seconds"
+        success = "fairbatch_agent_config_last_reload_success"
+        stamp = "fairbatch_agent_config_last_reload_timestamp_seconds"
         assert metric_value(url, success) == 1.0
         applied = metric_value(url, stamp)
         assert applied is not None and started <= applied <= time.time()

@@ -262,7 +262,8 @@ async def test_reload_on_sighup_keeps_serving_and_refuses_broken_file(tmp_path: 
             running = await post(s, url, "acme", stream=True)  # a stream in flight across reloads
             assert running.status == 200
             assert (await post(s, url, "beta")).status == 401
-            success, stamp = "fairbatch_router_config_last_reload_success", "fairbatch_router_config_last_reload_timestamp_seconds"
+            success = "fairbatch_router_config_last_reload_success"
+            stamp = "fairbatch_router_config_last_reload_timestamp_seconds"
             assert await metric_value(s, url, success) == 1.0  # the configuration it started with
             started = await metric_value(s, url, stamp)
             before = time.time()
