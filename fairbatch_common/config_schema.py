@@ -33,6 +33,7 @@ Schema (docs/architecture.md, section "Router"; docs/design.md section 6)::
     ledger: {key_prefix: fairbatch, timeout_ms: 200, retry_initial_ms: 100, retry_max_ms: 5000,
              concurrency_ttl_ms: 600000}
     redis_url: null                    # redis://host:port/0 -> quotas and VTC counters shared by routers
+                                       #   (password: FAIRBATCH_REDIS_PASSWORD in the router's environment)
 
 Every error is reported as ``<file>:<line>: <field.path>: <message>``; the line comes from the
 YAML node of the failing field (``yaml.compose`` marks), or from the parser's mark for a YAML

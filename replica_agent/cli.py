@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -48,6 +49,9 @@ from fairbatch_common.telemetry import make_tracer
 from fairbatch_common.config_schema import ConfigError, load_agent_section
 
 log = logging.getLogger("replica_agent")
+
+AGENT_TOKEN_ENV = "FAIRBATCH_AGENT_TOKEN"  # shared secret with the routers (HTTP header and gRPC metadata)
+ENGINE_API_KEY_ENV = "FAIRBATCH_ENGINE_API_KEY"  # sent to the engine as a bearer key (vLLM --api-key)
 
 
 def parse_slo_class(text: str) -> SloClass:
@@ -102,18 +106,19 @@ def load_slo_classes(path: Path) -> list[SloClass]:
 def reload_slo_classes(agent: Agent, proxy: Proxy, path: Path, flag_classes: Sequence[SloClass]) -> bool:
     """Re-read ``slo_classes`` from ``path`` and apply them (``--slo-class`` flags still override the
     file's class of the same name); an invalid file is refused, logged and counted, and the running
-    classes kept. Returns True when applied."""
+    classes kept (``fairbatch_agent_config_last_reload_success`` 1 or 0, and its timestamp). Returns True
+    when applied."""
     try:
         by_name = {c.name: c for c in load_slo_classes(path)}
         by_name.update({c.name: c for c in flag_classes})
         stalls = load_stall_timeouts(path)
         agent.set_slo_classes(tuple(by_name.values()))
     except (ConfigError, ValueError) as exc:
-        agent.metrics.config_reloads.labels("invalid").inc()
+        agent.metrics.observe_reload(False)
         log.error("slo_classes reload refused, keeping the running classes: %s", exc)
         return False
     proxy.set_class_stall_ms(tuple(stalls.items()))
-    agent.metrics.config_reloads.labels("ok").inc()
+    agent.metrics.observe_reload(True)
     log.info("slo_classes reloaded from %s: %s", path,
              ", ".join(f"{c.name}({c.ttft_ms:g}/{c.tpot_ms:g} ms)" for c in agent.config.slo_classes))  # fmt: skip
     return True
@@ -135,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     s.add_argument("--engine-url", required=True, help="engine base URL, e.g. http://127.0.0.1:8000")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (HTTP and gRPC)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help=f"address to listen on (HTTP and gRPC); any but a loopback address needs {AGENT_TOKEN_ENV}, "
+                        "the token the routers send (else the agent refuses to start)")
     s.add_argument("--http-port", type=int, default=8101, help="HTTP proxy port")
     s.add_argument("--grpc-port", type=int, default=9101, help="gRPC AdmissionService port")
     s.add_argument("--replica-id", default="r0", help="replica id reported in budget snapshots")
@@ -282,8 +289,26 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     )
 
 
-AGENT_TOKEN_ENV = "FAIRBATCH_AGENT_TOKEN"  # shared secret with the routers (HTTP header and gRPC metadata)
-ENGINE_API_KEY_ENV = "FAIRBATCH_ENGINE_API_KEY"  # sent to the engine as a bearer key (vLLM --api-key)
+def is_loopback_host(host: str) -> bool:
+    """True when listening on ``host`` reaches this machine only: ``localhost`` or an address of
+    127.0.0.0/8 or ``::1``. Any other name, the empty string and ``0.0.0.0`` / ``::`` (every interface)
+    are not loopback."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def token_refusal(host: str, environ: Mapping[str, str]) -> str | None:
+    """The one-line error for an agent asked to listen on a non-loopback ``host`` without a router
+    token in ``environ`` (``FAIRBATCH_AGENT_TOKEN``), else None. Without a token the agent serves any
+    caller, including a forged ``x-fairbatch-admit`` that skips the router's admission and quotas."""
+    if environ.get(AGENT_TOKEN_ENV) or is_loopback_host(host):
+        return None
+    return (f"fairbatch-agent: refusing to serve on --host {host or '(every interface)'} without a router token: "
+            f"set {AGENT_TOKEN_ENV} (the token the routers send), or listen on --host 127.0.0.1")
 
 
 async def _fetch_max_model_len(
@@ -396,6 +421,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         except (ValueError, KeyError, OSError) as e:
             parser.error(str(e))
+        refused = token_refusal(args.host, os.environ)
+        if refused is not None:
+            print(refused, file=sys.stderr)
+            return 2
         hold_grpc_aio()
         run(serve(args))
         return 0

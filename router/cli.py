@@ -10,8 +10,11 @@ seconds, then close.
 
 Hot reload: SIGHUP, or a change of the file's mtime/size (checked every ``--reload-poll-s`` wall
 seconds; 0 = SIGHUP only), reloads the YAML without dropping requests. An invalid new file is
-refused (logged, ``fairbatch_router_config_reloads_total{result="invalid"}``) and the running
-configuration kept.
+refused (logged, ``fairbatch_router_config_reloads_total{result="invalid"}``,
+``fairbatch_router_config_last_reload_success`` 0) and the running configuration kept.
+
+Secrets come from the environment only: ``FAIRBATCH_AGENT_TOKEN`` (sent to the agents) and
+``FAIRBATCH_REDIS_PASSWORD`` (the password of ``redis_url``'s Redis).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Mapping
 
 from aiohttp import web
 
@@ -34,6 +38,17 @@ from router.config import ConfigError, RouterConfig, load_config
 from router.server import Router
 
 log = logging.getLogger("router")
+
+AGENT_TOKEN_ENV = "FAIRBATCH_AGENT_TOKEN"  # shared secret with the agents (from a Secret in the chart)
+REDIS_PASSWORD_ENV = "FAIRBATCH_REDIS_PASSWORD"  # password of redis_url's Redis (from a Secret in the chart)
+
+
+def secrets_from_env(environ: Mapping[str, str]) -> dict[str, str | None]:
+    """The :class:`~router.server.Router` keyword arguments that come from the environment, never from
+    the YAML or a flag (neither is secret): ``agent_token`` (``FAIRBATCH_AGENT_TOKEN``) and
+    ``redis_password`` (``FAIRBATCH_REDIS_PASSWORD``); an empty variable counts as unset."""
+    return {"agent_token": environ.get(AGENT_TOKEN_ENV) or None,
+            "redis_password": environ.get(REDIS_PASSWORD_ENV) or None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,8 +105,7 @@ async def serve(
 ) -> None:
     """Run the router until SIGTERM/SIGINT, then drain (bounded by ``drain_s`` wall seconds);
     reload ``config_path`` on SIGHUP or when it changes."""
-    router = Router(config, clock, router_id, agent_token=os.environ.get(AGENT_TOKEN_ENV) or None,
-                    otlp_endpoint=otlp_endpoint)
+    router = Router(config, clock, router_id, otlp_endpoint=otlp_endpoint, **secrets_from_env(os.environ))
     app = router.build_app()
     runner = make_runner(app, shutdown_timeout=drain_s)
     await runner.setup()
@@ -134,7 +148,6 @@ async def serve(
         log.info("stopped")
 
 
-AGENT_TOKEN_ENV = "FAIRBATCH_AGENT_TOKEN"  # shared secret with the agents (from a Secret in the chart)
 
 
 def main(argv: list[str] | None = None) -> int:

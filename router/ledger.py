@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -325,6 +326,8 @@ class RedisLedger:
         concurrency_ttl_ms: slot lifetime (simulated ms).
         on_degraded: called with True when falling back to local, False on rejoin.
         client: a ready ``redis.asyncio.Redis`` (tests); built from ``url`` when None.
+        password: Redis ``AUTH`` password (``requirepass``; the router CLI reads ``FAIRBATCH_REDIS_PASSWORD``);
+            None = the URL's own, if any. Never logged: log lines name the URL without its password.
     """
 
     def __init__(
@@ -338,10 +341,11 @@ class RedisLedger:
         concurrency_ttl_ms: float = 600_000.0,
         on_degraded: Callable[[bool], None] | None = None,
         client: Any = None,
+        password: str | None = None,
     ) -> None:
         import redis.asyncio as aioredis
 
-        self.url = url
+        self.url = redact_url(url)
         self.clock = clock
         self.prefix = key_prefix
         self.timeout_s = timeout_ms / 1000.0
@@ -354,7 +358,7 @@ class RedisLedger:
         self.failures = 0
         self._client = client or aioredis.Redis.from_url(
             url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s, retry=None,
-            decode_responses=True, health_check_interval=0,
+            decode_responses=True, health_check_interval=0, **({"password": password} if password else {}),
         )
         self._acquire = self._client.register_script(ACQUIRE_LUA)
         self._lift = self._client.register_script(LIFT_LUA)
@@ -490,12 +494,26 @@ class RedisLedger:
         return await self.local.counters()
 
 
-def build_ledger(config: Any, clock: Any, on_degraded: Callable[[bool], None] | None = None) -> Ledger:
-    """The ledger the config asks for: Redis when ``redis_url`` is set, else in-process."""
+def redact_url(url: str) -> str:
+    """``url`` with the password of its user-info replaced by ``***`` (for log lines):
+    ``redis://:pw@host:6379/0`` -> ``redis://:***@host:6379/0``; a URL without one is unchanged."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def build_ledger(
+    config: Any, clock: Any, on_degraded: Callable[[bool], None] | None = None, password: str | None = None,
+) -> Ledger:
+    """The ledger the config asks for: Redis when ``redis_url`` is set (authenticated with ``password``
+    when given), else in-process."""
     lc = config.ledger
     if config.redis_url:
         return RedisLedger(
             config.redis_url, clock, lc.key_prefix, lc.timeout_ms, lc.retry_initial_ms, lc.retry_max_ms,
-            lc.concurrency_ttl_ms, on_degraded,
+            lc.concurrency_ttl_ms, on_degraded, password=password,
         )
     return InProcessLedger(clock, lc.concurrency_ttl_ms)

@@ -30,6 +30,7 @@ only yields configured tenants), ``code`` is the HTTP status, ``outcome`` a fixe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -142,6 +143,17 @@ class RouterMetrics:
         self.config_generation = Gauge(
             "fairbatch_router_config_generation", "Configurations applied since start (1 = the initial one)", registry=r,
         )
+        self.config_last_reload_success = Gauge(
+            "fairbatch_router_config_last_reload_success",
+            "1 when the latest configuration load (the start, then each reload) was applied, 0 when it was refused "
+            "and the previous configuration kept running", registry=r,
+        )
+        self.config_last_reload_timestamp = Gauge(
+            "fairbatch_router_config_last_reload_timestamp_seconds",
+            "Unix time (wall s) of that load, whatever its result", registry=r,
+        )
+        self.config_last_reload_success.set(1)  # the configuration the router starts with
+        self.config_last_reload_timestamp.set(time.time())
         self.tenant_vtc = Gauge(
             "fairbatch_router_tenant_vtc", "Virtual token counter per tenant (weighted tokens / weight)",
             ["tenant"], registry=r,
@@ -190,6 +202,14 @@ class RouterMetrics:
             "fairbatch_router_replica_aborts",
             "In-flight requests failed because their replica was removed by discovery", registry=r,
         )
+
+    def observe_reload(self, ok: bool, now_s: float | None = None) -> None:
+        """Count one configuration reload (``fairbatch_router_config_reloads_total{result}``) and set the
+        last-reload gauges: success 1 (applied) or 0 (refused), timestamp ``now_s`` (Unix wall seconds;
+        default now)."""
+        self.config_reloads.labels("ok" if ok else "invalid").inc()
+        self.config_last_reload_success.set(1 if ok else 0)
+        self.config_last_reload_timestamp.set(time.time() if now_s is None else now_s)
 
     def forget_replica(self, replica_id: str) -> None:
         """Drop every series of a removed replica."""

@@ -83,6 +83,7 @@ class RouterWiring:
         discovery: DiscoverySource | None = None,
         agent_token: str | None = None,
         otlp_endpoint: str | None = None,
+        redis_password: str | None = None,
     ) -> None:
         self._agent_token = agent_token
         self.config = config
@@ -115,7 +116,7 @@ class RouterWiring:
         self.discovery = discovery if discovery is not None else build_discovery(config.discovery)
         self._discovery_task: asyncio.Task[None] | None = None
         self._inflight: dict[str, set[UpstreamAbort]] = {}
-        self.ledger: Ledger = build_ledger(config, self.clock, self._on_ledger_degraded)
+        self.ledger: Ledger = build_ledger(config, self.clock, self._on_ledger_degraded, redis_password)
         self._sync_task: asyncio.Task[None] | None = None
         self.tracer = make_tracer(config.telemetry.service_name, otlp_endpoint or config.telemetry.otlp_endpoint,
                                   config.telemetry.sample_ratio)
@@ -272,12 +273,12 @@ class RouterWiring:
         try:
             config = load_config(path)
         except ConfigError as exc:
-            self.metrics.config_reloads.labels("invalid").inc()
+            self.metrics.observe_reload(False)
             log.error("config reload refused, keeping the running configuration: %s", exc)
             return False
         for w in self.apply_config(config):
             log.warning("config reload: %s", w)
-        self.metrics.config_reloads.labels("ok").inc()
+        self.metrics.observe_reload(True)
         log.info("config reloaded from %s (%d tenants, %d keys)", path, len(config.tenants), len(config.api_keys))
         return True
 

@@ -6,8 +6,9 @@ Import the fixtures into a conftest or a test module::
 
 ``redis_server`` starts ``redis-server --port N --save '' --appendonly no`` on a free loopback port
 once per session and yields a :class:`RedisServer` that can also be stopped and restarted on the
-same port (to test a Redis outage). Tests using it are skipped, loudly, when no ``redis-server``
-binary exists (install: ``apt-get update && apt-get install -y redis-server``).
+same port (to test a Redis outage); ``redis_auth_server`` is another one started with
+``--requirepass``. Tests using them are skipped, loudly, when no ``redis-server`` binary exists
+(install: ``apt-get update && apt-get install -y redis-server``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class RedisServer:
     port: int
     workdir: Path
     proc: subprocess.Popen[bytes] | None = field(default=None)
+    password: str | None = None  # started with --requirepass when set
 
     @property
     def url(self) -> str:
@@ -45,7 +47,7 @@ class RedisServer:
         log = open(self.workdir / f"redis-{self.port}.log", "ab")  # noqa: SIM115 - lives with the child
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir)],
+             "--dir", str(self.workdir), *(["--requirepass", self.password] if self.password else [])],
             stdout=log, stderr=subprocess.STDOUT,
         )
         end = time.monotonic() + timeout_s
@@ -54,8 +56,7 @@ class RedisServer:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {log.name}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    if self._command(s, b"PING").startswith(b"+PONG"):
                         return
             except OSError:
                 pass
@@ -72,8 +73,16 @@ class RedisServer:
     def flush(self) -> None:
         """Delete every key (between tests)."""
         with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as s:
-            s.sendall(b"FLUSHALL\r\n")
-            s.recv(16)
+            self._command(s, b"FLUSHALL")
+
+    def _command(self, s: socket.socket, command: bytes) -> bytes:
+        """Send ``command`` (after ``AUTH`` when the server has a password) and return its reply."""
+        if self.password:
+            s.sendall(b"AUTH " + self.password.encode() + b"\r\n")
+            if not s.recv(16).startswith(b"+OK"):
+                raise RuntimeError("redis-server refused the test password")
+        s.sendall(command + b"\r\n")
+        return s.recv(16)
 
 
 @pytest.fixture(scope="session")
@@ -86,6 +95,23 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
             "(apt-get update && apt-get install -y redis-server)"
         )
     server = RedisServer(binary, free_port(), tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A second private redis-server started with ``--requirepass`` (its ``password``), for the
+    authenticated ledger; skipped like :func:`redis_server` without the binary."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server NOT INSTALLED: the Redis password tests did not run "
+                    "(apt-get update && apt-get install -y redis-server)")
+    server = RedisServer(binary, free_port(), tmp_path_factory.mktemp("redis-auth"),
+                         password="test-requirepass-5e1f0c2b9a")
     server.start()
     try:
         yield server

@@ -167,14 +167,20 @@ def test_default_values_render_the_whole_stack(helm: Path) -> None:
     assert kinds == sorted(
         [
             ("ConfigMap", "fb-fairbatch-config"),
+            ("Deployment", "fb-fairbatch-redis"),  # shared counters for the 2 router pods (issue 30)
             ("Deployment", "fb-fairbatch-router"),
             ("NetworkPolicy", "fb-fairbatch-agents"),
+            ("NetworkPolicy", "fb-fairbatch-redis"),
+            ("NetworkPolicy", "fb-fairbatch-router"),
             ("Pod", "fb-fairbatch-router-test"),  # the helm test hook
             ("PodDisruptionBudget", "fb-fairbatch-router"),
             ("PodDisruptionBudget", "fb-fairbatch-vllm"),
             ("Role", "fb-fairbatch-router-discovery"),
             ("RoleBinding", "fb-fairbatch-router-discovery"),
+            ("Secret", "fb-fairbatch-agent-token"),
+            ("Secret", "fb-fairbatch-redis-auth"),
             ("Service", "fb-fairbatch-agents"),
+            ("Service", "fb-fairbatch-redis"),
             ("Service", "fb-fairbatch-router"),
             ("ServiceAccount", "fb-fairbatch-router"),
             ("StatefulSet", "fb-fairbatch-vllm"),
@@ -183,6 +189,8 @@ def test_default_values_render_the_whole_stack(helm: Path) -> None:
     cfg = yaml.safe_load(router_config_text(objs))
     assert set(cfg["slo_classes"]) == {"interactive", "batch"}
     assert cfg["tenants"] == {"default": {"weight": 1, "slo_class": "interactive"}}
+    assert cfg["redis_url"] == "redis://fb-fairbatch-redis.llm.svc.cluster.local:6379/0"
+    assert cfg["http"]["metrics_port"] == 8090
 
 
 def test_router_deployment_is_hardened_and_drains(helm: Path) -> None:
@@ -399,10 +407,11 @@ def test_bad_values_are_refused_by_the_schema(helm: Path, bad: Path) -> None:
           "config.tenants.t.slo_class=silver"), 'config.tenants.t.slo_class: "silver" is not one of'),
         ((f"auth.apiKeys.{hashlib.sha256(b'x').hexdigest()}=nobody",), 'tenant "nobody" is not one of config.tenants'),
         (("existingFleet.enabled=true",), "existingFleet.enabled: list the replicas"),
-        (("redis.enabled=true", "redis.existingUrl=redis://r:6379/0"), "not both"),
         (("agent.defaultSloClass=gold",), 'agent.defaultSloClass: "gold" is not one of'),
+        (("router.metrics.port=8080",), "router.metrics.port must differ from router.port (8080)"),
     ],
-    ids=["tenant-unknown-class", "key-unknown-tenant", "fleet-without-replicas", "two-redis", "agent-default-class"],
+    ids=["tenant-unknown-class", "key-unknown-tenant", "fleet-without-replicas", "agent-default-class",
+         "metrics-on-the-public-port"],
 )
 def test_cross_field_mistakes_fail_with_a_readable_message(helm: Path, set_: tuple[str, ...], message: str) -> None:
     args = ["template", RELEASE, str(CHART)]
@@ -438,6 +447,14 @@ def test_agent_sidecar_patch_applies_to_a_vllm_statefulset(helm: Path) -> None:
     assert {v["name"] for v in pod["volumes"]} >= {"dshm", "fairbatch-config"}
     agent = container(pod, "fairbatch-agent")
     assert agent["args"][agent["args"].index("--engine-url") + 1] == "http://127.0.0.1:8000"
+    # the chart's generated token Secret of a release "fairbatch" (the agent on 0.0.0.0 needs one to start)
+    token = next(e for e in agent["env"] if e["name"] == "FAIRBATCH_AGENT_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "fairbatch-agent-token", "key": "token"}
+    proc = _run(helm, "template", "fairbatch", str(CHART), "-n", "inference",
+                "-f", str(_ci("existing-fleet-values.yaml")))
+    assert proc.returncode == 0, proc.stderr
+    secrets = [d for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] == "Secret"]
+    assert [(s["metadata"]["name"], list(s["data"])) for s in secrets] == [("fairbatch-agent-token", ["token"])]
 
 
 def test_get_helm_script_is_self_contained() -> None:
@@ -467,6 +484,10 @@ def test_notes_say_how_to_call_the_router(helm: Path, tmp_path: Path) -> None:
     assert 'Authorization: Bearer $FAIRBATCH_API_KEY' in notes
     assert "http://127.0.0.1:8080/v1/completions" in notes
     assert '"model": "llama-3-8b"' in notes
+    assert "/metrics on the router's metrics port 8090 only" in notes
+    assert "port-forward deploy/fb-fairbatch-router 8090" in notes
+    assert "token is in Secret fb-fairbatch-agent-token" in notes
+    assert "the pods of namespace llm; add your gateway there" in notes
     assert "WARNING" not in notes
     # Without any key the notes warn that every request gets 401.
     assert "answers every request with 401" in _render_notes(helm, tmp_path / "nokeys")
@@ -623,16 +644,22 @@ def test_agent_token_and_engine_key_come_from_secrets(helm: Path) -> None:
     assert agent["FAIRBATCH_AGENT_TOKEN"] == {"secretKeyRef": {"name": "agent-token", "key": "token"}}
     assert agent["FAIRBATCH_ENGINE_API_KEY"] == {"secretKeyRef": {"name": "engine-key", "key": "api-key"}}
     assert vllm["VLLM_API_KEY"] == {"secretKeyRef": {"name": "engine-key", "key": "api-key"}}
-    plain = render(helm)  # none configured: no such variables
+    assert "fb-fairbatch-agent-token" not in {s["metadata"]["name"] for s in by_kind(objs, "Secret")}  # yours only
+    plain = render(helm)  # no token Secret named: the chart's own (issue 30); no engine key: no variable
+    generated = {"secretKeyRef": {"name": "fb-fairbatch-agent-token", "key": "token"}}
+    router = container(one(plain, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"], "router")
+    assert env(router)["FAIRBATCH_AGENT_TOKEN"] == generated
     pod = one(plain, "StatefulSet")["spec"]["template"]["spec"]
-    assert "FAIRBATCH_AGENT_TOKEN" not in env(container(pod, "agent")) and "VLLM_API_KEY" not in env(container(pod, "vllm"))
+    assert env(container(pod, "agent"))["FAIRBATCH_AGENT_TOKEN"] == generated
+    assert "VLLM_API_KEY" not in env(container(pod, "vllm"))
 
 
 
 def _exported_names() -> set[str]:
-    """Every series name the router exports (histograms with their _bucket/_count/_sum)."""
+    """Every series name the router and the agent export (histograms with their _bucket/_count/_sum)."""
     from prometheus_client import generate_latest
 
+    from replica_agent.metrics import AgentMetrics
     from router.metrics import RouterMetrics
 
     m = RouterMetrics([500.0], [50.0])
@@ -642,7 +669,7 @@ def _exported_names() -> set[str]:
               m.fleet_replicas_without_pab.labels("interactive"), m.budget_age.labels("r0")):
         g.set(1)
     m.queue_wait.observe(0.1)
-    text = generate_latest(m.registry).decode()
+    text = generate_latest(m.registry).decode() + generate_latest(AgentMetrics().registry).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 
 
@@ -686,7 +713,8 @@ def test_alert_rules_use_exported_series_and_pass_promtool(helm: Path, tmp_path:
     groups = rule["spec"]["groups"]
     alerts = {r["alert"]: r for g in groups for r in g["rules"] if "alert" in r}
     assert set(alerts) == {"FairbatchSloBurnFast", "FairbatchSloBurnSlow", "FairbatchNoSparePab",
-                           "FairbatchReplicaBudgetStale", "FairbatchDispatchStalled"}  # fmt: skip
+                           "FairbatchReplicaBudgetStale", "FairbatchDispatchStalled",
+                           "FairbatchConfigReloadFailed"}  # fmt: skip
     assert "fairbatch_router_dispatch_stalled_seconds) > 10" in alerts["FairbatchDispatchStalled"]["expr"]
     # the objective of the values (0.99) sets the burn thresholds: 14.4 x 1 % over 1 h and 5 min
     assert "> (14.4 * (1 - 0.99))" in alerts["FairbatchSloBurnFast"]["expr"]
@@ -718,6 +746,42 @@ def test_dispatch_stalled_alert_fires_after_ten_seconds_stalled_for_a_minute(hel
         "description": "The admission queue has not moved for more than 10 s although a replica's PAB covers the "
                        "head of a band; restart the router and report it."}}]
     cases = [dict(alert, eval_time=f"{m}m", exp_alerts=firing if m in (2, 3) else []) for m in range(6)]
+    test = tmp_path / "test.yaml"
+    test.write_text(yaml.safe_dump({"rule_files": [str(rules)], "evaluation_interval": "1m",
+                                    "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": cases}]}))
+    proc = subprocess.run([promtool, "test", "rules", str(test)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_config_reload_failed_alert_fires_after_five_minutes_on_the_old_config(helm: Path, tmp_path: Path) -> None:
+    """FairbatchConfigReloadFailed (issue 30): a router or agent whose last reload was refused
+    (``fairbatch_{router,agent}_config_last_reload_success`` 0) for 5 minutes; a good reload clears it.
+    promtool's rule unit test, minute by minute."""
+    groups = one(render(helm, _ci("multi-tenant-redis-values.yaml")), "PrometheusRule")["spec"]["groups"]
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package prometheus)")
+    rules = _rules_file(groups, tmp_path / "rules.yaml")
+    # minute:                     0 1 2 3 4 5 6 7 8 9 10 11
+    router = "1 1 0 0 0 0 0 0 0 1 1 1"  # refused from 2m: 0 for 5 min at 7m, fires 7m and 8m; mended at 9m
+    agent = "1 1 1 1 1 0 0 0 0 0 0 0"   # refused from 5m: fires from 10m on
+    series = [
+        {"series": 'fairbatch_router_config_last_reload_success{pod="fb-router-0",namespace="llm"}', "values": router},
+        {"series": 'fairbatch_router_config_last_reload_success{pod="fb-router-1",namespace="llm"}',
+         "values": "1 1 1 1 1 1 1 1 1 1 1 1"},
+        {"series": 'fairbatch_agent_config_last_reload_success{pod="fb-vllm-0",namespace="llm"}', "values": agent},
+    ]
+
+    def firing(pod: str) -> dict[str, Any]:
+        return {"exp_labels": {"pod": pod, "severity": "warning"}, "exp_annotations": {
+            "summary": f"{pod} refused its new configuration and runs the previous one",
+            "description": "Its last configuration reload failed (fairbatch_router_config_reloads_total / "
+                           'fairbatch_agent_config_reloads_total{result="invalid"}); the pod\'s log names the file, '
+                           "line and field."}}
+
+    want = {7: ["fb-router-0"], 8: ["fb-router-0"], 10: ["fb-vllm-0"], 11: ["fb-vllm-0"]}
+    cases = [{"alertname": "FairbatchConfigReloadFailed", "eval_time": f"{m}m",
+              "exp_alerts": [firing(p) for p in want.get(m, [])]} for m in range(12)]
     test = tmp_path / "test.yaml"
     test.write_text(yaml.safe_dump({"rule_files": [str(rules)], "evaluation_interval": "1m",
                                     "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": cases}]}))
@@ -814,8 +878,8 @@ def test_the_desired_replicas_rule_computes_the_pab_rule(helm: Path, tmp_path: P
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-# Router config fields the chart fills itself (values.yaml's "Do not set those" list) or does not wire:
-# telemetry.otlp_endpoint comes from otel.endpoint; http.metrics_port would need a second Service port.
+# Router config fields the chart fills itself (values.yaml's "Do not set those" list): telemetry.otlp_endpoint
+# comes from otel.endpoint, http.metrics_port from router.metrics.port.
 CHART_SETS = {("telemetry", "otlp_endpoint"), ("http", "metrics_port")}
 
 
@@ -842,3 +906,179 @@ def test_the_values_schema_accepts_every_router_config_field() -> None:
 
     nested = schema["admission"]["properties"]["work_shed"]
     assert nested["additionalProperties"] is False and set(nested["properties"]) == set(WorkShedConfig.model_fields)
+
+
+# ---------------------------------------------------------------------- secure defaults (issue 30)
+
+
+def _env(c: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("valueFrom", e.get("value")) for e in c.get("env", [])}
+
+
+def _secret_value(objs: list[dict[str, Any]], name: str, key: str) -> str:
+    import base64
+
+    return base64.b64decode(one(objs, "Secret", name)["data"][key]).decode()
+
+
+def test_default_values_generate_the_agent_token_and_the_redis_password(helm: Path) -> None:
+    first, second = render(helm), render(helm)
+    token = _secret_value(first, "fb-fairbatch-agent-token", "token")
+    password = _secret_value(first, "fb-fairbatch-redis-auth", "password")
+    for value in (token, password):
+        assert re.fullmatch(r"[A-Za-z0-9]{48}", value), value  # randAlphaNum 48: ~285 bits
+    # no cluster to look the Secrets up in (helm template): a fresh value each render, never a constant
+    assert _secret_value(second, "fb-fairbatch-agent-token", "token") != token
+    assert token != password
+    # the keep-on-upgrade pattern: the value of the Secret already in the cluster, else a new one
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    assert 'lookup "v1" "Secret" .root.Release.Namespace .name' in helpers
+    # the routers and the agents read the same Secret; the Redis pod and the routers the same password
+    ref = {"secretKeyRef": {"name": "fb-fairbatch-agent-token", "key": "token"}}
+    router = container(one(first, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"], "router")
+    agent = container(one(first, "StatefulSet")["spec"]["template"]["spec"], "agent")
+    assert _env(router)["FAIRBATCH_AGENT_TOKEN"] == ref and _env(agent)["FAIRBATCH_AGENT_TOKEN"] == ref
+    assert agent["args"][agent["args"].index("--host") + 1] == "0.0.0.0"  # would not start without the token
+    pw_ref = {"secretKeyRef": {"name": "fb-fairbatch-redis-auth", "key": "password"}}
+    assert _env(router)["FAIRBATCH_REDIS_PASSWORD"] == pw_ref
+    redis = container(one(first, "Deployment", "fb-fairbatch-redis")["spec"]["template"]["spec"], "redis")
+    assert redis["args"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]  # kubelet expands it from the env
+    assert _env(redis) == {"REDIS_PASSWORD": pw_ref, "REDISCLI_AUTH": pw_ref}  # the probe's redis-cli too
+    # a key of your choice for the generated token
+    custom = render(helm, set_=("security.agentTokenSecret.key=agent-token",))
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", _secret_value(custom, "fb-fairbatch-agent-token", "agent-token"))
+
+
+def test_your_own_secrets_replace_the_generated_ones(helm: Path) -> None:
+    objs = render(helm, set_=("security.agentTokenSecret.name=my-token", "redis.auth.existingSecret=my-redis",
+                              "redis.auth.existingSecretKey=pw"))
+    assert not by_kind(objs, "Secret")  # nothing generated
+    router = container(one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"], "router")
+    assert _env(router)["FAIRBATCH_AGENT_TOKEN"] == {"secretKeyRef": {"name": "my-token", "key": "token"}}
+    assert _env(router)["FAIRBATCH_REDIS_PASSWORD"] == {"secretKeyRef": {"name": "my-redis", "key": "pw"}}
+    redis = container(one(objs, "Deployment", "fb-fairbatch-redis")["spec"]["template"]["spec"], "redis")
+    assert _env(redis)["REDIS_PASSWORD"] == {"secretKeyRef": {"name": "my-redis", "key": "pw"}}
+    # auth off: no password anywhere
+    off = render(helm, set_=("redis.auth.enabled=false",))
+    assert "fb-fairbatch-redis-auth" not in {s["metadata"]["name"] for s in by_kind(off, "Secret")}
+    router = container(one(off, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"], "router")
+    assert "FAIRBATCH_REDIS_PASSWORD" not in _env(router)
+    assert "--requirepass" not in container(one(off, "Deployment", "fb-fairbatch-redis")["spec"]["template"]["spec"],
+                                            "redis")["args"]  # fmt: skip
+
+
+def test_an_existing_redis_url_wins_over_the_charts_redis(helm: Path, tmp_path: Path) -> None:
+    objs = render(helm, set_=("redis.existingUrl=redis://r.shared:6379/2",))  # redis.enabled is true by default
+    assert not [o for o in objs if "redis" in o["metadata"]["name"]]  # no Deployment, Service, Secret, policy
+    assert _loaded_config(objs, tmp_path).redis_url == "redis://r.shared:6379/2"
+    router = container(one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"], "router")
+    assert "FAIRBATCH_REDIS_PASSWORD" not in _env(router)  # none named: the URL's own, if any
+    objs = render(helm, set_=("redis.existingUrl=redis://r.shared:6379/2", "redis.auth.existingSecret=shared-redis"))
+    router = container(one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"], "router")
+    assert _env(router)["FAIRBATCH_REDIS_PASSWORD"] == {"secretKeyRef": {"name": "shared-redis", "key": "password"}}
+    # off: no Redis and no password; each router keeps its own counters
+    off = render(helm, set_=("redis.enabled=false",))
+    assert "redis_url" not in yaml.safe_load(router_config_text(off))
+    assert not [o for o in off if "redis" in o["metadata"]["name"]]
+
+
+def test_router_metrics_are_on_their_own_port_and_scraped_there(helm: Path, tmp_path: Path) -> None:
+    objs = render(helm)
+    cfg = _loaded_config(objs, tmp_path)
+    assert cfg.http.metrics_port == 8090  # the router then answers 404 on /metrics on its public port
+    dep = one(objs, "Deployment", "fb-fairbatch-router")
+    c = container(dep["spec"]["template"]["spec"], "router")
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8080, "metrics": 8090}
+    assert c["args"][c["args"].index("--port") + 1] == "8080"
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/port"],
+            annotations["prometheus.io/path"]) == ("true", "8090", "/metrics")  # fmt: skip
+    svc = one(objs, "Service", "fb-fairbatch-router")
+    assert [p["name"] for p in svc["spec"]["ports"]] == ["http"]  # the public Service carries no metrics
+    plain = render(helm, set_=("router.metrics.scrapeAnnotations=false", "router.metrics.port=9464"))
+    dep = one(plain, "Deployment", "fb-fairbatch-router")
+    assert not [k for k in dep["spec"]["template"]["metadata"]["annotations"] if k.startswith("prometheus.io/")]
+    assert yaml.safe_load(router_config_text(plain))["http"]["metrics_port"] == 9464
+
+    # the ServiceMonitor scrapes the metrics port through a metrics-only Service
+    objs = render(helm, _ci("multi-tenant-redis-values.yaml"))
+    sm = one(objs, "ServiceMonitor", "fb-fairbatch-router")
+    assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"]
+    msvc = one(objs, "Service", "fb-fairbatch-router-metrics")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= msvc["metadata"]["labels"].items()
+    assert not sm["spec"]["selector"]["matchLabels"].items() <= one(objs, "Service", "fb-fairbatch-router")[
+        "metadata"]["labels"].items()  # not the public Service
+    assert msvc["spec"]["type"] == "ClusterIP"
+    assert msvc["spec"]["ports"] == [{"name": "metrics", "port": 8090, "targetPort": "metrics", "protocol": "TCP"}]
+    router_pods = one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["metadata"]["labels"]
+    assert msvc["spec"]["selector"].items() <= router_pods.items()
+
+
+def test_router_takes_the_api_from_the_namespace_and_metrics_from_prometheus(helm: Path, tmp_path: Path) -> None:
+    objs = render(helm)
+    pol = one(objs, "NetworkPolicy", "fb-fairbatch-router")
+    dep = one(objs, "Deployment", "fb-fairbatch-router")
+    assert pol["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    assert pol["spec"]["policyTypes"] == ["Ingress"]
+    api, metrics = pol["spec"]["ingress"]
+    assert api == {"ports": [{"port": "http", "protocol": "TCP"}], "from": [{"podSelector": {}}]}  # the namespace
+    assert metrics["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                                "podSelector": {}}]  # fmt: skip
+    # your gateway's namespace (values file: a list of peers)
+    values = tmp_path / "gateway.yaml"
+    values.write_text("networkPolicy:\n  routerIngressFrom:\n"
+                      "    - namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: ingress-nginx}}\n"
+                      "      podSelector: {matchLabels: {app.kubernetes.io/name: ingress-nginx}}\n"
+                      "    - ipBlock: {cidr: 10.0.0.0/8, except: [10.9.0.0/16]}\n")
+    api = one(render(helm, values), "NetworkPolicy", "fb-fairbatch-router")["spec"]["ingress"][0]
+    assert api["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}},
+         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "ingress-nginx"}}},
+        {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.9.0.0/16"]}},
+    ]
+    # [] = from anywhere (a rule with no `from`); still metrics from Prometheus only
+    values.write_text("networkPolicy:\n  routerIngressFrom: []\n")
+    open_api, metrics = one(render(helm, values), "NetworkPolicy", "fb-fairbatch-router")["spec"]["ingress"]
+    assert open_api == {"ports": [{"port": "http", "protocol": "TCP"}]} and metrics["ports"][0]["port"] == "metrics"
+    # the existing-fleet install (router only) has the router's policy too
+    fleet = render(helm, _ci("existing-fleet-values.yaml"))
+    assert [p["metadata"]["name"] for p in by_kind(fleet, "NetworkPolicy")] == ["fb-fairbatch-router"]
+    assert not by_kind(render(helm, set_=("networkPolicy.enabled=false",)), "NetworkPolicy")
+
+
+def test_redis_takes_connections_from_the_router_pods_only(helm: Path) -> None:
+    objs = render(helm)
+    pol = one(objs, "NetworkPolicy", "fb-fairbatch-redis")
+    redis = one(objs, "Deployment", "fb-fairbatch-redis")
+    assert pol["spec"]["podSelector"]["matchLabels"] == redis["spec"]["selector"]["matchLabels"]
+    (rule,) = pol["spec"]["ingress"]
+    router_pods = one(objs, "Deployment", "fb-fairbatch-router")["spec"]["selector"]["matchLabels"]
+    assert rule == {"from": [{"podSelector": {"matchLabels": router_pods}}],
+                    "ports": [{"port": "redis", "protocol": "TCP"}]}
+    assert {p["name"] for p in container(redis["spec"]["template"]["spec"], "redis")["ports"]} == {"redis"}
+
+
+def test_vllm_gets_the_otlp_traces_endpoint_and_the_tool_call_parser(helm: Path) -> None:
+    def vllm_args(*set_: str) -> list[str]:
+        return container(one(render(helm, set_=set_), "StatefulSet")["spec"]["template"]["spec"], "vllm")["args"]
+
+    plain = vllm_args()
+    for flag in ("--otlp-traces-endpoint", "--tool-call-parser", "--enable-auto-tool-choice"):
+        assert flag not in plain
+    endpoint = "http://otel-collector.observability.svc:4317"
+    args = vllm_args(f"otel.endpoint={endpoint}")
+    assert args[args.index("--otlp-traces-endpoint") + 1] == endpoint  # the endpoint router and agents use
+    objs = render(helm, set_=(f"otel.endpoint={endpoint}", "vllm.otlpTraces=false"))
+    vllm = container(one(objs, "StatefulSet")["spec"]["template"]["spec"], "vllm")
+    assert "--otlp-traces-endpoint" not in vllm["args"]
+    assert _env(vllm)["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == endpoint  # the variables stay
+    args = vllm_args("vllm.toolCallParser=hermes")
+    i = args.index("--tool-call-parser")
+    assert args[i:i + 3] == ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+    args = vllm_args("vllm.toolCallParser=llama3_json", "vllm.enableAutoToolChoice=false")
+    assert args[args.index("--tool-call-parser") + 1] == "llama3_json" and "--enable-auto-tool-choice" not in args
+    assert "--enable-auto-tool-choice" not in vllm_args("vllm.enableAutoToolChoice=true")  # needs a parser
+    # before extraArgs, so a flag given there still comes last
+    args = vllm_args("vllm.toolCallParser=hermes", "vllm.extraArgs[0]=--max-num-seqs=64")
+    assert args[-1] == "--max-num-seqs=64" and args.index("--tool-call-parser") < len(args) - 1

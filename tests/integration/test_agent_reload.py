@@ -76,12 +76,18 @@ def test_slo_classes_reload_on_file_change_and_sighup(tmp_path: Path) -> None:
         child, url = start_agent(group, config, f"http://127.0.0.1:{eport}")
         pab = 'fairbatch_agent_pab_seconds{slo_class="interactive"}'
         wait_value(url, pab, 0.45)
+        started = time.time()  # the edit below is written, and reloaded, after this
 
         # an edit: TTFT 1000 ms, and a new class
         config.write_text(BASE + "  interactive: {ttft_ms: 1000, tpot_ms: 50}\n  batch: {ttft_ms: 20000, tpot_ms: 200}\n")
         wait_value(url, pab, 0.9)
         wait_value(url, 'fairbatch_agent_pab_seconds{slo_class="batch"}', 18.0)
         assert metric_value(url, 'fairbatch_agent_config_reloads_total{result="ok"}') == 1.0
+        success = "fairbatch_agent_config_last_reload_success"
+        stamp = "fairbatch_agent_config_last_reload_timestamp_seconds"
+        assert metric_value(url, success) == 1.0
+        applied = metric_value(url, stamp)
+        assert applied is not None and started <= applied <= time.time()
 
         # a broken file, then SIGHUP: refused, the running classes kept (the poll may see the change
         # first and refuse it too: counted once or twice)
@@ -92,6 +98,8 @@ def test_slo_classes_reload_on_file_change_and_sighup(tmp_path: Path) -> None:
         time.sleep(0.5)
         n = metric_value(url, invalid) or 0.0
         assert metric_value(url, pab) == 0.9
+        assert metric_value(url, success) == 0.0  # FairbatchConfigReloadFailed's signal
+        assert applied <= (metric_value(url, stamp) or 0.0) <= time.time()
         # a value the router's model refuses: refused at the next poll
         config.write_text(BASE + "  interactive: {ttft_ms: -5, tpot_ms: 50}\n")
         wait_value(url, invalid, n + 1.0)

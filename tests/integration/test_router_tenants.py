@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 from pathlib import Path
 
 import aiohttp
@@ -261,6 +262,12 @@ async def test_reload_on_sighup_keeps_serving_and_refuses_broken_file(tmp_path: 
             running = await post(s, url, "acme", stream=True)  # a stream in flight across reloads
             assert running.status == 200
             assert (await post(s, url, "beta")).status == 401
+            success = "fairbatch_router_config_last_reload_success"
+            stamp = "fairbatch_router_config_last_reload_timestamp_seconds"
+            assert await metric_value(s, url, success) == 1.0  # the configuration it started with
+            started = await metric_value(s, url, stamp)
+            before = time.time()
+            assert 0 < started <= before
             tenants["beta"] = {"weight": 2, "slo_class": "interactive"}
             cfg_path.write_text(yaml.safe_dump(config_dict([slow], tenants)))
             group.children[0].popen.send_signal(signal.SIGHUP)
@@ -277,6 +284,9 @@ async def test_reload_on_sighup_keeps_serving_and_refuses_broken_file(tmp_path: 
                 await asyncio.sleep(0.05)
             assert status == 200
             assert await metric_value(s, url, 'fairbatch_router_config_reloads_total{result="ok"}') >= 1
+            assert await metric_value(s, url, success) == 1.0
+            applied = await metric_value(s, url, stamp)
+            assert before <= applied <= time.time()
             # a broken file is refused (logged, counted); the running config stays
             cfg_path.write_text("slo_classes:\n  interactive: {ttft_ms: -1}\ntenants: [\n")
             group.children[0].popen.send_signal(signal.SIGHUP)
@@ -285,6 +295,8 @@ async def test_reload_on_sighup_keeps_serving_and_refuses_broken_file(tmp_path: 
                     s, url, 'fairbatch_router_config_reloads_total{result="invalid"}') < 1:
                 await asyncio.sleep(0.05)
             assert await metric_value(s, url, 'fairbatch_router_config_reloads_total{result="invalid"}') >= 1
+            assert await metric_value(s, url, success) == 0.0  # FairbatchConfigReloadFailed's signal
+            assert applied <= await metric_value(s, url, stamp) <= time.time()
             reps.admission["r0"].set_budget(400.0)
             r = await post(s, url, "beta", stream=True)
             assert r.status == 200
@@ -293,6 +305,13 @@ async def test_reload_on_sighup_keeps_serving_and_refuses_broken_file(tmp_path: 
             chunk = await asyncio.wait_for(running.content.readany(), 2.0)
             assert chunk.startswith(b"data: ")
             running.close()
+            # the file mended: applied again, the gauge back to 1
+            cfg_path.write_text(yaml.safe_dump(config_dict([slow], tenants)))
+            group.children[0].popen.send_signal(signal.SIGHUP)
+            end = loop.time() + 5
+            while loop.time() < end and await metric_value(s, url, success) != 1.0:
+                await asyncio.sleep(0.05)
+            assert await metric_value(s, url, success) == 1.0
         assert "config reload refused" in (tmp_path / "logs" / "router.log").read_text()
     finally:
         group.stop()

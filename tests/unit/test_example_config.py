@@ -1,5 +1,5 @@
 """The shipped example config (examples/fairbatch.yaml) loads with the router's model and the agent's,
-and its one key names the tenant its comment says."""
+its one key names the tenant its comment says, and its metrics are off the public port."""
 
 from __future__ import annotations
 
@@ -17,4 +17,5 @@ def test_example_config_loads_for_router_and_agent() -> None:
     assert cfg.model == "llama-3-8b-a100"
     assert [r.id for r in cfg.replicas] == ["r0"]
     assert cfg.api_keys == {hash_api_key("sk-my-key"): "acme"}
+    assert cfg.http.metrics_port == 8090  # metrics (tenant names) off the public port 8080 (README)
     assert set(load_agent_section(EXAMPLE).slo_classes) == {"interactive", "batch"}

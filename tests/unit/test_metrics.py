@@ -157,3 +157,36 @@ def test_attained_plus_misses_equal_judged_requests() -> None:
     assert math.isclose(sample(m, "fairbatch_router_ttft_seconds_sum", **labels), 1.1)
     assert math.isclose(sample(m, "fairbatch_router_tpot_seconds_sum", **labels), 0.14)
     assert sample(m, "fairbatch_router_ttft_seconds_bucket", le="0.5", **labels) == 2
+
+
+@pytest.mark.parametrize("component", ["router", "agent"])
+def test_last_reload_gauges_follow_each_reload(component: str) -> None:
+    """``fairbatch_<component>_config_last_reload_success`` is 1 from the start (the configuration the process
+    started with), then the result of the latest reload; its timestamp is that load's Unix time."""
+    import time
+
+    before = time.time()
+    m = RouterMetrics() if component == "router" else AgentMetrics()
+    after = time.time()
+    prefix = f"fairbatch_{component}_config"
+
+    def samples() -> dict[str, float]:
+        return {s.name + ("" if not s.labels else "{" + ",".join(f"{k}={v}" for k, v in s.labels.items()) + "}"):
+                s.value for f in text_string_to_metric_families(generate_latest(m.registry).decode())
+                for s in f.samples if s.name.startswith(prefix)}  # fmt: skip
+
+    start = samples()
+    assert start[f"{prefix}_last_reload_success"] == 1.0
+    assert before <= start[f"{prefix}_last_reload_timestamp_seconds"] <= after
+    assert f"{prefix}_reloads_total{{result=ok}}" not in start  # the start is no reload
+    m.observe_reload(False, now_s=1_700_000_000.0)
+    m.observe_reload(False, now_s=1_700_000_060.0)
+    got = samples()
+    assert got[f"{prefix}_last_reload_success"] == 0.0
+    assert got[f"{prefix}_last_reload_timestamp_seconds"] == 1_700_000_060.0
+    assert got[f"{prefix}_reloads_total{{result=invalid}}"] == 2.0
+    m.observe_reload(True, now_s=1_700_000_120.5)
+    got = samples()
+    assert got[f"{prefix}_last_reload_success"] == 1.0
+    assert got[f"{prefix}_last_reload_timestamp_seconds"] == 1_700_000_120.5
+    assert got[f"{prefix}_reloads_total{{result=ok}}"] == 1.0

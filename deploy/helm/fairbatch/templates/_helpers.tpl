@@ -88,6 +88,42 @@ app.kubernetes.io/component: {{ .component }}
 {{- default .Values.vllm.model .Values.vllm.servedModelName }}
 {{- end }}
 
+{{/* "true" when the chart deploys its own Redis (redis.enabled, and no redis.existingUrl). */}}
+{{- define "fairbatch.redisDeployed" -}}
+{{- if and .Values.redis.enabled (not .Values.redis.existingUrl) }}true{{- end }}
+{{- end }}
+
+{{/*
+Secrets the pods read (name and key): the router <-> agent token, always (security.agentTokenSecret, or the
+chart's generated <fullname>-agent-token); the Redis password, when the routers send one (the chart's Redis
+with redis.auth.enabled, or redis.auth.existingSecret for an existing Redis), else an empty name.
+*/}}
+{{- define "fairbatch.agentTokenSecretName" -}}
+{{- default (printf "%s-agent-token" (include "fairbatch.fullname" .)) .Values.security.agentTokenSecret.name }}
+{{- end }}
+{{- define "fairbatch.redisPasswordSecretName" -}}
+{{- $a := .Values.redis.auth }}
+{{- if $a.existingSecret }}
+{{- if or (include "fairbatch.redisDeployed" .) .Values.redis.existingUrl }}{{ $a.existingSecret }}{{ end }}
+{{- else if and (include "fairbatch.redisDeployed" .) $a.enabled }}
+{{- printf "%s-redis-auth" (include "fairbatch.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/*
+data value (base64) for a generated Secret's key that survives upgrades: the value the Secret already holds
+in the cluster (lookup), else a new random one. Call with (dict "root" $ "name" NAME "key" KEY).
+Without cluster access (helm template) lookup finds nothing: a new value on every render.
+*/}}
+{{- define "fairbatch.keptRandomValue" -}}
+{{- $old := lookup "v1" "Secret" .root.Release.Namespace .name }}
+{{- if and $old $old.data (hasKey $old.data .key) }}
+{{- index $old.data .key }}
+{{- else }}
+{{- randAlphaNum 48 | b64enc }}
+{{- end }}
+{{- end }}
+
 {{/*
 Redis URL for the router's shared counters, empty when Redis is off.
 */}}
@@ -182,8 +218,8 @@ Cross-field checks the JSON schema cannot express; each fails the render with a 
 {{- if and .Values.existingFleet.enabled .Values.router.discovery.service (eq .Values.router.discovery.mode "static") }}
 {{- fail "router.discovery.service is set but router.discovery.mode is static: use kubernetes or dns, or unset the service" }}
 {{- end }}
-{{- if and .Values.redis.enabled .Values.redis.existingUrl }}
-{{- fail "redis: set either redis.enabled (deploy one) or redis.existingUrl (use yours), not both" }}
+{{- if eq (int .Values.router.metrics.port) (int .Values.router.port) }}
+{{- fail (printf "router.metrics.port must differ from router.port (%d): metrics stay off the public port" (int .Values.router.port)) }}
 {{- end }}
 {{- end }}
 
@@ -218,6 +254,9 @@ The router's fairbatch.yaml. Call with (dict "root" $ "withKeys" true|false).
 {{- else }}
 {{- $_ := set $cfg "discovery" (include "fairbatch.discoveryConfig" $root | fromYaml) }}
 {{- end }}
+{{- $http := deepCopy (default dict $cfg.http) }}
+{{- $_ := set $http "metrics_port" (int $v.router.metrics.port) }}
+{{- $_ := set $cfg "http" $http }}
 {{- $redis := include "fairbatch.redisUrl" $root }}
 {{- if $redis }}
 {{- $_ := set $cfg "redis_url" $redis }}
