@@ -9,7 +9,7 @@ inside ``auth.trusted_networks``; from anywhere else it is ignored and the API k
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from router.config import RouterConfig, SloClassConfig, hash_api_key
@@ -80,26 +80,38 @@ class ApiKeyAuthenticator:
             addr = addr.ipv4_mapped
         return any(addr in net for net in self._networks)
 
-    def identify(self, headers: Mapping[str, str], peer: str | None) -> Principal | None:
-        """Principal of a request: the trusted header when configured and sent from a trusted
-        network and naming a known tenant, else the bearer key (None when neither identifies)."""
-        if self._header:
-            name = headers.get(self._header)
-            if name and self.trusted_source(peer):
-                principal = self._by_tenant.get(name.strip())
-                if principal is not None:
-                    return principal
-        return self.authenticate(headers.get("Authorization"))
+    def _named_by(self, headers: Mapping[str, str], tenant_headers: Sequence[str]) -> list[str]:
+        """The header names that may name the tenant, in order: ``tenant_headers``, then
+        ``auth.trusted_header``."""
+        return [*tenant_headers, self._header] if self._header else list(tenant_headers)
 
-    def refusal(self, headers: Mapping[str, str], peer: str | None) -> str:
+    def identify(self, headers: Mapping[str, str], peer: str | None,
+                 tenant_headers: Sequence[str] = ()) -> Principal | None:
+        """Principal of a request: the trusted header when configured and sent from a trusted
+        network and naming a known tenant, else the bearer key (None when neither identifies).
+
+        ``tenant_headers``: more headers that name the tenant, tried first under the same rule (the
+        ext_proc picker's ``x-gateway-inference-fairness-id``, router/ext_proc.py): believed only
+        from a peer in ``auth.trusted_networks``."""
+        names = self._named_by(headers, tenant_headers)
+        if names and self.trusted_source(peer):
+            for header in names:
+                name = headers.get(header)
+                if name:
+                    principal = self._by_tenant.get(name.strip())
+                    if principal is not None:
+                        return principal
+        return self.authenticate(headers.get("Authorization") or headers.get("authorization"))
+
+    def refusal(self, headers: Mapping[str, str], peer: str | None, tenant_headers: Sequence[str] = ()) -> str:
         """The 401 message for a request that :meth:`identify` did not identify.
 
         Names the tenant when a trusted gateway sent a tenant the config does not know (an
         operator's error, worth saying); otherwise the generic API-key message, which tells an
         untrusted client nothing about the trusted header.
         """
-        if self._header:
-            name = (headers.get(self._header) or "").strip()
+        for header in self._named_by(headers, tenant_headers):
+            name = (headers.get(header) or "").strip()
             if name and name not in self._by_tenant and self.trusted_source(peer):
-                return f"Unknown tenant {name!r} in header {self._header!r}, and no valid API key."
+                return f"Unknown tenant {name!r} in header {header!r}, and no valid API key."
         return "Invalid or missing API key."

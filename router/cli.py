@@ -1,8 +1,10 @@
-"""``fairbatch-router``: the SLO-aware router (OpenAI-compatible HTTP front door).
+"""``fairbatch-router``: the SLO-aware router (OpenAI-compatible HTTP front door), and optionally the
+endpoint picker of a Kubernetes inference gateway (``--ext-proc-port``, router/ext_proc.py).
 
 Example::
 
     fairbatch-router --config fairbatch.yaml --host 127.0.0.1 --port 8080 --time-scale 1.0
+    fairbatch-router --config fairbatch.yaml --host 0.0.0.0 --port 8080 --ext-proc-port 9002
 
 A broken config prints ``file:line: field.path: reason`` and exits with status 2. SIGTERM/SIGINT:
 stop accepting connections, let running requests (streams) finish within ``--drain-s`` wall
@@ -85,6 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-s", type=float, default=30.0,
         help="on SIGTERM, wall seconds running requests get to finish (default 30)",
     )
+    p.add_argument(
+        "--ext-proc-port", type=int, default=None, metavar="N",
+        help="also serve the Envoy ext_proc endpoint picker of a Gateway API Inference Extension InferencePool "
+             "on this gRPC port, on the same core as the HTTP front door (router/ext_proc.py; default: off)",
+    )
+    p.add_argument("--ext-proc-host", default=None, help="listen address of the picker (default: --host)")
+    p.add_argument("--ext-proc-max-streams", type=int, default=10_000, metavar="N",
+                   help="most open ext_proc streams, one per request in the gateway (default 10000)")
+    p.add_argument("--ext-proc-fallbacks", type=int, default=2, metavar="N",
+                   help="fallback endpoints listed after the picked one, for the proxy's retries (default 2)")
     return p
 
 
@@ -102,9 +114,11 @@ async def watch_config(router: Router, path: str, poll_s: float, hup: asyncio.Ev
 async def serve(
     config: RouterConfig, host: str, port: int, clock: Clock, router_id: str, drain_s: float,
     config_path: str | None = None, reload_poll_s: float = 2.0, otlp_endpoint: str | None = None,
+    ext_proc: tuple[str, int, int, int] | None = None,
 ) -> None:
     """Run the router until SIGTERM/SIGINT, then drain (bounded by ``drain_s`` wall seconds);
-    reload ``config_path`` on SIGHUP or when it changes."""
+    reload ``config_path`` on SIGHUP or when it changes. ``ext_proc``: (host, port, max streams,
+    fallbacks) of the endpoint picker (router/ext_proc.py), drained first on shutdown."""
     router = Router(config, clock, router_id, otlp_endpoint=otlp_endpoint, **secrets_from_env(os.environ))
     app = router.build_app()
     runner = make_runner(app, shutdown_timeout=drain_s)
@@ -121,6 +135,13 @@ async def serve(
              router_id, host, port,
              f"{len(config.replicas)} replicas" if config.discovery.mode == "static"
              else f"{config.discovery.mode} discovery", clock.scale)
+    picker = None
+    if ext_proc is not None:
+        from router.ext_proc import start_ext_proc  # the picker's stubs (xds-protos) only when asked for
+
+        p_host, p_port, p_streams, p_fallbacks = ext_proc
+        picker = await start_ext_proc(router, p_host, p_port, p_streams, p_fallbacks)
+        log.info("ext_proc endpoint picker on %s:%d (gRPC health: liveness, readiness)", p_host, picker[2])
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -142,6 +163,10 @@ async def serve(
     finally:
         if watcher is not None:
             watcher.cancel()
+        if picker is not None:
+            from router.ext_proc import stop_ext_proc
+
+            await stop_ext_proc(picker[0], picker[1], drain_s)
         await runner.cleanup()
         if metrics_runner is not None:
             await metrics_runner.cleanup()
@@ -166,8 +191,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     router_id = args.router_id or f"router-{socket.gethostname()}-{os.getpid()}"
     hold_grpc_aio()
+    ext_proc = None
+    if args.ext_proc_port is not None:
+        ext_proc = (args.ext_proc_host or args.host, args.ext_proc_port, max(1, args.ext_proc_max_streams),
+                    max(0, args.ext_proc_fallbacks))
     run(serve(config, args.host, args.port, clock, router_id, args.drain_s, args.config, args.reload_poll_s,
-              args.otlp_endpoint))
+              args.otlp_endpoint, ext_proc))
     return 0
 
 

@@ -78,12 +78,15 @@ class Grant:
         inline: admitted on the router's view; the agent decides on arrival (``x-fairbatch-admit``).
         prompt_tokens: the prompt tokens placed, less those the replica is estimated to hold in its
             prefix cache (sent in ``x-fairbatch-admit``).
+        alternates: the placement's other candidates, best first (no lease on them): the ext_proc
+            picker's fallback endpoints (router/ext_proc.py), where each agent decides on arrival.
     """
 
     replica_id: str
     lease_id: str
     inline: bool = False
     prompt_tokens: int = 0
+    alternates: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -455,7 +458,8 @@ class RouterCore:
             self.book.take_local(replica_id, slo_class, uncached)
             if inline:
                 self._inline_seq += 1
-                grant = Grant(replica_id, f"inline-{self._inline_seq}", True, uncached)
+                grant = Grant(replica_id, f"inline-{self._inline_seq}", True, uncached,
+                              tuple(c for c in result.candidates if c != replica_id))
             else:
                 t1 = time.perf_counter()
                 waited_ms = max(0.0, self.clock.now_ms() - arrival_ms)  # refused Reserves before took time
@@ -465,7 +469,7 @@ class RouterCore:
                     self.book.apply_reserve(replica_id, slo_class, answer.pab_ms, answer.pab_tokens)
                 if not answer.granted:
                     continue
-                grant = Grant(replica_id, answer.lease_id)
+                grant = Grant(replica_id, answer.lease_id, alternates=tuple(c for c in result.candidates if c != replica_id))
             keys = self._prefix_keys.get(request_id)
             if prefix is not None and keys:  # post-decision: the replica now holds this prompt
                 prefix.insert(replica_id, keys)

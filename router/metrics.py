@@ -118,6 +118,16 @@ class RouterMetrics:
         self.inflight = Gauge(
             "fairbatch_router_inflight_requests", "Generation requests being handled (queued, relayed)", registry=r
         )
+        self.picks = Counter(
+            "fairbatch_router_ext_proc_requests",
+            "Requests seen by the ext_proc endpoint picker (router/ext_proc.py), by tenant, SLO class and outcome "
+            "(picked then settled as ok / upstream_refused / upstream_error / client_disconnect / fallback_served, or "
+            "refused at the headers with the HTTP router's outcome words)",
+            ["tenant", "slo_class", "outcome"], registry=r,
+        )
+        self.pick_streams = Gauge(
+            "fairbatch_router_ext_proc_streams", "Open ext_proc streams (one per request in the gateway)", registry=r
+        )
         self.queue_depth = Gauge("fairbatch_router_queue_depth", "Requests waiting in the admission queue", registry=r)
         self.dispatch_stalled = Gauge(
             "fairbatch_router_dispatch_stalled_seconds",

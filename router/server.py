@@ -30,7 +30,6 @@ from typing import Any
 from aiohttp import web
 from opentelemetry import trace
 
-from fairbatch_common.aio import within
 from fairbatch_common.clock import Clock
 from fairbatch_common.api_schema import ApiError, validate_request
 from fairbatch_common.http_guard import (
@@ -46,14 +45,12 @@ from fairbatch_common.openai_stream import requested_choices
 from fairbatch_common.stall import default_stall_ms
 from fairbatch_common.telemetry import extract_context, genai_request_attributes, inject_context, set_http_status
 from router.admission import prompt_decision
-from router.admission_queue import PlacementFailed, QueueTimeout
-from router.answers import Answer, no_budget, placement_error, queue_expired, queue_full
-from router.answers import slo_infeasible, tenant_over, work_shed
+from router.answers import Answer, no_budget, queue_full, tenant_over, work_shed
 from router.arrival import queue_full_before_body
 from router.auth import Principal
 from router.charges import decode_correction
 from router.config import RouterConfig, SloClassConfig
-from router.core import CoreRequest, Grant, Placed, Refused, tenant_shares
+from router.core import CoreRequest, Grant, Refused, tenant_shares
 from router.endpoints import AuxEndpoints, answer_response, openai_error
 from router.ledger import CONCURRENCY_RETRY_MS, Refusal, TenantLimits
 from router.openai_surface import REFUSED_PATHS, RELAYED_PATHS, model_not_found, unsupported
@@ -133,50 +130,6 @@ class Router(AuxEndpoints):
         if "x-request-id" not in response.headers:
             rid = request.get(REQUEST_ID) or client_request_id(request.headers.get("x-request-id")) or new_request_id()
             response.headers["x-request-id"] = rid
-
-    async def _acquire(self, req: CoreRequest, exclude: frozenset[str],
-                       avoid_now: frozenset[str] = frozenset()) -> Grant | Refused:
-        """A lease for this request: the core's answer (router/core.py ``RouterCore.acquire``),
-        waiting for the dispatcher when it was queued. Charged once granted.
-
-        ``avoid_now``: replicas left out of the immediate placement only (an inline admission they
-        refused); the queue entry may use them again once their budget frees.
-        """
-        with self.tracer.start_as_current_span("router.placement") as span:
-            got = await self.core.acquire(req, exclude, avoid_now)
-            if isinstance(got, Placed):
-                span.set_attribute("fairbatch.replica", got.grant.replica_id)
-        if isinstance(got, Refused):
-            return got
-        if isinstance(got, Placed):
-            self.core.charge_dispatch(req)
-            return got.grant
-        entry = got.entry
-        if self._shared_counters and got.lifted_counter is not None:
-            self._spawn(self.ledger.lift(req.tenant, got.lifted_counter))
-        self.metrics.queue_depth.set(len(self.queue))
-        now = entry.enqueued_ms
-        try:
-            grant = await within(entry.future, self.clock.to_wall_s(entry.deadline_ms - now))
-            self.core.charge_dispatch(req)
-            return grant  # type: ignore[no-any-return]
-        except TimeoutError:
-            return Refused(entry.expire_reason, queued=True)
-        except QueueTimeout as exc:
-            return Refused(exc.reason, queued=True)
-        except PlacementFailed as exc:
-            return Refused("placement-error", detail=exc.reason, queued=True)
-        except asyncio.CancelledError:
-            # the client left; a grant handed over in the same instant must not leak
-            fut = entry.future
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self._release(fut.result(), "client-disconnect")
-            raise
-        finally:
-            self.queue.remove(entry)
-            self.metrics.queue_depth.set(len(self.queue))
-            self.metrics.queue_wait.observe((self.clock.now_ms() - now) / 1000.0)
-
 
     # ------------------------------------------------------------------ handlers
 
@@ -350,17 +303,6 @@ class Router(AuxEndpoints):
         return "upstream_error", openai_error(
             503, "No replica could serve the request (upstream failures).", "service_unavailable", 503
         )
-
-    def _refusal_answer(self, got: Refused, principal: Principal, slo: SloClassConfig) -> Answer:
-        """The answer of one of the core's refusals (router/answers.py)."""
-        if got.reason == "queue-full":
-            return queue_full()
-        if got.reason == "placement-error":
-            return placement_error(got.detail)
-        if got.reason == "slo-infeasible" and not got.queued:  # predicted at arrival
-            return slo_infeasible(principal.slo_class, slo.ttft_ms, got.wait_ms, self.clock.to_wall_s(got.wait_ms))
-        usable = got.reason == "slo-infeasible" or any(v.healthy and v.fresh for v in self.book.views())
-        return queue_expired(got.reason, principal.slo_class, slo.ttft_ms, slo.max_queue_ms, usable)
 
     @staticmethod
     def _answer(answer: Answer) -> tuple[str, web.StreamResponse]:

@@ -18,19 +18,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
-from fairbatch_common.aio import stop_task
+from fairbatch_common.aio import stop_task, within
 from fairbatch_common.clock import Clock
 from fairbatch_common.telemetry import make_tracer
 from router.admission import MAX_RELAY_TRIES
-from router.admission_queue import Dispatcher
-from router.auth import ApiKeyAuthenticator
+from router.admission_queue import Dispatcher, PlacementFailed, QueueTimeout, WaitingRequest
+from router.answers import Answer, placement_error, queue_expired, queue_full, slo_infeasible
+from router.auth import ApiKeyAuthenticator, Principal
 from router.budget_client import BudgetClient, ReserveResult
 from router.budgets import BudgetBook
-from router.config import ConfigError, ReplicaConfig, RouterConfig, load_config
-from router.core import Grant, RouterCore
+from router.config import ConfigError, ReplicaConfig, RouterConfig, SloClassConfig, load_config
+from router.core import CoreRequest, Grant, Placed, Refused, RouterCore
 from router.discovery import DiscoverySource, build_discovery, diff_replicas
 from router.fair_queue import FairQueue
 from router.ledger import Ledger, TenantLimits, build_ledger
@@ -313,6 +314,66 @@ class RouterWiring:
         task.add_done_callback(self._background.discard)
 
     # ------------------------------------------------------------------ leases
+
+    async def _acquire(self, req: CoreRequest, exclude: frozenset[str], avoid_now: frozenset[str] = frozenset(),
+                       on_queued: Callable[[WaitingRequest], Awaitable[None]] | None = None) -> Grant | Refused:
+        """A lease for this request: the core's answer (router/core.py ``RouterCore.acquire``),
+        waiting for the dispatcher when it was queued. Charged once granted. Both drivers of the
+        process use it: the HTTP front door (router/server.py) and the ext_proc picker
+        (router/ext_proc.py).
+
+        ``avoid_now``: replicas left out of the immediate placement only (an inline admission they
+        refused); the queue entry may use them again once their budget frees. ``on_queued``: awaited
+        once the request waits in the queue, before the wait (the picker extends Envoy's message
+        timeout there); the wait is bounded by the entry's deadline either way.
+        """
+        with self.tracer.start_as_current_span("router.placement") as span:
+            got = await self.core.acquire(req, exclude, avoid_now)
+            if isinstance(got, Placed):
+                span.set_attribute("fairbatch.replica", got.grant.replica_id)
+        if isinstance(got, Refused):
+            return got
+        if isinstance(got, Placed):
+            self.core.charge_dispatch(req)
+            return got.grant
+        entry = got.entry
+        if self._shared_counters and got.lifted_counter is not None:
+            self._spawn(self.ledger.lift(req.tenant, got.lifted_counter))
+        self.metrics.queue_depth.set(len(self.queue))
+        now = entry.enqueued_ms
+        try:
+            if on_queued is not None:
+                await on_queued(entry)
+            grant = await within(entry.future, self.clock.to_wall_s(entry.deadline_ms - now))
+            self.core.charge_dispatch(req)
+            return grant  # type: ignore[no-any-return]
+        except TimeoutError:
+            return Refused(entry.expire_reason, queued=True)
+        except QueueTimeout as exc:
+            return Refused(exc.reason, queued=True)
+        except PlacementFailed as exc:
+            return Refused("placement-error", detail=exc.reason, queued=True)
+        except asyncio.CancelledError:
+            # the client left; a grant handed over in the same instant must not leak
+            fut = entry.future
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._release(fut.result(), "client-disconnect")
+            raise
+        finally:
+            self.queue.remove(entry)
+            self.metrics.queue_depth.set(len(self.queue))
+            self.metrics.queue_wait.observe((self.clock.now_ms() - now) / 1000.0)
+
+    def _refusal_answer(self, got: Refused, principal: Principal, slo: SloClassConfig) -> Answer:
+        """The answer of one of the core's refusals (router/answers.py), for either driver."""
+        if got.reason == "queue-full":
+            return queue_full()
+        if got.reason == "placement-error":
+            return placement_error(got.detail)
+        if got.reason == "slo-infeasible" and not got.queued:  # predicted at arrival
+            return slo_infeasible(principal.slo_class, slo.ttft_ms, got.wait_ms, self.clock.to_wall_s(got.wait_ms))
+        usable = got.reason == "slo-infeasible" or any(v.healthy and v.fresh for v in self.book.views())
+        return queue_expired(got.reason, principal.slo_class, slo.ttft_ms, slo.max_queue_ms, usable)
 
     def _release(self, grant: Grant, reason: str) -> None:
         """Release ``grant`` (router/core.py ``RouterCore.release``; never delays the response)."""
