@@ -68,10 +68,12 @@ def wait_all_replicas_usable(router_url: str, n: int, timeout_s: float = 15.0) -
 
 
 def start_fleet(tmp: Path, n: int, *, time_scale: float = 1.0, ttl_ms: int = 1000, engine_args: list[str] | None = None,
-                agent_args: list[str] | None = None, **config_overrides: object) -> Fleet:
+                agent_args: list[str] | None = None, router_args: list[str] | None = None,
+                **config_overrides: object) -> Fleet:
     """Start ``n`` simulated engines + ``n`` agents + one router; wait for every /health.
 
-    ``engine_args`` / ``agent_args`` are appended to every engine's / agent's command line;
+    ``engine_args`` / ``agent_args`` / ``router_args`` are appended to every engine's / agent's / the
+    router's command line;
     ``config_overrides`` replace top-level keys of the router YAML (e.g. ``telemetry={...}``).
     """
     group = ProcessGroup(tmp / "logs")
@@ -102,7 +104,7 @@ def start_fleet(tmp: Path, n: int, *, time_scale: float = 1.0, ttl_ms: int = 100
             group.wait_http_ok(fleet.children[f"agent{i}"], f"{fleet.agent_urls[i]}/health")
         rport = free_port()
         r = group.start("router", script("fairbatch-router") + [
-            "--config", str(fleet.config_path), "--port", str(rport), "--time-scale", ts])
+            "--config", str(fleet.config_path), "--port", str(rport), "--time-scale", ts, *(router_args or [])])
         fleet.children["router"] = r
         fleet.router_url = f"http://127.0.0.1:{rport}"
         group.wait_http_ok(r, f"{fleet.router_url}/health")
