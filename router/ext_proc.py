@@ -51,6 +51,7 @@ from the start of a drain.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from dataclasses import replace
 from typing import Any
@@ -428,11 +429,24 @@ class _Stream:
         w.metrics.picks.labels(req.tenant, req.slo_class, outcome).inc()
 
 
+def _is_ip_endpoint(endpoint: str) -> bool:
+    host = endpoint.rsplit(":", 1)[0].strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 async def start_ext_proc(wiring: RouterWiring, host: str, port: int, max_streams: int = 10_000,
                          max_fallbacks: int = MAX_FALLBACKS,
                          settle_timeout_s: float = SETTLE_TIMEOUT_S) -> tuple[grpc.aio.Server, health_aio.HealthServicer, int]:
     """Serve the picker and the gRPC health services on ``host:port`` (0: any free port); returns the
     server, its health servicer and the bound port. The wiring must be started by the caller."""
+    named = sorted(rid for rid, r in wiring.replicas.items() if not _is_ip_endpoint(endpoint_of(r.http_url)))
+    if named:  # Envoy's override-host balancing takes IP:port only (004 "Destination Endpoint")
+        log.warning("ext_proc: replicas %s are addressed by name, not IP: a gateway cannot route to them "
+                    "(use discovery kubernetes or dns, or IPs in replicas)", ", ".join(named))
     server = grpc.aio.server(maximum_concurrent_rpcs=max_streams)
     ep_grpc.add_ExternalProcessorServicer_to_server(ExtProcPicker(wiring, max_fallbacks, settle_timeout_s), server)
     health = health_aio.HealthServicer()

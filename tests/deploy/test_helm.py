@@ -28,7 +28,8 @@ KUBE_VERSION = "1.30"
 RELEASE = "fb"
 NAMESPACE = "llm"
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule"),
-             ("keda.sh/v1alpha1", "ScaledObject")}
+             ("keda.sh/v1alpha1", "ScaledObject"), ("inference.networking.k8s.io/v1", "InferencePool"),
+             ("gateway.networking.k8s.io/v1", "HTTPRoute")}
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -130,6 +131,10 @@ def test_rendered_objects_validate_against_kubernetes_schemas(helm: Path, values
                 assert obj["spec"]["endpoints"] and obj["spec"]["selector"]["matchLabels"]
             elif obj["kind"] == "ScaledObject":
                 assert obj["spec"]["scaleTargetRef"]["name"] and obj["spec"]["triggers"]
+            elif obj["kind"] in ("InferencePool", "HTTPRoute"):  # tests/deploy/schemas (README there)
+                from gateway_schemas import schema_errors
+
+                errors += schema_errors(obj)
             else:
                 assert all(g["name"] and g["rules"] for g in obj["spec"]["groups"])
                 assert all(("alert" in r) != ("record" in r) and r["expr"] for g in obj["spec"]["groups"]

@@ -221,6 +221,17 @@ Cross-field checks the JSON schema cannot express; each fails the render with a 
 {{- if eq (int .Values.router.metrics.port) (int .Values.router.port) }}
 {{- fail (printf "router.metrics.port must differ from router.port (%d): metrics stay off the public port" (int .Values.router.port)) }}
 {{- end }}
+{{- if .Values.inferencePool.enabled }}
+{{- if and .Values.existingFleet.enabled (not .Values.inferencePool.selector) }}
+{{- fail "inferencePool.selector: with existingFleet, give the labels of your vLLM pods (the ones with the agent sidecar)" }}
+{{- end }}
+{{- if eq (include "fairbatch.discoveryMode" .) "static" }}
+{{- fail "inferencePool.enabled: the picker names endpoints as pod IP:port, which static replicas (DNS names) are not; use router.discovery.mode kubernetes or dns" }}
+{{- end }}
+{{- if has (int .Values.inferencePool.pickerPort) (list (int .Values.router.port) (int .Values.router.metrics.port)) }}
+{{- fail (printf "inferencePool.pickerPort (%d) must differ from router.port and router.metrics.port" (int .Values.inferencePool.pickerPort)) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -300,4 +311,23 @@ of 1 runs that many replicas; its scale-down stabilization holds a replica while
   + (({{ $queue }} > bool 0) * ((max({{ $pab }}) or vector(0)) <= bool 0)),
   1)
 - ((min({{ $pab }}) or vector(0)) > bool {{ $h }}) * ({{ $queue }} == bool 0)
+{{- end }}
+
+{{/*
+Gateway API Inference Extension (inferencePool.*): the pool's name, the picker Service, the pool's selector
+(the chart's replica pods, or inferencePool.selector) and its endpoints' port (the agent's HTTP port).
+*/}}
+{{- define "fairbatch.inferencePool.name" -}}
+{{- default (include "fairbatch.fullname" .) .Values.inferencePool.name }}
+{{- end }}
+{{- define "fairbatch.picker.fullname" -}}{{ include "fairbatch.fullname" . }}-picker{{- end }}
+{{- define "fairbatch.inferencePool.selector" -}}
+{{- if .Values.inferencePool.selector }}
+{{- toYaml .Values.inferencePool.selector }}
+{{- else }}
+{{- include "fairbatch.selectorLabels" (dict "root" . "component" "replica") }}
+{{- end }}
+{{- end }}
+{{- define "fairbatch.inferencePool.targetPort" -}}
+{{- int (default .Values.agent.httpPort .Values.inferencePool.targetPort) }}
 {{- end }}
