@@ -168,7 +168,7 @@ class _Stream:
 
     __slots__ = ("picker", "w", "context", "peer", "echo_request", "echo_response", "principal", "req", "grant",
                  "ticket", "endpoints", "replica_by_endpoint", "status", "outcome", "served", "pab", "settled",
-                 "timer", "picked_ms")
+                 "timer")
 
     def __init__(self, picker: ExtProcPicker, context: grpc.aio.ServicerContext) -> None:
         self.picker = picker
@@ -188,7 +188,6 @@ class _Stream:
         self.pab = (-1.0, -1)
         self.settled = False
         self.timer: asyncio.TimerHandle | None = None
-        self.picked_ms = 0.0
 
     # ------------------------------------------------------------------ the stream
 
@@ -386,7 +385,6 @@ class _Stream:
                 self.endpoints.append(ep_)
                 self.replica_by_endpoint[ep_] = rid
         now = w.clock.now_ms()
-        self.picked_ms = now
         upstream = self._upstream_headers(principal, req.request_id)
         upstream["x-fairbatch-queued-ms"] = f"{max(0.0, now - req.arrival_ms):.3f}"
         if grant.inline:

@@ -92,17 +92,25 @@ async def test_the_fleet_serves_every_request_the_picker_places_holding_what_doe
     async with aiohttp.ClientSession() as session:
         results = await asyncio.gather(*(gateway_request(channel, session, "/v1/completions", key,
                                                          body_of(16_000, 8, i)) for i in range(8)))
+    served = [r for r in results if r.status == 200]
     for res in results:
-        assert res.status == 200, (res.status, res.body[:300])
-        assert sse_tokens(res.body) == 8
-        assert res.served in endpoints and res.pick is not None
-        assert res.pick.set_headers["x-fairbatch-admit"] == "4000"
-    # every pick settled ok, and the picker had to hold some: 6 fit the idle fleet at once, 8 were sent
+        assert res.pick is not None and res.pick.set_headers["x-fairbatch-admit"] == "4000"
+        assert set(res.tried) <= endpoints and res.tried == res.pick.endpoints[: len(res.tried)]
+        if res.status == 200:
+            assert sse_tokens(res.body) == 8 and res.served in endpoints
+        else:
+            # the one other answer the protocol allows here: every agent of the list refused the admission
+            # on arrival (its budget went between the pick and the arrival) -> the router's 503 no-budget,
+            # never the agent's own 409
+            assert res.status == 503 and res.headers["x-fairbatch-reason"] == "no-budget", res.body[:300]
+            assert res.tried == res.pick.endpoints
+    # the idle fleet takes 6 at once (3 per replica); the other 2 waited in the picker's queue
+    outcome = [(r.status, r.tried, r.served) for r in results]
+    assert len(served) >= 6, outcome
     url = fleet.router_url
-    assert metric(url, "fairbatch_router_ext_proc_requests_total", outcome="ok") == 8
+    assert metric(url, "fairbatch_router_ext_proc_requests_total", outcome="ok") == len(served)
     assert metric(url, "fairbatch_router_queue_wait_seconds_count") >= 2
-    served = {r.served for r in results}
-    assert served == endpoints  # both replicas took some
+    assert {r.served for r in served} == endpoints, outcome  # both replicas took some
     assert metric(url, "fairbatch_router_replica_inflight_requests") == 0
     await channel.close()
 
