@@ -214,6 +214,7 @@ class AdmissionService(admission_pb2_grpc.AdmissionServiceServicer):
             request.request_id,
             agent.clock.now_ms(),
             request.waited_ms,
+            on_time_only=request.on_time_only,
         )
         b = res.budget
         return admission_pb2.ReserveResponse(

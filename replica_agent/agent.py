@@ -584,6 +584,7 @@ class Agent:
         now_ms: float,
         waited_ms: float = 0.0,
         answer_budget: bool = True,
+        on_time_only: bool = False,
     ) -> ReserveResult:
         """Grant a lease when the prompt fits the class's PAB (architecture.md "Agent", Reserve).
 
@@ -593,7 +594,8 @@ class Agent:
         ``waited_ms``: ms the request already spent since its arrival at the router (queued or
         retried); the fit is :func:`~replica_agent.policy.pab.admits`, over the class horizon minus
         it (pab.py, "Aged requests"). The answer's budget is the fresh-arrival one (full horizon),
-        what the router's view of this replica holds.
+        what the router's view of this replica holds. ``on_time_only``: the router asks for a start
+        that meets the request's TTFT (reserve.py ``reserve_decision``; refused ``not-on-time``).
         """
         budget = None
         cls = self.classes.get(slo_class)
@@ -604,7 +606,8 @@ class Agent:
         else:
             state = self.replica_state(now_ms)
             healthy = self.health(now_ms)[0]  # what compute_budget's view would say
-            reason = reserve_decision(prompt_tokens, state, cls, waited_ms, healthy, self.max_prompt_tokens)[0]
+            reason = reserve_decision(prompt_tokens, state, cls, waited_ms, healthy, self.max_prompt_tokens,
+                                      on_time_only)[0]
             if reason:  # the refusal's answer carries the class budget before the decision
                 budget = self.compute_budget(now_ms, state).classes[slo_class]
             else:

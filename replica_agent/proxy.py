@@ -577,7 +577,8 @@ class Proxy:
             lease_id = hdrs.get("x-fairbatch-lease", "")
             admit = hdrs.get("x-fairbatch-admit")
             if admit is not None:  # inline admission: Reserve now; granted and consumed below, no await between
-                got = self._admit_inline(admit, hdrs.get("x-fairbatch-slo-class"), max_tokens, request_id, queued_ms)
+                got = self._admit_inline(admit, hdrs.get("x-fairbatch-slo-class"), max_tokens, request_id, queued_ms,
+                                         hdrs.get("x-fairbatch-on-time") == "1")
                 if isinstance(got, web.Response):
                     return got
                 lease_id = got
@@ -641,13 +642,15 @@ class Proxy:
                     log.info("request %s ended: %s", request_id, outcome)
 
     def _admit_inline(
-        self, admit: str, slo_class: str | None, max_tokens: int | None, request_id: str, queued_ms: float
+        self, admit: str, slo_class: str | None, max_tokens: int | None, request_id: str, queued_ms: float,
+        on_time_only: bool = False,
     ) -> str | web.Response:
         """The Reserve decision for a request that arrived with ``x-fairbatch-admit: <prompt tokens>``
         (docs/architecture.md "Leases on the request path"): the granted lease id (the caller consumes
         it at once), or the refusal: 409 with ``x-fairbatch-refused: <reason>`` and the class budget
         after the decision (``x-fairbatch-pab-ms``, ``x-fairbatch-pab-tokens``), which the router
-        treats as a refused Reserve (it re-places the request). A malformed header is 400."""
+        treats as a refused Reserve (it re-places the request). A malformed header is 400.
+        ``x-fairbatch-on-time: 1`` asks for a start that meets the TTFT (``on_time_only``)."""
         agent = self._agent
         try:
             prompt_tokens = int(admit)
@@ -657,7 +660,7 @@ class Proxy:
             return error_json(400, "x-fairbatch-admit must be a non-negative token count", "invalid_request_error")
         name = slo_class if slo_class in agent.classes else agent.config.default_slo_class
         res = agent.reserve(name, prompt_tokens, max_tokens, request_id, agent.clock.now_ms(), queued_ms,
-                            answer_budget=False)
+                            answer_budget=False, on_time_only=on_time_only)
         if res.granted:
             return res.lease_id
         b = res.budget

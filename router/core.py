@@ -78,12 +78,15 @@ class Grant:
         inline: admitted on the router's view; the agent decides on arrival (``x-fairbatch-admit``).
         prompt_tokens: the prompt tokens placed, less those the replica is estimated to hold in its
             prefix cache (sent in ``x-fairbatch-admit``).
+        on_time_only: the agent is to admit it only where it still meets its TTFT
+            (``x-fairbatch-on-time: 1`` with an inline admission; see :meth:`RouterCore.place`).
     """
 
     replica_id: str
     lease_id: str
     inline: bool = False
     prompt_tokens: int = 0
+    on_time_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,9 +160,10 @@ class ReservePort(Protocol):
     simulation)."""
 
     async def reserve(self, replica_id: str, slo_class: str, prompt_tokens: int, request_id: str,
-                      max_tokens: int, waited_ms: float) -> ReserveResult:
+                      max_tokens: int, waited_ms: float, on_time_only: bool = False) -> ReserveResult:
         """A lease of ``prompt_tokens`` on ``replica_id`` (never raises for transport errors: a
-        refusal with a reason; ``pab_ms`` / ``pab_tokens`` -1 when no answer arrived)."""
+        refusal with a reason; ``pab_ms`` / ``pab_tokens`` -1 when no answer arrived);
+        ``on_time_only``: only a start that meets the request's TTFT."""
         ...
 
     def release(self, lease_id: str, reason: str) -> None:
@@ -440,7 +444,13 @@ class RouterCore:
     async def place(self, slo_class: str, prompt_tokens: int, max_tokens: int, request_id: str,
                     exclude: frozenset[str], arrival_ms: float, attempt: Attempt = Attempt()) -> Grant | None:
         """Placement, then Reserve on the candidates in order (module docstring, step 3); None when
-        none granted. A Reserve's answer updates the book."""
+        none granted. A Reserve's answer updates the book.
+
+        The agent is asked for an on-time start (Reserve ``on_time_only``, or ``x-fairbatch-on-time``
+        with an inline admission) when the placement was on time only (the dispatcher's first
+        phase) or the class is sheddable (never served late): the router's view lacks what other
+        router copies placed since the last push, so only the agent can tell that a start is still
+        on time (issue 27: 4 router copies served sheddable requests late)."""
         t0 = time.perf_counter()
         preq, raw = self.placement_request(slo_class, prompt_tokens, request_id, exclude, arrival_ms, attempt)
         cached = preq.cached_tokens
@@ -448,6 +458,8 @@ class RouterCore:
         result = policy.place(preq, self.book.views())
         self.observe_placement(time.perf_counter() - t0)
         adm = self.config.admission
+        slo = self.config.slo_classes.get(slo_class)
+        on_time_only = attempt.on_time_only or (slo is not None and slo.sheddable)
         # no round trip where the agent decides when the request arrives (router/admission.py use_inline)
         inline = bool(result.candidates) and use_inline(adm.lease_mode, self.book.inline_admission(result.candidates[0]))
         for replica_id in offer_replicas(result.candidates, inline, DEFAULT_MAX_CANDIDATES):
@@ -455,11 +467,12 @@ class RouterCore:
             self.book.take_local(replica_id, slo_class, uncached)
             if inline:
                 self._inline_seq += 1
-                grant = Grant(replica_id, f"inline-{self._inline_seq}", True, uncached)
+                grant = Grant(replica_id, f"inline-{self._inline_seq}", True, uncached, on_time_only)
             else:
                 t1 = time.perf_counter()
                 waited_ms = max(0.0, self.clock.now_ms() - arrival_ms)  # refused Reserves before took time
-                answer = await self.reserve.reserve(replica_id, slo_class, uncached, request_id, max_tokens, waited_ms)
+                answer = await self.reserve.reserve(replica_id, slo_class, uncached, request_id, max_tokens, waited_ms,
+                                                    on_time_only)  # fmt: skip
                 self.observe_reserve(time.perf_counter() - t1)
                 if answer.pab_ms >= 0:
                     self.book.apply_reserve(replica_id, slo_class, answer.pab_ms, answer.pab_tokens)

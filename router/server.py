@@ -392,6 +392,8 @@ class Router(AuxEndpoints):
         headers["x-fairbatch-queued-ms"] = f"{queued_ms:.3f}"
         if grant.inline:
             headers["x-fairbatch-admit"] = str(grant.prompt_tokens)
+            if grant.on_time_only:
+                headers["x-fairbatch-on-time"] = "1"
         else:
             headers["x-fairbatch-lease"] = grant.lease_id
         # x-fairbatch-request-id: the router's own id, the one the agent and the engine log (the client's

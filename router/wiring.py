@@ -329,9 +329,9 @@ class GrpcReserve:
         self._router = router
 
     async def reserve(self, replica_id: str, slo_class: str, prompt_tokens: int, request_id: str,
-                      max_tokens: int, waited_ms: float) -> ReserveResult:
+                      max_tokens: int, waited_ms: float, on_time_only: bool = False) -> ReserveResult:
         return await self._router.budgets.reserve(replica_id, slo_class, prompt_tokens, request_id, max_tokens,
-                                                  waited_ms)  # fmt: skip
+                                                  waited_ms, on_time_only)  # fmt: skip
 
     def release(self, lease_id: str, reason: str) -> None:
         self._router._spawn(self._router.budgets.release(lease_id, reason))

@@ -475,10 +475,10 @@ class _SimReserve:
         self._n = 0
 
     async def reserve(self, replica_id: str, slo_class: str, prompt_tokens: int, request_id: str,
-                      max_tokens: int, waited_ms: float) -> ReserveResult:
+                      max_tokens: int, waited_ms: float, on_time_only: bool = False) -> ReserveResult:
         sim = self.sim
         ri = sim.index_of[replica_id]
-        granted, lease_id, after = sim.reserve(ri, prompt_tokens, self.clock.t, waited_ms)
+        granted, lease_id, after = sim.reserve(ri, prompt_tokens, self.clock.t, waited_ms, on_time_only)
         sim.stats.reserve_answers += 1
         if not granted:
             self.refusals[request_id] = self.refusals.get(request_id, 0) + 1
@@ -810,7 +810,7 @@ class FleetSim:
     # ------------------------------------------------------------ agent side
 
     def reserve(
-        self, ri: int, prompt_tokens: int, now_ms: float, waited_ms: float = 0.0
+        self, ri: int, prompt_tokens: int, now_ms: float, waited_ms: float = 0.0, on_time_only: bool = False
     ) -> tuple[bool, str, ClassBudget | None]:
         """The agent's Reserve (plugin mode): grant a lease when the prompt fits PAB now, over the
         class horizon minus ``waited_ms`` (``pab.admits``, as ``Agent.reserve``). The budget
@@ -821,7 +821,8 @@ class FleetSim:
             self.stats.grants += 1
             return True, "", None
         state = replica_state(rep.engine, rep.leases, now_ms, cfg.margin_frac)
-        reason, fit_budget = reserve_decision(prompt_tokens, state, self.slo, waited_ms, True, cfg.max_model_len)
+        reason, fit_budget = reserve_decision(prompt_tokens, state, self.slo, waited_ms, True, cfg.max_model_len,
+                                              on_time_only)  # fmt: skip
         # the answer carries the fresh-arrival budget: the fit's own when the request has not waited
         before = fit_budget if not waited_ms and fit_budget is not None else class_budget(state, self.slo)
         if reason:
@@ -891,9 +892,10 @@ class FleetSim:
             if self.cfg.leases and self.cfg.lease_mode == "inline":  # the agent's Reserve decision, on arrival
                 waited = max(0.0, t - req.arrival_ms)
                 # independent check of what is admitted: the exact fit on the state before the decision
+                on_time = st.grant is not None and st.grant.on_time_only  # x-fairbatch-on-time
                 fit = admits(st.admit_tokens, replica_state(rep.engine, rep.leases, t, self.cfg.margin_frac),
-                             self.slo, waited)[0]  # fmt: skip
-                granted, lease_id, after = self.reserve(ri, st.admit_tokens, t, waited)
+                             self.slo, waited, on_time)[0]  # fmt: skip
+                granted, lease_id, after = self.reserve(ri, st.admit_tokens, t, waited, on_time)
                 if granted and not fit:
                     self.stats.double_spends += 1
                 if not granted:

@@ -437,8 +437,17 @@ def on_time(prompt_tokens: int, class_budget: ClassBudget, time_model: TimeModel
     )
 
 
-def admits(prompt_tokens: int, state: ReplicaState, slo: SloClass, waited_ms: float = 0.0) -> tuple[bool, ClassBudget]:
+def admits(prompt_tokens: int, state: ReplicaState, slo: SloClass, waited_ms: float = 0.0,
+           on_time_only: bool = False) -> tuple[bool, ClassBudget]:
     """The agent's fit rule for a request of class ``slo`` that waited ``waited_ms`` ms.
+
+    ``on_time_only`` (the router asks for a start that meets the request's TTFT: a sheddable class,
+    or the dispatcher's on-time phase; issue 27): the EXACT on-time rule alone, :func:`on_time` on
+    the budget over ``H_w`` (``class_budget`` with ``waited_ms``), without the work-conserving
+    fresh-arrival fit below, which would admit a request whose TTFT is already lost. Several
+    router copies each place on a view that lacks the others' latest placements; without this an
+    on-time placement on such a view became a late start (4 routers: TTFT p99 above the target
+    for a sheddable class).
 
     A prompt whose prefill alone exceeds the full horizon H (``a + b*P > H``) fits only where
     nothing is reserved over H and ``P <= kv_limited_tokens(H)`` (:func:`fits`). Any other prompt
@@ -460,6 +469,9 @@ def admits(prompt_tokens: int, state: ReplicaState, slo: SloClass, waited_ms: fl
     _check_waited(waited_ms)
     full = class_budget(state, slo)
     tm = state.time_model
+    if on_time_only:
+        aged = class_budget(state, slo, waited_ms) if waited_ms else full
+        return aged.horizon_ms > 0 and on_time(prompt_tokens, aged, tm), full
     if fits(prompt_tokens, full, tm):
         return True, full
     if waited_ms and tm.a_ms + tm.b_ms_per_new_token * prompt_tokens <= full.horizon_ms + _EPS:

@@ -26,6 +26,7 @@ from replica_agent.policy.pab import (
     inflight_lumps,
     on_time,
 )
+from replica_agent.policy.reserve import reserve_decision
 from replica_agent.policy.time_model import TimeModel
 
 TM = TimeModel(10.0, 0.1, 0.001)
@@ -338,3 +339,22 @@ def test_decode_iterations_and_growth_reserve_by_hand():
     ]
     assert growth_reserve_tokens(900.0, gs) == 10 + 5 + 19 + 0
     assert growth_reserve_tokens(900.0, []) == 0
+
+
+def test_on_time_only_admits_no_late_start():
+    # issue 27 (router copies): the router asks for an on-time start; the agent's work-conserving
+    # fit must not turn it into a late one. Same replica as test_aged_prompt_on_time_or_late_hand_worked:
+    # P = 6500 (660 ms) waited 300 ms fits a fresh arrival's budget (889) but not on time (589):
+    st = aged_state([ONE_DECODE])
+    assert admits(6500, st, AGED_CLASS, 300.0)[0]  # the work-conserving rule takes it late
+    assert not admits(6500, st, AGED_CLASS, 300.0, on_time_only=True)[0]
+    assert reserve_decision(6500, st, AGED_CLASS, 300.0, on_time_only=True)[0] == "not-on-time"
+    # P = 5000 (510 ms) is on time after 300 ms: admitted either way
+    assert admits(5000, st, AGED_CLASS, 300.0, on_time_only=True)[0]
+    assert reserve_decision(5000, st, AGED_CLASS, 300.0, on_time_only=True)[0] == ""
+    # a fresh arrival (w = 0): on time = the fit without the prefill-alone case
+    assert admits(6500, st, AGED_CLASS, 0.0, on_time_only=True)[0]
+    # past its TTFT (w = 1200 > H = 1000) nothing is on time, however short
+    assert not admits(100, st, AGED_CLASS, 1200.0, on_time_only=True)[0]
+    # a prompt the budget cannot hold at all keeps its own reason
+    assert reserve_decision(8791, st, AGED_CLASS, 300.0, on_time_only=True)[0] == "no-budget"
