@@ -246,6 +246,10 @@ class FleetConfig:
         prefix_caching: the engines' automatic prefix caching (vLLM's default; loadgen/sim/kv_cache.py).
         prefix_block_tokens: tokens per id of ``FleetRequest.prefix_ids`` (512 for Mooncake); also
             the unit of the routers' prefix maps, which hold about one replica's KV cache each.
+        contention_max_inflight: the ``pab`` routers' contention cap (router/config.py
+            ``admission.contention_max_inflight``; the router's default 32, 0 = off).
+        max_bypass: entries admitted behind a blocked queue head before it gets a held replica
+            (``queue.max_bypass``; the router's default 8).
         placement_hooks: post-decision hooks of the ``pab`` routers' placement (router/config.py
             ``placement.hooks``; router/placement/hooks/), told of every granted placement.
         work_shed: ``pab`` routers with a sheddable class refuse, under contention, the arrivals of
@@ -293,6 +297,8 @@ class FleetConfig:
     prefix_block_tokens: int = 512
     work_shed: WorkShedSettings | None = None
     placement_hooks: tuple[str, ...] = ()
+    contention_max_inflight: int = 32
+    max_bypass: int = 8
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -447,8 +453,10 @@ def sim_router_config(cfg: FleetConfig, seed: int) -> RouterConfig:
         "tenants": {t: {"weight": w, "slo_class": SLO_CLASS} for t, w in (cfg.tenant_weights or (("t0", 1.0),))},
         "replicas": [{"id": f"r{i}", "http_url": f"http://127.0.0.1:{i + 1}", "grpc_target": f"127.0.0.1:{i + 1}"}
                      for i in range(cfg.replicas)],
-        "queue": {"max_requests": cfg.queue_max_requests, "max_tokens": cfg.queue_max_tokens},
+        "queue": {"max_requests": cfg.queue_max_requests, "max_tokens": cfg.queue_max_tokens,
+                  "max_bypass": cfg.max_bypass},
         "admission": {
+            "contention_max_inflight": cfg.contention_max_inflight,
             "lease_mode": cfg.lease_mode if cfg.leases else "reserve", "bytes_per_token": 4.0,
             "start_window_steps": cfg.start_window_steps, "step_tokens": cfg.max_num_batched_tokens,
             "work_shed": {"enabled": True, "gain": ws.gain, "max_share": ws.max_share, "window": ws.window,
