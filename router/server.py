@@ -51,7 +51,7 @@ from router.answers import Answer, no_budget, placement_error, queue_expired, qu
 from router.answers import slo_infeasible, tenant_over, work_shed
 from router.arrival import queue_full_before_body
 from router.auth import Principal
-from router.charges import decode_correction
+from router.charges import decode_correction, quota_refunded
 from router.config import RouterConfig, SloClassConfig
 from router.core import CoreRequest, Grant, Placed, Refused, tenant_shares
 from router.endpoints import AuxEndpoints, answer_response, openai_error
@@ -296,7 +296,10 @@ class Router(AuxEndpoints):
             return self._answer(tenant_over(quota.reason, principal.tenant, self.clock.to_wall_s(quota.retry_after_ms)))
         self.core.track_prefix(req)
         try:
-            return await self._serve_placed(request, principal, raw, req, valid.stream)
+            outcome, response = await self._serve_placed(request, principal, raw, req, valid.stream)
+            if quota_refunded(outcome, response.prepared):  # router/charges.py: nothing was generated
+                self._spawn(self.ledger.refund(quota, limits))
+            return outcome, response
         finally:
             self.core.forget_prefix(request_id)
             self._spawn(self.ledger.release(quota))
