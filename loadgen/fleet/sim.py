@@ -101,7 +101,7 @@ from router.autoscale import FleetSignal, Stabilizer, pab_desired, waiting_desir
 from router.budget_client import ReserveResult
 from router.config import RouterConfig
 from router.core import CoreRequest, Grant, Placed, Queued, RouterCore
-from router.placement import BASELINE_POLICIES, DEFAULT_MAX_CANDIDATES
+from router.placement import BASELINE_POLICIES
 from router.prefix_correction import PrefixCorrection
 from router.prefix_index import PrefixIndex
 from router.work_shed import BUDGET_REASONS, REASON as WORK_SHED_REASON, WorkShed, WorkShedSettings
@@ -137,8 +137,6 @@ def placement_name(policy: str) -> str:
     """The placement policy of a fleet policy: ``least-outstanding+fairbatching`` -> ``least-outstanding``."""
     return policy.removesuffix("+fairbatching") if POLICIES[policy][0] != "pab" else "pab"
 
-MAX_RESERVE_CANDIDATES = DEFAULT_MAX_CANDIDATES  # Reserve calls per placement (as router/server.py)
-"""Reserve calls (or forwards for static-queue-cap) per placement, as router/server.py."""
 
 SLO_CLASS = "interactive"
 
