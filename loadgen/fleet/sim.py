@@ -94,6 +94,7 @@ from replica_agent.policy.pab import (
     class_budget,
 )
 from replica_agent.policy.prefill_eta import inflight_schedule
+from replica_agent.policy.queue_cap import over_queue_cap
 from replica_agent.policy.reserve import reserve_decision
 from replica_agent.policy.time_model import TimeModel
 from router.admission import RelayAttempts
@@ -877,8 +878,8 @@ class FleetSim:
         rep = self.replicas[ri]
         kind = POLICIES[self.cfg.policy][0]
         router = self.routers[st.router]
-        if kind == "queue-cap" and self._queued_tokens(rep.engine) + req.prompt_tokens > self.cfg.queue_cap_tokens \
-                and rep.engine.has_work():  # fmt: skip
+        if kind == "queue-cap" and over_queue_cap(self._queued_tokens(rep.engine), req.prompt_tokens,
+                                                  self.cfg.queue_cap_tokens, rep.engine.has_work()):  # the agent's rule
             nxt = router.redirect(idx)  # the placement's next candidate (router/core.py), at most 3 in all
             if nxt is not None:  # 429 back to the router (d), next candidate (d)
                 self.push_event(t + 2 * self.cfg.net_delay_ms, _FORWARD, idx, (self.index_of[nxt.replica_id],))
