@@ -4,7 +4,8 @@ One request's path (docs/design.md section 5): authenticate (API key -> tenant, 
 header) -> classify (tenant -> SLO class) -> read and validate the body, estimate prompt tokens ->
 quotas (ledger: request and token buckets, concurrency; 429 tenant-rate / tenant-concurrency) ->
 the request core (router/core.py: work shedding, place and Reserve now, or queue in the weighted
-fair queue, or refuse; the answers are values) -> relay to the replica's agent, bytes unchanged ->
+fair queue, or refuse; a baseline placement profile: placed at once, no lease; the answers are
+values) -> relay to the replica's agent, bytes unchanged ->
 the core's rule after the attempt (refund, release, try the next replica). This module does the
 HTTP part only: parse, call the core, carry out its answers (router/answers.py), relay
 (router/relay.py), metrics and spans. The process's wiring, lifecycle and reload live in

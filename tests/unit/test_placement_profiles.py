@@ -263,3 +263,15 @@ def test_the_agents_queue_cap_rule() -> None:
     assert not over_queue_cap(queued, 400, 1000, busy=True)
     assert over_queue_cap(queued, 401, 1000, busy=True)
     assert not over_queue_cap(0, 5000, 1000, busy=False)  # an idle replica takes any prompt
+
+
+def test_the_charts_values_schema_knows_every_profile() -> None:
+    # the Helm chart validates config.placement.profile against an enum: it must offer every profile
+    import json
+    from pathlib import Path
+
+    from fairbatch_common.config_schema import PLACEMENT_PLUGINS
+
+    schema = json.loads((Path(__file__).parents[2] / "deploy/helm/fairbatch/values.schema.json").read_text())
+    placement = schema["properties"]["config"]["properties"]["placement"]["properties"]
+    assert set(placement["profile"]["enum"]) == set(PLACEMENT_PLUGINS["policies"])
