@@ -4,7 +4,8 @@ One request's path (docs/design.md section 5): authenticate (API key -> tenant, 
 header) -> classify (tenant -> SLO class) -> read and validate the body, estimate prompt tokens ->
 quotas (ledger: request and token buckets, concurrency; 429 tenant-rate / tenant-concurrency) ->
 the request core (router/core.py: work shedding, place and Reserve now, or queue in the weighted
-fair queue, or refuse; the answers are values) -> relay to the replica's agent, bytes unchanged ->
+fair queue, or refuse; a baseline placement profile: placed at once, no lease; the answers are
+values) -> relay to the replica's agent, bytes unchanged ->
 the core's rule after the attempt (refund, release, try the next replica). This module does the
 HTTP part only: parse, call the core, carry out its answers (router/answers.py), relay
 (router/relay.py), metrics and spans. The process's wiring, lifecycle and reload live in
@@ -47,7 +48,7 @@ from fairbatch_common.stall import default_stall_ms
 from fairbatch_common.telemetry import extract_context, genai_request_attributes, inject_context, set_http_status
 from router.admission import prompt_decision
 from router.admission_queue import PlacementFailed, QueueTimeout
-from router.answers import Answer, no_budget, placement_error, queue_expired, queue_full
+from router.answers import Answer, no_budget, placement_error, queue_cap, queue_expired, queue_full
 from router.answers import slo_infeasible, tenant_over, work_shed
 from router.arrival import queue_full_before_body
 from router.auth import Principal
@@ -134,16 +135,17 @@ class Router(AuxEndpoints):
             rid = request.get(REQUEST_ID) or client_request_id(request.headers.get("x-request-id")) or new_request_id()
             response.headers["x-request-id"] = rid
 
-    async def _acquire(self, req: CoreRequest, exclude: frozenset[str],
-                       avoid_now: frozenset[str] = frozenset()) -> Grant | Refused:
+    async def _acquire(self, req: CoreRequest, exclude: frozenset[str], avoid_now: frozenset[str] = frozenset(),
+                       previous: Grant | None = None) -> Grant | Refused:
         """A lease for this request: the core's answer (router/core.py ``RouterCore.acquire``),
         waiting for the dispatcher when it was queued. Charged once granted.
 
         ``avoid_now``: replicas left out of the immediate placement only (an inline admission they
-        refused); the queue entry may use them again once their budget frees.
+        refused); the queue entry may use them again once their budget frees. ``previous``: the
+        request's last grant (a baseline profile's refused one goes to its next candidate).
         """
         with self.tracer.start_as_current_span("router.placement") as span:
-            got = await self.core.acquire(req, exclude, avoid_now)
+            got = await self.core.acquire(req, exclude, avoid_now, previous)
             if isinstance(got, Placed):
                 span.set_attribute("fairbatch.replica", got.grant.replica_id)
         if isinstance(got, Refused):
@@ -313,10 +315,11 @@ class Router(AuxEndpoints):
         core = self.core
         tries = core.attempts(self.max_relay_tries)  # router/admission.py: bounds, exclusions
         slo = principal.slo
+        grant: Grant | None = None
         while tries.next_try():
             # after an inline refusal: placed elsewhere at once when another replica fits, else
             # queued for any replica (the refusing one's answer already updated the view)
-            got = await self._acquire(req, tries.exclude, tries.refused_on)
+            got = await self._acquire(req, tries.exclude, tries.refused_on, grant)
             if isinstance(got, Refused):
                 if got.reason == "no-replica":
                     break
@@ -356,8 +359,8 @@ class Router(AuxEndpoints):
 
     def _refusal_answer(self, got: Refused, principal: Principal, slo: SloClassConfig) -> Answer:
         """The answer of one of the core's refusals (router/answers.py)."""
-        if got.reason == "queue-full":
-            return queue_full()
+        if got.reason in ("queue-full", "queue-cap"):
+            return queue_full() if got.reason == "queue-full" else queue_cap()
         if got.reason == "placement-error":
             return placement_error(got.detail)
         if got.reason == "slo-infeasible" and not got.queued:  # predicted at arrival
@@ -393,12 +396,7 @@ class Router(AuxEndpoints):
         headers["x-fairbatch-slo-class"] = principal.slo_class
         headers["x-fairbatch-tenant"] = principal.tenant
         headers["x-fairbatch-queued-ms"] = f"{queued_ms:.3f}"
-        if grant.inline:
-            headers["x-fairbatch-admit"] = str(grant.prompt_tokens)
-            if grant.on_time_only:
-                headers["x-fairbatch-on-time"] = "1"
-        else:
-            headers["x-fairbatch-lease"] = grant.lease_id
+        grant.add_headers(headers)  # the agent's admission: lease, inline admit (+ on-time) or direct (router/core.py)
         # x-fairbatch-request-id: the router's own id, the one the agent and the engine log (the client's
         # x-request-id is only echoed), so a client can find its request in the replica's logs
         response_headers = {"x-request-id": request.get(REQUEST_ID) or request_id, "x-fairbatch-replica": grant.replica_id,

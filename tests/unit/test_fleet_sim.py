@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from loadgen.fleet.baselines import RouterLoad, fleet_registry
 from loadgen.fleet.bench import analytic_bound
 from loadgen.fleet.sim import FleetConfig, FleetRequest, FleetSim, replica_state, run_fleet
 from loadgen.sim.engine import EngineConfig, SimEngine
@@ -12,7 +11,7 @@ from loadgen.traces import TraceRequest
 from replica_agent.policy.leases import LeaseTable
 from replica_agent.policy.pab import PendingPrefill
 from replica_agent.policy.time_model import TimeModel
-from router.placement import PlacementRequest, ReplicaView
+from router.placement import PlacementRequest, ReplicaView, RouterLoad, default_registry
 
 TM = TimeModel(9.8626, 0.0726711, 7.93966e-05)  # llama-3-8b-a100
 KV = 467_291
@@ -33,7 +32,7 @@ def test_round_robin_alternates() -> None:
 
 def test_least_outstanding_picks_emptier_replica() -> None:
     load = RouterLoad({"r0": 2, "r1": 0, "r2": 1}, {})
-    policy = fleet_registry().build("least-outstanding", load=load, seed=0)
+    policy = default_registry().build("least-outstanding", load=load, seed=0)
     views = [ReplicaView(rid, True, True, TM, {}, 32768) for rid in ("r0", "r1", "r2")]
     assert policy.place(PlacementRequest("interactive", 100), views).candidates == ("r1", "r2", "r0")
 
@@ -313,7 +312,7 @@ def test_least_outstanding_tokens_weighs_prompts() -> None:
     for _ in range(3):
         load.add("r1", 100)
     views = [ReplicaView(rid, True, True, TM, {}, 32768) for rid in ("r0", "r1")]
-    reg = fleet_registry()
+    reg = default_registry()
     assert reg.build("least-outstanding", load=load, seed=0).place(PlacementRequest("i", 50), views).candidates[0] == "r0"
     assert reg.build("least-outstanding-tokens", load=load, seed=0).place(PlacementRequest("i", 50), views).candidates == ("r1", "r0")
     load.add("r1", -100)  # one finished
