@@ -39,7 +39,6 @@ from fairbatch_common.http_guard import (
     api_error_response,
     bounded_expect_handler,
     client_request_id,
-    error_middleware,
     new_request_id,
     read_body,
 )
@@ -55,9 +54,9 @@ from router.auth import Principal
 from router.charges import decode_correction, quota_refunded
 from router.config import RouterConfig, SloClassConfig
 from router.core import CoreRequest, Grant, Placed, Refused, tenant_shares
-from router.endpoints import AuxEndpoints, answer_response, openai_error
+from router.endpoints import AuxEndpoints, answer_response, metrics_http_errors, openai_error, openai_http_errors
 from router.ledger import CONCURRENCY_RETRY_MS, Refusal, TenantLimits
-from router.openai_surface import REFUSED_PATHS, RELAYED_PATHS, model_not_found, unsupported
+from router.openai_surface import REFUSED_PATHS, RELAYED_PATHS, model_not_found
 from router.placement import largest_max_prompt
 from router.prefix_index import text_block_keys
 from router.relay import RelayOutcome, UpstreamAbort
@@ -78,11 +77,6 @@ STREAM_SHAPE = web.RequestKey("fairbatch_stream_shape", tuple)
 
 SILENCE_GRACE_S = 5.0
 """Wall seconds added to twice a class's stall timeout before a silent agent is given up (:meth:`Router.silence_s`)."""
-
-openai_http_errors = error_middleware("router", not_found=unsupported)  # any unrouted path: unsupported_endpoint
-metrics_http_errors = error_middleware("router")  # the metrics port serves no OpenAI path
-"""aiohttp's own HTTP errors (404, 405, 413), :class:`ApiError` refusals and our own bugs (500 with the
-request id) as OpenAI-format JSON, like every other answer of the router."""
 
 
 class Router(AuxEndpoints):
