@@ -23,7 +23,9 @@ Per run (JSON ``runs[]``):
   replicas of the same over each replica's last ``window`` (256) steps when the run ends, i.e. after the
   drain (mostly decode-only steps; docs/evaluation.md "Online time model");
 - ``signed_mean`` (mean of ``measured / predicted - 1``), quantiles of ``|r - 1|``, ``steps``,
-  ``late_step_frac`` (steps longer than the conservative model planned, FleetStats.late_steps);
+  ``late_step_frac`` (steps longer than the conservative model planned, FleetStats.late_steps), and
+  ``slo_attainment`` (TTFT 1000 / TPOT 100 ms, requests that arrived after the warm-up; what the model
+  steers, so a model change shows there too);
 - ``buckets``: the same mean and signed mean by step kind, prefill tokens, mean chunk length
   (``sum chunk^2 / sum chunk`` over its prefill chunks), sequences and context tokens;
 - ``replay`` (``before`` runs only; the diagnosis): the recorded steps, per replica in order, fed to
@@ -56,6 +58,7 @@ from loadgen.fleet.bench import build_arrivals, fleet_config, headline_setup, tr
 from loadgen.fleet.bound import steady_state_bound  # noqa: E402
 from loadgen.fleet.sim import FleetSim  # noqa: E402
 from loadgen.sim.engine_time import load_engine_time_model  # noqa: E402
+from loadgen.stats import Slo, figures  # noqa: E402
 from loadgen.traces import arrival_granularity_ms  # noqa: E402
 from replica_agent.policy.calibration import CalibratorConfig, OnlineTimeModel  # noqa: E402
 from replica_agent.policy.time_model import StepFeatures, TimeModel  # noqa: E402
@@ -85,13 +88,18 @@ REPLAYS: dict[str, dict[str, Any]] = {
     "+ chunk^2 term": {**BEFORE, "chunk_sq_term": True},
     "+ chunk^2, prior_weight 1": {**BEFORE, "chunk_sq_term": True, "prior_weight": 1.0},
     "+ chunk^2, refit_every 1": {**BEFORE, "chunk_sq_term": True, "refit_every": 1},
-    "+ chunk^2, prior_weight 1, refit_every 4": {**BEFORE, "chunk_sq_term": True, "prior_weight": 1.0, "refit_every": 4},
     "+ chunk^2, prior_weight 0.5": {**BEFORE, "chunk_sq_term": True, "prior_weight": 0.5},
-    "+ chunk^2, prior_weight 1, forgetting 0.998": {**BEFORE, "chunk_sq_term": True, "prior_weight": 1.0,
-                                                   "forgetting": 0.998},
     "after": {},
 }
-"""Open-loop variants replayed on the ``before`` runs' steps (one change at a time, then combined)."""
+"""Open-loop variants replayed on the ``before`` runs' steps (one change at a time, then combined); ``after`` =
+this revision's defaults: the chunk^2 term, prior weight 1, a solve every 4 steps."""
+
+
+def noise_floor(sigma: float) -> float:
+    """``E|exp(sigma Z) - 1|``, Z standard normal: the mean |measured / predicted - 1| of a model that predicts
+    every step's median exactly, under the engine's log-normal noise (``exp(sigma^2/2) * erf(sigma / sqrt 2)``,
+    about ``sigma * sqrt(2 / pi)``)."""
+    return math.exp(sigma * sigma / 2.0) * math.erf(sigma / math.sqrt(2.0))
 
 COLUMNS = ("t_ms", "replica", "new", "context", "prefill_cross", "prefill_sq", "seqs", "decodes", "measured_ms", "ratio")
 
@@ -197,17 +205,22 @@ def replay(steps: np.ndarray, prior: TimeModel, config: CalibratorConfig, t0_ms:
 
 
 def run_one(label: str, profile: str, engine_spec: str, policy: str, load: float, trace: str, replicas: int,
-            duration_s: float, warmup_s: float, drain_s: float, model: str, do_replay: bool) -> dict[str, Any]:  # fmt: skip
-    """One fleet simulation (module docstring); returns a ``runs[]`` entry."""
+            duration_s: float, warmup_s: float, drain_s: float, model: str, do_replay: bool,
+            rate_rps: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """One fleet simulation (module docstring); returns a ``runs[]`` entry. ``rate_rps`` given: that rate
+    (req/s) instead of ``load`` times the steady-state bound (which is then not computed)."""
     et = load_engine_time_model(engine_spec, profile)
     assert et is not None
     prof = load_profile(profile)
     batch = vllm_serve_batch_defaults(prof.gpu).resolve(None, None)
     kept, native, _ = trace_rows(trace, arrival_granularity_ms(trace), 0)
-    bound = steady_state_bound([r.prompt_tokens for r in kept], [r.output_tokens for r in kept], et, 1000.0, 100.0,
-                               replicas, prof.kv_capacity_tokens, batch.max_num_seqs, batch.max_num_batched_tokens,
-                               0.9).rps  # fmt: skip
-    rate = round(load * bound, 2)
+    if rate_rps is None:
+        bound = steady_state_bound([r.prompt_tokens for r in kept], [r.output_tokens for r in kept], et, 1000.0,
+                                   100.0, replicas, prof.kv_capacity_tokens, batch.max_num_seqs,
+                                   batch.max_num_batched_tokens, 0.9).rps  # fmt: skip
+        rate = round(load * bound, 2)
+    else:
+        bound, rate = math.nan, rate_rps
     setup = headline_setup(kept, native, replicas, profile, 1000.0, 100.0, duration_s, drain_s, warmup_s, et)
     reqs = build_arrivals(kept, setup.native_rps, rate, duration_s, replicas, 0)
     cfg = fleet_config(setup, policy)
@@ -228,6 +241,8 @@ def run_one(label: str, profile: str, engine_spec: str, policy: str, load: float
         "model": model, "calibration": dataclasses.asdict(cfg.calibration),
         "sim_reported": round(res.stats.time_model_mean_abs_error, 5),
         "late_step_frac": round(res.stats.late_steps / max(1, res.stats.steps), 5),
+        "slo_attainment": round(figures([x for x in res.records if x.arrival_ms >= t0], {t: Slo(1000.0, 100.0) for t in
+                                        {x.tenant for x in res.records}}, duration_s - warmup_s).slo_attainment, 4),
         **summarize(steps, t0, t1),
         "final_model": {k: (round(v, 9) if isinstance(v, float) else v)
                         for k, v in dataclasses.asdict(sim.replicas[0].calibrator.model()).items()},  # fmt: skip
@@ -245,8 +260,8 @@ def _table(runs: list[dict[str, Any]]) -> str:
     for r in runs:
         rows.setdefault((r["engine"], r["policy"], r["load"], r["rate_rps"]), {})[r["model"]] = r
     lines = ["| engine | policy | load (rate req/s) | before: steady / sim-reported | after: steady / sim-reported | "
-             "signed before / after | late steps before / after |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "signed before / after | late steps before / after | SLO attainment before / after |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for (eng, pol, load, rate), m in rows.items():
         b, a = m.get("before", {}), m.get("after", {})
 
@@ -255,7 +270,8 @@ def _table(runs: list[dict[str, Any]]) -> str:
 
         lines.append(f"| {eng} | {pol} | {load:g} ({rate:g}) | {pc(b, 'mean_abs_error')} / {pc(b, 'sim_reported')} | "
                      f"{pc(a, 'mean_abs_error')} / {pc(a, 'sim_reported')} | {pc(b, 'signed_mean')} / "
-                     f"{pc(a, 'signed_mean')} | {pc(b, 'late_step_frac')} / {pc(a, 'late_step_frac')} |")  # fmt: skip
+                     f"{pc(a, 'signed_mean')} | {pc(b, 'late_step_frac')} / {pc(a, 'late_step_frac')} | "
+                     f"{b.get('slo_attainment', '-')} / {a.get('slo_attainment', '-')} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -299,7 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = {
         "what": "one-step-ahead mean |measured / predicted - 1| of the online time model (issue 27 item 7)",
         "command": "python scripts/bench_time_model_error.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "engines": [{"label": lab, "profile": p, "engine_time_model": s} for lab, p, s in engines],
+        "engines": [{"label": lab, "profile": p, "engine_time_model": s,
+                     "noise_sigma": (et := load_engine_time_model(s, p)).noise_sigma,  # type: ignore[union-attr]
+                     "noise_floor": round(noise_floor(et.noise_sigma), 5)}  # type: ignore[union-attr]
+                    for lab, p, s in engines],  # fmt: skip
         "setup": {"trace": args.trace, "replicas": args.replicas, "duration_s": args.duration_s,
                   "warmup_s": args.warmup_s, "drain_s": args.drain_s, "ttft_ms": 1000.0, "tpot_ms": 100.0,
                   "counted_window_ms": [args.warmup_s * 1000.0, args.duration_s * 1000.0]},  # fmt: skip
