@@ -12,7 +12,8 @@ prefill_chunk_prefix_tokens, prefill_chunk_sq_tokens)`` and ``theta = (a, b, b +
 (:class:`~replica_agent.policy.time_model.TimeModel`; ``prefill_tokens = new_tokens - num_decodes``).
 ``f`` prices each prefill chunk's squared length (issue 27 item 7): without it a linear ``b`` charges
 every chunk at the chunk size it was fitted on, and the one-step-ahead error depends on the chunk size
-(docs/evaluation.md "Online time model": -4 % on chunks under 1,024 tokens, +13 % over 4,096). The
+(docs/evaluation.md "Online time model on two engine models": -4 to -8 % on chunks under 2,048 tokens,
++7 to +20 % on chunks over 4,096; its largest error, 6.6 %, came to 1.4 % with ``f``). The
 model also keeps ``K``, the mean chunk length its prefill tokens ran in,
 ``K = sum lam^(n-i) v_i q_i / sum lam^(n-i) v_i p_i`` (``q_i`` = prefill_chunk_sq_tokens, ``p_i`` =
 prefill_tokens, ``v_i`` the observation's weight), the chunk length prompts are priced at
