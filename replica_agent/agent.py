@@ -423,13 +423,14 @@ class Agent:
             n = int(rec.get("batch_size") or 0)
             pcross = int(rec.get("prefill_chunk_prefix_tokens") or 0)
             dec = int(rec.get("num_decodes") or 0)
+            psq = int(rec.get("prefill_chunk_sq_tokens") or 0)  # absent from an older plugin's records: 0
         except (KeyError, TypeError, ValueError):
             return
         if new <= 0 or not measured > 0 or not math.isfinite(measured) or not 0 <= dec <= new:
             return
-        # the record carries what the policy model reads (prefill chunk x prefix, decodes); the all-items
-        # cross and chunk^2 sums are the engine's own and not needed here
-        self.observe_step(StepFeatures(new, ctx, pcross, 0, n, pcross, dec), measured, "plugin")
+        # the record carries what the policy model reads (prefill chunk x prefix and chunk^2, decodes); the
+        # all-items cross and chunk^2 sums are the engine's own and not needed here
+        self.observe_step(StepFeatures(new, ctx, pcross, 0, n, pcross, dec, max(0, psq)), measured, "plugin")
 
     def observe_step(self, features: StepFeatures, measured_ms: float, source: str, weight: float = 1.0) -> None:
         """Teach the online time model one executed step (``source``: ``plugin`` or ``proxy``)."""
@@ -447,7 +448,7 @@ class Agent:
         cal = self.calibrator
         m = cal.model()
         values = dict(zip(TERMS, (m.a_ms, m.b_ms_per_new_token, m.d_ms_per_decode, m.c_ms_per_context_token,
-                                  m.e_ms_per_chunk_prefix), strict=True))  # fmt: skip
+                                  m.e_ms_per_chunk_prefix, m.f_ms_per_chunk_sq), strict=True))  # fmt: skip
         g = self.metrics
         for term, v in values.items():
             g.time_model_coefficient.labels(term).set(v)

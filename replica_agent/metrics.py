@@ -75,7 +75,8 @@ class AgentMetrics:
         self.time_model_coefficient = Gauge(
             "fairbatch_agent_time_model_coefficient",
             "online-fitted step-time coefficient (point model; term a: ms, b, d: ms per token, c: ms per context "
-            "token, e: ms per chunk x prefix token pair; replica_agent/policy/calibration.py)", ["term"], registry=r,
+            "token, e: ms per chunk x prefix token pair, f: ms per squared prefill-chunk token; "
+            "replica_agent/policy/calibration.py)", ["term"], registry=r,
         )
         self.time_model_margin = Gauge(
             "fairbatch_agent_time_model_margin_ratio",

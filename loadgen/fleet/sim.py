@@ -294,7 +294,7 @@ class FleetConfig:
     seed: int = 0
     engine_time: EngineTimeModel | None = None
     online_time_model: bool = True
-    calibration: CalibratorConfig = field(default_factory=lambda: CalibratorConfig(refit_every=8))
+    calibration: CalibratorConfig = field(default_factory=lambda: CalibratorConfig(refit_every=4))
     autoscale: AutoscaleConfig | None = None
     prefix_caching: bool = True
     prefix_block_tokens: int = 512
@@ -972,7 +972,7 @@ class FleetSim:
         rep.seq += 1
         # the engine's prefix-cache counters over the agent's window (its scrape, here at each push)
         rep.prefix_window.add(t, rep.engine.prefix_cache_queries, rep.engine.prefix_cache_hits)
-        snap = _Snapshot(rep.seq, rep.engine.policy_time_model, [b], cfg.budget_ttl_ms,
+        snap = _Snapshot(rep.seq, rep.engine.policy_time_model.linearized(), [b], cfg.budget_ttl_ms,
                          rep.allocated and not rep.draining, cfg.max_model_len, "",
                          *inflight_schedule(state, cfg.max_num_batched_tokens), *rep.prefix_window.delta())  # fmt: skip
         for r in self.routers:
