@@ -26,6 +26,7 @@ Schema (docs/architecture.md, section "Router"; docs/design.md section 6)::
                             min_samples: 200}}
     http: {max_body_bytes: 4194304, body_timeout_s: 10}
     placement: {seed: null,            # tie-break RNG seed; null = random per process
+                profile: pab,          # or a baseline router to A/B against: least-outstanding, ...
                 prefix_cache: {enabled: false, chunk_chars: 64, capacity_tokens: 500000}}
     telemetry: {otlp_endpoint: null, service_name: fairbatch-router, sample_ratio: 1.0}
     auth: {trusted_header: x-tenant, trusted_networks: ["10.0.0.0/8"]}   # optional gateway identity
@@ -302,10 +303,13 @@ class PickerEntry(_Strict):
 
 
 PLACEMENT_PLUGINS: Mapping[str, frozenset[str]] = {
-    "policies": frozenset({"pab", "pab-chain"}),
+    "policies": frozenset({"pab", "pab-chain", "round-robin", "least-outstanding", "least-outstanding-tokens",
+                           "power-of-two", "llm-d-scorer", "llm-d-prefix", "sglang-cache-aware",
+                           "vllm-router-cache-aware", "static-queue-cap"}),
     "filters": frozenset({"exclude", "fits", "fresh", "healthy", "max-prompt", "on-time", "window"}),
-    "scorers": frozenset({"headroom", "kv-headroom"}),
-    "pickers": frozenset({"highest"}),
+    "scorers": frozenset({"headroom", "kv-headroom", "least-outstanding", "least-outstanding-tokens", "engine-queue",
+                          "llm-d-queue", "kv-usage", "prefix-cache"}),
+    "pickers": frozenset({"highest", "round-robin", "power-of-two"}),
     "hooks": frozenset({"decision-count"}),
 }
 """The names the ``placement`` section may use, by kind: the profiles and the plugins of
@@ -323,7 +327,14 @@ class PlacementConfig(_Strict):
             random seed per router process, so that routers and restarts do not all prefer one
             replica; set it for a reproducible run).
         profile: a named policy (``pab``, the default: the fused one-pass form of the default
-            chain; ``pab-chain``: the same chain from the plugins) used when no chain is given.
+            chain; ``pab-chain``: the same chain from the plugins; or a baseline router of the
+            fleet benchmark, router/placement/baselines.py: ``round-robin``, ``least-outstanding``,
+            ``least-outstanding-tokens``, ``power-of-two``, ``llm-d-scorer``, ``llm-d-prefix``,
+            ``sglang-cache-aware``, ``vllm-router-cache-aware``, ``static-queue-cap``, which admit
+            every request and forward it at once, without PAB, queue or lease) used when no chain
+            is given.
+        params: the profile's own parameters (``static-queue-cap``: ``queue_cap_tokens``, the bound
+            on a replica's queued prompt tokens); only with a profile, not with a chain.
         filters: filter names in order (None: the profile's).
         scorers: scorers with weights (None: the profile's).
         picker: the picker (None: ``highest``).
@@ -335,6 +346,7 @@ class PlacementConfig(_Strict):
 
     seed: int | None = None
     profile: str = "pab"
+    params: dict[str, Any] = Field(default_factory=dict)
     filters: list[str] | None = None
     scorers: list[ScorerEntry] | None = None
     picker: PickerEntry | None = None
@@ -346,6 +358,9 @@ class PlacementConfig(_Strict):
         known_profiles = PLACEMENT_PLUGINS["policies"]
         if self.profile not in known_profiles:
             raise ValueError(f"placement.profile {self.profile!r} is not one of {', '.join(sorted(known_profiles))}")
+        if self.params and not (self.filters is None and self.scorers is None and self.picker is None):
+            raise ValueError("placement.params are the profile's; a chain's plugins take theirs (scorers[].params, "
+                             "picker.params)")
         for kind, names, known in (
             ("filters", self.filters or [], PLACEMENT_PLUGINS["filters"]),
             ("scorers", [e.name for e in self.scorers or []], PLACEMENT_PLUGINS["scorers"]),

@@ -7,8 +7,9 @@ Every registry carries the process, platform (``python_info``) and GC collectors
 from __future__ import annotations
 
 import importlib.metadata
+import time
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -36,3 +37,35 @@ def standard_registry(component: str) -> CollectorRegistry:
     info = Gauge("fairbatch_build_info", "Build of this process (value 1)", ["version", "component"], registry=r)
     info.labels(build_version(), component).set(1)
     return r
+
+
+class ReloadMetrics:
+    """A component's configuration reloads: ``fairbatch_<component>_config_reloads_total{result}``
+    (``ok``, ``invalid``) and the last-reload gauges ``..._config_last_reload_success`` (1 applied,
+    0 refused and the running configuration kept; 1 at start) and
+    ``..._config_last_reload_timestamp_seconds`` (Unix wall seconds of that load).
+
+    Args:
+        registry: the component's registry (:func:`standard_registry`).
+        component: ``router`` or ``agent`` (the metric names' prefix).
+        what: what a reload loads, for the help texts (e.g. ``configuration``, ``slo_classes``).
+    """
+
+    def __init__(self, registry: CollectorRegistry, component: str, what: str) -> None:
+        prefix = f"fairbatch_{component}_config"
+        self.reloads = Counter(f"{prefix}_reloads", f"{what} reloads by result (ok, invalid)", ["result"],
+                               registry=registry)  # fmt: skip
+        self.success = Gauge(f"{prefix}_last_reload_success",
+                             f"1 when the latest {what} load (the start, then each reload) was applied, 0 when it "
+                             "was refused and the running one kept", registry=registry)  # fmt: skip
+        self.timestamp = Gauge(f"{prefix}_last_reload_timestamp_seconds",
+                               "Unix time (wall s) of that load, whatever its result", registry=registry)
+        self.success.set(1)  # what the process starts with
+        self.timestamp.set(time.time())
+
+    def observe(self, ok: bool, now_s: float | None = None) -> None:
+        """Count one reload and set the gauges: success 1 (applied) or 0 (refused), timestamp
+        ``now_s`` (Unix wall seconds; default now)."""
+        self.reloads.labels("ok" if ok else "invalid").inc()
+        self.success.set(1 if ok else 0)
+        self.timestamp.set(time.time() if now_s is None else now_s)

@@ -134,7 +134,7 @@ def run_point(setup: BenchSetup, policy: str, rate_rps: float, tpot_from_first_t
     engine = SimEngine(cfg, make_policy(policy, pcfg))
     t0 = time.perf_counter()
     try:
-        cal = (OnlineTimeModel(prof.time_model, CalibratorConfig(refit_every=8))
+        cal = (OnlineTimeModel(prof.time_model, CalibratorConfig(refit_every=4))
                if setup.engine_time is not None and setup.online_time_model else None)  # fmt: skip
         run = run_virtual(reqs, engine, calibrator=cal, policy_time_model=prof.time_model)
     except LivelockError as e:

@@ -91,20 +91,22 @@ class BudgetSnapshot(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., coefficients: _Optional[_Union[TimeModelCoefficients, _Mapping]] = ..., classes: _Optional[_Iterable[_Union[ClassBudget, _Mapping]]] = ..., healthy: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_capacity_tokens: _Optional[int] = ..., active_leases: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., status_detail: _Optional[str] = ..., inflight_prefill_ms: _Optional[_Iterable[float]] = ..., inflight_prefill_done_ms: _Optional[_Iterable[float]] = ..., prefix_queries_tokens: _Optional[int] = ..., prefix_hits_tokens: _Optional[int] = ..., inline_admission: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("slo_class", "prompt_tokens", "request_id", "router_id", "max_tokens", "waited_ms")
+    __slots__ = ("slo_class", "prompt_tokens", "request_id", "router_id", "max_tokens", "waited_ms", "on_time_only")
     SLO_CLASS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WAITED_MS_FIELD_NUMBER: _ClassVar[int]
+    ON_TIME_ONLY_FIELD_NUMBER: _ClassVar[int]
     slo_class: str
     prompt_tokens: int
     request_id: str
     router_id: str
     max_tokens: int
     waited_ms: float
-    def __init__(self, slo_class: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., router_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., waited_ms: _Optional[float] = ...) -> None: ...
+    on_time_only: bool
+    def __init__(self, slo_class: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., router_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., waited_ms: _Optional[float] = ..., on_time_only: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("granted", "lease_id", "reason", "pab_ms", "pab_tokens", "expires_ms", "seq")

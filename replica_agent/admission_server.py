@@ -50,7 +50,7 @@ def class_budget_pb(b: ClassBudget) -> admission_pb2.ClassBudget:
 
 def snapshot_pb(agent: Agent, view: BudgetView) -> admission_pb2.BudgetSnapshot:
     """BudgetSnapshot of ``view`` with the next sequence number and the unix timestamp."""
-    tm = agent.time_model()
+    tm = agent.time_model().linearized()  # a, b' = b + f*K, c: the router prices prompts as PAB does (time_model.py)
     return admission_pb2.BudgetSnapshot(
         replica_id=agent.config.replica_id,
         seq=agent.next_seq(),
@@ -214,6 +214,7 @@ class AdmissionService(admission_pb2_grpc.AdmissionServiceServicer):
             request.request_id,
             agent.clock.now_ms(),
             request.waited_ms,
+            on_time_only=request.on_time_only,
         )
         b = res.budget
         return admission_pb2.ReserveResponse(

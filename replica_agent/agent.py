@@ -423,13 +423,14 @@ class Agent:
             n = int(rec.get("batch_size") or 0)
             pcross = int(rec.get("prefill_chunk_prefix_tokens") or 0)
             dec = int(rec.get("num_decodes") or 0)
+            psq = int(rec.get("prefill_chunk_sq_tokens") or 0)  # absent from an older plugin's records: 0
         except (KeyError, TypeError, ValueError):
             return
         if new <= 0 or not measured > 0 or not math.isfinite(measured) or not 0 <= dec <= new:
             return
-        # the record carries what the policy model reads (prefill chunk x prefix, decodes); the all-items
-        # cross and chunk^2 sums are the engine's own and not needed here
-        self.observe_step(StepFeatures(new, ctx, pcross, 0, n, pcross, dec), measured, "plugin")
+        # the record carries what the policy model reads (prefill chunk x prefix and chunk^2, decodes); the
+        # all-items cross and chunk^2 sums are the engine's own and not needed here
+        self.observe_step(StepFeatures(new, ctx, pcross, 0, n, pcross, dec, max(0, psq)), measured, "plugin")
 
     def observe_step(self, features: StepFeatures, measured_ms: float, source: str, weight: float = 1.0) -> None:
         """Teach the online time model one executed step (``source``: ``plugin`` or ``proxy``)."""
@@ -447,7 +448,7 @@ class Agent:
         cal = self.calibrator
         m = cal.model()
         values = dict(zip(TERMS, (m.a_ms, m.b_ms_per_new_token, m.d_ms_per_decode, m.c_ms_per_context_token,
-                                  m.e_ms_per_chunk_prefix), strict=True))  # fmt: skip
+                                  m.e_ms_per_chunk_prefix, m.f_ms_per_chunk_sq), strict=True))  # fmt: skip
         g = self.metrics
         for term, v in values.items():
             g.time_model_coefficient.labels(term).set(v)
@@ -584,6 +585,7 @@ class Agent:
         now_ms: float,
         waited_ms: float = 0.0,
         answer_budget: bool = True,
+        on_time_only: bool = False,
     ) -> ReserveResult:
         """Grant a lease when the prompt fits the class's PAB (architecture.md "Agent", Reserve).
 
@@ -593,7 +595,8 @@ class Agent:
         ``waited_ms``: ms the request already spent since its arrival at the router (queued or
         retried); the fit is :func:`~replica_agent.policy.pab.admits`, over the class horizon minus
         it (pab.py, "Aged requests"). The answer's budget is the fresh-arrival one (full horizon),
-        what the router's view of this replica holds.
+        what the router's view of this replica holds. ``on_time_only``: the router asks for a start
+        that meets the request's TTFT (reserve.py ``reserve_decision``; refused ``not-on-time``).
         """
         budget = None
         cls = self.classes.get(slo_class)
@@ -604,7 +607,8 @@ class Agent:
         else:
             state = self.replica_state(now_ms)
             healthy = self.health(now_ms)[0]  # what compute_budget's view would say
-            reason = reserve_decision(prompt_tokens, state, cls, waited_ms, healthy, self.max_prompt_tokens)[0]
+            reason = reserve_decision(prompt_tokens, state, cls, waited_ms, healthy, self.max_prompt_tokens,
+                                      on_time_only)[0]
             if reason:  # the refusal's answer carries the class budget before the decision
                 budget = self.compute_budget(now_ms, state).classes[slo_class]
             else:

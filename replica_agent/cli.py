@@ -206,12 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--time-model-initial-margin", type=float, default=1.0,
                    help="planning margin until --time-model-min-samples steps are seen")
     s.add_argument("--time-model-min-samples", type=int, default=16, help="steps before the margin is learned")
-    s.add_argument("--time-model-refit-every", type=int, default=8,
+    s.add_argument("--time-model-refit-every", type=int, default=4,
                    help="steps between two solves of the time model (counted in observations' weight: proxy mode "
                         "observes a step once per decoding stream, each with weight 1/streams; a solve costs "
-                        "~50-90 us, an observation ~3 us; the fleet simulation refits every 8 steps too)")
+                        "~50-90 us, an observation ~3 us; the fleet simulation refits every 4 steps too)")
     s.add_argument("--time-model-window", type=int, default=256, help="steps of relative errors the margin is taken over")
-    s.add_argument("--time-model-prior-weight", type=float, default=5.0,
+    s.add_argument("--time-model-prior-weight", type=float, default=1.0,
                    help="the profile's coefficients count as this many steps in the online fit (ridge prior)")
     s.add_argument("--no-proxy-step-estimates", action="store_true",
                    help="proxy mode: do not learn step times from relayed token gaps (keep the profile's model)")

@@ -13,11 +13,10 @@ text says so): they are the coefficients of docs/architecture.md's step-time for
 from __future__ import annotations
 
 import math
-import time
 
 from prometheus_client import Counter, Gauge
 
-from fairbatch_common.metrics import standard_registry
+from fairbatch_common.metrics import ReloadMetrics, standard_registry
 
 
 class AgentMetrics:
@@ -76,7 +75,8 @@ class AgentMetrics:
         self.time_model_coefficient = Gauge(
             "fairbatch_agent_time_model_coefficient",
             "online-fitted step-time coefficient (point model; term a: ms, b, d: ms per token, c: ms per context "
-            "token, e: ms per chunk x prefix token pair; replica_agent/policy/calibration.py)", ["term"], registry=r,
+            "token, e: ms per chunk x prefix token pair, f: ms per squared prefill-chunk token; "
+            "replica_agent/policy/calibration.py)", ["term"], registry=r,
         )
         self.time_model_margin = Gauge(
             "fairbatch_agent_time_model_margin_ratio",
@@ -101,26 +101,12 @@ class AgentMetrics:
             "budget snapshots computed for WatchBudget streams: each stream's first, then the shared feed's "
             "pushes (one computation goes to every subscribed router)", registry=r,
         )
-        self.config_reloads = Counter(
-            "fairbatch_agent_config_reloads", "slo_classes reloads by result (ok, invalid)", ["result"], registry=r,
-        )
-        self.config_last_reload_success = Gauge(
-            "fairbatch_agent_config_last_reload_success",
-            "1 when the latest slo_classes load (the start, then each reload) was applied, 0 when it was refused "
-            "and the running classes kept", registry=r,
-        )
-        self.config_last_reload_timestamp = Gauge(
-            "fairbatch_agent_config_last_reload_timestamp_seconds",
-            "Unix time (wall s) of that load, whatever its result", registry=r,
-        )
-        self.config_last_reload_success.set(1)  # the classes the agent starts with
-        self.config_last_reload_timestamp.set(time.time())
+        self.reload = ReloadMetrics(r, "agent", "slo_classes")  # the classes the agent starts with: success 1
+        self.config_reloads = self.reload.reloads
+        self.config_last_reload_success = self.reload.success
+        self.config_last_reload_timestamp = self.reload.timestamp
         self.time_model_abs_error.set(math.nan)
 
     def observe_reload(self, ok: bool, now_s: float | None = None) -> None:
-        """Count one ``slo_classes`` reload (``fairbatch_agent_config_reloads_total{result}``) and set the
-        last-reload gauges: success 1 (applied) or 0 (refused), timestamp ``now_s`` (Unix wall seconds;
-        default now)."""
-        self.config_reloads.labels("ok" if ok else "invalid").inc()
-        self.config_last_reload_success.set(1 if ok else 0)
-        self.config_last_reload_timestamp.set(time.time() if now_s is None else now_s)
+        """Count one reload and set the last-reload gauges (fairbatch_common/metrics.py ``ReloadMetrics``)."""
+        self.reload.observe(ok, now_s)

@@ -145,23 +145,27 @@ def state_record(
         "new_tokens": new_tokens, "context_tokens": ctx,
         "predicted_ms": round(time_model.batch_ms(new_tokens, ctx), 3) if new_tokens else 0.0,
         "tm": [time_model.a_ms, time_model.b_ms_per_new_token, time_model.c_ms_per_context_token,
-               time_model.e_ms_per_chunk_prefix, time_model.d_ms_per_decode],
+               time_model.e_ms_per_chunk_prefix, time_model.d_ms_per_decode, time_model.f_ms_per_chunk_sq,
+               time_model.chunk_tokens],
         "reqs": reqs, "dropped": dropped,
     }
 
 
 def step_record(start_ms: float, new_tokens: int, context_tokens: int, measured_ms: float,
-                batch_size: int, prefill_chunk_prefix_tokens: int = 0, num_decodes: int = 0) -> dict[str, Any]:
+                batch_size: int, prefill_chunk_prefix_tokens: int = 0, num_decodes: int = 0,
+                prefill_chunk_sq_tokens: int = 0) -> dict[str, Any]:  # fmt: skip
     """The step-log line of one executed step (``fairbatch-agent calibrate`` reads these fields).
 
     ``prefill_chunk_prefix_tokens``: sum of chunk x prefix over the step's prefill chunks; ``num_decodes``:
-    its decodes (the online time model's features, replica_agent/policy/time_model.py StepFeatures).
+    its decodes; ``prefill_chunk_sq_tokens``: sum of chunk^2 over its prefill chunks (the online time
+    model's features, replica_agent/policy/time_model.py StepFeatures).
     As an export record it also carries ``"v"`` and ``"kind": "step"`` (calibrate ignores them).
     """
     return {
         "v": RECORD_VERSION, "kind": "step", "start_ms": round(start_ms, 3), "new_tokens": new_tokens,
         "context_tokens": context_tokens, "measured_ms": round(measured_ms, 4), "batch_size": batch_size,
         "prefill_chunk_prefix_tokens": prefill_chunk_prefix_tokens, "num_decodes": num_decodes,
+        "prefill_chunk_sq_tokens": prefill_chunk_sq_tokens,
     }
 
 

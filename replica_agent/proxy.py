@@ -15,7 +15,11 @@ the agent tracks them in prefill until the answer arrives and reads ``usage`` fr
 (docs/architecture.md "Non-stream requests" says why, with the measured cost). Headers honoured
 (docs/architecture.md "Agent"): ``x-request-id`` (forwarded),
 ``x-fairbatch-lease`` (consumed), ``x-fairbatch-admit`` (inline admission: the Reserve decision
-made on arrival, 409 ``x-fairbatch-refused`` when the budget is gone), ``x-fairbatch-slo-class``, ``x-fairbatch-queued-ms`` (arrival =
+made on arrival, 409 ``x-fairbatch-refused`` when the budget is gone), ``x-fairbatch-direct`` (a
+baseline placement profile's request: admitted as it is, like any request without a lease; the
+span says so), ``x-fairbatch-queue-cap`` (``static-queue-cap``: 409 ``x-fairbatch-refused: queue-cap``
+while the agent has work and its queued prompt tokens plus this prompt exceed the cap,
+replica_agent/policy/queue_cap.py), ``x-fairbatch-slo-class``, ``x-fairbatch-queued-ms`` (arrival =
 now - queued), ``x-fairbatch-tenant`` (logs/spans only), ``traceparent``/``tracestate`` (a child
 span is created and injected upstream). Upstream, the agent adds ``x-fairbatch-ttft-ms`` and
 ``x-fairbatch-tpot-ms``: the SLO of the request's class, for deadline-aware engine policies.
@@ -69,6 +73,7 @@ from fairbatch_common.openai_stream import (
 )
 from fairbatch_common.stall import default_stall_ms
 from fairbatch_common.telemetry import extract_context, genai_request_attributes, inject_context, set_http_status
+from replica_agent.policy.queue_cap import QUEUE_CAP_REASON, over_queue_cap, queued_prompt_tokens
 from replica_agent.tracker import TrackerFull
 from fairbatch_common.upstream import ClientSink, Exchange, Http1Pool, UpstreamDisconnected, UpstreamError
 
@@ -576,8 +581,13 @@ class Proxy:
             inject_context(up_headers)
             lease_id = hdrs.get("x-fairbatch-lease", "")
             admit = hdrs.get("x-fairbatch-admit")
+            prompt_estimate = estimate_prompt_tokens(body, chat)
+            cap = hdrs.get("x-fairbatch-queue-cap")
+            if cap is not None and (capped := self._queue_cap_refusal(cap, prompt_estimate, request_id)) is not None:
+                return capped
             if admit is not None:  # inline admission: Reserve now; granted and consumed below, no await between
-                got = self._admit_inline(admit, hdrs.get("x-fairbatch-slo-class"), max_tokens, request_id, queued_ms)
+                got = self._admit_inline(admit, hdrs.get("x-fairbatch-slo-class"), max_tokens, request_id, queued_ms,
+                                         hdrs.get("x-fairbatch-on-time") == "1")
                 if isinstance(got, web.Response):
                     return got
                 lease_id = got
@@ -585,7 +595,7 @@ class Proxy:
                 tracked = agent.request_arrived(
                     key,
                     hdrs.get("x-fairbatch-slo-class"),
-                    estimate_prompt_tokens(body, chat),
+                    prompt_estimate,
                     max_tokens,
                     agent.clock.now_ms(),
                     queued_ms,
@@ -604,6 +614,8 @@ class Proxy:
             span.set_attribute("fairbatch.request_id", request_id)
             span.set_attribute("fairbatch.slo_class", tracked.slo_class)
             span.set_attribute("fairbatch.stream", stream)
+            span.set_attribute("fairbatch.admission", "inline" if admit is not None else "lease" if lease_id else
+                               "direct" if "x-fairbatch-direct" in hdrs else "none")  # fmt: skip
             if "x-fairbatch-tenant" in hdrs:
                 span.set_attribute("fairbatch.tenant", hdrs["x-fairbatch-tenant"])
             if self._cfg.slo_in_body:
@@ -640,14 +652,35 @@ class Proxy:
                 if done is not None and outcome != "ok":
                     log.info("request %s ended: %s", request_id, outcome)
 
+    def _queue_cap_refusal(self, cap: str, prompt_tokens: int, request_id: str) -> web.Response | None:
+        """``x-fairbatch-queue-cap: <tokens>`` (module docstring): None when the request is taken, else
+        the 409 refusal with ``x-fairbatch-refused: queue-cap``, which the router answers by trying
+        its next candidate. A malformed header is 400."""
+        try:
+            cap_tokens = int(cap)
+        except ValueError:
+            cap_tokens = -1
+        if cap_tokens < 0:
+            return error_json(400, "x-fairbatch-queue-cap must be a non-negative token count", "invalid_request_error")
+        tracker = self._agent.tracker
+        if not over_queue_cap(queued_prompt_tokens(tracker.prefills()), prompt_tokens, cap_tokens, len(tracker) > 0):
+            return None
+        return web.json_response(
+            {"error": {"message": f"replica queue over its cap ({cap_tokens} prompt tokens); place elsewhere",
+                       "type": "admission_refused", "param": None, "code": QUEUE_CAP_REASON}},
+            status=409, headers={"x-fairbatch-refused": QUEUE_CAP_REASON, "x-request-id": request_id},
+        )
+
     def _admit_inline(
-        self, admit: str, slo_class: str | None, max_tokens: int | None, request_id: str, queued_ms: float
+        self, admit: str, slo_class: str | None, max_tokens: int | None, request_id: str, queued_ms: float,
+        on_time_only: bool = False,
     ) -> str | web.Response:
         """The Reserve decision for a request that arrived with ``x-fairbatch-admit: <prompt tokens>``
         (docs/architecture.md "Leases on the request path"): the granted lease id (the caller consumes
         it at once), or the refusal: 409 with ``x-fairbatch-refused: <reason>`` and the class budget
         after the decision (``x-fairbatch-pab-ms``, ``x-fairbatch-pab-tokens``), which the router
-        treats as a refused Reserve (it re-places the request). A malformed header is 400."""
+        treats as a refused Reserve (it re-places the request). A malformed header is 400.
+        ``x-fairbatch-on-time: 1`` asks for a start that meets the TTFT (``on_time_only``)."""
         agent = self._agent
         try:
             prompt_tokens = int(admit)
@@ -657,7 +690,7 @@ class Proxy:
             return error_json(400, "x-fairbatch-admit must be a non-negative token count", "invalid_request_error")
         name = slo_class if slo_class in agent.classes else agent.config.default_slo_class
         res = agent.reserve(name, prompt_tokens, max_tokens, request_id, agent.clock.now_ms(), queued_ms,
-                            answer_budget=False)
+                            answer_budget=False, on_time_only=on_time_only)
         if res.granted:
             return res.lease_id
         b = res.budget

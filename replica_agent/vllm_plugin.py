@@ -369,7 +369,7 @@ class FairBatchingScheduler(Scheduler):
         if pending is not None and (self.fb_step_log is not None or self.fb_export is not None):
             if ms > 0:
                 rec = step_record(t_end_sched * 1000.0, f.new_tokens, f.context_tokens, ms, f.num_seqs,
-                                  f.prefill_chunk_prefix_tokens, f.num_decodes)  # fmt: skip
+                                  f.prefill_chunk_prefix_tokens, f.num_decodes, f.prefill_chunk_sq_tokens)  # fmt: skip
                 if self.fb_export is not None:  # plugin mode: the agent's online time model
                     self.fb_export.send(rec)
                 if self.fb_step_log is not None:

@@ -17,6 +17,7 @@ queue-timeout       429     queue_timeout         ``max_queue_ms`` passed while 
 no-replica          503     no_replica            as queue-timeout, but no replica was usable
 placement-error     503     placement_error       placing this request raised (never retried)
 no-budget           503     upstream_error        agents refused its inline admission too often
+queue-cap           429     queue_cap             ``static-queue-cap``: every replica tried was over its cap
 ==================  ======  ====================  ==================================================
 """
 
@@ -134,3 +135,9 @@ def no_budget(refusals: int) -> Answer:
     return Answer("upstream_error", 503, "no-budget",
                   f"No replica could take the request (its budget was gone on arrival, {refusals} times).",
                   err_type="service_unavailable")  # fmt: skip
+
+
+def queue_cap() -> Answer:
+    """429 ``queue-cap``: every replica the ``static-queue-cap`` profile tried (at most 3) refused the
+    request, each over its queued-token cap (router/placement/baselines.py)."""
+    return Answer("queue_cap", 429, "queue-cap", "Every replica tried is over its queued-token cap; retry later.")

@@ -231,11 +231,14 @@ class BudgetClient:
         request_id: str,
         max_tokens: int = 0,
         waited_ms: float = 0.0,
+        on_time_only: bool = False,
     ) -> ReserveResult:
         """Take a lease on ``replica_id`` for a prompt of ``prompt_tokens`` tokens.
 
         ``waited_ms``: ms since the request arrived at the router; the agent plans over the class
-        horizon minus it (proto ReserveRequest.waited_ms).
+        horizon minus it (proto ReserveRequest.waited_ms). ``on_time_only``: grant only a start
+        that meets the request's TTFT (proto ReserveRequest.on_time_only). The caller applies the
+        answer's budget to the book (router/core.py).
 
         Never raises for RPC problems: a deadline (``reserve_timeout_ms``) gives ``reason="timeout"``,
         any other RPC error ``reason="unavailable"``.
@@ -250,6 +253,7 @@ class BudgetClient:
             router_id=self._router_id,
             max_tokens=int(max_tokens),
             waited_ms=float(waited_ms),
+            on_time_only=bool(on_time_only),
         )
         try:
             resp = await stub.Reserve(req, timeout=self._reserve_timeout_s, metadata=self._metadata)

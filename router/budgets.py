@@ -40,6 +40,10 @@ class ReplicaBudget:
         classes: PAB per SLO class (updated by snapshots and Reserve answers).
         max_prompt_tokens: engine max model length (0 = unknown).
         status_detail: agent's reason when unhealthy.
+        num_running, num_waiting, kv_usage: the engine's requests running and waiting and its KV cache
+            usage (0..1) from the agent's latest scrape of the engine's ``/metrics``, as the snapshot
+            carries them (proto ``BudgetSnapshot`` fields 8-10; read by the baseline placement
+            profiles through router/core.py ``RouterCore.refresh_load``).
         inflight_prefill_ms: the snapshot's in-flight reservation per prefill in engine order (ms),
             then the prompts this router placed since (:meth:`take_local`).
         inflight_prefill_done_at_ms: when each of those ends (router clock, ms): the agent's
@@ -66,6 +70,7 @@ class ReplicaBudget:
     status_detail: str = ""
     num_running: int = 0
     num_waiting: int = 0
+    kv_usage: float = 0.0
     inflight_prefill_ms: tuple[float, ...] = ()
     inflight_prefill_done_at_ms: tuple[float, ...] = ()
     prefix_queries_tokens: int = 0
@@ -141,6 +146,8 @@ class BudgetBook:
         budget.status_detail = snapshot.status_detail  # type: ignore[attr-defined]
         budget.num_running = max(0, int(getattr(snapshot, "num_running", 0)))
         budget.num_waiting = max(0, int(getattr(snapshot, "num_waiting", 0)))
+        kv_usage = float(getattr(snapshot, "kv_usage", 0.0))
+        budget.kv_usage = min(1.0, max(0.0, kv_usage)) if kv_usage == kv_usage else 1.0  # NaN: as unknown, full
         budget.received_ms = now = self._clock.now_ms()
         lumps = tuple(getattr(snapshot, "inflight_prefill_ms", ()))
         done = getattr(snapshot, "inflight_prefill_done_ms", ())

@@ -6,6 +6,11 @@ them ``w_prefill``, ``w_decode``: router/fair_queue.py), the decode estimate bei
 (refused, failed before its first byte) gets the same charge back. The relay does not parse stream
 chunks, so a streamed request keeps the estimate; a non-stream answer is buffered anyway, and its
 ``usage.completion_tokens`` corrects the decode part (:func:`decode_correction`).
+
+The tenant's rate buckets (router/ledger.py: requests and tokens per minute) are given back for a
+request that got nothing: refused by the router after its quota was taken, refused by the engine
+(4xx), or failed before its first byte was sent (:func:`quota_refunded`; issue 30: a tenant of
+5,000 tokens per minute got 429 on its next 8-token request after the engine refused one).
 """
 
 from __future__ import annotations
@@ -30,3 +35,15 @@ def decode_correction(body: object, estimate: int) -> int:
     except (ValueError, KeyError, TypeError, AttributeError):
         return 0
     return actual - estimate
+
+
+REFUNDED_OUTCOMES = frozenset({"queue_full", "slo_infeasible", "queue_timeout", "no_replica", "placement_error",
+                               "upstream_refused"})  # fmt: skip
+"""Outcomes (router/metrics.py labels) of a request that never started once its quota was taken."""
+
+
+def quota_refunded(outcome: str, response_started: bool) -> bool:
+    """Whether an answered request's rate-bucket charge goes back: its outcome is one of
+    :data:`REFUNDED_OUTCOMES`, or ``upstream_error`` before any byte of the answer went out (every
+    replica failed before its first byte, or agents refused its admission too often)."""
+    return outcome in REFUNDED_OUTCOMES or (outcome == "upstream_error" and not response_started)

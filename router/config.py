@@ -68,11 +68,13 @@ class PlacementConfig(_schema.PlacementConfig):
     """The ``placement`` section (:class:`fairbatch_common.config_schema.PlacementConfig`: fields,
     plugin names checked) and the policy it describes (:meth:`build`)."""
 
-    def build(self, seed: int | None) -> Any:
-        """The :class:`~router.placement.core.PlacementPolicy` of this section (``seed`` for the picker).
+    def build(self, seed: int | None, load: Any = None) -> Any:
+        """The :class:`~router.placement.core.PlacementPolicy` of this section (``seed`` for the picker;
+        ``load``: the router's :class:`~router.placement.load.RouterLoad`, read by the baseline
+        profiles and plugins; None: a fresh empty one).
 
         Raises:
-            TypeError: a plugin parameter the plugin does not take.
+            TypeError: a plugin or profile parameter the plugin or profile does not take.
         """
         from router.placement.registry import build_policy, default_registry  # placement imports no config
 
@@ -80,7 +82,7 @@ class PlacementConfig(_schema.PlacementConfig):
             default_registry(), self.profile, seed, self.filters,
             None if self.scorers is None else [(e.name, e.weight, e.params) for e in self.scorers],
             None if self.picker is None else self.picker.name, None if self.picker is None else self.picker.params,
-            self.hooks,
+            self.hooks, load, self.params,
         )  # fmt: skip
 
 

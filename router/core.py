@@ -22,6 +22,20 @@ load) and strings the pure rules together:
 5. after a relay attempt (:meth:`RouterCore.after_attempt`): router/admission.py ``RelayAttempts``
    says whether to refund, release and try again; the lease is released or settled.
 
+Baseline profiles (router/placement/baselines.py: ``least-outstanding``, ``round-robin``, ...; a policy
+with :attr:`~router.placement.PlacementPolicy.direct` set): like the router each imitates, the core
+admits every request and places it at once (:meth:`RouterCore.acquire`): no work shedding, no PAB
+fit, no admission queue, no Reserve. The policy reads the core's :class:`~router.placement.RouterLoad`
+(:meth:`RouterCore.refresh_load`); the grant is *direct* (:class:`Grant` ``direct``): no lease exists
+anywhere, the request goes to its replica's agent with ``x-fairbatch-direct: 1`` and no
+``x-fairbatch-lease`` / ``x-fairbatch-admit``, which the agent admits as it is (tracked and relayed,
+as every request without a lease). ``static-queue-cap`` adds ``x-fairbatch-queue-cap: <tokens>``: the
+agent refuses the request (409 ``x-fairbatch-refused: queue-cap``) while it has work and its queued
+prompt tokens plus this prompt exceed the cap, and the core then takes the placement's next
+candidate (:meth:`RouterCore.redirect`, at most ``DEFAULT_MAX_CANDIDATES`` in all; then refused
+``queue-cap``). Its load counts (outstanding requests and tokens) end with the request
+(:meth:`RouterCore.lease_done`), like a lease's.
+
 I/O goes through ports: :class:`ReservePort` (Reserve and Release; the gRPC budget client and the
 simulated agents are two implementations) and the ``new_future`` factory (an asyncio future in
 the server, a callback future in the simulation). Coroutines of the core only await the ports;
@@ -56,7 +70,15 @@ from router.budgets import BudgetBook
 from router.charges import decode_estimate
 from router.config import RouterConfig
 from router.fair_queue import FairQueue, TenantShare
-from router.placement import DEFAULT_MAX_CANDIDATES, PlacementPolicy, PlacementRequest, ReplicaView, default_registry
+from router.placement import (
+    DEFAULT_MAX_CANDIDATES,
+    MetricsSample,
+    PlacementPolicy,
+    PlacementRequest,
+    ReplicaView,
+    RouterLoad,
+    default_registry,
+)
 from router.prefix_correction import PrefixCorrection
 from router.prefix_index import PrefixIndex
 from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start, priced_tokens
@@ -77,16 +99,46 @@ class Grant:
             admission (``inline`` mode: no lease exists on the agent until the request arrives).
         inline: admitted on the router's view; the agent decides on arrival (``x-fairbatch-admit``).
         prompt_tokens: the prompt tokens placed, less those the replica is estimated to hold in its
-            prefix cache (sent in ``x-fairbatch-admit``).
-        alternates: the placement's other candidates, best first (no lease on them): the ext_proc
-            picker's fallback endpoints (router/ext_proc.py), where each agent decides on arrival.
+            prefix cache (sent in ``x-fairbatch-admit``); a direct grant's whole prompt.
+        on_time_only: the agent is to admit it only where it still meets its TTFT
+            (``x-fairbatch-on-time: 1`` with an inline admission; see :meth:`RouterCore.place`).
+        direct: a baseline profile's placement (module docstring): no lease, no budget check; the
+            agent admits the request as it is. ``lease_id`` is then the router's own key.
+        fallbacks: a direct grant's next candidates, tried in order when the replica refuses it
+            (:meth:`RouterCore.redirect`).
+        queue_cap_tokens: a direct grant's queued-token cap for the agent (``static-queue-cap``), None: none.
+        refused: the agent refused this grant on arrival (set by :meth:`RouterCore.after_attempt`).
+        alternates: an inline or Reserve grant's other placement candidates, best first (no lease on
+            them): the ext_proc picker's fallback endpoints (router/ext_proc.py), where each agent
+            decides on arrival.
     """
 
     replica_id: str
     lease_id: str
     inline: bool = False
     prompt_tokens: int = 0
+    on_time_only: bool = False
+    direct: bool = False
+    fallbacks: tuple[str, ...] = ()
+    queue_cap_tokens: int | None = None
+    refused: bool = False
     alternates: tuple[str, ...] = ()
+
+    def add_headers(self, headers: dict[str, str]) -> None:
+        """The agent's admission headers of this grant (docs/architecture.md "Agent"): a direct grant
+        ``x-fairbatch-direct: 1`` (and ``x-fairbatch-queue-cap``), an inline one
+        ``x-fairbatch-admit: <prompt tokens>`` (and ``x-fairbatch-on-time: 1``), else
+        ``x-fairbatch-lease: <lease id>``."""
+        if self.direct:
+            headers["x-fairbatch-direct"] = "1"
+            if self.queue_cap_tokens is not None:
+                headers["x-fairbatch-queue-cap"] = str(self.queue_cap_tokens)
+        elif self.inline:
+            headers["x-fairbatch-admit"] = str(self.prompt_tokens)
+            if self.on_time_only:
+                headers["x-fairbatch-on-time"] = "1"
+        else:
+            headers["x-fairbatch-lease"] = self.lease_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,9 +192,11 @@ class Refused:
     Attributes:
         reason: ``queue-full``, ``slo-infeasible`` (predicted wait ``wait_ms``), ``queue-timeout``
             (the class's max queue time already passed), ``no-replica`` (every replica failed for
-            it) or ``placement-error`` (placement raised; ``detail`` names the exception class).
+            it; a direct placement: none passed the filters, ``detail`` names the filter that left
+            none), ``queue-cap`` (a direct placement's candidates all refused it) or
+            ``placement-error`` (placement raised; ``detail`` names the exception class).
         wait_ms: the predicted queue wait of an ``slo-infeasible`` refusal (simulated ms).
-        detail: the exception class name of a ``placement-error``.
+        detail: the exception class name of a ``placement-error``; the filter of a direct ``no-replica``.
         queued: refused after waiting in the queue (its deadline, or shed there), not at arrival.
     """
 
@@ -160,9 +214,10 @@ class ReservePort(Protocol):
     simulation)."""
 
     async def reserve(self, replica_id: str, slo_class: str, prompt_tokens: int, request_id: str,
-                      max_tokens: int, waited_ms: float) -> ReserveResult:
+                      max_tokens: int, waited_ms: float, on_time_only: bool = False) -> ReserveResult:
         """A lease of ``prompt_tokens`` on ``replica_id`` (never raises for transport errors: a
-        refusal with a reason; ``pab_ms`` / ``pab_tokens`` -1 when no answer arrived)."""
+        refusal with a reason; ``pab_ms`` / ``pab_tokens`` -1 when no answer arrived);
+        ``on_time_only``: only a start that meets the request's TTFT."""
         ...
 
     def release(self, lease_id: str, reason: str) -> None:
@@ -201,6 +256,14 @@ class RouterCore:
         observe_placement, observe_reserve: wall seconds of each placement decision and Reserve
             call (metrics in the server, decision-time samples in the simulation).
         queue: the admission queue (default: the weighted fair queue of ``config``).
+
+    Load (read by the contention cap, the metrics and the baseline profiles through :attr:`load`):
+    ``replica_load`` counts, per replica, the requests this core placed there and has not seen end
+    (granted at :meth:`place`, ended at :meth:`lease_done`: exact, router-local, never stale);
+    ``replica_tokens`` their prompt + decode-estimate tokens (``max_tokens``, or
+    ``fairness.default_max_tokens`` when the request gives none: what the router knows before the
+    engine answers). :attr:`load` is the :class:`~router.placement.RouterLoad` over both counters
+    plus the agents' engine metrics (:meth:`refresh_load`).
     """
 
     config: RouterConfig
@@ -221,14 +284,18 @@ class RouterCore:
     prefix_correction: PrefixCorrection = field(init=False, default_factory=PrefixCorrection)
     work_shed: WorkShed | None = field(init=False, default=None)
     replica_load: collections.Counter[str] = field(init=False, default_factory=collections.Counter)
+    replica_tokens: collections.Counter[str] = field(init=False, default_factory=collections.Counter)
+    load: RouterLoad = field(init=False)
     _applied_placement: dict[str, Any] = field(init=False, default_factory=dict)
-    _leased: dict[str, str] = field(init=False, default_factory=dict)
+    _leased: dict[str, tuple[str, int]] = field(init=False, default_factory=dict)
     _inline_seq: int = field(init=False, default=0)
+    _load_seen: int = field(init=False, default=-1)
     _prefix_keys: dict[str, Sequence[int]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         config = self.config
         self.book = BudgetBook(self.clock, list(self.replica_ids))
+        self.load = RouterLoad(self.replica_load, {}, 0, self.replica_tokens)
         self.policy = self._build_policy(config)
         self._applied_placement = config.placement.model_dump(exclude={"prefix_cache"})
         self._configure_prefix(config)
@@ -248,16 +315,17 @@ class RouterCore:
 
     def _build_policy(self, config: RouterConfig) -> PlacementPolicy:
         """The YAML's ``placement`` (profile or plugin chain), or the registry policy named at
-        construction when it is not the default ``pab``."""
+        construction when it is not the default ``pab``; built with the core's :attr:`load`."""
         if self.policy_name != "pab":
-            return default_registry().build(self.policy_name, seed=self.seed)
-        return config.placement.build(self.seed)  # type: ignore[no-any-return]
+            return default_registry().build(self.policy_name, seed=self.seed, load=self.load)
+        return config.placement.build(self.seed, self.load)  # type: ignore[no-any-return]
 
     def _configure_prefix(self, config: RouterConfig) -> None:
-        """Build (or drop) the prefix map for ``placement.prefix_cache``; a map whose settings did not
-        change is kept, with what it learned."""
+        """Build (or drop) the prefix map for ``placement.prefix_cache`` (kept on for a policy that
+        reads it, ``PlacementPolicy.prefix_map``: the cache-aware baselines); a map whose settings
+        did not change is kept, with what it learned."""
         pc = config.placement.prefix_cache
-        if not pc.enabled:
+        if not (pc.enabled or self.policy.prefix_map):
             self.prefix = None
             return
         tokens_per_key = max(1, round(pc.chunk_chars / config.admission.bytes_per_token))
@@ -326,20 +394,63 @@ class RouterCore:
         """The charge of a request that got its lease: prompt + the decode estimate."""
         self.charge(req.tenant, req.prompt_tokens, self.decode_estimate(req.max_tokens))
 
+    def _count(self, grant: Grant, tokens: int) -> None:
+        """``grant``'s request now counts in its replica's load (``tokens``: prompt + decode estimate)."""
+        rid = grant.replica_id
+        self._leased[grant.lease_id] = (rid, tokens)
+        self.replica_load[rid] += 1
+        self.replica_tokens[rid] += tokens
+
     def lease_done(self, grant: Grant) -> None:
         """The request of ``grant`` ended (served, failed, released or gone): it no longer counts
-        in its replica's load. Idempotent."""
-        rid = self._leased.pop(grant.lease_id, None)
-        if rid is not None:
+        in its replica's load (requests and tokens). Idempotent."""
+        got = self._leased.pop(grant.lease_id, None)
+        if got is not None:
+            rid, tokens = got
             self.replica_load[rid] -= 1
             if self.replica_load[rid] <= 0:
                 del self.replica_load[rid]
+            self.replica_tokens[rid] -= tokens
+            if self.replica_tokens[rid] <= 0:
+                del self.replica_tokens[rid]
+
+    def refresh_load(self) -> None:
+        """Bring :attr:`load`'s engine metrics (``scraped``) up to the book, when it changed since the
+        last call (``load.version`` is bumped then).
+
+        Each replica whose budget snapshot is fresh gets the snapshot's ``num_running``,
+        ``num_waiting`` and ``kv_usage`` (proto ``BudgetSnapshot`` fields 8-10; router/budgets.py
+        ``ReplicaBudget``), stamped with its arrival on the router clock. Where they come from and
+        how stale they can be: the agent scrapes its engine's ``/metrics``
+        (``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``)
+        every ``--metrics-interval-ms`` (50 ms, llm-d's refresh) and pushes a snapshot when they
+        changed, at most one per ``--min-push-interval-ms`` (5 ms) and at least every
+        ``--push-interval-ms`` (100 ms); so a figure is up to one scrape period plus the coalescing
+        and one network hop old (about 55 ms), and never older than the snapshot's TTL (a stale
+        replica has no entry, and the baselines' ``fresh`` filter drops it). A freshness that runs out
+        between two changes of the book is seen at the next change (snapshots of any replica arrive
+        every ``--push-interval-ms`` at the latest).
+        """
+        book = self.book
+        if book.version == self._load_seen:
+            return
+        self._load_seen = book.version
+        now = self.clock.now_ms()
+        scraped: dict[str, MetricsSample] = {}
+        for rid in book.replica_ids():
+            b = book.get(rid)
+            if b is not None and b.received_ms is not None and book.is_fresh(b, now):
+                scraped[rid] = MetricsSample(b.num_running, b.num_waiting, b.kv_usage, b.received_ms)
+        self.load.scraped = scraped
+        self.load.version += 1
 
     def release(self, grant: Grant, reason: str) -> None:
         """Give ``grant`` back: the load count at once; the agent's lease through the port (an
         inline admission has none: the book is poked so the dispatcher retries, as a Release
-        answer would)."""
+        answer would; a direct grant has nothing to give back)."""
         self.lease_done(grant)
+        if grant.direct:
+            return
         if grant.inline:
             self.book.notify()
             return
@@ -402,8 +513,10 @@ class RouterCore:
 
     def refuse_by_work(self, req: CoreRequest, views: list[ReplicaView] | None = None) -> bool:
         """router/work_shed.py at a new request's arrival (a sheddable class, ``admission.work_shed``
-        on): True = answer it 429 ``work-shed``. Priced on the whole prompt and the decode estimate."""
-        if self.work_shed is None or not self.config.slo_classes[req.slo_class].sheddable:
+        on): True = answer it 429 ``work-shed``. Priced on the whole prompt and the decode estimate.
+        Never for a baseline profile (it admits everything)."""
+        if self.work_shed is None or self.policy.direct is not None or \
+                not self.config.slo_classes[req.slo_class].sheddable:  # fmt: skip
             return False
         return refuse_by_work(self.work_shed, self.book.views() if views is None else views, req.prompt_tokens,
                               self.decode_estimate(req.max_tokens))  # fmt: skip
@@ -443,7 +556,16 @@ class RouterCore:
     async def place(self, slo_class: str, prompt_tokens: int, max_tokens: int, request_id: str,
                     exclude: frozenset[str], arrival_ms: float, attempt: Attempt = Attempt()) -> Grant | None:
         """Placement, then Reserve on the candidates in order (module docstring, step 3); None when
-        none granted. A Reserve's answer updates the book."""
+        none granted. A Reserve's answer updates the book. A baseline profile's placement is direct
+        (:meth:`place_direct`).
+
+        The agent is asked for an on-time start (Reserve ``on_time_only``, or ``x-fairbatch-on-time``
+        with an inline admission) when the placement was on time only (the dispatcher's first
+        phase) or the class is sheddable (never served late): the router's view lacks what other
+        router copies placed since the last push, so only the agent can tell that a start is still
+        on time (issue 27: 4 router copies served sheddable requests late)."""
+        if self.policy.direct is not None:
+            return self.place_direct(slo_class, prompt_tokens, max_tokens, request_id, exclude)[0]
         t0 = time.perf_counter()
         preq, raw = self.placement_request(slo_class, prompt_tokens, request_id, exclude, arrival_ms, attempt)
         cached = preq.cached_tokens
@@ -451,6 +573,8 @@ class RouterCore:
         result = policy.place(preq, self.book.views())
         self.observe_placement(time.perf_counter() - t0)
         adm = self.config.admission
+        slo = self.config.slo_classes.get(slo_class)
+        on_time_only = attempt.on_time_only or (slo is not None and slo.sheddable)
         # no round trip where the agent decides when the request arrives (router/admission.py use_inline)
         inline = bool(result.candidates) and use_inline(adm.lease_mode, self.book.inline_admission(result.candidates[0]))
         for replica_id in offer_replicas(result.candidates, inline, DEFAULT_MAX_CANDIDATES):
@@ -458,34 +582,78 @@ class RouterCore:
             self.book.take_local(replica_id, slo_class, uncached)
             if inline:
                 self._inline_seq += 1
-                grant = Grant(replica_id, f"inline-{self._inline_seq}", True, uncached,
-                              tuple(c for c in result.candidates if c != replica_id))
+                grant = Grant(replica_id, f"inline-{self._inline_seq}", True, uncached, on_time_only,
+                              alternates=tuple(c for c in result.candidates if c != replica_id))
             else:
                 t1 = time.perf_counter()
                 waited_ms = max(0.0, self.clock.now_ms() - arrival_ms)  # refused Reserves before took time
-                answer = await self.reserve.reserve(replica_id, slo_class, uncached, request_id, max_tokens, waited_ms)
+                answer = await self.reserve.reserve(replica_id, slo_class, uncached, request_id, max_tokens, waited_ms,
+                                                    on_time_only)  # fmt: skip
                 self.observe_reserve(time.perf_counter() - t1)
                 if answer.pab_ms >= 0:
                     self.book.apply_reserve(replica_id, slo_class, answer.pab_ms, answer.pab_tokens)
                 if not answer.granted:
                     continue
-                grant = Grant(replica_id, answer.lease_id, alternates=tuple(c for c in result.candidates if c != replica_id))
+                grant = Grant(replica_id, answer.lease_id,
+                              alternates=tuple(c for c in result.candidates if c != replica_id))
             keys = self._prefix_keys.get(request_id)
             if prefix is not None and keys:  # post-decision: the replica now holds this prompt
                 prefix.insert(replica_id, keys)
                 self.prefix_correction.record(replica_id, raw.get(replica_id, 0), prompt_tokens)
             policy.after_decision(preq, replica_id)  # post-decision hooks of the placement plugins
-            self._leased[grant.lease_id] = replica_id
-            self.replica_load[replica_id] += 1
+            self._count(grant, prompt_tokens + self.decode_estimate(max_tokens))
             return grant
         return None
+
+    def place_direct(self, slo_class: str, prompt_tokens: int, max_tokens: int, request_id: str,
+                     exclude: frozenset[str]) -> tuple[Grant | None, str]:
+        """A baseline profile's placement (module docstring): the policy on the book's views and the
+        core's :attr:`load` (refreshed first), the prefix map's raw estimates (no correction: the
+        imitated routers have none), then at once a direct grant on the first candidate with the
+        next ones as its fallbacks (at most ``DEFAULT_MAX_CANDIDATES`` in all); the prefix map learns
+        the pick, the hooks see it. (None, the name of the filter that left no replica) when none."""
+        t0 = time.perf_counter()
+        policy, prefix = self.policy, self.prefix
+        self.refresh_load()
+        keys = self._prefix_keys.get(request_id)
+        cached = prefix.cached_tokens(keys, prompt_tokens) if prefix is not None and keys else {}
+        preq = PlacementRequest(slo_class, prompt_tokens, exclude, cached_tokens=cached)
+        result = policy.place(preq, self.book.views())
+        self.observe_placement(time.perf_counter() - t0)
+        if not result.candidates:
+            return None, result.reason
+        first, *rest = result.candidates[:DEFAULT_MAX_CANDIDATES]
+        if prefix is not None and keys:  # SGLang / vllm-router / llm-d learn from their own decision
+            prefix.insert(first, keys)
+        policy.after_decision(preq, first)
+        assert policy.direct is not None
+        return self._direct_grant(first, tuple(rest), policy.direct.queue_cap_tokens, prompt_tokens,
+                                  prompt_tokens + self.decode_estimate(max_tokens)), ""  # fmt: skip
+
+    def _direct_grant(self, replica_id: str, fallbacks: tuple[str, ...], cap: int | None, prompt_tokens: int,
+                      tokens: int) -> Grant:  # fmt: skip
+        self._inline_seq += 1
+        grant = Grant(replica_id, f"direct-{self._inline_seq}", prompt_tokens=prompt_tokens, direct=True,
+                      fallbacks=fallbacks, queue_cap_tokens=cap)
+        self._count(grant, tokens)
+        return grant
+
+    def redirect(self, grant: Grant, req: CoreRequest) -> Grant | None:
+        """The replica of direct ``grant`` (for ``req``) refused it (its queue cap): the request ends
+        there and goes to the placement's next candidate (a new direct grant with the rest as
+        fallbacks), or None when none is left. The prefix map and the hooks keep the first pick."""
+        self.lease_done(grant)
+        if not grant.fallbacks:
+            return None
+        return self._direct_grant(grant.fallbacks[0], grant.fallbacks[1:], grant.queue_cap_tokens,
+                                  grant.prompt_tokens, req.prompt_tokens + self.decode_estimate(req.max_tokens))
 
     async def _admit_waiting(self, entry: WaitingRequest, attempt: Attempt = Attempt()) -> Grant | None:
         return await self.place(entry.slo_class, entry.prompt_tokens, entry.max_tokens, entry.request_id,
                                 entry.exclude, entry.arrived_ms, attempt)  # fmt: skip
 
     async def acquire(self, req: CoreRequest, exclude: frozenset[str] = frozenset(),
-                      avoid_now: frozenset[str] = frozenset()) -> Acquired:
+                      avoid_now: frozenset[str] = frozenset(), previous: Grant | None = None) -> Acquired:
         """Step 2 of the module docstring: :class:`Placed` when a replica fits and nobody waits,
         else :class:`Queued` (the dispatcher resolves its future) or :class:`Refused`.
 
@@ -493,7 +661,14 @@ class RouterCore:
         immediate placement only (an inline admission they refused). A placement that raises is a
         ``placement-error`` refusal for this request alone. The caller charges the request
         (:meth:`charge_dispatch`) once it holds a grant.
+
+        A baseline profile (``policy.direct``): :class:`Placed` at once (:meth:`place_direct`, never
+        queued), or refused ``no-replica``; ``previous``: the request's last grant, whose next
+        candidate is taken (:meth:`redirect`; refused ``queue-cap`` when none is left) when its
+        replica refused it.
         """
+        if self.policy.direct is not None:
+            return self._acquire_direct(req, exclude | avoid_now, previous)
         replica_ids = set(self.book.replica_ids())
         if no_replica_left(replica_ids, exclude):  # router/arrival.py
             return Refused("no-replica")
@@ -534,6 +709,18 @@ class RouterCore:
         self.dispatcher.wake()
         return Queued(entry, after if after > before else None)
 
+    def _acquire_direct(self, req: CoreRequest, exclude: frozenset[str], previous: Grant | None) -> Acquired:
+        if previous is not None and previous.direct and previous.refused:
+            nxt = self.redirect(previous, req)
+            return Refused("queue-cap") if nxt is None else Placed(nxt)
+        try:
+            grant, reason = self.place_direct(req.slo_class, req.prompt_tokens, req.max_tokens, req.request_id,
+                                              exclude)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - one request's failure answers that request only
+            log.error("request %s: placement failed: %s", req.request_id, type(exc).__name__, exc_info=exc)
+            return Refused("placement-error", detail=type(exc).__name__)
+        return Refused("no-replica", detail=reason) if grant is None else Placed(grant)
+
     def after_attempt(self, tries: RelayAttempts, req: CoreRequest, grant: Grant, kind: str,
                       pab_ms: float = -1.0, pab_tokens: int = -1) -> RelayAction:
         """Step 5: a relay attempt on ``grant`` ended as ``kind`` (router/relay.py outcome kinds).
@@ -541,6 +728,7 @@ class RouterCore:
         was generated, the lease released or settled, and an agent's refusal on arrival
         (``lease_refused``, with the budget it reported: ``pab_ms`` >= 0) updates the book."""
         action = tries.after(kind, grant.replica_id)
+        grant.refused = kind == "lease_refused"
         if action.refund:
             self.charge(req.tenant, -req.prompt_tokens, -self.decode_estimate(req.max_tokens))
         if action.release is not None:

@@ -14,7 +14,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from fairbatch_common.api_schema import ApiError
-from fairbatch_common.http_guard import api_error_response, json_error, read_body
+from fairbatch_common.http_guard import api_error_response, error_middleware, json_error, read_body
 from router.answers import Answer
 from router.openai_surface import unsupported
 from router.wiring import RouterWiring
@@ -37,6 +37,12 @@ def answer_response(answer: Answer) -> web.Response:
     ``Retry-After`` and ``x-fairbatch-reason``."""
     return openai_error(answer.status, answer.message, answer.err_type, answer.code,
                         headers={"Retry-After": str(answer.retry_after_s), "x-fairbatch-reason": answer.code})
+
+
+openai_http_errors = error_middleware("router", not_found=unsupported)  # any unrouted path: unsupported_endpoint
+metrics_http_errors = error_middleware("router")  # the metrics port serves no OpenAI path
+"""aiohttp's own HTTP errors (404, 405, 413), :class:`ApiError` refusals and our own bugs (500 with the
+request id) as OpenAI-format JSON, like every other answer of the router."""
 
 
 class AuxEndpoints(RouterWiring):

@@ -65,7 +65,7 @@ from grpc_health.v1.health import aio as health_aio
 from fairbatch_common.http_guard import new_request_id
 from router.admission import prompt_decision
 from router.admission_queue import WaitingRequest
-from router.answers import Answer, no_budget, queue_full, tenant_over, work_shed
+from router.answers import Answer, no_budget, queue_cap, queue_full, tenant_over, work_shed
 from router.arrival import queue_full_before_body
 from router.auth import Principal
 from router.core import CoreRequest, Grant, Refused
@@ -89,6 +89,7 @@ from router.epp_protocol import (
     status_of,
     subset_hint,
 )
+from router.charges import quota_refunded
 from router.ledger import CONCURRENCY_RETRY_MS, Refusal, TenantLimits, Ticket
 from router.placement import largest_max_prompt
 from router.wiring import RouterWiring
@@ -113,8 +114,15 @@ QUEUE_TIMEOUT_MARGIN_S = 1.0
 MAX_FALLBACKS = 2
 """Fallback endpoints listed after the primary (at most the placement's other candidates: 2 of ``pab``'s 3)."""
 
+ADMISSION_HEADERS = ("x-fairbatch-admit", "x-fairbatch-lease", "x-fairbatch-on-time", "x-fairbatch-direct",
+                     "x-fairbatch-queue-cap")
+"""The headers by which an agent admits a request (router/core.py ``Grant.add_headers``): set by the
+picker from its grant, removed from the request otherwise."""
+
 _OUTCOME = {"ok": "ok", "refused": "upstream_refused", "retryable": "upstream_error",
-            "upstream_error": "upstream_error", "lease_refused": "no_budget", "client_gone": "client_disconnect"}
+            "upstream_error": "upstream_error", "lease_refused": "upstream_error", "client_gone": "client_disconnect"}
+"""A settled pick's outcome label by its relay kind (the front door's words: an agent's refusal of the
+admission is ``upstream_error``, as the front door's ``no-budget`` answer is)."""
 
 
 def no_replica(detail: str) -> Answer:
@@ -228,10 +236,11 @@ class _Stream:
             self.status = status_of(headers)
             self.served = served_endpoint(msg.metadata_context)
             self.outcome = response_outcome(self.status, headers)
-            if self.outcome == "lease_refused":  # the agent's 409: its budget was gone on arrival
+            if self.outcome == "lease_refused":  # the agent's 409: its budget (or queue cap) was gone on arrival
                 self.pab = refused_budget(headers)
+                direct = self.grant.direct
                 self.settle()
-                return answer_response(no_budget(1))
+                return answer_response(queue_cap() if direct else no_budget(1))
             rid = self.replica_by_endpoint.get(self.served or "", self.grant.replica_id)
             resp = continue_response(kind, {"x-fairbatch-replica": rid,
                                             "x-fairbatch-request-id": self.req.request_id if self.req else ""})
@@ -247,9 +256,8 @@ class _Stream:
         """The stream is over (closed, cancelled or failed): settle what is still held."""
         if self.grant is not None and not self.settled:
             self.settle()
-        elif self.ticket is not None and self.grant is None:
-            self.w._spawn(self.w.ledger.release(self.ticket))
-            self.ticket = None
+        elif self.grant is None:  # cancelled while it waited: nothing started
+            self.give_quota_back(True)
 
     # ------------------------------------------------------------------ the pick
 
@@ -300,7 +308,7 @@ class _Stream:
             return self.refuse(no_replica("no replica is known"))
         self.w.metrics.picks.labels(principal.tenant, principal.slo_class, "utility").inc()
         return pick_response(endpoints, self._upstream_headers(principal, new_request_id()),
-                             ("authorization", "x-fairbatch-admit", "x-fairbatch-lease"))
+                             ("authorization", *ADMISSION_HEADERS))
 
     async def pick_generation(self, msg: ep.ProcessingRequest, headers: dict[str, str], principal: Principal,
                               trusted: bool, path: str) -> ep.ProcessingResponse:
@@ -344,14 +352,13 @@ class _Stream:
             return self.refuse(tenant_over(quota.reason, tenant, w.clock.to_wall_s(quota.retry_after_ms)))
         self.ticket = quota
         got = await w._acquire(req, exclude, on_queued=self._queued)
-        if isinstance(got, Refused):
-            w._spawn(w.ledger.release(quota))
-            self.ticket = None
-            if got.reason == "no-replica":
-                return self.refuse(no_replica("every replica was left out"))
+        if isinstance(got, Refused):  # nothing started: the quota taken goes back (router/charges.py)
+            answer = no_replica("every replica was left out") if got.reason == "no-replica" else \
+                w._refusal_answer(got, principal, principal.slo)
+            self.give_quota_back(quota_refunded(answer.outcome, False))
             if got.reason in BUDGET_REASONS:
                 core.budget_refused()
-            return self.refuse(w._refusal_answer(got, principal, principal.slo))
+            return self.refuse(answer)
         return self.picked(req, principal, got, exclude)
 
     async def _queued(self, entry: WaitingRequest) -> None:
@@ -374,12 +381,15 @@ class _Stream:
         endpoint = endpoint_of(primary.http_url)
         self.endpoints = [endpoint]
         self.replica_by_endpoint = {endpoint: grant.replica_id}
-        if grant.inline:  # a fallback's agent decides x-fairbatch-admit itself (a lease id names one agent)
-            for rid in grant.alternates:
+        # a fallback's agent decides x-fairbatch-admit itself, or admits a direct grant as it is; a lease
+        # id names one agent, so a Reserve grant has none
+        fallbacks = grant.fallbacks if grant.direct else grant.alternates if grant.inline else ()
+        if fallbacks:
+            for rid in fallbacks:
                 if len(self.endpoints) > self.picker.max_fallbacks:
                     break
                 rep = replicas.get(rid)
-                if rep is None or rid in exclude or not w.book.inline_admission(rid):
+                if rep is None or rid in exclude or not (grant.direct or w.book.inline_admission(rid)):
                     continue
                 ep_ = endpoint_of(rep.http_url)
                 self.endpoints.append(ep_)
@@ -387,12 +397,9 @@ class _Stream:
         now = w.clock.now_ms()
         upstream = self._upstream_headers(principal, req.request_id)
         upstream["x-fairbatch-queued-ms"] = f"{max(0.0, now - req.arrival_ms):.3f}"
-        if grant.inline:
-            upstream["x-fairbatch-admit"] = str(grant.prompt_tokens)
-            remove = ("authorization", "x-fairbatch-lease")
-        else:
-            upstream["x-fairbatch-lease"] = grant.lease_id
-            remove = ("authorization", "x-fairbatch-admit")
+        grant.add_headers(upstream)  # the agent's admission: lease, inline admit (+ on-time) or direct (router/core.py)
+        # the client's own admission headers never reach the agent
+        remove = ("authorization", *(h for h in ADMISSION_HEADERS if h not in upstream))
         self.timer = asyncio.get_running_loop().call_later(self.picker.settle_timeout_s, self.settle)
         return pick_response(self.endpoints, upstream, remove)
 
@@ -421,10 +428,20 @@ class _Stream:
             outcome = _OUTCOME[kind]
             if kind == "lease_refused":
                 w.metrics.admit_refusals.labels(grant.replica_id).inc()
-        if self.ticket is not None:
-            w._spawn(w.ledger.release(self.ticket))
-            self.ticket = None
+        # no generation (an engine's 4xx, a 5xx before the first byte, the agents' refusals): the rate
+        # buckets get the request back, as the front door gives them back (router/charges.py)
+        self.give_quota_back(quota_refunded(outcome, False))
         w.metrics.picks.labels(req.tenant, req.slo_class, outcome).inc()
+
+    def give_quota_back(self, refund: bool) -> None:
+        """Release the concurrency slot of the quota ticket (and refund its rate buckets when ``refund``)."""
+        ticket, w = self.ticket, self.w
+        if ticket is None:
+            return
+        self.ticket = None
+        if refund and self.principal is not None:
+            w._spawn(w.ledger.refund(ticket, w.limits.get(self.principal.tenant, TenantLimits())))
+        w._spawn(w.ledger.release(ticket))
 
 
 def _is_ip_endpoint(endpoint: str) -> bool:

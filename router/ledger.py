@@ -76,11 +76,14 @@ class Ticket:
         request_id: the router-made request id (the concurrency slot's member, locally and in Redis);
             never the client's x-request-id, so a repeated client id cannot share one slot.
         backend: ``local`` or ``redis`` (where the slot was taken).
+        tokens: the tokens the acquire asked for (what :meth:`Ledger.refund` gives back to the
+            token bucket, at most its size; the request bucket gets its one request back).
     """
 
     tenant: str
     request_id: str
     backend: str = "local"
+    tokens: int = field(default=0, compare=False)
 
 
 @dataclass(slots=True)
@@ -151,6 +154,20 @@ class LocalLedger:
             st.tokens = Bucket(tl - need, now_ms)
         return None
 
+    def refund(self, tenant: str, limits: TenantLimits, tokens: int, now_ms: float) -> None:
+        """Give back what one granted acquire took from the buckets (one request and ``tokens``
+        tokens, at most the bucket's size; each bucket stays at most full): the request was
+        refused or failed before anything was generated (issue 30)."""
+        st = self._tenants.get(tenant)
+        if st is None:
+            return
+        rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+        if rpm and st.requests is not None:
+            st.requests = Bucket(min(float(rpm), bucket_level(st.requests, rpm, now_ms) + 1.0), now_ms)
+        if tpm and st.tokens is not None:
+            back = min(max(0, tokens), tpm)
+            st.tokens = Bucket(min(float(tpm), bucket_level(st.tokens, tpm, now_ms) + back), now_ms)
+
     def release(self, tenant: str, request_id: str) -> None:
         """Free the concurrency slot of ``request_id`` (no-op when not held)."""
         st = self._tenants.get(tenant)
@@ -197,6 +214,7 @@ class Ledger(Protocol):
     async def close(self) -> None: ...
     async def acquire(self, tenant: str, request_id: str, limits: TenantLimits, tokens: int) -> Ticket | Refusal: ...
     async def release(self, ticket: Ticket) -> None: ...
+    async def refund(self, ticket: Ticket, limits: TenantLimits) -> None: ...
     async def at_concurrency(self, tenant: str, limits: TenantLimits) -> bool: ...
     async def add_service(self, tenant: str, delta: float) -> None: ...
     async def lift(self, tenant: str, floor: float) -> None: ...
@@ -229,11 +247,15 @@ class InProcessLedger:
     async def acquire(self, tenant: str, request_id: str, limits: TenantLimits, tokens: int) -> Ticket | Refusal:
         """A :class:`Ticket`, or the :class:`Refusal`."""
         refusal = self.local.acquire(tenant, request_id, limits, tokens, self.clock.now_ms())
-        return refusal if refusal is not None else Ticket(tenant, request_id, "local")
+        return refusal if refusal is not None else Ticket(tenant, request_id, "local", max(0, int(tokens)))
 
     async def release(self, ticket: Ticket) -> None:
         """Free the ticket's concurrency slot."""
         self.local.release(ticket.tenant, ticket.request_id)
+
+    async def refund(self, ticket: Ticket, limits: TenantLimits) -> None:
+        """Give the ticket's request and tokens back to the buckets (:meth:`LocalLedger.refund`)."""
+        self.local.refund(ticket.tenant, limits, ticket.tokens, self.clock.now_ms())
 
     async def at_concurrency(self, tenant: str, limits: TenantLimits) -> bool:
         """True when the tenant holds ``max_concurrency`` slots now (a peek, before the body is read)."""
@@ -303,6 +325,35 @@ end
 return {'ok', '0'}
 """
 
+# Give one acquire's request and tokens back (each bucket at most full), on Redis's clock as ACQUIRE_LUA.
+REFUND_LUA = """
+local t = redis.call('TIME')
+local scale = tonumber(ARGV[1])
+local now = (tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000) / scale
+local keep_ms = math.ceil(60000 * scale) + 1000
+local function give(key, per_min, amount)
+  local v = redis.call('HMGET', key, 'level', 'ts')
+  local lvl = tonumber(v[1])
+  local ts = tonumber(v[2])
+  if lvl == nil or ts == nil then return end
+  local dt = now - ts
+  if dt < 0 then dt = 0 end
+  local l = lvl + dt * per_min / 60000 + amount
+  if l > per_min then l = per_min end
+  redis.call('HSET', key, 'level', l, 'ts', now)
+  redis.call('PEXPIRE', key, keep_ms)
+end
+local tpm = tonumber(ARGV[2])
+local tokens = tonumber(ARGV[3])
+local rpm = tonumber(ARGV[4])
+if rpm > 0 then give(KEYS[2], rpm, 1) end
+if tpm > 0 then
+  if tokens > tpm then tokens = tpm end
+  give(KEYS[1], tpm, tokens)
+end
+return 'ok'
+"""
+
 LIFT_LUA = """
 local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
 local floor = tonumber(ARGV[2])
@@ -362,6 +413,7 @@ class RedisLedger:
         )
         self._acquire = self._client.register_script(ACQUIRE_LUA)
         self._lift = self._client.register_script(LIFT_LUA)
+        self._refund = self._client.register_script(REFUND_LUA)
         self._rejoin: asyncio.Task[None] | None = None
         self._errors: tuple[type[BaseException], ...] = (aioredis.RedisError, OSError, TimeoutError)
 
@@ -439,7 +491,7 @@ class RedisLedger:
                 self._fail(exc)
             else:
                 if reason == "ok":
-                    return Ticket(tenant, request_id, "redis")
+                    return Ticket(tenant, request_id, "redis", max(0, int(tokens)))
                 return Refusal(str(reason), float(retry))
         return await self.local.acquire(tenant, request_id, limits, tokens)
 
@@ -452,6 +504,21 @@ class RedisLedger:
             return
         try:
             await self._call(self._client.zrem(self._key("conc", ticket.tenant), ticket.request_id))
+        except self._errors as exc:
+            self._fail(exc)
+
+    async def refund(self, ticket: Ticket, limits: TenantLimits) -> None:
+        """Give the ticket's request and tokens back where they were taken (a refund lost to a
+        Redis failure is not retried: the bucket refills within a minute anyway)."""
+        if ticket.backend == "local":
+            await self.local.refund(ticket, limits)
+            return
+        if self.degraded:
+            return
+        keys = [self._key("tpm", ticket.tenant), self._key("rpm", ticket.tenant)]
+        args = [self.clock.scale, limits.tokens_per_minute or 0, ticket.tokens, limits.requests_per_minute or 0]
+        try:
+            await self._call(self._refund(keys=keys, args=args))
         except self._errors as exc:
             self._fail(exc)
 

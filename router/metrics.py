@@ -30,13 +30,12 @@ only yields configured tenants), ``code`` is the HTTP status, ``outcome`` a fixe
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from fairbatch_common.metrics import standard_registry
+from fairbatch_common.metrics import ReloadMetrics, standard_registry
 
 TTFT_LADDER_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 """TTFT bucket edges kept whatever the classes (seconds)."""
@@ -51,7 +50,7 @@ ANSWER_SERIES_CACHE = 4096  # (tenant, class, outcome, status) keys whose series
 SLO_EXEMPT_OUTCOMES = frozenset({"bad_request", "unauthorized", "client_disconnect"})
 """Outcomes not judged against the SLO (the client's doing)."""
 REJECTED_OUTCOMES = frozenset({"queue_full", "slo_infeasible", "work_shed", "queue_timeout", "tenant_rate",
-                               "tenant_concurrency"})
+                               "tenant_concurrency", "queue_cap"})
 """Outcomes answered 429 (counted as ``kind="rejected"`` misses)."""
 
 
@@ -147,23 +146,13 @@ class RouterMetrics:
             "1 while the shared (Redis) ledger is unreachable and the router serves on its local ledger",
             registry=r,
         )
-        self.config_reloads = Counter(
-            "fairbatch_router_config_reloads", "Configuration reloads by result (ok, invalid)", ["result"], registry=r,
-        )
+        self.reload = ReloadMetrics(r, "router", "configuration")  # the configuration the router starts with: success 1
+        self.config_reloads = self.reload.reloads
+        self.config_last_reload_success = self.reload.success
+        self.config_last_reload_timestamp = self.reload.timestamp
         self.config_generation = Gauge(
             "fairbatch_router_config_generation", "Configurations applied since start (1 = the initial one)", registry=r,
         )
-        self.config_last_reload_success = Gauge(
-            "fairbatch_router_config_last_reload_success",
-            "1 when the latest configuration load (the start, then each reload) was applied, 0 when it was refused "
-            "and the previous configuration kept running", registry=r,
-        )
-        self.config_last_reload_timestamp = Gauge(
-            "fairbatch_router_config_last_reload_timestamp_seconds",
-            "Unix time (wall s) of that load, whatever its result", registry=r,
-        )
-        self.config_last_reload_success.set(1)  # the configuration the router starts with
-        self.config_last_reload_timestamp.set(time.time())
         self.tenant_vtc = Gauge(
             "fairbatch_router_tenant_vtc", "Virtual token counter per tenant (weighted tokens / weight)",
             ["tenant"], registry=r,
@@ -214,12 +203,8 @@ class RouterMetrics:
         )
 
     def observe_reload(self, ok: bool, now_s: float | None = None) -> None:
-        """Count one configuration reload (``fairbatch_router_config_reloads_total{result}``) and set the
-        last-reload gauges: success 1 (applied) or 0 (refused), timestamp ``now_s`` (Unix wall seconds;
-        default now)."""
-        self.config_reloads.labels("ok" if ok else "invalid").inc()
-        self.config_last_reload_success.set(1 if ok else 0)
-        self.config_last_reload_timestamp.set(time.time() if now_s is None else now_s)
+        """Count one reload and set the last-reload gauges (fairbatch_common/metrics.py ``ReloadMetrics``)."""
+        self.reload.observe(ok, now_s)
 
     def forget_replica(self, replica_id: str) -> None:
         """Drop every series of a removed replica."""

@@ -4,7 +4,8 @@ One request's path (docs/design.md section 5): authenticate (API key -> tenant, 
 header) -> classify (tenant -> SLO class) -> read and validate the body, estimate prompt tokens ->
 quotas (ledger: request and token buckets, concurrency; 429 tenant-rate / tenant-concurrency) ->
 the request core (router/core.py: work shedding, place and Reserve now, or queue in the weighted
-fair queue, or refuse; the answers are values) -> relay to the replica's agent, bytes unchanged ->
+fair queue, or refuse; a baseline placement profile: placed at once, no lease; the answers are
+values) -> relay to the replica's agent, bytes unchanged ->
 the core's rule after the attempt (refund, release, try the next replica). This module does the
 HTTP part only: parse, call the core, carry out its answers (router/answers.py), relay
 (router/relay.py), metrics and spans. The process's wiring, lifecycle and reload live in
@@ -37,7 +38,6 @@ from fairbatch_common.http_guard import (
     api_error_response,
     bounded_expect_handler,
     client_request_id,
-    error_middleware,
     new_request_id,
     read_body,
 )
@@ -48,12 +48,12 @@ from router.admission import prompt_decision
 from router.answers import Answer, no_budget, queue_full, tenant_over, work_shed
 from router.arrival import queue_full_before_body
 from router.auth import Principal
-from router.charges import decode_correction
+from router.charges import decode_correction, quota_refunded
 from router.config import RouterConfig, SloClassConfig
 from router.core import CoreRequest, Grant, Refused, tenant_shares
-from router.endpoints import AuxEndpoints, answer_response, openai_error
+from router.endpoints import AuxEndpoints, answer_response, metrics_http_errors, openai_error, openai_http_errors
 from router.ledger import CONCURRENCY_RETRY_MS, Refusal, TenantLimits
-from router.openai_surface import REFUSED_PATHS, RELAYED_PATHS, model_not_found, unsupported
+from router.openai_surface import REFUSED_PATHS, RELAYED_PATHS, model_not_found
 from router.placement import largest_max_prompt
 from router.prefix_index import text_block_keys
 from router.relay import RelayOutcome, UpstreamAbort
@@ -74,11 +74,6 @@ STREAM_SHAPE = web.RequestKey("fairbatch_stream_shape", tuple)
 
 SILENCE_GRACE_S = 5.0
 """Wall seconds added to twice a class's stall timeout before a silent agent is given up (:meth:`Router.silence_s`)."""
-
-openai_http_errors = error_middleware("router", not_found=unsupported)  # any unrouted path: unsupported_endpoint
-metrics_http_errors = error_middleware("router")  # the metrics port serves no OpenAI path
-"""aiohttp's own HTTP errors (404, 405, 413), :class:`ApiError` refusals and our own bugs (500 with the
-request id) as OpenAI-format JSON, like every other answer of the router."""
 
 
 class Router(AuxEndpoints):
@@ -249,7 +244,10 @@ class Router(AuxEndpoints):
             return self._answer(tenant_over(quota.reason, principal.tenant, self.clock.to_wall_s(quota.retry_after_ms)))
         self.core.track_prefix(req)
         try:
-            return await self._serve_placed(request, principal, raw, req, valid.stream)
+            outcome, response = await self._serve_placed(request, principal, raw, req, valid.stream)
+            if quota_refunded(outcome, response.prepared):  # router/charges.py: nothing was generated
+                self._spawn(self.ledger.refund(quota, limits))
+            return outcome, response
         finally:
             self.core.forget_prefix(request_id)
             self._spawn(self.ledger.release(quota))
@@ -263,10 +261,11 @@ class Router(AuxEndpoints):
         core = self.core
         tries = core.attempts(self.max_relay_tries)  # router/admission.py: bounds, exclusions
         slo = principal.slo
+        grant: Grant | None = None
         while tries.next_try():
             # after an inline refusal: placed elsewhere at once when another replica fits, else
             # queued for any replica (the refusing one's answer already updated the view)
-            got = await self._acquire(req, tries.exclude, tries.refused_on)
+            got = await self._acquire(req, tries.exclude, tries.refused_on, grant)
             if isinstance(got, Refused):
                 if got.reason == "no-replica":
                     break
@@ -332,10 +331,7 @@ class Router(AuxEndpoints):
         headers["x-fairbatch-slo-class"] = principal.slo_class
         headers["x-fairbatch-tenant"] = principal.tenant
         headers["x-fairbatch-queued-ms"] = f"{queued_ms:.3f}"
-        if grant.inline:
-            headers["x-fairbatch-admit"] = str(grant.prompt_tokens)
-        else:
-            headers["x-fairbatch-lease"] = grant.lease_id
+        grant.add_headers(headers)  # the agent's admission: lease, inline admit (+ on-time) or direct (router/core.py)
         # x-fairbatch-request-id: the router's own id, the one the agent and the engine log (the client's
         # x-request-id is only echoed), so a client can find its request in the replica's logs
         response_headers = {"x-request-id": request.get(REQUEST_ID) or request_id, "x-fairbatch-replica": grant.replica_id,

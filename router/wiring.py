@@ -26,7 +26,7 @@ from fairbatch_common.clock import Clock
 from fairbatch_common.telemetry import make_tracer
 from router.admission import MAX_RELAY_TRIES
 from router.admission_queue import Dispatcher, PlacementFailed, QueueTimeout, WaitingRequest
-from router.answers import Answer, placement_error, queue_expired, queue_full, slo_infeasible
+from router.answers import Answer, placement_error, queue_cap, queue_expired, queue_full, slo_infeasible
 from router.auth import ApiKeyAuthenticator, Principal
 from router.budget_client import BudgetClient, ReserveResult
 from router.budgets import BudgetBook
@@ -316,6 +316,7 @@ class RouterWiring:
     # ------------------------------------------------------------------ leases
 
     async def _acquire(self, req: CoreRequest, exclude: frozenset[str], avoid_now: frozenset[str] = frozenset(),
+                       previous: Grant | None = None,
                        on_queued: Callable[[WaitingRequest], Awaitable[None]] | None = None) -> Grant | Refused:
         """A lease for this request: the core's answer (router/core.py ``RouterCore.acquire``),
         waiting for the dispatcher when it was queued. Charged once granted. Both drivers of the
@@ -323,12 +324,13 @@ class RouterWiring:
         (router/ext_proc.py).
 
         ``avoid_now``: replicas left out of the immediate placement only (an inline admission they
-        refused); the queue entry may use them again once their budget frees. ``on_queued``: awaited
-        once the request waits in the queue, before the wait (the picker extends Envoy's message
-        timeout there); the wait is bounded by the entry's deadline either way.
+        refused); the queue entry may use them again once their budget frees. ``previous``: the
+        request's last grant (a baseline profile's refused one goes to its next candidate).
+        ``on_queued``: awaited once the request waits in the queue, before the wait (the picker
+        extends Envoy's message timeout there); the wait is bounded by the entry's deadline either way.
         """
         with self.tracer.start_as_current_span("router.placement") as span:
-            got = await self.core.acquire(req, exclude, avoid_now)
+            got = await self.core.acquire(req, exclude, avoid_now, previous)
             if isinstance(got, Placed):
                 span.set_attribute("fairbatch.replica", got.grant.replica_id)
         if isinstance(got, Refused):
@@ -366,8 +368,8 @@ class RouterWiring:
 
     def _refusal_answer(self, got: Refused, principal: Principal, slo: SloClassConfig) -> Answer:
         """The answer of one of the core's refusals (router/answers.py), for either driver."""
-        if got.reason == "queue-full":
-            return queue_full()
+        if got.reason in ("queue-full", "queue-cap"):
+            return queue_full() if got.reason == "queue-full" else queue_cap()
         if got.reason == "placement-error":
             return placement_error(got.detail)
         if got.reason == "slo-infeasible" and not got.queued:  # predicted at arrival
@@ -390,9 +392,9 @@ class GrpcReserve:
         self._router = router
 
     async def reserve(self, replica_id: str, slo_class: str, prompt_tokens: int, request_id: str,
-                      max_tokens: int, waited_ms: float) -> ReserveResult:
+                      max_tokens: int, waited_ms: float, on_time_only: bool = False) -> ReserveResult:
         return await self._router.budgets.reserve(replica_id, slo_class, prompt_tokens, request_id, max_tokens,
-                                                  waited_ms)  # fmt: skip
+                                                  waited_ms, on_time_only)  # fmt: skip
 
     def release(self, lease_id: str, reason: str) -> None:
         self._router._spawn(self._router.budgets.release(lease_id, reason))

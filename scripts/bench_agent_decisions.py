@@ -75,7 +75,7 @@ def run(n_requests: int, seed: int, streams: int = 50, tokens: int = 64, step_ms
     prof = load_profile("llama-3-8b-a100")
     cfg = AgentConfig(replica_id="r0", time_model=prof.time_model, slo_classes=(SloClass("interactive", 2000.0, 200.0),),
                       default_slo_class="interactive", kv_capacity_tokens=400_000, metrics_stale_ms=1e12,
-                      calibration=CalibratorConfig(refit_every=8))  # the agent CLI's default
+                      calibration=CalibratorConfig(refit_every=4))  # the agent CLI's default
     agent = Agent(cfg, Clock(1.0))
     # an older checkout's parser takes no memo: the scraper's memo when there is one
     memo: dict | None = {} if "memo" in inspect.signature(parse_engine_metrics).parameters else None

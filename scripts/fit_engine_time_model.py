@@ -371,6 +371,114 @@ def fit_pair(name: str) -> dict:
     }
 
 
+# ---- the Splitwise engine model (an independent second engine) -----------------------------------
+
+SPLITWISE_CSV = "splitwise_llama2-70b_h100-80gb_tp4.csv"
+"""Splitwise's end-to-end measurements of Llama-2-70B on DGX-H100 at TP4 (vendored rows; SOURCES.md)."""
+
+SPLITWISE_PROFILE = "llama-2-70b-h100-tp4"
+SPLITWISE_NAME = "llama-2-70b-h100-tp4-splitwise"
+E_OVER_F = 1.134e-7 / 1.198e-7
+"""``e / f`` of the Splitwise model: the ratio of the chunk x prefix and chunk^2 coefficients of the prefill
+attention surrogate (docs/engine-time-model.md, fitted to Vidur's A100 attention table), since Splitwise
+never prefills over a prefix and cannot tell ``e`` apart."""
+
+
+def splitwise_points(rows: Sequence[dict[str, str]]) -> list[tuple[str, list[tuple[int, int]], float, int]]:
+    """The steps of the Splitwise rows: ``(label, items, median ms, repeats)``, one per distinct configuration.
+
+    - A prefill: ``prompt_time`` (ms) is one iteration that prefills ``batch_size`` prompts of
+      ``prompt_size`` tokens: items ``[(prompt_size, 0)] * batch_size``. One point per distinct
+      (prompt_size, batch_size), the median over its rows (the output-length sweep repeats the
+      512-token prefill: 35 rows for (512, 1)).
+    - A decode: ``token_time`` (ms) is the mean decode iteration of the run (``e2e_time = prompt_time +
+      (token_size - 1) * token_time`` on these rows): ``batch_size`` sequences of one new token each; decode
+      j = 1 .. O - 1 reads ``P + j - 1`` tokens, so the mean iteration reads ``P + (O - 2) / 2``; the form is
+      linear in its features, so the mean step time is the step time at the mean features. One point per
+      distinct (prompt_size, batch_size, token_size), the median over its rows (15 for 512/1/128).
+    """
+    pre: dict[tuple[int, int], list[float]] = {}
+    dec: dict[tuple[int, int, int], list[float]] = {}
+    for r in rows:
+        p, b, o = int(r["prompt_size"]), int(r["batch_size"]), int(r["token_size"])
+        pre.setdefault((p, b), []).append(float(r["prompt_time"]))
+        dec.setdefault((p, b, o), []).append(float(r["token_time"]))
+    out = []
+    for (p, b), ms in sorted(pre.items()):
+        out.append((f"prefill {b} x {p}", [(p, 0)] * b, float(np.median(ms)), len(ms)))
+    for (p, b, o), ms in sorted(dec.items()):
+        out.append((f"decode B={b} prompt {p} out {o}", [(1, p + (o - 2) // 2)] * b, float(np.median(ms)), len(ms)))
+    return out
+
+
+def splitwise_noise_sigma(rows: Sequence[dict[str, str]]) -> tuple[float, dict[str, float]]:
+    """``noise_sigma`` from the run-to-run spread of Splitwise's single-step measurements (``prompt_time``).
+
+    Each prompt_time is one engine iteration; the rows of one (prompt_size, batch_size) repeat it. With
+    ``r = ln(t / median of its configuration)`` over all rows, ``sigma = mean |r| / sqrt(2 / pi)``: the
+    log-normal whose mean absolute log deviation is the measured one (the spread is heavy-tailed: most
+    repeats agree within 1 %, about one in nine is 10-20 % slower; a robust MAD estimate is given too).
+    ``token_time`` rows are means over >= 127 iterations and say nothing about one step's spread.
+    """
+    by: dict[tuple[int, int], list[float]] = {}
+    for r in rows:
+        by.setdefault((int(r["prompt_size"]), int(r["batch_size"])), []).append(float(r["prompt_time"]))
+    dev = np.concatenate([np.log(v) - np.log(np.median(v)) for v in map(np.array, by.values())])
+    sigma = float(np.mean(np.abs(dev))) / math.sqrt(2.0 / math.pi)
+    return sigma, {
+        "rows": int(dev.size), "configurations": len(by),
+        "mean_abs_log_dev": round(float(np.mean(np.abs(dev))), 4),
+        "sigma_mad": round(1.4826 * float(np.median(np.abs(dev))), 4),
+        "share_over_5pct": round(float(np.mean(np.abs(dev) > 0.05)), 3),
+    }
+
+
+def fit_splitwise() -> dict:
+    """Fit the Splitwise engine model (docs/engine-time-model.md, "A second engine model: Splitwise").
+
+    The form of the shipped files, ``a + b*new + c*context + d*seqs + e*sum(chunk*prefix) + f*sum(chunk^2)``,
+    fitted by relative-error least squares (:func:`fit_relative`, coefficients >= 0) to the
+    :func:`splitwise_points` of the vendored rows, with ``e = E_OVER_F * f`` (one column
+    ``E_OVER_F * cross + chunk^2``); ``noise_sigma`` from :func:`splitwise_noise_sigma`.
+    Returns the JSON of the engine-time file plus a ``report`` (every point: measured, fitted).
+    """
+    rows = _read(SPLITWISE_CSV)
+    pts = splitwise_points(rows)
+    x6 = np.array([features([c for n, c in items if n == 1], [(n, c) for n, c in items if n > 1])
+                   for _, items, _, _ in pts])  # fmt: skip
+    y = np.array([ms for _, _, ms, _ in pts])
+    x5 = np.column_stack([x6[:, :4], E_OVER_F * x6[:, 4] + x6[:, 5]])
+    a, b, c, d, f = fit_relative(x5, y)
+    coef = np.array([a, b, c, d, E_OVER_F * f, f])
+    pred = x6 @ coef
+    rel = (pred - y) / y
+    kinds = np.array([lab.split()[0] for lab, _, _, _ in pts])
+    by_kind = {k: {"n": int((kinds == k).sum()), "mean_rel_err": round(float(np.abs(rel[kinds == k]).mean()), 4),
+                   "max_rel_err": round(float(np.abs(rel[kinds == k]).max()), 4)} for k in ("prefill", "decode")}  # fmt: skip
+    by_kind["all"] = {"n": int(rel.size), "mean_rel_err": round(float(np.abs(rel).mean()), 4),
+                      "max_rel_err": round(float(np.abs(rel).max()), 4)}  # fmt: skip
+    sigma, noise = splitwise_noise_sigma(rows)
+    model = {k: float(f"{v:.6g}") for k, v in zip(("a_ms", "b_ms", "c_ms", "d_ms", "e_ms", "f_ms"), coef, strict=True)}
+    return {
+        **model,
+        "noise_sigma": round(sigma, 4),
+        "seed": 0,
+        "meta": {
+            "profile": SPLITWISE_PROFILE,
+            "fitted_by": "scripts/fit_engine_time_model.py fit_splitwise (docs/engine-time-model.md)",
+            "data": [SPLITWISE_CSV],
+            "source": "Mutinifni/splitwise-sim data/perf_model.csv @ 8f99e7dc (MIT; Patel et al., Splitwise, ISCA 2024): "
+                      "end-to-end measurements, Llama-2-70B, DGX-H100, TP4",
+            "points": int(rel.size), "rows": len(rows),
+            "e_over_f": round(E_OVER_F, 4),
+            "error_by_kind": by_kind,
+            "noise": {"sigma_from": "Splitwise prompt_time repeats (single steps), mean |ln(t / median)| / sqrt(2/pi)",
+                      **noise},
+        },
+        "report": {"points": [(lab, ms, float(p)) for (lab, _, ms, _), p in zip(pts, pred, strict=True)]},
+    }
+
+
 def _linear_policy_model(name: str) -> TimeModel:
     """The policies' linear model of this profile (replica_agent/profiles.py, variant all_batches)."""
     return load_profile(name).time_model
@@ -407,6 +515,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = Path(args.out_dir) / f"{name}.json"
             out.write_text(json.dumps(res, indent=1) + "\n")
             print(f"   wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+    res = fit_splitwise()
+    rep = res.pop("report")
+    m = res["meta"]
+    print(f"== {SPLITWISE_NAME} (Splitwise, {m['points']} points of {m['rows']} rows): "
+          + ", ".join(f"{k}={res[k]:.6g}" for k in ("a_ms", "b_ms", "c_ms", "d_ms", "e_ms", "f_ms"))
+          + f", noise_sigma={res['noise_sigma']} ({m['noise']})")  # fmt: skip
+    for k, v in m["error_by_kind"].items():
+        print(f"   {k:<12} n={v['n']:<5} mean {100 * v['mean_rel_err']:5.1f} %  max {100 * v['max_rel_err']:5.1f} %")
+    for lab, ms, p in rep["points"]:
+        print(f"   {lab:<32} measured {ms:8.1f}  fit {p:8.1f}  ({100 * (p / ms - 1):+5.1f} %)")
+    if not args.dry_run:
+        out = Path(args.out_dir) / f"{SPLITWISE_NAME}.json"
+        out.write_text(json.dumps(res, indent=1) + "\n")
+        print(f"   wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
     return 1 if args.check and bad else 0
 
 

@@ -246,6 +246,8 @@ class Setup:
     windows: int = 0
     prefix_caching: bool = True
     work_shed: WorkShedSettings | None = None
+    contention_max_inflight: int = 32
+    max_bypass: int = 8
 
 
 def add_point_args(ap: argparse.ArgumentParser, *, trace: str | None, ttft_ms: float, duration_s: float,
@@ -294,6 +296,7 @@ def fleet_config(setup: Setup, policy: str) -> FleetConfig:
         engine_time=setup.engine_time, start_window_steps=setup.start_window_steps,
         lease_mode=setup.lease_mode, min_push_interval_ms=setup.min_push_interval_ms,
         prefix_caching=setup.prefix_caching, work_shed=setup.work_shed,
+        contention_max_inflight=setup.contention_max_inflight, max_bypass=setup.max_bypass,
     )  # fmt: skip
 
 
@@ -509,6 +512,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-s", type=float, default=0.0,
                    help="requests arriving in the first this many seconds load the fleet but are not counted "
                         "(steady state: the window measured is [warmup, duration])")
+    p.add_argument("--contention-max-inflight", type=int, default=32,
+                   help="pab routers: admission.contention_max_inflight (router default 32; 0 = off)")
+    p.add_argument("--max-bypass", type=int, default=8,
+                   help="pab routers: queue.max_bypass, entries admitted behind a blocked head before it gets a "
+                        "held replica (router default 8)")
     p.add_argument("--queue", choices=("fair",), default="fair",
                    help="admission queue of the pab routers (the router's weighted fair queue)")
     p.add_argument("--queue-cap-tokens", type=int, default=None,
@@ -572,7 +580,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   not args.no_leases, args.max_model_len, args.seed, max_tokens, max_seqs,
                   args.window_offset, engine_time, args.warmup_s, args.start_window_steps, args.lease_mode,
                   args.min_push_interval_ms, args.windows or args.replicas, not args.no_prefix_caching,
-                  work_shed)  # fmt: skip
+                  work_shed, args.contention_max_inflight, args.max_bypass)  # fmt: skip
     if not 0.0 <= args.warmup_s < args.duration_s:
         raise SystemExit("bench-fleet: --warmup-s must be in [0, --duration-s)")
     t0 = time.perf_counter()

@@ -138,13 +138,15 @@ class WorkModel:
     @classmethod
     def of(cls, model: EngineTimeModel | TimeModel) -> WorkModel:
         """From the engine's model (its ``e`` and ``d`` apply to every sequence) or a policy TimeModel
-        (``--engine-time-model policy``: ``e`` over prefill chunks only, ``d_ms_per_decode`` per decode where
-        the TimeModel has one; no noise)."""
+        (``--engine-time-model policy``: ``e`` over prefill chunks only, ``d_ms_per_decode`` per decode and
+        ``f_ms_per_chunk_sq`` where the TimeModel has them; the bound's f also falls on each decode's chunk
+        of 1, f ms more per decode; no noise)."""
         if isinstance(model, EngineTimeModel):
             return cls(model.a_ms, model.b_ms, model.c_ms, model.d_ms, model.e_ms, model.f_ms, model.e_ms, 0.0,
                        math.exp(model.noise_sigma**2 / 2.0))  # fmt: skip
         return cls(model.a_ms, model.b_ms_per_new_token, model.c_ms_per_context_token, 0.0,
-                   model.e_ms_per_chunk_prefix, 0.0, 0.0, float(getattr(model, "d_ms_per_decode", 0.0)))  # fmt: skip
+                   model.e_ms_per_chunk_prefix, float(getattr(model, "f_ms_per_chunk_sq", 0.0)), 0.0,
+                   float(getattr(model, "d_ms_per_decode", 0.0)))  # fmt: skip
 
 
 def shared_prefix_tokens(

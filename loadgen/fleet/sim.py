@@ -27,8 +27,13 @@ by events on one heap:
   refusal, tests/unit/test_router_sim_parity.py); ``take_local`` before each Reserve and
   ``apply_reserve`` with the answer; up to 3 Reserve candidates per placement; placement and
   Reserve both get ``waited_ms = now - arrival at the router``.
-- routers (baselines, loadgen/fleet/baselines.py): placement on router-local outstanding counts
-  or scraped engine metrics, no router queue.
+- routers (baselines: the placement profiles of router/placement/baselines.py): the same core
+  (router/core.py), whose baseline path places at once on router-local outstanding counts or
+  scraped engine metrics (:class:`~router.placement.RouterLoad`), no router queue, no lease; each
+  router's book holds one snapshot per replica that never goes stale (healthy, the fleet's time
+  model and max length), and every ``SCRAPE`` delivers the engine's running and waiting requests
+  and KV usage to every router's book at once, as the agents' snapshots carry them to the real
+  router (router/core.py ``RouterCore.refresh_load``).
 
 Events (simulated ms): ``ARRIVE`` (client request at a router; routers are chosen uniformly at
 random with the seeded RNG, as behind an L4 load balancer), ``FORWARD`` (request reaches a
@@ -71,7 +76,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from loadgen.fleet.baselines import BASELINE_POLICIES, MetricsSample, RouterLoad, fleet_registry
 from loadgen.sim.engine import EngineConfig, SimEngine, StepResult
 from loadgen.sim.engine_time import EngineTimeModel
 from loadgen.sim.prefix_cache import block_hashes_from_ids, chain_hashes
@@ -90,6 +94,7 @@ from replica_agent.policy.pab import (
     class_budget,
 )
 from replica_agent.policy.prefill_eta import inflight_schedule
+from replica_agent.policy.queue_cap import over_queue_cap
 from replica_agent.policy.reserve import reserve_decision
 from replica_agent.policy.time_model import TimeModel
 from router.admission import RelayAttempts
@@ -97,7 +102,7 @@ from router.autoscale import FleetSignal, Stabilizer, pab_desired, waiting_desir
 from router.budget_client import ReserveResult
 from router.config import RouterConfig
 from router.core import CoreRequest, Grant, Placed, Queued, RouterCore
-from router.placement import DEFAULT_MAX_CANDIDATES, PlacementRequest, ReplicaView
+from router.placement import BASELINE_POLICIES
 from router.prefix_correction import PrefixCorrection
 from router.prefix_index import PrefixIndex
 from router.work_shed import BUDGET_REASONS, REASON as WORK_SHED_REASON, WorkShed, WorkShedSettings
@@ -133,8 +138,6 @@ def placement_name(policy: str) -> str:
     """The placement policy of a fleet policy: ``least-outstanding+fairbatching`` -> ``least-outstanding``."""
     return policy.removesuffix("+fairbatching") if POLICIES[policy][0] != "pab" else "pab"
 
-MAX_RESERVE_CANDIDATES = DEFAULT_MAX_CANDIDATES  # Reserve calls per placement (as router/server.py)
-"""Reserve calls (or forwards for static-queue-cap) per placement, as router/server.py."""
 
 SLO_CLASS = "interactive"
 
@@ -246,6 +249,10 @@ class FleetConfig:
         prefix_caching: the engines' automatic prefix caching (vLLM's default; loadgen/sim/kv_cache.py).
         prefix_block_tokens: tokens per id of ``FleetRequest.prefix_ids`` (512 for Mooncake); also
             the unit of the routers' prefix maps, which hold about one replica's KV cache each.
+        contention_max_inflight: the ``pab`` routers' contention cap (router/config.py
+            ``admission.contention_max_inflight``; the router's default 32, 0 = off).
+        max_bypass: entries admitted behind a blocked queue head before it gets a held replica
+            (``queue.max_bypass``; the router's default 8).
         placement_hooks: post-decision hooks of the ``pab`` routers' placement (router/config.py
             ``placement.hooks``; router/placement/hooks/), told of every granted placement.
         work_shed: ``pab`` routers with a sheddable class refuse, under contention, the arrivals of
@@ -287,12 +294,14 @@ class FleetConfig:
     seed: int = 0
     engine_time: EngineTimeModel | None = None
     online_time_model: bool = True
-    calibration: CalibratorConfig = field(default_factory=lambda: CalibratorConfig(refit_every=8))
+    calibration: CalibratorConfig = field(default_factory=lambda: CalibratorConfig(refit_every=4))
     autoscale: AutoscaleConfig | None = None
     prefix_caching: bool = True
     prefix_block_tokens: int = 512
     work_shed: WorkShedSettings | None = None
     placement_hooks: tuple[str, ...] = ()
+    contention_max_inflight: int = 32
+    max_bypass: int = 8
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -399,6 +408,9 @@ class _Snapshot:
     prefix_queries_tokens: int = 0
     prefix_hits_tokens: int = 0
     inline_admission: bool = True  # the simulated agents decide inline admissions on arrival
+    num_running: int = 0  # the engine's metrics (the baselines' scrapes)
+    num_waiting: int = 0
+    kv_usage: float = 0.0
 
 
 @dataclass(slots=True)
@@ -434,12 +446,15 @@ def sim_router_config(cfg: FleetConfig, seed: int) -> RouterConfig:
     """The router configuration a fleet's ``pab`` routers run (router/config.py), from ``cfg``: one
     class (``SLO_CLASS``: its TTFT, TPOT, sheddability and max queue time), the tenants of
     ``tenant_weights`` (``t0`` when none), the queue bounds, the admission settings (lease mode,
-    start window of ``max_num_batched_tokens``-token steps, work shedding) and, for the
-    prefix-aware policies, the prefix map (one key per ``prefix_block_tokens`` tokens, about one
-    KV cache remembered per replica). Everything else is the router's default, as a user gets it:
+    start window of ``max_num_batched_tokens``-token steps, work shedding), the placement profile
+    (``pab``, or the baseline of a direct policy, router/placement/baselines.py, with
+    ``queue_cap_tokens`` for ``static-queue-cap``) and, for the prefix-aware policies, the prefix map
+    (one key per ``prefix_block_tokens`` tokens, about one KV cache remembered per replica).
+    Everything else is the router's default, as a user gets it:
     among them the contention cap (``admission.contention_max_inflight``, 32) and the dispatcher's
     holds (``queue.max_bypass``, 8)."""
     ws = cfg.work_shed
+    profile = placement_name(cfg.policy)
     return RouterConfig.model_validate({
         "model": "fleet-sim",
         "slo_classes": {SLO_CLASS: {"ttft_ms": cfg.ttft_ms, "tpot_ms": cfg.tpot_ms, "sheddable": cfg.sheddable,
@@ -447,15 +462,19 @@ def sim_router_config(cfg: FleetConfig, seed: int) -> RouterConfig:
         "tenants": {t: {"weight": w, "slo_class": SLO_CLASS} for t, w in (cfg.tenant_weights or (("t0", 1.0),))},
         "replicas": [{"id": f"r{i}", "http_url": f"http://127.0.0.1:{i + 1}", "grpc_target": f"127.0.0.1:{i + 1}"}
                      for i in range(cfg.replicas)],
-        "queue": {"max_requests": cfg.queue_max_requests, "max_tokens": cfg.queue_max_tokens},
+        "queue": {"max_requests": cfg.queue_max_requests, "max_tokens": cfg.queue_max_tokens,
+                  "max_bypass": cfg.max_bypass},
         "admission": {
+            "contention_max_inflight": cfg.contention_max_inflight,
             "lease_mode": cfg.lease_mode if cfg.leases else "reserve", "bytes_per_token": 4.0,
             "start_window_steps": cfg.start_window_steps, "step_tokens": cfg.max_num_batched_tokens,
             "work_shed": {"enabled": True, "gain": ws.gain, "max_share": ws.max_share, "window": ws.window,
                           "horizon": ws.horizon, "min_samples": ws.min_samples}
             if ws is not None and cfg.sheddable else {},
         },
-        "placement": {"seed": seed, "hooks": list(cfg.placement_hooks), "prefix_cache": {
+        "placement": {"seed": seed, "hooks": list(cfg.placement_hooks), "profile": profile,
+                      "params": {"queue_cap_tokens": cfg.queue_cap_tokens} if profile == "static-queue-cap" else {},
+                      "prefix_cache": {
             "enabled": cfg.policy in PREFIX_POLICIES, "chunk_chars": 4 * cfg.prefix_block_tokens,
             "capacity_tokens": max(cfg.prefix_block_tokens, cfg.kv_capacity_tokens)}},
     })  # fmt: skip
@@ -475,10 +494,10 @@ class _SimReserve:
         self._n = 0
 
     async def reserve(self, replica_id: str, slo_class: str, prompt_tokens: int, request_id: str,
-                      max_tokens: int, waited_ms: float) -> ReserveResult:
+                      max_tokens: int, waited_ms: float, on_time_only: bool = False) -> ReserveResult:
         sim = self.sim
         ri = sim.index_of[replica_id]
-        granted, lease_id, after = sim.reserve(ri, prompt_tokens, self.clock.t, waited_ms)
+        granted, lease_id, after = sim.reserve(ri, prompt_tokens, self.clock.t, waited_ms, on_time_only)
         sim.stats.reserve_answers += 1
         if not granted:
             self.refusals[request_id] = self.refusals.get(request_id, 0) + 1
@@ -570,7 +589,8 @@ def replica_state(engine: SimEngine, leases: LeaseTable, now_ms: float, margin_f
 
 
 class _Router:
-    """One router copy: its view, placement policy, queue and dispatcher (pab) or load (baselines)."""
+    """One router copy: the shipped router's core (router/core.py) on simulated ports, for every
+    policy (``pab``: budgets, queue, dispatcher; baselines: the direct path and its load view)."""
 
     def __init__(self, sim: FleetSim, index: int) -> None:
         self.sim = sim
@@ -580,35 +600,25 @@ class _Router:
         self.kind = POLICIES[cfg.policy][0]
         self.ids = [r.rid for r in sim.replicas]
         self.id_set = frozenset(self.ids)
-        reg = fleet_registry()
         seed = cfg.seed * 1000 + index
-        self.load = RouterLoad({rid: 0 for rid in self.ids}, {rid: MetricsSample() for rid in self.ids})
         self.pass_at: float | None = None  # time of the pending dispatcher pass, None when none
         self.pass_token = 0  # a _DISPATCH event with an older token was superseded by an earlier pass
         self.last_pass_ms = float("-inf")
-        # the router's prefix map (prefix-aware policies only), about one replica's KV cache per replica
-        self.prefix: PrefixIndex | None = None
-        # pab routers discount the map by the engines' measured hits (router/prefix_correction.py), as router/server.py
-        self.prefix_correction: PrefixCorrection | None = None
-        self.work_shed: WorkShed | None = None
-        if self.kind == "pab":  # the shipped router's core (router/core.py), on simulated ports
-            self.reserve_port = _SimReserve(sim, self.clock)
-            self.core = RouterCore(sim_router_config(cfg, seed), self.clock, self.reserve_port,  # type: ignore[arg-type]
-                                   _unset_future, seed, replica_ids=self.ids, observe_placement=sim.sample_decision)
-            self.book = self.core.book
-            self.queue: Any = self.core.queue
-            self.dispatcher = self.core.dispatcher
-            self.policy = self.core.policy
-            self.prefix = self.core.prefix
-            self.prefix_correction = self.core.prefix_correction
-            self.work_shed = self.core.work_shed
-        else:
-            if cfg.policy in PREFIX_POLICIES:  # SGLang / vllm-router / llm-d keep a map of their own decisions
-                self.prefix = PrefixIndex(max(1, cfg.kv_capacity_tokens // cfg.prefix_block_tokens),
-                                          cfg.prefix_block_tokens)  # fmt: skip
-            self.policy = reg.build(placement_name(cfg.policy), load=self.load, seed=seed)
-            tm = cfg.time_model
-            self.static_views = [ReplicaView(rid, True, True, tm, {}, cfg.max_model_len) for rid in self.ids]
+        self.reserve_port = _SimReserve(sim, self.clock)
+        self.core = RouterCore(sim_router_config(cfg, seed), self.clock, self.reserve_port,  # type: ignore[arg-type]
+                               _unset_future, seed, replica_ids=self.ids, observe_placement=sim.sample_decision)
+        self.book = self.core.book
+        self.queue: Any = self.core.queue
+        self.dispatcher = self.core.dispatcher
+        self.policy = self.core.policy
+        # the router's prefix map (prefix-aware policies only), about one replica's KV cache per replica;
+        # pab routers discount it by the engines' measured hits (router/prefix_correction.py), baselines do not
+        self.prefix: PrefixIndex | None = self.core.prefix
+        self.prefix_correction: PrefixCorrection | None = self.core.prefix_correction
+        self.work_shed: WorkShed | None = self.core.work_shed
+        if self.kind != "pab":  # healthy replicas that never go stale: the baselines' views (module docstring)
+            for rid in self.ids:
+                self.book.update(rid, sim.metrics_snapshot(rid))
 
     # ------------------------------------------------------------ pab path
 
@@ -661,17 +671,17 @@ class _Router:
         st = sim.states[idx]
         st.router = self.index
         now = self.clock.t
-        if self.kind != "pab":
-            self._forward_direct(idx, frozenset())
-            return
         core = self.core
         creq = self.core_request(idx)
-        # work-aware admission under contention (router/work_shed.py), once per new request
+        # work-aware admission under contention (router/work_shed.py), once per new request (never a baseline's)
         if not avoid and st.attempts is None and core.refuse_by_work(creq, self.book.views(now)):
             sim.reject(idx, WORK_SHED_REASON)
             return
         core.track_prefix(creq)
-        got = _drive(core.acquire(creq, frozenset(), avoid))  # router/core.py: placed, queued or refused
+        # a baseline router does not pick a replica with no pod, starting or draining (autoscale); pab routers
+        # see such a replica's agent report unhealthy
+        exclude = sim.not_serving(now) if self.kind != "pab" else frozenset()
+        got = _drive(core.acquire(creq, exclude, avoid))  # router/core.py: placed, queued or refused
         if isinstance(got, Placed):
             self._granted(idx, got.grant)
         elif isinstance(got, Queued):
@@ -679,8 +689,8 @@ class _Router:
             fut.on_result = lambda g, i=idx: self._granted(i, g)
             fut.on_error = lambda e, i=idx: self._rejected(i, getattr(e, "reason", "queue-timeout"))
             self.wake()
-        else:
-            self._rejected(idx, got.reason)
+        else:  # a direct placement that found no replica is named by the filter that left none
+            self._rejected(idx, got.detail if got.reason == "no-replica" and got.detail else got.reason)
 
     def refused(self, idx: int, ri: int, after: ClassBudget | None) -> None:
         """An inline admission came back refused (router/server.py ``_serve_placed``): the core's
@@ -720,29 +730,13 @@ class _Router:
             st.grant = None
         self.core.forget_prefix(str(idx))
 
-    # ------------------------------------------------------------ baselines
-
-    def _forward_direct(self, idx: int, exclude: frozenset[str]) -> None:
-        sim = self.sim
-        req = sim.requests[idx]
-        t0 = time.perf_counter()
-        exclude = exclude | sim.not_serving(self.clock.t)
-        cached: dict[str, int] = {}
-        keys: list[int] = []
-        if self.prefix is not None:
-            keys = sim.router_keys(idx)
-            cached = self.prefix.cached_tokens(keys, req.prompt_tokens)
-        result = self.policy.place(PlacementRequest(SLO_CLASS, req.prompt_tokens, exclude, cached_tokens=cached),
-                                   self.static_views)  # fmt: skip
-        sim.sample_decision(time.perf_counter() - t0)
-        if not result.candidates:
-            sim.reject(idx, result.reason or "no-replica")
-            return
-        cands = [sim.index_of[c] for c in result.candidates[:MAX_RESERVE_CANDIDATES]]
-        if self.prefix is not None:  # SGLang / vllm-router / llm-d learn from their own decision
-            self.prefix.insert(result.candidates[0], keys)
-        self.load.add(sim.replicas[cands[0]].rid, req.prompt_tokens + req.output_tokens)
-        sim.push_event(self.clock.t + sim.cfg.net_delay_ms, _FORWARD, idx, tuple(cands))
+    def redirect(self, idx: int) -> Grant | None:
+        """Request ``idx``'s replica refused it (static-queue-cap): the core's next candidate (router/core.py
+        ``RouterCore.redirect``), or None when none is left."""
+        st = self.sim.states[idx]
+        assert st.grant is not None, "a refused request had a grant"
+        st.grant = self.core.redirect(st.grant, self.core_request(idx))
+        return st.grant
 
 
 class FleetSim:
@@ -766,6 +760,7 @@ class FleetSim:
             for i in range(cfg.replicas)
         ]
         self.index_of = {r.rid: i for i, r in enumerate(self.replicas)}
+        self._metrics_seq = 0  # seq of the baselines' metric snapshots
         self.routers = [_Router(self, i) for i in range(cfg.routers)]
         self._heap: list[tuple[float, int, int, int, Any]] = []
         self._seq = 0
@@ -810,7 +805,7 @@ class FleetSim:
     # ------------------------------------------------------------ agent side
 
     def reserve(
-        self, ri: int, prompt_tokens: int, now_ms: float, waited_ms: float = 0.0
+        self, ri: int, prompt_tokens: int, now_ms: float, waited_ms: float = 0.0, on_time_only: bool = False
     ) -> tuple[bool, str, ClassBudget | None]:
         """The agent's Reserve (plugin mode): grant a lease when the prompt fits PAB now, over the
         class horizon minus ``waited_ms`` (``pab.admits``, as ``Agent.reserve``). The budget
@@ -821,7 +816,8 @@ class FleetSim:
             self.stats.grants += 1
             return True, "", None
         state = replica_state(rep.engine, rep.leases, now_ms, cfg.margin_frac)
-        reason, fit_budget = reserve_decision(prompt_tokens, state, self.slo, waited_ms, True, cfg.max_model_len)
+        reason, fit_budget = reserve_decision(prompt_tokens, state, self.slo, waited_ms, True, cfg.max_model_len,
+                                              on_time_only)  # fmt: skip
         # the answer carries the fresh-arrival budget: the fit's own when the request has not waited
         before = fit_budget if not waited_ms and fit_budget is not None else class_budget(state, self.slo)
         if reason:
@@ -834,12 +830,16 @@ class FleetSim:
         return True, lease_id, after
 
     def forward_granted(self, idx: int, grant: Grant, now_ms: float, refusals: int = 0) -> None:
-        """Send a granted request to its replica: one hop after an inline admission, else after
-        the Reserve round trips (``refusals`` refused ones first) and the hop."""
+        """Send a granted request to its replica: one hop after a direct grant (a baseline's) or an
+        inline admission, else after the Reserve round trips (``refusals`` refused ones first) and
+        the hop."""
         d = self.cfg.net_delay_ms
         st = self.states[idx]
         st.lease_id = grant.lease_id
         ri = self.index_of[grant.replica_id]
+        if grant.direct:  # a baseline's placement: forwarded at once, no lease
+            self.push_event(now_ms + d, _FORWARD, idx, (ri,))
+            return
         if grant.inline:
             st.admit_tokens = grant.prompt_tokens
             self.push_event(now_ms + d, _FORWARD, idx, (ri,))
@@ -878,22 +878,22 @@ class FleetSim:
         rep = self.replicas[ri]
         kind = POLICIES[self.cfg.policy][0]
         router = self.routers[st.router]
-        if kind == "queue-cap" and self._queued_tokens(rep.engine) + req.prompt_tokens > self.cfg.queue_cap_tokens \
-                and rep.engine.has_work():  # fmt: skip
-            router.load.add(rep.rid, -(req.prompt_tokens + req.output_tokens))
-            if len(cands) > 1:  # 429 back to the router (d), next candidate (d)
-                router.load.add(self.replicas[cands[1]].rid, req.prompt_tokens + req.output_tokens)
-                self.push_event(t + 2 * self.cfg.net_delay_ms, _FORWARD, idx, cands[1:])
+        if kind == "queue-cap" and over_queue_cap(self._queued_tokens(rep.engine), req.prompt_tokens,
+                                                  self.cfg.queue_cap_tokens, rep.engine.has_work()):  # the agent's rule
+            nxt = router.redirect(idx)  # the placement's next candidate (router/core.py), at most 3 in all
+            if nxt is not None:  # 429 back to the router (d), next candidate (d)
+                self.push_event(t + 2 * self.cfg.net_delay_ms, _FORWARD, idx, (self.index_of[nxt.replica_id],))
             else:
-                self.reject(idx, "queue-cap")
+                router._rejected(idx, "queue-cap")
             return
         if kind == "pab":
             if self.cfg.leases and self.cfg.lease_mode == "inline":  # the agent's Reserve decision, on arrival
                 waited = max(0.0, t - req.arrival_ms)
                 # independent check of what is admitted: the exact fit on the state before the decision
+                on_time = st.grant is not None and st.grant.on_time_only  # x-fairbatch-on-time
                 fit = admits(st.admit_tokens, replica_state(rep.engine, rep.leases, t, self.cfg.margin_frac),
-                             self.slo, waited)[0]  # fmt: skip
-                granted, lease_id, after = self.reserve(ri, st.admit_tokens, t, waited)
+                             self.slo, waited, on_time)[0]  # fmt: skip
+                granted, lease_id, after = self.reserve(ri, st.admit_tokens, t, waited, on_time)
                 if granted and not fit:
                     self.stats.double_spends += 1
                 if not granted:
@@ -950,12 +950,7 @@ class FleetSim:
                 self.changed(ri, t)
             if out.finished:
                 st.outcome = OK
-                router = self.routers[st.router]
-                if router.kind == "pab":
-                    router.ended(idx)
-                else:
-                    req = self.requests[idx]
-                    router.load.add(rep.rid, -(req.prompt_tokens + req.output_tokens))
+                self.routers[st.router].ended(idx)
         self._start_step(ri, t)
 
     def _on_push(self, t: float, ri: int, periodic: bool = True) -> None:
@@ -977,7 +972,7 @@ class FleetSim:
         rep.seq += 1
         # the engine's prefix-cache counters over the agent's window (its scrape, here at each push)
         rep.prefix_window.add(t, rep.engine.prefix_cache_queries, rep.engine.prefix_cache_hits)
-        snap = _Snapshot(rep.seq, rep.engine.policy_time_model, [b], cfg.budget_ttl_ms,
+        snap = _Snapshot(rep.seq, rep.engine.policy_time_model.linearized(), [b], cfg.budget_ttl_ms,
                          rep.allocated and not rep.draining, cfg.max_model_len, "",
                          *inflight_schedule(state, cfg.max_num_batched_tokens), *rep.prefix_window.delta())  # fmt: skip
         for r in self.routers:
@@ -985,13 +980,21 @@ class FleetSim:
         if periodic:
             self.push_event(t + cfg.push_period_ms, _PUSH, ri, 0)
 
+    def metrics_snapshot(self, rid: str) -> _Snapshot:
+        """A baseline router's snapshot of replica ``rid`` (module docstring): healthy, never stale, the
+        fleet's time model and max length, and the engine's running and waiting requests and KV
+        usage now."""
+        self._metrics_seq += 1
+        eng = self.replicas[self.index_of[rid]].engine
+        return _Snapshot(self._metrics_seq, self.cfg.time_model, [], float("inf"), True, self.cfg.max_model_len,
+                         num_running=eng.num_running, num_waiting=eng.num_waiting, kv_usage=eng.kv_usage)
+
     def _on_scrape(self, t: float, ri: int) -> None:
-        eng = self.replicas[ri].engine
-        sample = MetricsSample(eng.num_running, eng.num_waiting, eng.kv_usage, t)
         rid = self.replicas[ri].rid
-        for r in self.routers:
-            r.load.scraped[rid] = sample
-            r.load.version += 1
+        snap = self.metrics_snapshot(rid)
+        for r in self.routers:  # the scrape reaches every router at once (the baselines' scrape period)
+            r.clock.t = t
+            r.book.update(rid, snap)
         self.push_event(t + self.cfg.scrape_period_ms, _SCRAPE, ri, 0)
 
     # ------------------------------------------------------------ autoscaling

@@ -345,8 +345,11 @@ class FairBatchingPolicy:
        recomputes; slack against their next token's deadline), then non-urgent decodes, each
        group by slack ascending (ties keep queue order).
     4. Add in that order while the batch stays inside all limits: predicted time
-       ``time_model.batch_ms(new_tokens, context_tokens, chunk_prefix, num_decodes) <= time_budget``
-       (context = each item's computed tokens; chunk_prefix = sum of chunk x computed over prefill chunks), the KV blocks still free (``kv_free_blocks``; a new request is admitted
+       ``time_model.batch_ms(new_tokens, context_tokens, chunk_prefix, num_decodes, chunk_sq) <= time_budget``
+       (context = each item's computed tokens; chunk_prefix = sum of chunk x computed and chunk_sq = sum of
+       chunk^2 over prefill chunks: a chunk of n tokens over prefix p adds ``(b + e*p)*n + f*n^2 + c*p``, so
+       the largest n in ``room`` ms is ``floor(2*room / (B + sqrt(B^2 + 4*f*room)))``, ``B = b + e*p``,
+       which is ``floor(room / B)`` at f = 0), the KV blocks still free (``kv_free_blocks``; a new request is admitted
        only when its whole remaining prompt fits, so admitted prefills cannot wedge the cache),
        the token cap (max_num_batched_tokens) and max_num_seqs. A prefill that does not fit whole
        is chunked to what is left of the time, token and KV budgets; items that do not fit are
@@ -389,6 +392,7 @@ class FairBatchingPolicy:
         b = tm.b_ms_per_new_token
         c = tm.c_ms_per_context_token
         e = tm.e_ms_per_chunk_prefix
+        f = tm.f_ms_per_chunk_sq  # a prefill chunk of n tokens adds f * n^2 (TimeModel.f_ms_per_chunk_sq)
         b_dec = b + tm.d_ms_per_decode  # a decode's own token (TimeModel.d_ms_per_decode)
         now = state.now_ms
         d_ttft = self.default_ttft_ms
@@ -445,8 +449,8 @@ class FairBatchingPolicy:
                 head_slack, head, head_rem, _ = prefills[0]
                 decode_ms = sum(b_dec + c * r.computed_tokens for _, r in decodes)
                 budget = prefill_deadline_budget(
-                    budget, a + decode_ms + c * (head.computed_tokens + head_rem), b, head_rem, head_slack - budget,
-                    state.max_num_batched_tokens,
+                    budget, a + decode_ms + c * (head.computed_tokens + head_rem), tm.prompt_ms_per_token, head_rem,
+                    head_slack - budget, state.max_num_batched_tokens,
                 )
         else:
             budget = math.inf
@@ -469,14 +473,18 @@ class FairBatchingPolicy:
                         continue
                     comp = r.computed_tokens
                     room = budget - t - c * comp  # ms left for this item's new tokens
-                    if room < b + e * comp:
+                    per = b + e * comp  # ms per new token of this chunk, before its chunk^2 term
+                    if room < per + f:
                         continue
                     held = -(-comp // bs)
                     if not running and -(-(comp + rem) // bs) - held > kv_left:
                         continue
                     n = rem if rem < tokens_left else tokens_left
                     if room != math.inf:
-                        n_time = int(room / (b + e * comp) + 1e-9)  # as TimeModel.tokens_within_ms
+                        if f > 0.0:  # per*n + f*n^2 <= room (the stable root; class docstring, step 4)
+                            n_time = int(2.0 * room / (per + math.sqrt(per * per + 4.0 * f * room)) + 1e-9)
+                        else:
+                            n_time = int(room / per + 1e-9)  # as TimeModel.tokens_within_ms
                         if n_time < n:
                             n = n_time
                     n_kv = (held + kv_left) * bs - comp
@@ -485,7 +493,7 @@ class FairBatchingPolicy:
                     if n < 1:
                         continue
                     items.append((r.request_id, n))
-                    t += (b + e * comp) * n + c * comp  # chunk n over prefix comp: e * n * comp
+                    t += (per + f * n) * n + c * comp  # chunk n over prefix comp: e * n * comp + f * n^2
                     tokens_left -= n
                     kv_left -= -(-(comp + n) // bs) - held
                     if not running:
@@ -537,7 +545,8 @@ def prefill_deadline_budget(
     Args:
         budget_ms: FairBatching's budget max(min slack, min TPOT) (ms).
         fixed_ms: F above (ms).
-        b_ms: time model's ms per new token.
+        b_ms: time model's ms per prompt token (``TimeModel.prompt_ms_per_token``: b, plus f times the
+            learned chunk length when the model has a chunk^2 term).
         remaining_tokens: prompt tokens the prefill still has to compute (R).
         slack_ms: the prefill's slack to its first-token deadline (s, ms).
         token_cap: max_num_batched_tokens (tokens).

@@ -8,8 +8,16 @@ batch shape. This module learns the coefficients from observed steps and plans w
 that is conservative by a margin learned from the recent errors, always on, with no threshold.
 
 Model: ``y = x . theta`` with ``x = (1, prefill_tokens, num_decodes, context_tokens,
-prefill_chunk_prefix_tokens)`` and ``theta = (a, b, b + d, c, e)``
+prefill_chunk_prefix_tokens, prefill_chunk_sq_tokens)`` and ``theta = (a, b, b + d, c, e, f)``
 (:class:`~replica_agent.policy.time_model.TimeModel`; ``prefill_tokens = new_tokens - num_decodes``).
+``f`` prices each prefill chunk's squared length (issue 27 item 7): without it a linear ``b`` charges
+every chunk at the chunk size it was fitted on, and the one-step-ahead error depends on the chunk size
+(docs/evaluation.md "Online time model on two engine models": -4 to -8 % on chunks under 2,048 tokens,
++7 to +20 % on chunks over 4,096; its largest error, 6.6 %, came to 1.4 % with ``f``). The
+model also keeps ``K``, the mean chunk length its prefill tokens ran in,
+``K = sum lam^(n-i) v_i q_i / sum lam^(n-i) v_i p_i`` (``q_i`` = prefill_chunk_sq_tokens, ``p_i`` =
+prefill_tokens, ``v_i`` the observation's weight), the chunk length prompts are priced at
+(``TimeModel.chunk_tokens``: a prompt token costs ``b + f * K``, which is what the linear fit charged).
 A prefill token and a decode each get their own coefficient, so a stretch of decode-only steps
 (all that proxy mode can time) teaches the decode cost and leaves the prefill cost where it was:
 with one coefficient for both, ``b`` would slide to the decode slope (0.043 against 0.073 ms
@@ -40,6 +48,9 @@ The planning model is the point model with every coefficient times ``margin``
 (:meth:`OnlineTimeModel.conservative`), so a step of the shape just seen runs longer than planned
 in about ``1 - q`` of the cases. ``q = 0.97`` by default: issue 12 asks for fewer than 5 % of steps
 longer than planned.
+
+``CalibratorConfig.chunk_sq_term = False`` drops ``f`` (its feature is taken as 0, so it stays at the
+prior's and the other five coefficients are solved exactly as without it): the model before issue 27.
 """
 
 from __future__ import annotations
@@ -53,10 +64,10 @@ import numpy as np
 from replica_agent.policy.time_model import StepFeatures, TimeModel
 
 _B_FLOOR = 1e-9  # TimeModel needs b > 0 and b + d > 0
-N_TERMS = 5
-_FLOORS = np.array([0.0, _B_FLOOR, _B_FLOOR, 0.0, 0.0])
+N_TERMS = 6
+_FLOORS = np.array([0.0, _B_FLOOR, _B_FLOOR, 0.0, 0.0, 0.0])
 _FLOORS.flags.writeable = False
-TERMS = ("a", "b", "d", "c", "e")
+TERMS = ("a", "b", "d", "c", "e", "f")
 """Names of the TimeModel coefficients the calibrator exports (``d`` = decode cost - b)."""
 
 
@@ -66,7 +77,9 @@ class CalibratorConfig:
 
     Attributes:
         forgetting: lam in (0, 1]: weight of a step seen k steps ago is lam^k (0.995: memory ~200 steps).
-        prior_weight: kappa >= 0: the profile counts as this many observations in every direction.
+        prior_weight: kappa >= 0: the profile counts as this many observations in every direction
+            (1 since issue 27: at 5 the prior's pull kept the chunk^2 term and the prices of a profile
+            far from the engine short of the data; docs/evaluation.md "Online time model").
         margin_quantile: q in (0.5, 1): the margin is this quantile of measured / predicted.
         window: steps of relative errors kept for the quantiles (>= 8).
         min_samples: steps before the learned margin replaces ``initial_margin`` (>= 1).
@@ -77,16 +90,19 @@ class CalibratorConfig:
             of observations (>= 1; an observation of weight w counts w, so proxy mode's k per-stream
             samples of one step count as one step, as in plugin mode and the fleet simulation; the
             statistics and the error window are updated at every observation).
+        chunk_sq_term: learn ``f``, the prefill chunk^2 term (module docstring); False: the five-term
+            model of before issue 27 (f stays at the prior's).
     """
 
     forgetting: float = 0.995
-    prior_weight: float = 5.0
+    prior_weight: float = 1.0
     margin_quantile: float = 0.97
     window: int = 256
     min_samples: int = 16
     initial_margin: float = 1.0
     max_margin: float = 2.0
     refit_every: int = 1
+    chunk_sq_term: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.forgetting <= 1.0:
@@ -101,38 +117,41 @@ class CalibratorConfig:
             raise ValueError(f"need 1 <= initial_margin <= max_margin, got {self.initial_margin}, {self.max_margin}")
 
 
-def features_vector(f: StepFeatures) -> tuple[float, float, float, float, float]:
-    """``x = (1, prefill_tokens, num_decodes, context_tokens, prefill_chunk_prefix_tokens)`` of one step."""
+def features_vector(f: StepFeatures, chunk_sq: bool = True) -> tuple[float, float, float, float, float, float]:
+    """``x = (1, prefill_tokens, num_decodes, context_tokens, prefill_chunk_prefix_tokens,
+    prefill_chunk_sq_tokens)`` of one step (the last 0 when ``chunk_sq`` is False)."""
     return (1.0, float(f.new_tokens - f.num_decodes), float(f.num_decodes), float(f.context_tokens),
-            float(f.prefill_chunk_prefix_tokens))  # fmt: skip
+            float(f.prefill_chunk_prefix_tokens), float(f.prefill_chunk_sq_tokens) if chunk_sq else 0.0)  # fmt: skip
 
 
 def _theta(tm: TimeModel) -> np.ndarray:
     return np.array([tm.a_ms, tm.b_ms_per_new_token, tm.b_ms_per_new_token + tm.d_ms_per_decode,
-                     tm.c_ms_per_context_token, tm.e_ms_per_chunk_prefix])  # fmt: skip
+                     tm.c_ms_per_context_token, tm.e_ms_per_chunk_prefix, tm.f_ms_per_chunk_sq])  # fmt: skip
 
 
-def _model(theta: np.ndarray) -> TimeModel:
+def _model(theta: np.ndarray, chunk_tokens: float = 0.0) -> TimeModel:
     b = max(_B_FLOOR, float(theta[1]))
-    return TimeModel(float(theta[0]), b, float(theta[3]), float(theta[4]), max(_B_FLOOR, float(theta[2])) - b)
+    return TimeModel(float(theta[0]), b, float(theta[3]), float(theta[4]), max(_B_FLOOR, float(theta[2])) - b,
+                     float(theta[5]), chunk_tokens)  # fmt: skip
 
 
 def solve_ridge(a_mat: np.ndarray, g: np.ndarray, n_obs: float, prior: np.ndarray, kappa: float) -> np.ndarray:
     """The constrained minimiser of the module docstring's objective.
 
     Args:
-        a_mat: ``A``, shape (5, 5); g: ``g``, shape (5,); n_obs: ``N``, observations in memory (> 0);
-            prior: ``theta0``, shape (5,); kappa: prior weight (observations).
+        a_mat: ``A``, shape (6, 6); g: ``g``, shape (6,); n_obs: ``N``, observations in memory (> 0);
+            prior: ``theta0``, shape (6,); kappa: prior weight (observations).
 
     Returns:
-        theta, shape (5,), with theta[1], theta[2] >= 1e-9 and the others >= 0.
+        theta, shape (6,), with theta[1], theta[2] >= 1e-9 and the others >= 0 (a system of the first
+        k < 6 terms gives shape (k,)).
     """
     s = np.diag(a_mat) / n_obs
     s = np.where(s > 0, s, 1.0)
     reg = kappa * s
     lhs = a_mat + np.diag(reg)
     rhs = g + reg * prior
-    floors = _FLOORS
+    floors = _FLOORS[: g.shape[0]]  # (a 5-term system, as before f, solves the same way)
     # first pass, nothing fixed yet: the whole system as it is (the general pass below would solve the
     # same matrix, copied by the index, against rhs - 0, i.e. the same numbers)
     try:
@@ -143,7 +162,7 @@ def solve_ridge(a_mat: np.ndarray, g: np.ndarray, n_obs: float, prior: np.ndarra
     if not fixed.any():
         return theta
     theta = np.maximum(theta, floors)
-    for _ in range(N_TERMS - 1):
+    for _ in range(g.shape[0] - 1):
         free = ~fixed
         theta_f = np.where(fixed, floors, 0.0)
         sub_rhs = rhs[free] - lhs[np.ix_(free, fixed)] @ theta_f[fixed]
@@ -170,7 +189,7 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 
 
 class OnlineTimeModel:
-    """Learns a, b, c, d, e from observed steps and gives the conservative planning model.
+    """Learns a, b, c, d, e, f (and the chunk length K) from observed steps and gives the conservative planning model.
 
     Args:
         prior: the profile's coefficients (the starting point and the ridge anchor).
@@ -187,6 +206,8 @@ class OnlineTimeModel:
         self._a = np.zeros((N_TERMS, N_TERMS))
         self._g = np.zeros(N_TERMS)
         self._n = 0.0
+        self._chunk_sq = 0.0  # sum lam^(n-i) v_i * prefill_chunk_sq_tokens_i (module docstring, K)
+        self._chunk_tok = 0.0  # sum lam^(n-i) v_i * prefill_tokens_i
         self._model = prior
         self._ratios: deque[float] = deque(maxlen=self.config.window)
         self._margin_cache: float | None = None
@@ -207,7 +228,7 @@ class OnlineTimeModel:
         """
         if not (measured_ms > 0 and math.isfinite(measured_ms)) or features.new_tokens <= 0 or not weight > 0:
             return None
-        x = features_vector(features)
+        x = features_vector(features, self.config.chunk_sq_term)
         predicted = self._model.step_ms(features)
         ratio = measured_ms / predicted if predicted > 0 else math.inf
         lam = self.config.forgetting if weight == 1.0 else self.config.forgetting**weight  # per step, not per share
@@ -239,18 +260,23 @@ class OnlineTimeModel:
             self._a = lam * self._a + w * np.outer(xv, xv)
             self._g = lam * self._g + (w * y) * xv
             self._n = lam * self._n + weight
+            self._chunk_sq = lam * self._chunk_sq + weight * x[5]
+            self._chunk_tok = lam * self._chunk_tok + weight * x[1]
             return
         lams = np.array([p[3] for p in pending])
         after = np.ones(len(pending))  # prod of lam_j for j > i
         if len(pending) > 1:
             after[:-1] = np.cumprod(lams[::-1])[::-1][1:]
         total = float(np.prod(lams))
-        xs = np.array([p[0] for p in pending])  # (k, 5)
+        xs = np.array([p[0] for p in pending])  # (k, 6)
         w = np.array([p[1] for p in pending]) * after
         y = np.array([p[2] for p in pending])
+        v = after * np.array([p[4] for p in pending])  # observation weights, discounted
         self._a = total * self._a + (xs * w[:, None]).T @ xs
         self._g = total * self._g + xs.T @ (w * y)
-        self._n = total * self._n + float(np.dot(after, [p[4] for p in pending]))
+        self._n = total * self._n + float(v.sum())
+        self._chunk_sq = total * self._chunk_sq + float(v @ xs[:, 5])
+        self._chunk_tok = total * self._chunk_tok + float(v @ xs[:, 1])
         pending.clear()
 
     def _refit(self) -> None:
@@ -258,8 +284,15 @@ class OnlineTimeModel:
         self._margin_cache = None
         self._fold()
         theta = solve_ridge(self._a, self._g, self._n, self._theta0, self.config.prior_weight)
-        self._model = _model(theta)
+        self._model = _model(theta, self.chunk_tokens())
         self._conservative = None
+
+    def chunk_tokens(self) -> float:
+        """K: the mean chunk length of the prefill tokens in memory (tokens; module docstring); the
+        prior's ``chunk_tokens`` before any prefill step is seen."""
+        if self._chunk_tok > 0.0:
+            return self._chunk_sq / self._chunk_tok
+        return self.prior.chunk_tokens
 
     def model(self) -> TimeModel:
         """The point estimate (the prior until the first step)."""

@@ -38,17 +38,21 @@ were admitted earlier and whose promises we must keep:
    horizon. They ride in the decode iterations (chunked prefill), so they add only their token
    terms, not another fixed cost ``a``::
 
-       inflight_reservation = sum_p (b * r_p + c * computed_p + e * r_p * computed_p),  r_p = prompt_p - computed_p
+       inflight_reservation = sum_p (b' * r_p + c * computed_p + e * r_p * computed_p),  r_p = prompt_p - computed_p
 
    (``d`` and ``e``: the decode and chunk x prefix terms of replica_agent/policy/time_model.py, 0 in
-   the profiles' linear fits; the online calibrator learns them.)
+   the profiles' linear fits; the online calibrator learns them. ``b' = b + f * K``, the model's
+   ``prompt_ms_per_token``: a prompt's chunks are not known when it is priced, so its tokens are
+   charged at the learned mean chunk length K, the chunk^2 term ``f`` included; ``b' = b`` when f = 0.
+   Every prompt price below uses b'; a decode's own token costs ``b + d``. The router receives the
+   model linearized, ``(a, b', c)``, so it prices prompts with the same numbers.)
 
 What remains is the prefill time a new prompt may use::
 
     PAB_ms(k) = max(0, H - decode_reservation - inflight_reservation)
 
-A fresh prompt of P tokens run in one iteration of its own costs ``a + b * P``, so the largest
-prompt that time allows is ``floor((PAB_ms - a) / b)`` (0 when PAB_ms <= a).
+A fresh prompt of P tokens run in one iteration of its own costs ``a + b' * P``, so the largest
+prompt that time allows is ``floor((PAB_ms - a) / b')`` (0 when PAB_ms <= a).
 
 KV cache. The new prompt's P tokens must also fit in the KV cache next to what the existing work
 will still write within the horizon::
@@ -57,10 +61,10 @@ will still write within the horizon::
     growth_d          = min(remaining_output_d, ceil(H / tpot_d) + 1)
                         (remaining_output_d = max_tokens - tokens_out, or ceil(H / tpot_d) + 1 if unknown)
     kv_limited_tokens = max(0, kv_free_tokens - sum_d growth_d - sum_p (prompt_p - computed_p))
-    PAB_tokens(k)     = min(floor((PAB_ms - a) / b), kv_limited_tokens)
+    PAB_tokens(k)     = min(floor((PAB_ms - a) / b'), kv_limited_tokens)
 
 Fit rule (:func:`fits`, shared by agent and router): a prompt of P tokens fits class k when
-``a + b * P <= PAB_ms(k)`` and ``P <= PAB_tokens(k)``. A prompt so long that ``a + b * P > H``
+``a + b' * P <= PAB_ms(k)`` and ``P <= PAB_tokens(k)``. A prompt so long that ``a + b' * P > H``
 cannot meet its TTFT on any replica; rather than starve it, it fits only on a replica with nothing
 reserved (PAB_ms = H: zero decode and in-flight reservation) whose KV cache holds it
 (``P <= kv_limited_tokens``; the time part of PAB_tokens is necessarily smaller than such P), so
@@ -90,15 +94,16 @@ for the in-flight reservation. Then:
 
 - dec is non-decreasing in the horizon: n_d = max(0, floor((t + H - ddl_d) / tpot_d) + 1) only
   shrinks as H shrinks, so N(H - w) <= N(H) and dec(H - w) <= dec(H) (the cost of one iteration,
-  a + b*|D| + c*sum ctx_d, does not depend on H);
-- infl does not depend on H;
+  a + (b + d)*|D| + c*sum ctx_d, does not depend on H);
+- infl does not depend on H (nor does b' = b + f*K: K is a property of the model, not of the
+  horizon, so every step below holds for the chunk^2 term as it did for the linear model);
 
 hence (and also when the max(0, .) clamps, since PAB_ms(H_w) >= 0)::
 
     PAB_ms(H - w) = H - w - dec(H - w) - infl >= H - w - dec(H) - infl = PAB_ms(H) - w
 
 So the router's test "can it still meet its TTFT here" (:func:`on_time`) is
-``a + b*P <= PAB_ms(H) - w``, ``P <= floor((PAB_ms(H) - w - a) / b)`` (the time-based token count
+``a + b'*P <= PAB_ms(H) - w``, ``P <= floor((PAB_ms(H) - w - a) / b')`` (the time-based token count
 on PAB_ms(H) - w, <= the same count on PAB_ms(H_w) because the count is non-decreasing), and
 ``P <= PAB_tokens(H)``, whose KV part kv_limited_tokens(H) is for horizon H: the growth reserve
 ``min(remaining_d, ceil(H / tpot_d) + 1)`` only shrinks with the horizon, so kv_limited_tokens(H)
@@ -109,7 +114,7 @@ PAB_ms(H_w)).
 Work conservation (issue 18)
 ----------------------------
 Whether it can still meet its TTFT or not, a prompt that is not too long on its own
-(``a + b*P <= H``) FITS wherever a fresh arrival of its size fits (:func:`fits`: ``a + b*P <=
+(``a + b'*P <= H``) FITS wherever a fresh arrival of its size fits (:func:`fits`: ``a + b'*P <=
 PAB_ms(H)``, ``P <= PAB_tokens(H)``). A late request (its TTFT lost: :func:`on_time` is False on
 every replica) therefore takes only budget a fresh arrival could take, which by construction
 leaves every admitted request's deadline and every running decode's TPOT covered, and it starts
@@ -235,8 +240,9 @@ class ClassBudget:
         pab_tokens: min(floor((pab_ms - a) / b), kv_limited_tokens).
         kv_limited_tokens: kv_free minus decode growth reserve minus pending prompt tokens, >= 0.
         ttft_ms, tpot_ms: the class's targets (ms).
-        decode_reservation_ms: N * (a + b*|D| + c*sum ctx).
-        inflight_reservation_ms: sum of b*remaining + c*computed + e*remaining*computed over prefills and leases.
+        decode_reservation_ms: N * (a + (b + d)*|D| + c*sum ctx).
+        inflight_reservation_ms: sum of b'*remaining + c*computed + e*remaining*computed over prefills and leases
+            (b' = the time model's ``prompt_ms_per_token``).
         kv_free_tokens: free KV cache (tokens).
         decode_iterations: N = max_d n_d.
     """
@@ -337,9 +343,10 @@ def class_budget(state: ReplicaState, slo: SloClass, waited_ms: float = 0.0) -> 
 
 
 def _inflight_terms(tm: TimeModel, prefills: Iterable[PendingPrefill]) -> Iterator[float]:
-    """Each in-flight prefill's reservation ``b*r + c*computed + e*r*computed`` (ms; module docstring,
-    item 2): it rides in batches that already pay ``a``."""
-    b, c, e = tm.b_ms_per_new_token, tm.c_ms_per_context_token, tm.e_ms_per_chunk_prefix
+    """Each in-flight prefill's reservation ``b'*r + c*computed + e*r*computed`` (ms; module docstring,
+    item 2; ``b'`` = ``tm.prompt_ms_per_token``): it rides in batches that already pay ``a``, so it is
+    ``tm.prefill_ms(prompt, computed) - a``."""
+    b, c, e = tm.prompt_ms_per_token, tm.c_ms_per_context_token, tm.e_ms_per_chunk_prefix
     for p in prefills:
         r = p.remaining_tokens
         yield b * r + c * p.computed_tokens + e * r * p.computed_tokens
@@ -382,8 +389,9 @@ def fits(prompt_tokens: int, class_budget: ClassBudget, time_model: TimeModel, w
     """Whether a prompt of ``prompt_tokens`` tokens may start on this budget (architecture.md "PAB").
 
     Rule (the same for a fresh arrival and for a request that already waited ``waited_ms``; module
-    docstring, "Work conservation"): ``a + b * P <= pab_ms`` and ``P <= pab_tokens``. A prompt
-    whose prefill alone exceeds the horizon (``a + b * P > horizon_ms``) cannot meet its TTFT on
+    docstring, "Work conservation"): ``a + b' * P <= pab_ms`` and ``P <= pab_tokens`` (``b'`` =
+    ``time_model.prompt_ms_per_token``, ``b`` when f = 0). A prompt
+    whose prefill alone exceeds the horizon (``a + b' * P > horizon_ms``) cannot meet its TTFT on
     any replica; it fits only where nothing is reserved (``pab_ms == horizon_ms``, within 1e-9)
     and ``P <= kv_limited_tokens``: it takes a whole idle replica. Only the first five fields of
     ``class_budget`` are read, so a router-side view built from a snapshot works too.
@@ -396,7 +404,7 @@ def fits(prompt_tokens: int, class_budget: ClassBudget, time_model: TimeModel, w
     Args:
         prompt_tokens: P (tokens), >= 0.
         class_budget: the replica's budget for the request's class (possibly from a snapshot).
-        time_model: the replica's a, b, c (ms).
+        time_model: the replica's model (ms; its prompt pricing, a and ``prompt_ms_per_token``).
         waited_ms: w, ms since the request's arrival at the router (>= 0).
 
     Raises:
@@ -405,7 +413,7 @@ def fits(prompt_tokens: int, class_budget: ClassBudget, time_model: TimeModel, w
     if prompt_tokens < 0:
         raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
     _check_waited(waited_ms)
-    prefill_ms = time_model.a_ms + time_model.b_ms_per_new_token * prompt_tokens  # fresh prompt: ctx 0
+    prefill_ms = time_model.a_ms + time_model.prompt_ms_per_token * prompt_tokens  # fresh prompt: ctx 0
     if prefill_ms > class_budget.horizon_ms + _EPS:
         idle = class_budget.pab_ms >= class_budget.horizon_ms - _EPS  # PAB_ms = H: nothing reserved
         return idle and prompt_tokens <= class_budget.kv_limited_tokens
@@ -416,7 +424,7 @@ def on_time(prompt_tokens: int, class_budget: ClassBudget, time_model: TimeModel
     """Whether a request that waited ``waited_ms`` can still meet its TTFT here: the router's
     CONSERVATIVE aged rule on the budget of a fresh arrival (horizon H; module docstring, "Aged
     requests", for the proof that the exact rule over H - w admits whatever this admits):
-    ``a + b*P <= pab_ms - w`` and ``P <= pab_tokens`` and ``P <= floor((pab_ms - w - a) / b)``.
+    ``a + b'*P <= pab_ms - w`` and ``P <= pab_tokens`` and ``P <= floor((pab_ms - w - a) / b')``.
     With ``w = 0`` it is :func:`fits` without the prefill-alone case. Never True for a prompt whose
     prefill alone exceeds ``horizon_ms - w``.
 
@@ -426,7 +434,7 @@ def on_time(prompt_tokens: int, class_budget: ClassBudget, time_model: TimeModel
     if prompt_tokens < 0:
         raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
     _check_waited(waited_ms)
-    prefill_ms = time_model.a_ms + time_model.b_ms_per_new_token * prompt_tokens
+    prefill_ms = time_model.a_ms + time_model.prompt_ms_per_token * prompt_tokens
     if prefill_ms > (class_budget.horizon_ms - waited_ms) + _EPS:
         return False
     pab_w = class_budget.pab_ms - waited_ms
@@ -437,10 +445,19 @@ def on_time(prompt_tokens: int, class_budget: ClassBudget, time_model: TimeModel
     )
 
 
-def admits(prompt_tokens: int, state: ReplicaState, slo: SloClass, waited_ms: float = 0.0) -> tuple[bool, ClassBudget]:
+def admits(prompt_tokens: int, state: ReplicaState, slo: SloClass, waited_ms: float = 0.0,
+           on_time_only: bool = False) -> tuple[bool, ClassBudget]:
     """The agent's fit rule for a request of class ``slo`` that waited ``waited_ms`` ms.
 
-    A prompt whose prefill alone exceeds the full horizon H (``a + b*P > H``) fits only where
+    ``on_time_only`` (the router asks for a start that meets the request's TTFT: a sheddable class,
+    or the dispatcher's on-time phase; issue 27): the EXACT on-time rule alone, :func:`on_time` on
+    the budget over ``H_w`` (``class_budget`` with ``waited_ms``), without the work-conserving
+    fresh-arrival fit below, which would admit a request whose TTFT is already lost. Several
+    router copies each place on a view that lacks the others' latest placements; without this an
+    on-time placement on such a view became a late start (4 routers: TTFT p99 above the target
+    for a sheddable class).
+
+    A prompt whose prefill alone exceeds the full horizon H (``a + b'*P > H``) fits only where
     nothing is reserved over H and ``P <= kv_limited_tokens(H)`` (:func:`fits`). Any other prompt
     fits when it fits the budget of a fresh arrival (:func:`fits` on ``class_budget(state, slo)``,
     work conservation) or the EXACT budget over ``H_w = max(0, H - waited_ms)``
@@ -460,9 +477,12 @@ def admits(prompt_tokens: int, state: ReplicaState, slo: SloClass, waited_ms: fl
     _check_waited(waited_ms)
     full = class_budget(state, slo)
     tm = state.time_model
+    if on_time_only:
+        aged = class_budget(state, slo, waited_ms) if waited_ms else full
+        return aged.horizon_ms > 0 and on_time(prompt_tokens, aged, tm), full
     if fits(prompt_tokens, full, tm):
         return True, full
-    if waited_ms and tm.a_ms + tm.b_ms_per_new_token * prompt_tokens <= full.horizon_ms + _EPS:
+    if waited_ms and tm.a_ms + tm.prompt_ms_per_token * prompt_tokens <= full.horizon_ms + _EPS:
         aged = class_budget(state, slo, waited_ms)
         if aged.horizon_ms > 0 and on_time(prompt_tokens, aged, tm):
             return True, full

@@ -13,6 +13,7 @@ served, a prompt taking as much of the budget as it still needs. The step lasts,
 i.e. conservative) time model::
 
     step_ms = a + b * (|D| + C) + c * (sum_d ctx_d + sum_i prefix_i) + e * sum_i chunk_i * prefix_i + d * |D|
+              + f * sum_i chunk_i^2
 
 with ``C = sum_i chunk_i`` the prefill tokens of the step and ``prefix_i`` the tokens of prompt i
 already computed. A prompt's first token comes at the end of the step that computes its last
@@ -76,6 +77,7 @@ def prefill_completions_ms(
         new = 0
         prefix = 0.0
         cross = 0.0
+        sq = 0.0
         done: list[int] = []
         j = i
         while left > 0 and j < len(remaining):
@@ -83,6 +85,8 @@ def prefill_completions_ms(
             new += take
             prefix += computed[j]
             cross += take * computed[j]
+            if take > 1:  # a 1-token chunk is a decode to the step features (StepFeatures.from_items)
+                sq += take * take
             remaining[j] -= take
             computed[j] += take
             left -= take
@@ -90,7 +94,7 @@ def prefill_completions_ms(
                 break
             done.append(j)
             j += 1
-        step = tm.batch_ms(n_dec + new, dec_ctx + prefix, cross, n_dec)
+        step = tm.batch_ms(n_dec + new, dec_ctx + prefix, cross, n_dec, sq)
         t += step
         rate = new / step if step > 0 else 0.0
         out.extend(t for _ in done)

@@ -16,7 +16,7 @@ from replica_agent.policy.pab import ClassBudget, ReplicaState, SloClass, admits
 
 def reserve_decision(
     prompt_tokens: int, state: ReplicaState, slo: SloClass, waited_ms: float = 0.0, healthy: bool = True,
-    max_prompt_tokens: int = 0,
+    max_prompt_tokens: int = 0, on_time_only: bool = False,
 ) -> tuple[str, ClassBudget | None]:
     """``("", budget)`` when a lease may be granted, else ``(reason, budget or None)`` (module docstring).
 
@@ -27,6 +27,8 @@ def reserve_decision(
         waited_ms: ms since the request's arrival at the router (>= 0).
         healthy: whether the replica may take work.
         max_prompt_tokens: engine max model length (0 = unknown: not checked).
+        on_time_only: grant only a start that meets the request's TTFT (:func:`admits`); a prompt
+            that the work-conserving rule would take late is refused ``not-on-time``.
 
     Returns:
         (reason, the budget over the aged horizon that :func:`admits` computed; None when the
@@ -39,7 +41,11 @@ def reserve_decision(
         return "unhealthy", None
     if max_prompt_tokens and prompt_tokens > max_prompt_tokens:
         return "prompt-too-long", None
-    ok, budget = admits(prompt_tokens, state, slo, waited_ms)
+    ok, budget = admits(prompt_tokens, state, slo, waited_ms, on_time_only)
     if ok:
         return "", budget
-    return ("kv-full" if prompt_tokens > budget.kv_limited_tokens else "no-budget"), budget
+    if prompt_tokens > budget.kv_limited_tokens:
+        return "kv-full", budget
+    if on_time_only and admits(prompt_tokens, state, slo, waited_ms)[0]:
+        return "not-on-time", budget
+    return "no-budget", budget

@@ -1,4 +1,5 @@
-"""Batch-time model: predicted iteration time = a + b * new_tokens + c * context_tokens + e * chunk_prefix_tokens.
+"""Batch-time model: predicted iteration time = a + b * new_tokens + c * context_tokens + e * chunk_prefix_tokens
++ f * chunk_sq_tokens (+ d per decode).
 
 Source: FairBatching (arXiv 2510.14392, section 4, "batch time model"); the coefficients
 shipped in ``replica_agent/data/fitted_coefficients.csv`` were fitted on Vidur/Splitwise GPU
@@ -12,6 +13,18 @@ profiles (see ``replica_agent/data/SOURCES.md``).
   A prefill chunk's attention over its prefix grows as chunk x prefix (the surrogate in
   ``docs/engine-time-model.md``: ``1.134e-7 * chunk * kv`` ms per layer), which the linear
   ``c * context`` charges only once. ``e`` defaults to 0 (the linear model of the profiles).
+- ``chunk_sq_tokens``: sum over the batch's prefill chunks of ``chunk_i^2``: the causal attention inside
+  a chunk (the surrogate's ``1.198e-7 * chunk^2`` ms per layer) and the GEMMs' cost per token growing with
+  the chunk (memory-bound below 64-256 tokens, compute-bound above). A linear ``b`` charges every chunk
+  at the chunk size it was fitted on: small chunks over-priced, large ones under-priced (issue 27 item 7,
+  docs/evaluation.md "Online time model"). ``f`` defaults to 0 (the profiles' linear fits).
+
+Prompts are priced before their chunks are known (PAB, the router, the in-flight reservations): with
+``f > 0`` a prompt of P tokens is priced as if prefilled in chunks of ``chunk_tokens`` = K tokens, whose
+chunk^2 sum is K * P, so each of its tokens costs ``prompt_ms_per_token = b + f * K``. K is what the
+online model learned: the mean chunk length its prefill tokens ran in, so prompts cost what the
+purely linear fit charged them (its ``b`` absorbed ``f * K``) while each step is predicted from its
+own chunks. :meth:`TimeModel.linearized` is that pricing as a plain a, b, c model, what routers receive.
 
 :class:`StepFeatures` is the one description of an iteration that the engines (simulated and vLLM),
 the time models and the online calibrator (``replica_agent/policy/calibration.py``) share.
@@ -42,6 +55,9 @@ class StepFeatures:
             the attention of chunks over their prefixes alone, so a replica that only decodes
             says nothing about ``e`` (replica_agent/policy/calibration.py).
         num_decodes: sequences with a chunk of 1 token (decodes), the feature of :class:`TimeModel`'s ``d``.
+        prefill_chunk_sq_tokens: sum of chunk_i^2 over prefill chunks only (chunk_i > 1), the feature of
+            :class:`TimeModel`'s ``f`` (tokens^2); ``chunk_sq_tokens - num_decodes`` for a batch built by
+            :meth:`from_items`. A producer that cannot tell (proxy mode, an older plugin) leaves it 0.
     """
 
     new_tokens: int
@@ -51,6 +67,7 @@ class StepFeatures:
     num_seqs: int
     prefill_chunk_prefix_tokens: int = 0
     num_decodes: int = 0
+    prefill_chunk_sq_tokens: int = 0
 
     @classmethod
     def from_items(cls, items: Iterable[tuple[int, int]]) -> StepFeatures:
@@ -59,7 +76,7 @@ class StepFeatures:
         Raises:
             ValueError: on a negative count.
         """
-        new = ctx = cross = sq = n = pcross = dec = 0
+        new = ctx = cross = sq = n = pcross = dec = psq = 0
         for chunk, prefix in items:
             if chunk < 0 or prefix < 0:
                 raise ValueError(f"chunk and prefix must be >= 0, got {chunk}, {prefix}")
@@ -70,9 +87,10 @@ class StepFeatures:
             n += 1
             if chunk > 1:
                 pcross += chunk * prefix
+                psq += chunk * chunk
             elif chunk == 1:
                 dec += 1
-        return cls(new, ctx, cross, sq, n, pcross, dec)
+        return cls(new, ctx, cross, sq, n, pcross, dec, psq)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +108,11 @@ class TimeModel:
             compute-bound (shared profiles: the decode-only fit's b is 0.043 against 0.073 over all
             batches for Llama-3-8B A100), so one ``b`` cannot price both; 0 in the profiles' fits.
             A caller that does not pass ``num_decodes`` prices decodes at ``b``.
+        f_ms_per_chunk_sq: cost of each squared new token of a prefill chunk (ms/token^2;
+            :attr:`StepFeatures.prefill_chunk_sq_tokens`); 0 in the profiles' linear fits.
+        chunk_tokens: K, the chunk length prompts are priced at (tokens, >= 0; module docstring): a
+            prompt token costs :attr:`prompt_ms_per_token` = ``b + f * K``. Not a cost: :meth:`scaled`
+            keeps it. The online model sets it to the mean chunk length it saw; irrelevant when f = 0.
     """
 
     a_ms: float
@@ -97,47 +120,74 @@ class TimeModel:
     c_ms_per_context_token: float
     e_ms_per_chunk_prefix: float = 0.0
     d_ms_per_decode: float = 0.0
+    f_ms_per_chunk_sq: float = 0.0
+    chunk_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         if (self.a_ms < 0 or self.b_ms_per_new_token <= 0 or self.c_ms_per_context_token < 0
-                or self.e_ms_per_chunk_prefix < 0 or not self.b_ms_per_new_token + self.d_ms_per_decode > 0):  # fmt: skip
+                or self.e_ms_per_chunk_prefix < 0 or not self.b_ms_per_new_token + self.d_ms_per_decode > 0
+                or not self.f_ms_per_chunk_sq >= 0 or not self.chunk_tokens >= 0):  # fmt: skip
             raise ValueError(
-                f"time model needs a >= 0, b > 0, c >= 0, e >= 0, b + d > 0; got a={self.a_ms}, "
-                f"b={self.b_ms_per_new_token}, c={self.c_ms_per_context_token}, e={self.e_ms_per_chunk_prefix}, "
-                f"d={self.d_ms_per_decode}"
+                f"time model needs a >= 0, b > 0, c >= 0, e >= 0, b + d > 0, f >= 0, chunk_tokens >= 0; got "
+                f"a={self.a_ms}, b={self.b_ms_per_new_token}, c={self.c_ms_per_context_token}, "
+                f"e={self.e_ms_per_chunk_prefix}, d={self.d_ms_per_decode}, f={self.f_ms_per_chunk_sq}, "
+                f"chunk_tokens={self.chunk_tokens}"
             )
 
     def batch_ms(self, new_tokens: int | float, context_tokens: int | float, chunk_prefix_tokens: int | float = 0,
-                 num_decodes: int | float = 0) -> float:
+                 num_decodes: int | float = 0, chunk_sq_tokens: int | float = 0) -> float:
         """Predicted time (ms) of one iteration with these token counts (``chunk_prefix_tokens`` = sum of
-        chunk_i * prefix_i over its prefill chunks; ``num_decodes`` of the ``new_tokens`` are decodes)."""
+        chunk_i * prefix_i and ``chunk_sq_tokens`` = sum of chunk_i^2 over its prefill chunks;
+        ``num_decodes`` of the ``new_tokens`` are decodes)."""
         return (self.a_ms + self.b_ms_per_new_token * new_tokens + self.c_ms_per_context_token * context_tokens
-                + self.e_ms_per_chunk_prefix * chunk_prefix_tokens + self.d_ms_per_decode * num_decodes)  # fmt: skip
+                + self.e_ms_per_chunk_prefix * chunk_prefix_tokens + self.d_ms_per_decode * num_decodes
+                + self.f_ms_per_chunk_sq * chunk_sq_tokens)  # fmt: skip
 
     def step_ms(self, f: StepFeatures) -> float:
         """Predicted time (ms) of the iteration ``f`` describes."""
-        return self.batch_ms(f.new_tokens, f.context_tokens, f.prefill_chunk_prefix_tokens, f.num_decodes)
+        return self.batch_ms(f.new_tokens, f.context_tokens, f.prefill_chunk_prefix_tokens, f.num_decodes,
+                             f.prefill_chunk_sq_tokens)  # fmt: skip
 
     def scaled(self, k: float) -> TimeModel:
-        """Every coefficient times ``k`` (> 0): the same model, ``k`` times slower."""
+        """Every cost coefficient times ``k`` (> 0): the same model, ``k`` times slower (``chunk_tokens`` kept)."""
         return TimeModel(self.a_ms * k, self.b_ms_per_new_token * k, self.c_ms_per_context_token * k,
-                         self.e_ms_per_chunk_prefix * k, self.d_ms_per_decode * k)  # fmt: skip
+                         self.e_ms_per_chunk_prefix * k, self.d_ms_per_decode * k, self.f_ms_per_chunk_sq * k,
+                         self.chunk_tokens)  # fmt: skip
+
+    @property
+    def prompt_ms_per_token(self) -> float:
+        """What one prompt token costs when its chunks are not known: ``b + f * chunk_tokens`` (ms/token;
+        module docstring). ``b`` when f = 0."""
+        return self.b_ms_per_new_token + self.f_ms_per_chunk_sq * self.chunk_tokens
+
+    def linearized(self) -> TimeModel:
+        """The same prompt pricing as a model without f: ``b`` replaced by :attr:`prompt_ms_per_token`, f and
+        chunk_tokens 0 (``self`` when f is already 0). :meth:`prefill_ms`, :meth:`tokens_within_ms` and the
+        in-flight terms of pab.py give the same values on both; it is what the agent sends to routers
+        (proto TimeModelCoefficients: a, b, c), so the router prices prompts as the agent does."""
+        if self.f_ms_per_chunk_sq == 0.0 and self.chunk_tokens == 0.0:
+            return self
+        return TimeModel(self.a_ms, self.prompt_ms_per_token, self.c_ms_per_context_token, self.e_ms_per_chunk_prefix,
+                         self.d_ms_per_decode - self.f_ms_per_chunk_sq * self.chunk_tokens)  # fmt: skip
 
     def prefill_ms(self, prompt_tokens: int | float, computed_tokens: int | float = 0) -> float:
-        """Predicted time (ms) to prefill the rest of a prompt in one iteration of its own.
+        """Predicted time (ms) to prefill the rest of a prompt, in one iteration of its own but priced at
+        :attr:`prompt_ms_per_token` (module docstring; ``b`` when f = 0).
 
         ``computed_tokens`` of the prompt are already in the KV cache (chunked prefill); the chunk
         of ``remaining`` tokens reads them: cross term ``remaining * computed``.
         """
         computed = float(computed_tokens)
         remaining = max(0.0, float(prompt_tokens) - computed)
-        return self.batch_ms(remaining, computed, remaining * computed)
+        return (self.a_ms + self.prompt_ms_per_token * remaining + self.c_ms_per_context_token * computed
+                + self.e_ms_per_chunk_prefix * remaining * computed)  # fmt: skip
 
     def tokens_within_ms(self, budget_ms: float) -> int:
-        """Largest fresh prompt (tokens) whose one-iteration prefill fits ``budget_ms``: floor((budget - a) / b), >= 0."""
+        """Largest fresh prompt (tokens) whose prefill (:meth:`prefill_ms`) fits ``budget_ms``:
+        floor((budget - a) / prompt_ms_per_token), >= 0."""
         if budget_ms <= self.a_ms:
             return 0
-        return max(0, math.floor((budget_ms - self.a_ms) / self.b_ms_per_new_token + 1e-9))
+        return max(0, math.floor((budget_ms - self.a_ms) / self.prompt_ms_per_token + 1e-9))
 
 
 @dataclass(frozen=True, slots=True)

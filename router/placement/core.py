@@ -249,6 +249,26 @@ class PostDecisionHook(Protocol):
     def after_decision(self, request: PlacementRequest, replica_id: str) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class DirectAdmission:
+    """How a baseline profile (router/placement/baselines.py) has its placements admitted: like the
+    router it imitates, it admits every request and forwards it at once to its first candidate, with
+    no PAB fit, no admission queue and no lease (router/core.py ``RouterCore``, "Baseline profiles").
+
+    Attributes:
+        queue_cap_tokens: None = the replica takes whatever it is sent; a number
+            (``static-queue-cap``): the replica refuses a prompt while it has work and its queued
+            prompt tokens plus this one would exceed the cap, and the router tries the next
+            candidate (at most :data:`DEFAULT_MAX_CANDIDATES` in all).
+    """
+
+    queue_cap_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.queue_cap_tokens is not None and self.queue_cap_tokens < 0:
+            raise ValueError(f"queue_cap_tokens must be >= 0, got {self.queue_cap_tokens}")
+
+
 @dataclass(slots=True)
 class PlacementPolicy:
     """Filters, then the weighted sum of scorers, then the picker.
@@ -258,12 +278,19 @@ class PlacementPolicy:
         scorers: (scorer, weight) pairs summed into one score.
         picker: orders the scored replicas.
         hooks: told of every granted placement (:meth:`after_decision`).
+        direct: None (PAB admission: the router reserves budget on the candidates, queues when none
+            fits); a :class:`DirectAdmission` for a baseline profile.
+        prefix_map: the policy reads the router's prefix map (``PlacementRequest.cached_tokens``), so
+            the router keeps one even when ``placement.prefix_cache`` is off (the cache-aware
+            baselines: their routers always learn from their own picks).
     """
 
     filters: Sequence[Filter]
     scorers: Sequence[tuple[Scorer, float]]
     picker: Picker
     hooks: Sequence[PostDecisionHook] = field(default=(), kw_only=True)
+    direct: DirectAdmission | None = field(default=None, kw_only=True)
+    prefix_map: bool = field(default=False, kw_only=True)
 
     def after_decision(self, request: PlacementRequest, replica_id: str) -> None:
         """The caller's Reserve on ``replica_id`` was granted for ``request``: tell every hook."""

@@ -10,8 +10,11 @@ the file with and which imports no router code; a test compares it with this reg
 Profiles: ``pab`` (the default) is :class:`~router.placement.fused.FusedPabPolicy`, the one-pass
 form of the chain ``exclude, healthy, fresh, max-prompt, fits, on-time, window`` ->
 ``headroom: 1, kv-headroom: 1`` -> ``highest``; ``pab-chain`` is the same chain built from the
-plugins. :func:`build_policy` builds a custom chain from the YAML and uses the fused form when the
-chain is the default one.
+plugins. The baseline routers of the fleet benchmark (``round-robin``, ``least-outstanding``, ...,
+``static-queue-cap``) are profiles too (router/placement/baselines.py), built with the router's
+load view (``load``). :func:`build_policy` builds a custom chain from the YAML and uses the fused
+form when the chain is the default one; a plugin with a ``load`` field (the baseline scorers) gets
+the router's load view.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, fields
 from typing import Any
 
+from router.placement.baselines import register_baselines
 from router.placement.core import DEFAULT_MAX_CANDIDATES, Filter, Picker, PlacementPolicy, PostDecisionHook, Scorer
 from router.placement.fused import _PAB_FILTERS, FusedPabPolicy
+from router.placement.load import RouterLoad
 
 DEFAULT_SCORERS: tuple[tuple[str, float], ...] = (("headroom", 1.0), ("kv-headroom", 1.0))
 """The ``pab`` profile's scorers and weights."""
@@ -79,28 +84,39 @@ def discover(package: str) -> dict[str, type]:
 
 
 def default_registry() -> PlacementRegistry:
-    """Registry with the discovered plugins and the ``pab`` (fused; ``seed``, ``max_candidates``,
-    default :data:`DEFAULT_MAX_CANDIDATES`, None = all) and ``pab-chain`` (``seed``) policies."""
+    """Registry with the discovered plugins, the ``pab`` (fused; ``seed``, ``max_candidates``,
+    default :data:`DEFAULT_MAX_CANDIDATES`, None = all) and ``pab-chain`` (``seed``) policies and the
+    baseline profiles (router/placement/baselines.py; ``load``, ``seed``). Every policy takes
+    ``seed`` and ``load`` (the PAB ones read budgets, not the load: they ignore it)."""
     reg = PlacementRegistry()
     reg.filters.update(discover("router.placement.filters"))  # type: ignore[arg-type]
     reg.scorers.update(discover("router.placement.scorers"))  # type: ignore[arg-type]
     reg.pickers.update(discover("router.placement.pickers"))  # type: ignore[arg-type]
     reg.hooks.update(discover("router.placement.hooks"))  # type: ignore[arg-type]
 
-    def pab_chain(seed: int | None = None) -> PlacementPolicy:
+    def pab_chain(seed: int | None = None, load: RouterLoad | None = None) -> PlacementPolicy:
         return PlacementPolicy(
             filters=[reg.filters[n]() for n in _PAB_FILTERS],
             scorers=[(reg.scorers[n](), w) for n, w in DEFAULT_SCORERS],
             picker=reg.pickers[DEFAULT_PICKER](seed=seed),
         )
 
-    def pab_policy(seed: int | None = None, max_candidates: int | None = DEFAULT_MAX_CANDIDATES) -> PlacementPolicy:
+    def pab_policy(seed: int | None = None, max_candidates: int | None = DEFAULT_MAX_CANDIDATES,
+                   load: RouterLoad | None = None) -> PlacementPolicy:  # fmt: skip
         chain = pab_chain(seed)
         return FusedPabPolicy(chain.filters, chain.scorers, chain.picker, max_candidates=max_candidates)
 
     reg.policies["pab"] = pab_policy
     reg.policies["pab-chain"] = pab_chain
+    register_baselines(reg)
     return reg
+
+
+def _with_load(cls: Callable[..., Any], load: RouterLoad, params: Mapping[str, Any]) -> Any:
+    """A plugin built with ``params``, and with ``load`` when its dataclass has a ``load`` field."""
+    if "load" in {f.name for f in fields(cls)}:  # type: ignore[arg-type]
+        return cls(load=load, **dict(params))
+    return cls(**dict(params))
 
 
 def is_default_chain(filters: Sequence[str], scorers: Sequence[tuple[str, float]], picker: str) -> bool:
@@ -117,25 +133,33 @@ def build_policy(
     picker: str | None = None,
     picker_params: Mapping[str, Any] | None = None,
     hooks: Sequence[str] = (),
+    load: RouterLoad | None = None,
+    profile_params: Mapping[str, Any] | None = None,
 ) -> PlacementPolicy:
     """The policy of a ``placement`` section: the named ``profile`` when no chain is given, else the
-    chain (missing parts from the default profile); the fused ``pab`` when the chain is the default.
+    chain (missing parts from the default profile, ``pab``: a chain is admitted by PAB); the fused
+    ``pab`` when the chain is the default.
 
     Args:
         reg: the registry (names were validated against it).
-        profile: a policy name of ``reg`` (``pab``, ``pab-chain``).
+        profile: a policy name of ``reg`` (``pab``, ``pab-chain``, a baseline profile).
         seed: the picker's tie-break seed.
         filters: filter names in order, or None.
         scorers: (name, weight, params) triples, or None.
         picker: picker name, or None; ``picker_params``: its parameters besides ``seed``.
         hooks: hook names (post-decision plugins).
+        load: the router's load view (router/placement/load.py), given to the profile and to every
+            plugin with a ``load`` field; None: a fresh empty one.
+        profile_params: the profile's own parameters (``static-queue-cap``: ``queue_cap_tokens``).
 
     Raises:
         KeyError: an unknown name.
+        TypeError: a parameter the profile or plugin does not take.
     """
     hook_objs = [reg.hooks[h]() for h in hooks]
+    load = RouterLoad() if load is None else load
     if filters is None and scorers is None and picker is None:
-        pol = reg.build(profile, seed=seed)
+        pol = reg.build(profile, seed=seed, load=load, **dict(profile_params or {}))
     else:
         f_names = list(filters) if filters is not None else list(_PAB_FILTERS)
         s_items = list(scorers) if scorers is not None else [(n, w, {}) for n, w in DEFAULT_SCORERS]
@@ -147,7 +171,7 @@ def build_policy(
         else:
             pol = PlacementPolicy(
                 filters=[reg.filters[n]() for n in f_names],
-                scorers=[(reg.scorers[n](**dict(prm)), float(w)) for n, w, prm in s_items],
+                scorers=[(_with_load(reg.scorers[n], load, prm), float(w)) for n, w, prm in s_items],
                 picker=reg.pickers[p_name](seed=seed, **p_params) if "seed" in
                 {f.name for f in fields(reg.pickers[p_name])} else reg.pickers[p_name](**p_params),  # type: ignore[arg-type]
             )

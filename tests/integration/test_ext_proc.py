@@ -47,7 +47,8 @@ class PickerFleet(LoopbackFleet):
 
     async def start(self, replicas: dict[str, float], *, lease_mode: str = "inline", max_queue_ms: float = 3000,
                     sheddable: bool = False, trusted: bool = False, tenants: dict | None = None,
-                    inline_admission: bool = True, max_requests: int = 64) -> None:  # fmt: skip
+                    inline_admission: bool = True, max_requests: int = 64,
+                    placement: dict | None = None) -> None:  # fmt: skip
         reps = []
         for rid, pab in replicas.items():
             http_url, target = await self.start_replica(FakeAdmission(rid, pab, inline_admission=inline_admission),
@@ -65,6 +66,7 @@ class PickerFleet(LoopbackFleet):
             "queue": {"max_requests": max_requests, "max_tokens": 1_000_000},
             "admission": {"bytes_per_token": 4.0, "reserve_timeout_ms": 500, "lease_mode": lease_mode},
             **({"auth": {"trusted_networks": ["127.0.0.0/8"]}} if trusted else {}),
+            **({"placement": placement} if placement else {}),
         })
         router = Router(config, Clock(1.0), "test-picker", agent_token=TOKEN)
         await self.serve_router(router)
@@ -118,7 +120,8 @@ async def test_pick_names_the_replica_with_most_budget_then_fallbacks_in_header_
     assert up["x-fairbatch-tenant"] == "acme" and up["x-fairbatch-slo-class"] == "interactive"
     assert up["x-fairbatch-token"] == TOKEN and len(up["x-request-id"]) == 32
     assert float(up["x-fairbatch-queued-ms"]) >= 0
-    assert set(pick.remove_headers) == {"authorization", "x-fairbatch-lease"}
+    assert set(pick.remove_headers) == {"authorization", "x-fairbatch-lease", "x-fairbatch-on-time", "x-fairbatch-direct",
+                                        "x-fairbatch-queue-cap"}  # the client's own admission headers
     assert fleet.router.replica_load("r1") == 1
     await s.close()
 
@@ -330,10 +333,42 @@ async def test_agent_refusing_the_inline_admission_becomes_503_no_budget(fleet) 
     # the agent's answer updated the router's view of r0 (5 ms left for the class), the charge refunded
     assert fleet.router.book.views()[0].classes["interactive"].pab_ms <= 5.0
     assert fleet.router.queue.counter("acme") == 0
-    assert fleet.picks("no_budget") == 1 and fleet.router.replica_load("r0") == 0
+    assert fleet.picks("upstream_error") == 1 and fleet.router.replica_load("r0") == 0
+
+
+async def test_a_baseline_profile_pick_is_direct_with_its_next_candidates(fleet) -> None:
+    # placement.profile round-robin (a baseline router, no budget): the grant is direct, every agent of
+    # the list admits it as it is (x-fairbatch-direct), the next candidates are the fallbacks
+    await fleet.start({"r0": 400.0, "r1": 400.0}, placement={"profile": "round-robin", "seed": 1})
+    s = fleet.stream()
+    pick = parse_pick(await s.request_headers(headers()))
+    assert pick is not None and len(pick.endpoints) == 2
+    assert set(pick.endpoints) == {fleet.endpoint("r0"), fleet.endpoint("r1")}
+    assert pick.set_headers["x-fairbatch-direct"] == "1" and "x-fairbatch-admit" not in pick.set_headers
+    assert {"x-fairbatch-admit", "x-fairbatch-lease", "x-fairbatch-on-time"} <= set(pick.remove_headers)
+    await s.close()
 
 
 # ---------------------------------------------------------------------- settlement
+
+
+async def test_a_request_that_got_nothing_gives_its_rate_quota_back(fleet) -> None:
+    # one request per minute: the first fails before any byte (a 503 upstream), so the bucket gets it
+    # back and a second request passes; that one is served, and a third is 429 tenant-rate
+    await fleet.start({"r0": 400.0}, tenants={"acme": {"slo_class": "interactive", "requests_per_minute": 1}})
+    s = fleet.stream()
+    assert parse_pick(await s.request_headers(headers())) is not None
+    await s.response_headers(503, served=fleet.endpoint("r0"), end_of_stream=True)
+    await s.close()
+    await asyncio.sleep(0.05)  # the refund runs in the background
+    s = fleet.stream()
+    assert parse_pick(await s.request_headers(headers())) is not None
+    await s.response_headers(200, served=fleet.endpoint("r0"), end_of_stream=True)
+    await s.close()
+    s = fleet.stream()
+    im = immediate_of(await s.request_headers(headers()))
+    assert im is not None and im.headers["x-fairbatch-reason"] == "tenant-rate"
+    await s.close()
 
 
 async def test_a_fallback_that_served_releases_the_primary(fleet) -> None:

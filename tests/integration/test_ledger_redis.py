@@ -160,3 +160,23 @@ async def test_unreachable_at_start_is_degraded(redis_clean: RedisServer) -> Non
         assert isinstance(await led.acquire("acme", "r1", TenantLimits(max_concurrency=1), 1), Ticket)
     finally:
         await led.close()
+
+
+async def test_a_refund_gives_the_shared_buckets_back(redis_clean: RedisServer) -> None:
+    # issue 30: tenant small, 5,000 tokens per minute; a 4,990-token request the engine refuses
+    # leaves 10 tokens for every router copy; refunded, the other copy's 16-token request passes
+    a, b = make(redis_clean), make(redis_clean)
+    await a.start()
+    await b.start()
+    try:
+        lim = TenantLimits(tokens_per_minute=5000, requests_per_minute=600)
+        ticket = await a.acquire("small", "r1", lim, 4990)
+        assert isinstance(ticket, Ticket) and ticket.tokens == 4990
+        assert isinstance(await b.acquire("small", "r2", lim, 16), Refusal)
+        await a.refund(ticket, lim)
+        await a.refund(ticket, lim)  # a refund given twice cannot overfill: the bucket holds 5,000 at most
+        assert isinstance(await b.acquire("small", "r2", lim, 16), Ticket)  # 5,000 -> 4,984
+        assert isinstance(await b.acquire("small", "r3", lim, 4990), Refusal)  # 4,984 + refill < 4,990
+    finally:
+        await a.close()
+        await b.close()

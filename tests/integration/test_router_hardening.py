@@ -178,7 +178,8 @@ async def test_a_poison_request_in_the_queue_is_answered_and_the_others_flow() -
         assert router is not None
         real_reserve = router.budgets.reserve
 
-        async def reserve(replica_id, slo_class, prompt_tokens, request_id, max_tokens=0, waited_ms=0.0):
+        async def reserve(replica_id, slo_class, prompt_tokens, request_id, max_tokens=0, waited_ms=0.0,
+                          on_time_only=False):
             if prompt_tokens == 77:
                 raise ValueError("Value out of range")
             return await real_reserve(replica_id, slo_class, prompt_tokens, request_id, max_tokens, waited_ms)

@@ -81,7 +81,9 @@ async def test_two_routers_inline_never_spend_one_budget_twice(fleet_factory) ->
                 refused += metric(await r.text(), "fairbatch_router_admit_refusals_total")
     granted = metric(agent_metrics, "fairbatch_agent_reserve_total", 'result="granted"')
     no_budget = metric(agent_metrics, "fairbatch_agent_reserve_total", 'result="no-budget"')
+    # a queued request's on-time attempt (the dispatcher's first phase) may be refused "not-on-time"
+    late = metric(agent_metrics, "fairbatch_agent_reserve_total", 'result="not-on-time"')
     assert granted == 12  # every request admitted exactly once, by the agent, on arrival
-    assert no_budget > 0 and refused == no_budget  # the routers did collide; each refusal was re-placed
+    assert no_budget > 0 and refused == no_budget + late  # the routers did collide; each refusal was re-placed
     assert 0.0 < peak <= H_MS + 1e-6  # prefill was admitted, never more than the horizon holds
     assert metric(agent_metrics, "fairbatch_agent_leases_active") == 0  # every lease freed

@@ -73,3 +73,16 @@ def test_budget_follows_every_event_through_the_kept_lists() -> None:
     check(301.0)
     assert steps[-1] == 450.0
     assert len(set(steps)) > 6  # the budget did move with the events
+
+
+def test_an_on_time_reserve_is_refused_where_only_a_late_start_fits() -> None:
+    # idle replica, interactive H = 450 ms; a 3000-token prompt costs 10 + 300 = 310 ms. Waited
+    # 200 ms it can no longer start in time (310 > 450 - 200 = 250), but it fits a fresh arrival's
+    # budget: the work-conserving Reserve grants it, the on-time one (x-fairbatch-on-time, proto
+    # ReserveRequest.on_time_only) refuses it "not-on-time"; waited 100 ms (310 <= 350) both grant.
+    agent = _agent()
+    late = agent.reserve("interactive", 3000, None, "x", 1.0, waited_ms=200.0, on_time_only=True)
+    assert not late.granted and late.reason == "not-on-time"
+    assert agent.reserve("interactive", 3000, None, "y", 1.0, waited_ms=200.0).granted
+    agent2 = _agent()
+    assert agent2.reserve("interactive", 3000, None, "z", 1.0, waited_ms=100.0, on_time_only=True).granted

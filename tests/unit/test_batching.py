@@ -313,3 +313,21 @@ def test_random_states_fairbatching_respects_budget_kv_and_caps() -> None:
             blocks += -(-(c + n) // 16) - (-(-c // 16))
         assert blocks <= st.kv_free_blocks
         assert len(running) + sum(1 for rid, _ in b.items if rid.startswith("w")) <= st.max_num_seqs
+
+
+def test_chunk_sq_term_shrinks_the_chunk_to_the_budget_by_hand() -> None:
+    # the seed's scene with f = 1e-5 ms/token^2: budget 50, D2 first (t = 10.2), then P gets room 39.8 ms;
+    # the largest n with 0.1*n + 1e-5*n^2 <= 39.8 is floor(2*39.8 / (0.1 + sqrt(0.01 + 4e-5*39.8))) = 383
+    # (0.1*383 + 1e-5*383^2 = 39.76689; 384 would take 39.87456); D1 (+0.219 ms) no longer fits
+    from replica_agent.policy.time_model import StepFeatures
+
+    tmf = TimeModel(10.0, 0.1, 0.001, f_ms_per_chunk_sq=1e-5)
+    running, waiting = seed_case(8000)
+    st = SchedState(now_ms=990.0, running=running, waiting=waiting, max_num_batched_tokens=8192, max_num_seqs=256,
+                    kv_free_blocks=100_000, block_size=16, time_model=tmf)  # fmt: skip
+    b = FairBatchingPolicy().form_batch(st)
+    assert b.items == [("D2", 1), ("P", 383)]
+    # the step the engine would time: D2 at context 100, P's 383-token chunk at prefix 0
+    assert tmf.step_ms(StepFeatures.from_items([(1, 100), (383, 0)])) == pytest.approx(49.96689)
+    # f = 0 gives the linear chunk of test_seed_case_fairbatching_spends_d1_slack_on_the_8k_prefill
+    assert FairBatchingPolicy().form_batch(fb_state(running, waiting, now=990.0)).items == [("D2", 1), ("P", 398)]

@@ -222,3 +222,98 @@ def test_direct_first_pass_gives_the_same_bits_as_the_indexed_pass() -> None:
     assert 20 < bound < 380  # both branches taken
     singular = np.zeros((5, 5))
     assert solve_ridge(singular, np.zeros(5), 1.0, prior, 0.0).tobytes() == prior.tobytes()
+
+
+# ---- the prefill chunk^2 term f and the chunk length K (issue 27 item 7) ---------------------------
+
+CHUNKY = TimeModel(10.0, 0.06, 8.0e-5, 3.0e-6, -0.02, 5.0e-6)  # an engine whose chunks cost f * chunk^2
+
+
+def _chunky_steps(rng, n):
+    """Decode batches, and in most steps one prefill chunk of 16..4096 tokens over a prefix (the chunk length
+    varies independently of the rest, as FairBatching's and vLLM's chunks do)."""
+    out = []
+    for _ in range(n):
+        items = [(1, int(rng.integers(128, 4096))) for _ in range(int(rng.integers(1, 64)))]
+        if rng.random() < 0.8:
+            items.append((int(rng.integers(16, 4096)), int(rng.choice([0, 1024, 4096]))))
+        out.append(StepFeatures.from_items(items))
+    return out
+
+
+def test_chunk_length_is_the_forgetting_weighted_mean_chunk_by_hand() -> None:
+    # forgetting 0.5, a solve every step: a 100-token chunk, then a 300-token one (weight 1 each):
+    # K = (0.5 * 100^2 + 300^2) / (0.5 * 100 + 300) = 95,000 / 350 = 271.43 tokens
+    cal = OnlineTimeModel(PRIOR, CalibratorConfig(forgetting=0.5, refit_every=1))
+    assert cal.chunk_tokens() == 0.0  # the prior's before any prefill
+    cal.observe(StepFeatures.from_items([(100, 0)]), 20.0)
+    assert cal.chunk_tokens() == pytest.approx(100.0)
+    cal.observe(StepFeatures.from_items([(300, 0), (1, 500)]), 40.0)  # the decode adds nothing to K
+    assert cal.chunk_tokens() == pytest.approx(95_000 / 350)
+    assert cal.model().chunk_tokens == pytest.approx(95_000 / 350)
+    # folded every 2 steps (refit_every 2) the sums are the same
+    two = OnlineTimeModel(PRIOR, CalibratorConfig(forgetting=0.5, refit_every=2))
+    two.observe(StepFeatures.from_items([(100, 0)]), 20.0)
+    two.observe(StepFeatures.from_items([(300, 0), (1, 500)]), 40.0)
+    assert two.chunk_tokens() == pytest.approx(95_000 / 350)
+    # a decode-only step decays both sums alike: K unchanged
+    cal.observe(StepFeatures.from_items([(1, 500)] * 4), 15.0)
+    assert cal.chunk_tokens() == pytest.approx(95_000 / 350)
+
+
+def test_learns_the_chunk_sq_term_and_the_one_step_error_vanishes() -> None:
+    rng = np.random.default_rng(11)
+    with_f = OnlineTimeModel(PRIOR, CalibratorConfig(prior_weight=1e-6))
+    without = OnlineTimeModel(PRIOR, CalibratorConfig(prior_weight=1e-6, chunk_sq_term=False))
+    for f in _chunky_steps(rng, 600):
+        with_f.observe(f, CHUNKY.step_ms(f))
+        without.observe(f, CHUNKY.step_ms(f))
+    m = with_f.model()
+    assert m.f_ms_per_chunk_sq == pytest.approx(5.0e-6, rel=1e-3)
+    assert m.b_ms_per_new_token == pytest.approx(0.06, rel=1e-3)
+    assert m.e_ms_per_chunk_prefix == pytest.approx(3.0e-6, rel=1e-2)
+    assert without.model().f_ms_per_chunk_sq == 0.0
+    # one step ahead on fresh steps: exact with f; without it, small chunks over-priced and big ones under
+    fresh = _chunky_steps(rng, 300)
+    err_f = [abs(CHUNKY.step_ms(f) / m.step_ms(f) - 1) for f in fresh]
+    assert max(err_f) < 1e-3
+    m5 = without.model()
+
+    def signed(lo, hi):
+        sel = [f for f in fresh if lo <= f.prefill_chunk_sq_tokens ** 0.5 < hi]
+        return sum(CHUNKY.step_ms(f) / m5.step_ms(f) - 1 for f in sel) / len(sel)
+
+    assert signed(16, 1024) < -0.01 and signed(3072, 4096) > 0.02  # the residual grows with the chunk
+    assert with_f.mean_abs_rel_error() < 1e-3 < without.mean_abs_rel_error()
+
+
+def test_chunk_sq_term_off_is_the_five_term_model() -> None:
+    # chunk_sq_term=False: f stays at the prior's and a, b, d, c, e are the five-term ridge solution of the
+    # same observations (solve_ridge on the 5 x 5 statistics, built here by hand)
+    rng = np.random.default_rng(5)
+    cal = OnlineTimeModel(PRIOR, CalibratorConfig(chunk_sq_term=False, forgetting=1.0, refit_every=1, prior_weight=5.0))
+    a_mat, g = np.zeros((5, 5)), np.zeros(5)
+    for f in _chunky_steps(rng, 120):
+        y = CHUNKY.step_ms(f)
+        cal.observe(f, y)
+        x = np.array([1.0, f.new_tokens - f.num_decodes, f.num_decodes, f.context_tokens, f.prefill_chunk_prefix_tokens])
+        a_mat += np.outer(x, x) / y**2
+        g += x / y
+    theta = solve_ridge(a_mat, g, 120.0, np.array([9.86, 0.0727, 0.0727, 7.94e-5, 0.0]), 5.0)
+    m = cal.model()
+    got = [m.a_ms, m.b_ms_per_new_token, m.b_ms_per_new_token + m.d_ms_per_decode, m.c_ms_per_context_token,
+           m.e_ms_per_chunk_prefix]
+    assert got == pytest.approx(list(theta), rel=1e-7)
+    assert m.f_ms_per_chunk_sq == 0.0 and m.prompt_ms_per_token == m.b_ms_per_new_token
+
+
+def test_decode_only_replica_leaves_f_and_k_at_the_prior() -> None:
+    prior = TimeModel(9.86, 0.0727, 7.94e-5, f_ms_per_chunk_sq=2e-6, chunk_tokens=700.0)
+    cal = OnlineTimeModel(prior)
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        f = StepFeatures.from_items([(1, int(rng.integers(128, 4096))) for _ in range(int(rng.integers(1, 128)))])
+        cal.observe(f, CHUNKY.step_ms(f))
+    m = cal.model()
+    assert m.f_ms_per_chunk_sq == pytest.approx(2e-6) and m.chunk_tokens == 700.0
+    assert m.prompt_ms_per_token == pytest.approx(m.b_ms_per_new_token + 2e-6 * 700)

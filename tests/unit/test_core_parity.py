@@ -63,7 +63,7 @@ class FakeAgents:
         self.released: list[str] = []
 
     async def reserve(self, replica_id: str, slo_class: str, prompt_tokens: int, request_id: str,
-                      max_tokens: int = 0, waited_ms: float = 0.0) -> ReserveResult:
+                      max_tokens: int = 0, waited_ms: float = 0.0, on_time_only: bool = False) -> ReserveResult:
         n = next(self.calls)
         if n % 7 == 6:
             return ReserveResult(False, "", "no-budget", 0.0, 0)

@@ -1,4 +1,4 @@
-"""Baseline placement plugins of the fleet benchmark (loadgen/fleet/baselines.py), hand-worked.
+"""Baseline placement profiles of the fleet benchmark (router/placement/baselines.py), hand-worked.
 
 llm-d scores: queue ``(max_q - q) / (max_q - min_q)`` (1 when all equal), KV ``1 - usage``, prefix
 ``cached / prompt``; SGLang / vllm-router cache-aware rule; power-of-two; static-queue-cap in the fleet.
@@ -10,17 +10,18 @@ import random
 
 import pytest
 
-from loadgen.fleet.baselines import (
+from loadgen.fleet.sim import FleetConfig, FleetRequest, run_fleet
+from replica_agent.policy.time_model import TimeModel
+from router.placement import (
     SGLANG_CACHE_AWARE,
     VLLM_ROUTER_CACHE_AWARE,
     MetricsSample,
+    PlacementRequest,
     PowerOfTwoPicker,
+    ReplicaView,
     RouterLoad,
-    fleet_registry,
+    default_registry,
 )
-from loadgen.fleet.sim import FleetConfig, FleetRequest, run_fleet
-from replica_agent.policy.time_model import TimeModel
-from router.placement import PlacementRequest, ReplicaView
 
 TM = TimeModel(9.8626, 0.0726711, 7.93966e-05)
 IDS = ("r0", "r1", "r2")
@@ -41,17 +42,17 @@ def scraped(waiting: tuple[int, ...], kv: tuple[float, ...]) -> RouterLoad:
 def test_llmd_scorer_queue_and_kv() -> None:
     # waiting 4, 0, 2 -> queue scores (4-4)/4 = 0, 1, (4-2)/4 = 0.5; KV usage 0.2, 0.9, 0.5 -> 0.8, 0.1, 0.5
     # sums: r0 0.8, r1 1.1, r2 1.0 -> r1, r2, r0
-    policy = fleet_registry().build("llm-d-scorer", load=scraped((4, 0, 2), (0.2, 0.9, 0.5)), seed=3)
+    policy = default_registry().build("llm-d-scorer", load=scraped((4, 0, 2), (0.2, 0.9, 0.5)), seed=3)
     assert policy.place(PlacementRequest("interactive", 100), views()).candidates == ("r1", "r2", "r0")
     # all queues equal: queue scores all 1, KV decides: r0 (0.8) first
-    policy = fleet_registry().build("llm-d-scorer", load=scraped((1, 1, 1), (0.2, 0.9, 0.5)), seed=3)
+    policy = default_registry().build("llm-d-scorer", load=scraped((1, 1, 1), (0.2, 0.9, 0.5)), seed=3)
     assert policy.place(PlacementRequest("interactive", 100), views()).candidates == ("r0", "r2", "r1")
 
 
 def test_llmd_prefix_weights_three_two_two() -> None:
     # as above plus prefix 3 * cached / P with P = 1000: r0 holds 900 (2.7), r2 holds 100 (0.3)
     #   r0: 2.7 + 2 * 0 + 2 * 0.8 = 4.3;  r1: 0 + 2 * 1 + 2 * 0.1 = 2.2;  r2: 0.3 + 2 * 0.5 + 2 * 0.5 = 2.3
-    policy = fleet_registry().build("llm-d-prefix", load=scraped((4, 0, 2), (0.2, 0.9, 0.5)), seed=3)
+    policy = default_registry().build("llm-d-prefix", load=scraped((4, 0, 2), (0.2, 0.9, 0.5)), seed=3)
     req = PlacementRequest("interactive", 1000, cached_tokens={"r0": 900, "r2": 100})
     assert policy.place(req, views()).candidates == ("r0", "r2", "r1")
     # without any cached prefix it is the llm-d-scorer order with doubled weights: r1 (2.2), r2 (2.0), r0 (1.6)
@@ -63,7 +64,7 @@ def load_of(counts: tuple[int, ...]) -> RouterLoad:
 
 
 def test_vllm_router_cache_aware_rule() -> None:
-    reg = fleet_registry()
+    reg = default_registry()
     req60 = PlacementRequest("interactive", 1000, cached_tokens={"r2": 600})
     req40 = PlacementRequest("interactive", 1000, cached_tokens={"r2": 400})
     # balanced (max - min = 5 <= 32): r2 holds 60 % > 0.5 -> r2; then the rest by load (r1 0, r0 5)
@@ -81,7 +82,7 @@ def test_vllm_router_cache_aware_rule() -> None:
 
 
 def test_sglang_cache_aware_defaults() -> None:
-    reg = fleet_registry()
+    reg = default_registry()
     req40 = PlacementRequest("interactive", 1000, cached_tokens={"r2": 400})
     # threshold 0.3: 40 % is enough for affinity (vllm-router's 0.5 is not)
     assert reg.build("sglang-cache-aware", load=load_of((5, 0, 3))).place(req40, views()).candidates[0] == "r2"
@@ -94,7 +95,7 @@ def test_sglang_cache_aware_defaults() -> None:
 
 def test_power_of_two_picks_the_shorter_engine_queue_of_two_drawn() -> None:
     load = RouterLoad({}, {"r0": MetricsSample(3, 2, 0.0), "r1": MetricsSample(1, 0, 0.0)})
-    pol = fleet_registry().build("power-of-two", load=load, seed=1)
+    pol = default_registry().build("power-of-two", load=load, seed=1)
     vs = views(("r0", "r1"))
     # two replicas: both drawn; engine queue running + waiting 5 vs 1 -> r1 first
     for _ in range(5):
@@ -102,7 +103,7 @@ def test_power_of_two_picks_the_shorter_engine_queue_of_two_drawn() -> None:
     # 4 replicas with queues 0, 1, 2, 3: the answer is the better of the two drawn, never the worst one
     # (r3 only comes second); over 200 draws every pair shows up, so each of r0, r1, r2 leads sometimes
     load4 = RouterLoad({}, {f"r{i}": MetricsSample(i, 0, 0.0) for i in range(4)})
-    pol4 = fleet_registry().build("power-of-two", load=load4, seed=7)
+    pol4 = default_registry().build("power-of-two", load=load4, seed=7)
     vs4 = views(tuple(f"r{i}" for i in range(4)))
     firsts = set()
     for _ in range(200):

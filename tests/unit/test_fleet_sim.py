@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from loadgen.fleet.baselines import RouterLoad, fleet_registry
 from loadgen.fleet.bench import analytic_bound
 from loadgen.fleet.sim import FleetConfig, FleetRequest, FleetSim, replica_state, run_fleet
 from loadgen.sim.engine import EngineConfig, SimEngine
@@ -12,7 +11,7 @@ from loadgen.traces import TraceRequest
 from replica_agent.policy.leases import LeaseTable
 from replica_agent.policy.pab import PendingPrefill
 from replica_agent.policy.time_model import TimeModel
-from router.placement import PlacementRequest, ReplicaView
+from router.placement import PlacementRequest, ReplicaView, RouterLoad, default_registry
 
 TM = TimeModel(9.8626, 0.0726711, 7.93966e-05)  # llama-3-8b-a100
 KV = 467_291
@@ -33,7 +32,7 @@ def test_round_robin_alternates() -> None:
 
 def test_least_outstanding_picks_emptier_replica() -> None:
     load = RouterLoad({"r0": 2, "r1": 0, "r2": 1}, {})
-    policy = fleet_registry().build("least-outstanding", load=load, seed=0)
+    policy = default_registry().build("least-outstanding", load=load, seed=0)
     views = [ReplicaView(rid, True, True, TM, {}, 32768) for rid in ("r0", "r1", "r2")]
     assert policy.place(PlacementRequest("interactive", 100), views).candidates == ("r1", "r2", "r0")
 
@@ -313,7 +312,7 @@ def test_least_outstanding_tokens_weighs_prompts() -> None:
     for _ in range(3):
         load.add("r1", 100)
     views = [ReplicaView(rid, True, True, TM, {}, 32768) for rid in ("r0", "r1")]
-    reg = fleet_registry()
+    reg = default_registry()
     assert reg.build("least-outstanding", load=load, seed=0).place(PlacementRequest("i", 50), views).candidates[0] == "r0"
     assert reg.build("least-outstanding-tokens", load=load, seed=0).place(PlacementRequest("i", 50), views).candidates == ("r1", "r0")
     load.add("r1", -100)  # one finished
@@ -371,3 +370,22 @@ def test_a_burst_of_200_late_prompts_drains_and_the_watchdog_sees_no_stall(two_t
     # first token before 1.97 s, nearly twice its 1-s TTFT
     firsts = sorted(r.token_times_ms[0] - r.arrival_ms for r in res.records)
     assert firsts[32] > 1970.0
+
+
+def test_four_router_copies_serve_a_sheddable_burst_on_time() -> None:
+    # issue 27, item 3: 64 x 1,000-token prompts (50 out) 0.1 ms apart on 2 replicas, a sheddable
+    # class (TTFT 500 / TPOT 50 ms), 4 router copies with inline admission (the default): each
+    # router places on a view that lacks the others' latest placements. The agent is now asked for
+    # an on-time start (x-fairbatch-on-time), so a sheddable request is refused, not started late:
+    # before, 12 were served and one had its first token at 575 ms (> 500).
+    def run(routers: int) -> list[float]:
+        c = FleetConfig(policy="pab", replicas=2, time_model=TM, kv_capacity_tokens=KV, ttft_ms=500.0, tpot_ms=50.0,
+                        routers=routers, sheddable=True, max_queue_ms=2000.0, lease_mode="inline",
+                        start_window_steps=4.0, max_num_batched_tokens=2048, min_push_interval_ms=5.0)
+        res = run_fleet(c, [FleetRequest(i * 0.1, 1000, 50) for i in range(64)])
+        return [r.token_times_ms[0] - r.arrival_ms for r in res.records if r.outcome == "ok"]
+
+    one, four = run(1), run(4)
+    assert max(four) <= 500.0 and max(one) <= 500.0
+    # the copies serve no more than one router does (they no longer serve late what one refuses)
+    assert len(four) <= len(one) + 1 and len(four) >= len(one) - 2

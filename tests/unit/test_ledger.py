@@ -105,3 +105,46 @@ def test_at_concurrency_is_a_read_that_counts_live_slots_only() -> None:
     assert led.in_flight("t") == 2  # the peek took nothing
     assert not led.at_concurrency("t", lim, 1000.0)  # "a" expired at 0 + 1000: one live slot
     assert not led.at_concurrency("t", TenantLimits(), 600.0)  # no cap
+
+
+def test_refund_gives_one_acquire_back_and_never_overfills() -> None:
+    # issue 30: tokens_per_minute 600 (0.01 token/ms), requests_per_minute 2 (one per 30,000 ms).
+    led = LocalLedger()
+    lim = TenantLimits(tokens_per_minute=600, requests_per_minute=2)
+    assert led.acquire("a", "r1", lim, 500, 0.0) is None  # tokens 600 -> 100, requests 2 -> 1
+    assert led.acquire("a", "r2", lim, 200, 0.0) == Refusal("tenant-rate", 10_000.0)  # 100 < 200
+    led.refund("a", lim, 500, 1000.0)  # at 1 s: 100 + 10 refilled + 500 back = 610 -> capped at 600
+    assert led.acquire("a", "r2", lim, 600, 1000.0) is None  # a full bucket again: 600 -> 0
+    # the request bucket: 1 + 1000 / 30000 refilled + 1 back = 2.03 -> capped at 2, minus r2's 1 = 1,
+    # r3 takes the last one, r4 waits a whole request: (1 - 0) * 60000 / 2 = 30,000 ms
+    assert led.acquire("a", "r3", lim, 0, 1000.0) is None
+    assert led.acquire("a", "r4", lim, 0, 1000.0) == Refusal("tenant-rate", 30_000.0)
+    # a tenant never seen, or limits without buckets: nothing to give back, nothing breaks
+    led.refund("nobody", lim, 100, 0.0)
+    led.refund("a", TenantLimits(), 100, 0.0)
+
+
+async def test_in_process_ticket_carries_its_tokens_for_the_refund() -> None:
+    @dataclass
+    class C:
+        t: float = 0.0
+
+        def now_ms(self) -> float:
+            return self.t
+
+    clock = C()
+    led = InProcessLedger(clock)
+    lim = TenantLimits(tokens_per_minute=5000)
+    ticket = await led.acquire("small", "r1", lim, 4990)  # a request the engine will refuse
+    assert isinstance(ticket, Ticket) and ticket.tokens == 4990
+    assert isinstance(await led.acquire("small", "r2", lim, 16), Refusal)  # 10 left: the issue's 429
+    await led.refund(ticket, lim)
+    assert isinstance(await led.acquire("small", "r2", lim, 16), Ticket)
+
+
+def test_quota_refund_rule() -> None:
+    from router.charges import quota_refunded
+
+    assert quota_refunded("upstream_refused", True) and quota_refunded("queue_timeout", False)
+    assert quota_refunded("upstream_error", False) and not quota_refunded("upstream_error", True)
+    assert not quota_refunded("ok", True) and not quota_refunded("client_disconnect", False)

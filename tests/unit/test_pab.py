@@ -26,6 +26,7 @@ from replica_agent.policy.pab import (
     inflight_lumps,
     on_time,
 )
+from replica_agent.policy.reserve import reserve_decision
 from replica_agent.policy.time_model import TimeModel
 
 TM = TimeModel(10.0, 0.1, 0.001)
@@ -277,9 +278,12 @@ def test_waited_ms_validation():
             admits(100, st, AGED_CLASS, bad)
 
 
-def _random_state(rng: random.Random) -> tuple[ReplicaState, SloClass]:
+def _random_state(rng: random.Random, chunk_sq: bool = False) -> tuple[ReplicaState, SloClass]:
     tm = TimeModel(rng.choice([0.0, 5.0, 10.0, 9.8626]), rng.choice([0.05, 0.1, 0.0726711]),
                    rng.choice([0.0, 0.001, 0.0001]))  # fmt: skip
+    if chunk_sq:  # the online model's terms: chunk x prefix, decode, chunk^2 and its chunk length K
+        tm = TimeModel(tm.a_ms, tm.b_ms_per_new_token, tm.c_ms_per_context_token, rng.choice([0.0, 3e-6]),
+                       rng.choice([0.0, -0.02]), rng.choice([0.0, 1e-6, 5.8e-6]), rng.choice([0.0, 256.0, 1500.0]))  # fmt: skip
     slo = SloClass("k", rng.choice([300.0, 500.0, 1000.0, 2500.0]), rng.choice([20.0, 50.0, 100.0]))
     now = rng.uniform(0.0, 10_000.0)
     decodes = [
@@ -338,3 +342,69 @@ def test_decode_iterations_and_growth_reserve_by_hand():
     ]
     assert growth_reserve_tokens(900.0, gs) == 10 + 5 + 19 + 0
     assert growth_reserve_tokens(900.0, []) == 0
+
+
+def test_on_time_only_admits_no_late_start():
+    # issue 27 (router copies): the router asks for an on-time start; the agent's work-conserving
+    # fit must not turn it into a late one. Same replica as test_aged_prompt_on_time_or_late_hand_worked:
+    # P = 6500 (660 ms) waited 300 ms fits a fresh arrival's budget (889) but not on time (589):
+    st = aged_state([ONE_DECODE])
+    assert admits(6500, st, AGED_CLASS, 300.0)[0]  # the work-conserving rule takes it late
+    assert not admits(6500, st, AGED_CLASS, 300.0, on_time_only=True)[0]
+    assert reserve_decision(6500, st, AGED_CLASS, 300.0, on_time_only=True)[0] == "not-on-time"
+    # P = 5000 (510 ms) is on time after 300 ms: admitted either way
+    assert admits(5000, st, AGED_CLASS, 300.0, on_time_only=True)[0]
+    assert reserve_decision(5000, st, AGED_CLASS, 300.0, on_time_only=True)[0] == ""
+    # a fresh arrival (w = 0): on time = the fit without the prefill-alone case
+    assert admits(6500, st, AGED_CLASS, 0.0, on_time_only=True)[0]
+    # past its TTFT (w = 1200 > H = 1000) nothing is on time, however short
+    assert not admits(100, st, AGED_CLASS, 1200.0, on_time_only=True)[0]
+    # a prompt the budget cannot hold at all keeps its own reason
+    assert reserve_decision(8791, st, AGED_CLASS, 300.0, on_time_only=True)[0] == "no-budget"
+
+
+def test_chunk_sq_pricing_by_hand():
+    # f = 1e-5 ms/token^2 at the learned chunk length K = 500: a prompt token costs b' = 0.1 + 0.005 = 0.105
+    tm = TimeModel(10.0, 0.1, 0.001, f_ms_per_chunk_sq=1e-5, chunk_tokens=500.0)
+    st = ReplicaState(0.0, (), (PendingPrefill(1000, 400),), 1_000_000, tm, 0.1)
+    b = class_budget(st, SloClass("k", 1000.0, 100.0))
+    # in flight: 0.105 * 600 + 0.001 * 400 = 63.4 ms; H = 900; PAB = 836.6; tokens floor(826.6 / 0.105) = 7872
+    assert b.inflight_reservation_ms == pytest.approx(63.4)
+    assert inflight_lumps(st) == pytest.approx((63.4,))
+    assert b.pab_ms == pytest.approx(836.6) and b.pab_tokens == 7872
+    assert fits(7872, b, tm) and not fits(7873, b, tm)  # 10 + 0.105 * 7872 = 836.56 <= 836.6 < 836.665
+    assert on_time(7000, b, tm, waited_ms=50.0) and not on_time(7500, b, tm, waited_ms=50.0)  # 745.0 / 797.5 vs 786.6
+    # without f (the profile's model) the same state leaves 900 - 60.4 = 839.6 ms and floor(829.6 / 0.1) tokens
+    plain = class_budget(ReplicaState(0.0, (), (PendingPrefill(1000, 400),), 1_000_000, TimeModel(10.0, 0.1, 0.001), 0.1),
+                         SloClass("k", 1000.0, 100.0))  # fmt: skip
+    assert plain.pab_ms == pytest.approx(839.6) and plain.pab_tokens == 8296
+
+
+def test_router_on_the_linearized_snapshot_decides_as_the_agent():
+    """With f and K, the router holds only (a, b', c) (admission_server.snapshot_pb: tm.linearized(); the book
+    builds TimeModel(a, b, c), router/budgets.py): its fit and on-time answers equal the agent's on the same
+    budget, and whatever it admits the agent admits (pab.py "Aged requests", "Work conservation")."""
+    rng = random.Random(20260301)
+    router_yes = 0
+    for _ in range(3000):
+        st, slo = _random_state(rng, chunk_sq=True)
+        tm = st.time_model
+        lin = tm.linearized()
+        router_tm = TimeModel(lin.a_ms, lin.b_ms_per_new_token, lin.c_ms_per_context_token)
+        fresh = class_budget(st, slo)
+        h = fresh.horizon_ms
+        w = rng.choice([0.0, rng.uniform(0.0, h), h, rng.uniform(0.0, 50.0)])
+        by_time = tm.tokens_within_ms(fresh.pab_ms - w)
+        assert router_tm.tokens_within_ms(fresh.pab_ms - w) == by_time
+        p = max(0, rng.choice([0, 1, rng.randint(0, 30_000), by_time, by_time + 1, fresh.pab_tokens,
+                               fresh.pab_tokens + 1, tm.tokens_within_ms(h) + 1, fresh.kv_limited_tokens]))  # fmt: skip
+        router = fits(p, fresh, router_tm, w)
+        assert router == fits(p, fresh, tm, w), (tm, p)
+        assert on_time(p, fresh, router_tm, w) == on_time(p, fresh, tm, w), (tm, p, w)
+        assert not router or admits(p, st, slo, w)[0], (st, slo, w, p)
+        # the budget the router reads is the agent's, and the same on the linearized model
+        lin_budget = class_budget(ReplicaState(st.now_ms, st.decodes, st.prefills, st.kv_free_tokens, lin,
+                                               st.margin_frac), slo)  # fmt: skip
+        assert lin_budget.pab_ms == pytest.approx(fresh.pab_ms) and lin_budget.pab_tokens == fresh.pab_tokens
+        router_yes += router
+    assert router_yes > 300

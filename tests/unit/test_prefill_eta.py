@@ -56,3 +56,11 @@ def test_inflight_schedule_pairs_lumps_and_ends() -> None:
     lumps, ends = inflight_schedule(s, 1000)
     assert lumps == pytest.approx((10.0,) * 7 + (30.0,)) and ends == pytest.approx((110.0,) * 8)
     assert inflight_schedule(state([]), 1000) == ((), ())
+
+
+def test_chunk_sq_term_in_each_step_by_hand() -> None:
+    # 1024 tokens per step, no decodes, f = 1e-5: a 1500-token prompt runs as 1024 + 476:
+    # step 1: 10 + 0.1 * 1024 + 1e-5 * 1024^2 = 122.88576; step 2: 10 + 47.6 + 0.001 * 1024 + 1e-5 * 476^2 = 60.88976
+    tm = TimeModel(10.0, 0.1, 0.001, f_ms_per_chunk_sq=1e-5)
+    s = ReplicaState(now_ms=0.0, decodes=(), prefills=(PendingPrefill(1500),), kv_free_tokens=10**6, time_model=tm)
+    assert prefill_completions_ms(s, 1024) == pytest.approx((122.88576 + 60.88976,))

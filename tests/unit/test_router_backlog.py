@@ -43,7 +43,8 @@ def make_router(cfg: RouterConfig) -> Router:
     router = Router(cfg, FakeClock(), "test-router")  # type: ignore[arg-type]
     n = iter(range(10**6))
 
-    async def reserve(replica_id, slo_class, prompt_tokens, request_id, max_tokens=0, waited_ms=0.0):
+    async def reserve(replica_id, slo_class, prompt_tokens, request_id, max_tokens=0, waited_ms=0.0,
+                      on_time_only=False):
         return ReserveResult(True, f"lease-{next(n)}")  # no budget in the answer: the view stays as pushed
 
     router.budgets.reserve = reserve  # type: ignore[method-assign]

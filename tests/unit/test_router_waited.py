@@ -31,7 +31,8 @@ def make_router(clock: FakeClock) -> tuple[Router, list[tuple]]:
     router = Router(config, clock, "test-router")  # type: ignore[arg-type]
     calls: list[tuple] = []
 
-    async def reserve(replica_id, slo_class, prompt_tokens, request_id, max_tokens=0, waited_ms=0.0):
+    async def reserve(replica_id, slo_class, prompt_tokens, request_id, max_tokens=0, waited_ms=0.0,
+                      on_time_only=False):
         calls.append((replica_id, prompt_tokens, request_id, waited_ms))
         return ReserveResult(True, f"lease-{request_id}", "", 140.0, 1300)
 

@@ -238,13 +238,13 @@ def test_engine_time_model_sets_duration_and_features_policy_keeps_its_model() -
     for rid, p in (("d1", 100), ("d2", 200), ("d3", 300)):
         eng.add_request(rid, p, max_tokens=10, arrival_ms=0.0)
     s1 = eng.step(0.0)  # d1 100, d2 200, d3 203 (chunked), all with prefix 0
-    assert s1.features == StepFeatures(503, 0, 0, 100**2 + 200**2 + 203**2, 3, 0, 0)
+    assert s1.features == StepFeatures(503, 0, 0, 100**2 + 200**2 + 203**2, 3, 0, 0, 100**2 + 200**2 + 203**2)
     # 5 + 0.2 * 503 (100.6) + 1.0 * 3 + 1e-5 * (10000 + 40000 + 41209 = 91209 -> 0.91209) = 109.51209
     assert s1.duration_ms == pytest.approx(109.51209)
     s2 = eng.step(s1.end_ms)  # decodes d1 (ctx 100), d2 (ctx 200); d3's last 97 over its 203 prefix
     # chunk*prefix: 100 + 200 + 97 * 203 (19691) = 19991; chunk^2: 1 + 1 + 9409 = 9411
-    # prefill chunks only (the policy model's e): 97 * 203 = 19691; decodes: 2
-    assert s2.features == StepFeatures(99, 503, 19991, 9411, 3, 19691, 2)
+    # prefill chunks only (the policy model's e and f): 97 * 203 = 19691, 97^2 = 9409; decodes: 2
+    assert s2.features == StepFeatures(99, 503, 19991, 9411, 3, 19691, 2, 9409)
     # 5 + 0.2 * 99 (19.8) + 0.01 * 503 (5.03) + 3 + 1e-4 * 19991 (1.9991) + 1e-5 * 9411 (0.09411) = 34.92321
     assert s2.duration_ms == pytest.approx(34.92321)
     assert eng.policy_time_model is TM

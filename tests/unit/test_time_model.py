@@ -87,3 +87,58 @@ def test_chunk_prefix_term_by_hand():
     assert TimeModel(10.0, 0.07, 8e-5).prefill_ms(18432, 16384) == pytest.approx(10 + 143.36 + 1.31072)
     with pytest.raises(ValueError):
         TimeModel(10.0, 0.07, 8e-5, -1e-9)
+
+
+def test_chunk_sq_term_by_hand():
+    from replica_agent.policy.time_model import StepFeatures
+
+    # two decodes (contexts 100 and 200), a 300-token chunk over a 50-token prefix, a 2-token chunk at 0
+    f = StepFeatures.from_items([(1, 100), (1, 200), (300, 50), (2, 0)])
+    assert f.prefill_chunk_sq_tokens == 300 * 300 + 2 * 2 == 90_004  # decodes (chunk 1) left out
+    assert f.chunk_sq_tokens == f.prefill_chunk_sq_tokens + f.num_decodes
+    tm = TimeModel(10.0, 0.1, 0.001, 1e-4, -0.05, 1e-5, 500.0)
+    # new 304, context 350, prefill chunk x prefix 15,000, 2 decodes, prefill chunk^2 90,004:
+    # 10 + 30.4 + 0.35 + 1.5 - 0.1 + 0.90004
+    assert tm.step_ms(f) == pytest.approx(43.05004)
+    assert tm.batch_ms(304, 350, 15_000, 2, 90_004) == pytest.approx(43.05004)
+    # a prompt token is priced at the chunk length K = 500: b' = 0.1 + 1e-5 * 500 = 0.105
+    assert tm.prompt_ms_per_token == pytest.approx(0.105)
+    assert tm.prefill_ms(1000) == pytest.approx(10 + 105.0)
+    # the last 600 tokens over 400 computed: 10 + 0.105*600 + 0.001*400 + 1e-4*600*400
+    assert tm.prefill_ms(1000, 400) == pytest.approx(10 + 63 + 0.4 + 24)
+    assert tm.tokens_within_ms(115.0) == 1000 and tm.tokens_within_ms(114.99) == 999
+    # f = 0 (the profiles): b' = b whatever K
+    assert TimeModel(10.0, 0.1, 0.001, chunk_tokens=500.0).prompt_ms_per_token == 0.1
+
+
+def test_linearized_prices_prompts_and_decodes_as_the_full_model():
+    from replica_agent.policy.time_model import StepFeatures
+
+    tm = TimeModel(10.0, 0.1, 0.001, 1e-4, -0.05, 1e-5, 500.0)
+    lin = tm.linearized()
+    # b' = 0.105, f and K gone, d shifted so that a decode still costs b + d = 0.05
+    assert (lin.a_ms, lin.b_ms_per_new_token, lin.c_ms_per_context_token, lin.e_ms_per_chunk_prefix) == (
+        10.0, pytest.approx(0.105), 0.001, 1e-4)
+    assert (lin.f_ms_per_chunk_sq, lin.chunk_tokens) == (0.0, 0.0)
+    assert lin.b_ms_per_new_token + lin.d_ms_per_decode == pytest.approx(0.05)
+    for p, c in ((1, 0), (1000, 0), (1000, 400), (7777, 5000)):
+        assert lin.prefill_ms(p, c) == pytest.approx(tm.prefill_ms(p, c))
+    for budget in (5.0, 10.0, 115.0, 900.0):
+        assert lin.tokens_within_ms(budget) == tm.tokens_within_ms(budget)
+    decodes = StepFeatures.from_items([(1, 100)] * 8)
+    assert lin.step_ms(decodes) == pytest.approx(tm.step_ms(decodes))
+    # a model without f is its own linearization (the profiles, the routers' views)
+    plain = TimeModel(10.0, 0.1, 0.001)
+    assert plain.linearized() is plain
+
+
+def test_scaled_keeps_the_chunk_length_and_validation():
+    tm = TimeModel(10.0, 0.1, 0.001, 1e-4, -0.05, 1e-5, 500.0).scaled(2.0)
+    assert (tm.a_ms, tm.f_ms_per_chunk_sq, tm.chunk_tokens) == (20.0, 2e-5, 500.0)
+    assert tm.prompt_ms_per_token == pytest.approx(0.21)  # the margin scales the prompt price too
+    with pytest.raises(ValueError):
+        TimeModel(10.0, 0.1, 0.001, f_ms_per_chunk_sq=-1e-9)
+    with pytest.raises(ValueError):
+        TimeModel(10.0, 0.1, 0.001, chunk_tokens=-1.0)
+    with pytest.raises(ValueError):
+        TimeModel(10.0, 0.1, 0.001, f_ms_per_chunk_sq=float("nan"))

@@ -1,0 +1,125 @@
+"""Baseline routers as placement profiles: the routers people run in front of vLLM today, expressed as
+plugins of the same kind as the PAB policy (filters -> scorers -> picker, the shape of llm-d's
+endpoint picker) and registered by name in :func:`router.placement.default_registry` (the one
+registry of the router and the fleet simulation; :func:`register_baselines`).
+
+Every baseline sees the replicas through a :class:`~router.placement.load.RouterLoad` injected at
+construction (``registry.build("least-outstanding", load=load, seed=1)``): what that router knows
+without PAB budgets.
+
+- ``outstanding``: requests this router sent to each replica and has not seen finish (exact and
+  local to the router, as vllm-router / SGLang gateway count in-flight requests).
+- ``scraped``: each replica's engine metrics (``vllm:num_requests_running``,
+  ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``) as of the latest scrape (in the
+  fleet simulation every ``scrape_period_ms``, 50 ms, llm-d's default refresh; in the router the
+  agent's scrape carried by its budget snapshot: router/core.py ``RouterCore.refresh_load``).
+
+Policies (all drop already-tried, unhealthy and too-long-prompt replicas first, "unhealthy" being
+the agent's report or, in the router, a budget snapshot older than its TTL: filters ``exclude``,
+``healthy``, ``fresh``, ``max-prompt``; none queues at the router: the engine's own waiting queue
+absorbs bursts, as in front of plain vLLM; :class:`~router.placement.core.DirectAdmission`):
+
+- ``round-robin``: replicas in turn, one router-local counter.
+- ``least-outstanding``: fewest router-local outstanding requests; ties broken by a seeded RNG.
+- ``least-outstanding-tokens``: fewest router-local outstanding tokens (prompt + requested output
+  tokens of the requests in flight there, what a router knows before the engine answers); ties
+  by a seeded RNG. Long prompts weigh what they cost, which request counts miss.
+- ``power-of-two``: two replicas drawn at random (seeded), the one with the shorter engine queue
+  (running + waiting requests, scraped) wins (Mitzenmacher, "The Power of Two Choices in
+  Randomized Load Balancing", 2001; vllm-router / SGLang gateway ``power_of_two``).
+- ``llm-d-scorer``: llm-d / Gateway API Inference Extension default scorers, weight 1 each:
+  queue scorer ``(max_q - q) / (max_q - min_q)`` over the waiting queues (1 when all equal) and
+  KV-cache-utilisation scorer ``1 - kv_usage``; max-score picker with random tie-break (no
+  prefix scorer: ``llm-d-prefix`` adds it).
+- ``llm-d-prefix``: llm-d's default scheduling profile with prefix-cache awareness: prefix-cache
+  scorer ``matched / prompt`` (weight 3; the router's approximate prefix map, router/prefix_index.py,
+  as llm-d's approximate prefix-cache plugin learns from its own picks), queue scorer (weight 2) and
+  KV-cache-utilisation scorer (weight 2), max-score picker.
+- ``sglang-cache-aware`` and ``vllm-router-cache-aware``: the cache-aware policy of the SGLang
+  router and of vllm-router (a fork of it), rule :class:`~router.placement.cache_aware.CacheAwarePolicy`,
+  each with its own defaults (SGLang: threshold 0.3, abs 64, rel 1.5; vllm-router: 0.5, 32, 1.1).
+- ``static-queue-cap``: least-outstanding routing; the replica refuses a prompt when its waiting
+  prompt tokens plus the new prompt exceed a static bound (vLLM-style ``max-num-queued-tokens``
+  admission cap, parameter ``queue_cap_tokens``, default :data:`DEFAULT_QUEUE_CAP_TOKENS`; applied
+  by the fleet simulation's replica, loadgen/fleet/sim.py, and in a real fleet by the agent, sent
+  in ``x-fairbatch-queue-cap``); the router then tries the next candidate, at most 3 in all.
+
+The three cache-aware profiles set ``prefix_map``: the router keeps its prefix map for them even
+with ``placement.prefix_cache`` off (its chunk and capacity settings apply).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.placement.cache_aware import SGLANG_CACHE_AWARE, VLLM_ROUTER_CACHE_AWARE, CacheAwarePolicy
+from router.placement.core import DirectAdmission, PlacementPolicy
+from router.placement.load import RouterLoad
+
+BASELINE_POLICIES = ("round-robin", "least-outstanding", "least-outstanding-tokens", "power-of-two", "llm-d-scorer",
+                     "static-queue-cap", "llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware")  # fmt: skip
+"""Names of the baseline placement profiles (the fleet benchmark's policy names)."""
+
+BASELINE_FILTERS = ("exclude", "healthy", "fresh", "max-prompt")
+"""The filters every baseline profile runs first (module docstring)."""
+
+DEFAULT_QUEUE_CAP_TOKENS = 8192
+"""``static-queue-cap``'s bound on a replica's queued prompt tokens when the profile sets none (the
+fleet benchmark sets the prompt tokens a replica prefills within the TTFT, ``(TTFT - a) / b``)."""
+
+
+def register_baselines(reg: Any) -> None:
+    """Add the baseline profiles of the module docstring to ``reg`` (a
+    :class:`~router.placement.registry.PlacementRegistry`, which calls this; its plugins are discovered:
+    scorers ``least-outstanding``, ``least-outstanding-tokens``, ``engine-queue``, ``llm-d-queue``,
+    ``kv-usage``, ``prefix-cache``; pickers ``round-robin``, ``power-of-two``).
+
+    Every profile takes ``load`` (:class:`RouterLoad`; a fresh empty one when None) and ``seed``
+    (tie-break RNG); ``static-queue-cap`` also ``queue_cap_tokens``.
+    """
+    sc, pk = reg.scorers, reg.pickers
+
+    def filters() -> list[Any]:
+        return [reg.filters[n]() for n in BASELINE_FILTERS]
+
+    def chain(scorers: list[tuple[str, float]], picker: Any, load: RouterLoad, prefix_map: bool = False,
+              cap: int | None = None) -> PlacementPolicy:  # fmt: skip
+        built = [(sc[n](load) if n != "prefix-cache" else sc[n](), w) for n, w in scorers]
+        return PlacementPolicy(filters(), built, picker, direct=DirectAdmission(cap), prefix_map=prefix_map)
+
+    def round_robin(load: RouterLoad | None = None, seed: int | None = None) -> PlacementPolicy:
+        return chain([], pk["round-robin"](), load or RouterLoad())
+
+    def least_outstanding(load: RouterLoad | None = None, seed: int | None = None) -> PlacementPolicy:
+        return chain([("least-outstanding", 1.0)], pk["highest"](seed=seed), load or RouterLoad())
+
+    def least_outstanding_tokens(load: RouterLoad | None = None, seed: int | None = None) -> PlacementPolicy:
+        return chain([("least-outstanding-tokens", 1.0)], pk["highest"](seed=seed), load or RouterLoad())
+
+    def power_of_two(load: RouterLoad | None = None, seed: int | None = None) -> PlacementPolicy:
+        return chain([("engine-queue", 1.0)], pk["power-of-two"](seed=seed), load or RouterLoad())
+
+    def llmd(load: RouterLoad | None = None, seed: int | None = None) -> PlacementPolicy:
+        return chain([("llm-d-queue", 1.0), ("kv-usage", 1.0)], pk["highest"](seed=seed), load or RouterLoad())
+
+    def llmd_prefix(load: RouterLoad | None = None, seed: int | None = None) -> PlacementPolicy:
+        return chain([("prefix-cache", 3.0), ("llm-d-queue", 2.0), ("kv-usage", 2.0)], pk["highest"](seed=seed),
+                     load or RouterLoad(), prefix_map=True)  # fmt: skip
+
+    def cache_aware(defaults: dict[str, Any]) -> Any:
+        def build(load: RouterLoad | None = None, seed: int | None = None) -> PlacementPolicy:
+            return CacheAwarePolicy(filters(), [], pk["highest"](), load or RouterLoad(), **defaults,
+                                    direct=DirectAdmission(), prefix_map=True)  # fmt: skip
+        return build
+
+    def static_queue_cap(load: RouterLoad | None = None, seed: int | None = None,
+                         queue_cap_tokens: int = DEFAULT_QUEUE_CAP_TOKENS) -> PlacementPolicy:  # fmt: skip
+        return chain([("least-outstanding", 1.0)], pk["highest"](seed=seed), load or RouterLoad(),
+                     cap=int(queue_cap_tokens))  # fmt: skip
+
+    reg.policies.update({
+        "round-robin": round_robin, "least-outstanding": least_outstanding,
+        "least-outstanding-tokens": least_outstanding_tokens, "power-of-two": power_of_two, "llm-d-scorer": llmd,
+        "llm-d-prefix": llmd_prefix, "sglang-cache-aware": cache_aware(SGLANG_CACHE_AWARE),
+        "vllm-router-cache-aware": cache_aware(VLLM_ROUTER_CACHE_AWARE), "static-queue-cap": static_queue_cap,
+    })  # fmt: skip
