@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml
 	@set -o pipefail; $(VENV)/bin/pip install --quiet --upgrade pip 2>&1 | $(PYTHON) scripts/pip_progress.py
 	@set -o pipefail; PYTHONWARNINGS=ignore $(VENV)/bin/pip install --progress-bar off -e '.[loadgen,dev]' 2>&1 \
 		| $(PYTHON) scripts/pip_progress.py
+	@# xds-protos (the ext_proc picker's Envoy stubs) ships copies of opentelemetry/proto/* older than
+	@# opentelemetry-proto's; whichever pip installs last wins, so opentelemetry-proto's go in again
+	@set -o pipefail; $(VENV)/bin/pip install --quiet --force-reinstall --no-deps opentelemetry-proto==1.45.2 2>&1 \
+		| $(PYTHON) scripts/pip_progress.py
 	@touch $(STAMP)
 	@echo "fairbatch: $(VENV) ready"
 
