@@ -599,7 +599,6 @@ class _Router:
         self.clock = _Clock()
         self.kind = POLICIES[cfg.policy][0]
         self.ids = [r.rid for r in sim.replicas]
-        self.id_set = frozenset(self.ids)
         seed = cfg.seed * 1000 + index
         self.pass_at: float | None = None  # time of the pending dispatcher pass, None when none
         self.pass_token = 0  # a _DISPATCH event with an older token was superseded by an earlier pass
