@@ -9,9 +9,18 @@ rate of the sweep, one fleet simulation (loadgen/fleet/sim.py) of a ``--duration
 every request then drains (at most ``--drain-s``; still unfinished = failed). Reported per rate:
 SLO attainment (TTFT <= ttft_ms and TPOT <= tpot_ms, loadgen/stats.py; rejected and failed
 requests are misses), goodput, TTFT/TPOT p50/p99, rejections by reason, per-tenant attainment,
-double-spends, placement decision time. ``capacity_rps`` (docs/design.md section 2) = highest rate with
-attainment >= 0.9, linearly interpolated (``loadgen.bench_policies.capacity``). A policy's sweep
-stops after two rates below the target (higher rates cannot change its capacity).
+double-spends, placement decision time, token goodput (``token_goodput_per_s``: prompt + output
+tokens/s of the requests that met both TTFT and TPOT), refused share by reason and per-tenant
+attainment per request and per token. ``capacity_rps`` (docs/design.md section 2) = highest rate
+with per-request attainment >= 0.9, ``capacity_token_floor_rps`` the same with per-token attainment,
+each linearly interpolated (``loadgen.bench_policies.capacity``; :func:`summarize`).
+
+Rates: by default each policy's own search (loadgen/fleet/search.py ``bracket_search``, issue 27
+item 6) starts at 0.35 x the steady-state bound of the *engine's* step-time model (the model the
+simulated engines step at, which no policy sees) and walks until both floors are bracketed, then
+bisects each once, so every capacity is measured between two rates rather than "below the sweep".
+``--rates`` gives fixed rates instead (a policy's sweep then stops after two rates below the
+target); ``--fractions`` the old fixed sweep (fractions of the policy model's analytic bound).
 
 Arrivals: one replica's worth of trace cannot load a fleet, so the stream interleaves K = N
 windows of the trace: window w starts at trace time ``w * span / K`` (wrapping past the end) and
@@ -84,6 +93,7 @@ from loadgen.fleet.bound import (
     steady_state_bound,
     windowed_attainment_bound,
 )
+from loadgen.fleet.search import SearchSettings, bracket_search, interpolate
 from loadgen.fleet.sim import POLICIES, FleetConfig, FleetRequest, run_fleet
 from loadgen.sim.engine_time import EngineTimeModel, describe_engine, engine_label
 from loadgen.stats import Slo, figures, meets_slo, per_tenant
@@ -94,6 +104,11 @@ from router.work_shed import WorkShedSettings
 
 DEFAULT_FRACTIONS = (0.4, 0.55, 0.7, 0.8, 0.9, 1.0, 1.1)
 """Default sweep: these fractions of the analytic bound (req/s)."""
+
+SEARCH_START_OF_STEADY_BOUND = 0.35
+"""The capacity search starts at this fraction of the engine model's steady-state bound: the
+headline baselines measured 0.27-0.39 of it and pab+fairbatching 0.64 (docs/evaluation.md,
+azure-code on 16 replicas), so the walk starts near the baselines and goes up."""
 
 TENANTS = (("t0", 0.4), ("t1", 0.3), ("t2", 0.2), ("t3", 0.1))
 """Tenant names and their shares of the requests."""
@@ -328,7 +343,14 @@ def run_point(setup: Setup, policy: str, rate_rps: float) -> dict[str, Any]:
     n = max(1, len(records))
     ok = [r for r in records if r.outcome == "ok"]
     tokens = [r.prompt_tokens + (r.expected_output_tokens or r.output_tokens) for r in records]
-    met_tokens = sum(t for r, t in zip(records, tokens, strict=True) if meets_slo(r, slo))
+    met = [meets_slo(r, slo) for r in records]
+    met_tokens = sum(t for m, t in zip(met, tokens, strict=True) if m)
+    tenant_tokens: dict[str, list[int]] = {}
+    for r, m, t in zip(records, met, tokens, strict=True):
+        acc = tenant_tokens.setdefault(r.tenant, [0, 0])
+        acc[0] += t if m else 0
+        acc[1] += t
+    refused = sum(fig.rejected.values())
     return {
         "rate_rps": round(rate_rps, 3),
         "requests": len(records),
@@ -342,11 +364,15 @@ def run_point(setup: Setup, policy: str, rate_rps: float) -> dict[str, Any]:
         "tpot_miss_frac": sum(1 for r in ok if (t := r.tpot_ms) is not None and t > setup.tpot_ms) / n,
         "goodput_rps": fig.goodput_rps,
         "goodput_tokens_per_s": fig.goodput_tokens_per_s,
+        "token_goodput_per_s": met_tokens / window_s,
         "throughput_rps": fig.throughput_rps,
+        "refused_share": refused / n,
+        "refused_share_by_reason": {k: v / n for k, v in sorted(fig.rejected.items())},
         "ttft_p50_ms": fig.ttft_ms.p50, "ttft_p99_ms": fig.ttft_ms.p99,
         "tpot_p50_ms": fig.tpot_ms.p50, "tpot_p99_ms": fig.tpot_ms.p99,
         "rejected": fig.rejected, "failed": fig.failed_reasons,
         "tenant_attainment": tenants,
+        "tenant_token_attainment": {t: a / max(1, b) for t, (a, b) in sorted(tenant_tokens.items())},
         "double_spends": st.double_spends, "grants": st.grants, "refusals": st.refusals,
         "placement_p50_us": _pct(st.placement_us, 50), "placement_p99_us": _pct(st.placement_us, 99),
         "snapshots_per_s_per_router": st.snapshots_delivered / max(1e-9, st.end_ms / 1000.0) / setup.routers,
@@ -450,9 +476,48 @@ def sweep(setup: Setup, policy: str, rates: Sequence[float], target: float = 0.9
     return rows
 
 
-def _sweep_job(args: tuple[Setup, str, tuple[float, ...]]) -> tuple[str, list[dict[str, Any]]]:
-    setup, policy, rates = args
-    return policy, sweep(setup, policy, rates)
+def search_rows(setup: Setup, policy: str, settings: SearchSettings) -> list[dict[str, Any]]:
+    """Rows of ``policy`` at the rates :func:`~loadgen.fleet.search.bracket_search` picks: both
+    floors (per request, per token) bracketed and refined."""
+
+    def measure(rate: float) -> dict[str, Any]:
+        row = run_point(setup, policy, rate)
+        print(f"  {policy:<18} {rate:8.2f} req/s  attainment {row['slo_attainment']:.3f} "
+              f"(tokens {row['token_slo_attainment']:.3f})  refused {100 * row['refused_share']:.1f} %  "
+              f"TTFT p99 {row['ttft_p99_ms'] or 0:.0f} ms  wall {row['wall_s']:.1f}s", file=sys.stderr, flush=True)  # fmt: skip
+        return row
+
+    return bracket_search(measure, settings)
+
+
+def _sweep_job(args: tuple[Setup, str, tuple[float, ...], SearchSettings | None]) -> tuple[str, list[dict[str, Any]]]:
+    setup, policy, rates, search = args
+    return policy, (search_rows(setup, policy, search) if search is not None else sweep(setup, policy, rates))
+
+
+def summarize(rows: Sequence[dict[str, Any]], bound_rps: float) -> dict[str, Any]:
+    """A policy's entry of fleet.json from its rows (sorted by rate): capacity under the per-request
+    floor (``capacity_rps``) and under the per-token floor (``capacity_token_floor_rps``), each with
+    how it is bounded (``interpolated``, ``at-least``, ``below-sweep``), token goodput (prompt +
+    output tokens/s of requests that met both TTFT and TPOT) at the per-token capacity, goodput
+    (req/s) and refused share by reason at the per-request capacity (issue 27 item 2)."""
+    cap, how = capacity(rows, 0.9)
+    tcap, thow = capacity(rows, 0.9, key="token_slo_attainment")
+    at_cap = {k: interpolate(rows, cap, k) for k in ("goodput_rps", "refused_share", "token_slo_attainment")}
+    reasons = sorted({k for r in rows for k in r.get("refused_share_by_reason", {})})
+    by_reason = {k: interpolate([{"rate_rps": r["rate_rps"], k: r.get("refused_share_by_reason", {}).get(k, 0.0)}
+                                 for r in rows], cap, k) for k in reasons}  # fmt: skip
+    return {
+        "capacity_rps": round(cap, 3), "capacity_bound": how,
+        "capacity_token_floor_rps": round(tcap, 3), "capacity_token_floor_bound": thow,
+        "token_goodput_at_token_capacity": interpolate(rows, tcap, "token_goodput_per_s") if thow != "below-sweep" else 0.0,
+        "goodput_rps_at_capacity": at_cap["goodput_rps"] if how != "below-sweep" else 0.0,
+        "refused_share_at_capacity": at_cap["refused_share"] if how != "below-sweep" else None,
+        "refused_share_by_reason_at_capacity": by_reason if how != "below-sweep" else {},
+        "token_attainment_at_capacity": at_cap["token_slo_attainment"] if how != "below-sweep" else None,
+        "fraction_of_bound": round(cap / bound_rps, 3) if bound_rps > 0 else None,
+        "rows": list(rows),
+    }  # fmt: skip
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -502,7 +567,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-ms", type=float, default=1000.0, help="TTFT target of the one SLO class (ms)")
     p.add_argument("--tpot-ms", type=float, default=100.0, help="TPOT target of the one SLO class (ms)")
     p.add_argument("--rates", type=float, nargs="+", default=None,
-                   help="arrival rates (req/s); default: 0.4..1.1 x the analytic bound")  # fmt: skip
+                   help="arrival rates (req/s); default: a search per policy that brackets its capacity under "
+                        "both floors (--search-*)")  # fmt: skip
+    p.add_argument("--fractions", action="store_true",
+                   help="the old fixed sweep: 0.4..1.1 x the analytic bound of the policy's time model")
+    p.add_argument("--search-start-rps", type=float, default=None,
+                   help="first rate of the search; default: 0.35 x the steady-state bound of the engine's model")
+    p.add_argument("--search-factor", type=float, default=1.25, help="rate step while bracketing (x)")
+    p.add_argument("--search-refine", type=int, default=1, help="bisections per floor once bracketed")
+    p.add_argument("--search-max-points", type=int, default=9, help="rates measured per policy at most")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     p.add_argument("--duration-s", type=float, default=60.0, help="arrival window (simulated s)")
     p.add_argument("--drain-s", type=float, default=60.0, help="time after the window before unfinished = failed")
@@ -571,7 +644,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine_time if engine_time is not None else prof.time_model,
         args.ttft_ms, args.tpot_ms, args.replicas, prof.kv_capacity_tokens, max_seqs, max_tokens, 0.9,
     )  # fmt: skip
-    rates = sorted(args.rates) if args.rates else [round(bound.rps * f, 2) for f in DEFAULT_FRACTIONS]
+    search = None
+    if args.rates:
+        rates = sorted(args.rates)
+    elif args.fractions:
+        rates = [round(bound.rps * f, 2) for f in DEFAULT_FRACTIONS]
+    else:  # issue 27 item 6: bracket each policy's capacity, starting from the engine model's bound
+        start = args.search_start_rps or SEARCH_START_OF_STEADY_BOUND * steady.rps
+        search = SearchSettings(start, args.search_factor, args.search_refine, args.search_max_points)
+        rates = []
     cap_tokens = args.queue_cap_tokens or prof.time_model.tokens_within_ms(args.ttft_ms)
     work_shed = WorkShedSettings(args.work_shed_gain, args.work_shed_max_share, args.work_shed_window,
                                  args.work_shed_horizon) if args.work_shed else None  # fmt: skip
@@ -584,7 +665,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0.0 <= args.warmup_s < args.duration_s:
         raise SystemExit("bench-fleet: --warmup-s must be in [0, --duration-s)")
     t0 = time.perf_counter()
-    jobs = [(setup, p, tuple(rates)) for p in args.policies]
+    jobs = [(setup, p, tuple(rates), search) for p in args.policies]
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as ex:
             done = list(ex.map(_sweep_job, jobs))
@@ -592,13 +673,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         done = [_sweep_job(j) for j in jobs]
     policies: dict[str, Any] = {}
     for name, rows in done:
-        cap, how = capacity(rows, 0.9)
-        policies[name] = {
-            "capacity_rps": round(cap, 3),
-            "capacity_bound": how,
-            "fraction_of_bound": round(cap / bound.rps, 3) if bound.rps > 0 else None,
-            "rows": rows,
-        }
+        policies[name] = summarize(rows, bound.rps)
     if args.merge and os.path.exists(args.out):
         with open(args.out) as f:
             old = json.load(f)
@@ -619,11 +694,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:  # same policy: union of the rows, this run's row wins at a rate both have
                 rows = {r["rate_rps"]: r for r in pol["rows"]}
                 rows.update({r["rate_rps"]: r for r in policies[name]["rows"]})
-                merged = [rows[k] for k in sorted(rows)]
-                cap, how = capacity(merged, 0.9)
-                policies[name] = {"capacity_rps": round(cap, 3), "capacity_bound": how,
-                                  "fraction_of_bound": round(cap / bound.rps, 3) if bound.rps > 0 else None,
-                                  "rows": merged}  # fmt: skip
+                policies[name] = summarize([rows[k] for k in sorted(rows)], bound.rps)
         policies = {n: policies[n] for n in POLICIES if n in policies}
         rates = sorted(set(rates) | set(old.get("rates", [])))
     offered_by_policy = {n: offered_rows([r for r in pol["rows"] if "requests" in r], args.duration_s - args.warmup_s)
@@ -637,9 +708,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rr = policies.get("round-robin", {}).get("capacity_rps")
     base_caps = {n: policies[n]["capacity_rps"] for n in BASELINES if n in policies}
     best_name = max(base_caps, key=base_caps.__getitem__) if base_caps else None
+    base_tok = {n: policies[n].get("token_goodput_at_token_capacity") or 0.0 for n in BASELINES if n in policies}
+    best_tok = max(base_tok, key=base_tok.__getitem__) if base_tok else None
     for pol in policies.values():
         pol["x_round_robin"] = round(pol["capacity_rps"] / rr, 3) if rr else None
         pol["x_best_baseline"] = round(pol["capacity_rps"] / base_caps[best_name], 3) if best_name and base_caps[best_name] else None
+        tg = pol.get("token_goodput_at_token_capacity")
+        pol["x_best_baseline_token_goodput"] = (round(tg / base_tok[best_tok], 3)
+                                                if tg is not None and best_tok and base_tok[best_tok] else None)  # fmt: skip
     result = {
         "trace": args.trace, "profile": args.profile, "replicas": args.replicas, "routers": args.routers,
         "ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "duration_s": args.duration_s, "warmup_s": args.warmup_s, "drain_s": args.drain_s,
@@ -662,7 +738,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "iteration_ms": round(bound.iteration_ms, 2), "limit": bound.limit,
                            "mean_work_ms": round(bound.mean_work_ms, 3)},
         "steady_state_bound": steady_bound_json(steady, engine_time),
-        "best_baseline": best_name, "rates": rates, "policies": policies,
+        "best_baseline": best_name, "best_baseline_token_goodput": best_tok,
+        "rates": rates or sorted({r["rate_rps"] for pol in policies.values() for r in pol["rows"]}),
+        "search": None if search is None else dataclasses.asdict(search), "policies": policies,
         "wall_s": round(time.perf_counter() - t0, 1),
     }  # fmt: skip
     with open(args.out, "w") as f:
@@ -677,8 +755,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           "(requests in the window / window)")
     print("hits / load @cap: prefix-cache hit rate (hit / queried prompt tokens) and max / mean replica busy time "
           "at the highest swept rate with attainment >= 0.9")
+    print("tok floor = highest rate with per-token attainment >= 0.9; tok goodput = prompt + output tokens/s of "
+          "requests that met both TTFT and TPOT, at that rate; refused = refused share at the per-request capacity")
     print(f"{'policy':<24} {'capacity':>9} {'offered':>9} {'of bound':>9} {'of steady':>9} {'x RR':>6} {'x best':>7} "
-          f"{'hits @cap':>9} {'load @cap':>9}")
+          f"{'hits @cap':>9} {'load @cap':>9} {'tok floor':>9} {'tok goodput':>11} {'x best tok':>10} {'refused':>8}")
     for name, pol in policies.items():
         xr = pol["x_round_robin"]
         xb = pol["x_best_baseline"]
@@ -691,9 +771,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         top = max(at, key=lambda r: r["rate_rps"]) if at else None
         hits = "-" if top is None or top.get("prefix_cache_hit_rate") is None else f"{top['prefix_cache_hit_rate']:.3f}"
         load = "-" if top is None or top.get("max_load_ratio") is None else f"{top['max_load_ratio']:.2f}"
+        tfloor = capacity_text(pol["capacity_token_floor_rps"], pol["capacity_token_floor_bound"], pol["rows"])
+        xtg = pol.get("x_best_baseline_token_goodput")
+        xt = "-" if xtg is None else f"{xtg:.2f}"
+        rs = pol.get("refused_share_at_capacity")
+        refused = "-" if rs is None else f"{100 * rs:.1f}%"
         print(f"{name:<24} {label:>9} {offered:>9} {frac:>9} {sfrac:>9} "
               f"{'-' if xr is None or below else f'{xr:.2f}':>6} {'-' if xb is None or below else f'{xb:.2f}':>7} "
-              f"{hits:>9} {load:>9}")  # fmt: skip
+              f"{hits:>9} {load:>9} {tfloor:>9} {pol['token_goodput_at_token_capacity'] or 0:>11.0f} {xt:>10} "
+              f"{refused:>8}")  # fmt: skip
     return 0
 
 
