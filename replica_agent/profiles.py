@@ -1,6 +1,8 @@
 """Named GPU profiles: time-model coefficients and KV-cache capacity per model/GPU/TP.
 
-Data: ``replica_agent/data/fitted_coefficients.csv`` (origin and licence in ``data/SOURCES.md``).
+Data: ``replica_agent/data/fitted_coefficients.csv`` (origin and licence in ``data/SOURCES.md``) and
+``replica_agent/data/derived_profiles.csv`` (``llama-3-8b-h100``, derived here from those fits by
+scripts/derive_gpu_profile.py: no H100 profile of Llama-3-8B exists).
 Profile names are ``<model>-<gpu>[-tp<N>]`` in lower case, e.g. ``llama-3-8b-a100`` (TP 1) or
 ``llama-2-70b-h100-tp4``. The default variant is ``all_batches`` (fitted on decode-only,
 prefill-only and mixed batches); ``variant`` selects another row (``decode_only``,
@@ -109,8 +111,13 @@ def _profile_name(model: str, gpu: str, tp: int) -> str:
 
 @cache
 def _rows() -> tuple[dict[str, str], ...]:
-    text = resources.files("replica_agent.data").joinpath("fitted_coefficients.csv").read_text()
-    return tuple(csv.DictReader(text.splitlines()))
+    """Rows of the fitted profiles, then of the derived ones (``derived_profiles.csv``:
+    scripts/derive_gpu_profile.py; data/SOURCES.md)."""
+    data = resources.files("replica_agent.data")
+    rows: list[dict[str, str]] = []
+    for name in ("fitted_coefficients.csv", "derived_profiles.csv"):
+        rows.extend(csv.DictReader(data.joinpath(name).read_text().splitlines()))
+    return tuple(rows)
 
 
 def available_profiles(variant: str = DEFAULT_VARIANT) -> list[str]:

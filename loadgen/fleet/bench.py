@@ -94,8 +94,8 @@ from loadgen.fleet.bound import (
     windowed_attainment_bound,
 )
 from loadgen.fleet.search import SearchSettings, bracket_search, interpolate
-from loadgen.fleet.sim import POLICIES, FleetConfig, FleetRequest, run_fleet
-from loadgen.sim.engine_time import EngineTimeModel, describe_engine, engine_label
+from loadgen.fleet.sim import POLICIES, FleetConfig, FleetRequest, ReplicaKind, run_fleet
+from loadgen.sim.engine_time import EngineTimeModel, describe_engine, engine_label, load_engine_time_model
 from loadgen.stats import Slo, figures, meets_slo, per_tenant
 from loadgen.traces import TraceRequest, load_trace, resolve_trace, spread_arrivals
 from replica_agent.policy.time_model import TimeModel
@@ -263,6 +263,39 @@ class Setup:
     work_shed: WorkShedSettings | None = None
     contention_max_inflight: int = 32
     max_bypass: int = 8
+    replica_kinds: tuple[ReplicaKind, ...] = ()
+
+
+def parse_fleet(spec: str, engine_time_spec: str | None = None) -> tuple[ReplicaKind, ...]:
+    """``--fleet 8:llama-3-8b-a100,8:llama-3-8b-h100``: replica kinds of a heterogeneous fleet, each
+    with its profile's time model (the agents' prior) and KV cache, its shipped engine model
+    (loadgen/data/engine_time/<profile>.json; ``engine_time_spec`` ``policy`` = oracle engines) and
+    ``vllm serve``'s batch defaults for its GPU (replica_agent/profiles.py).
+
+    Raises:
+        ValueError: a malformed item; KeyError: an unknown profile.
+    """
+    kinds = []
+    for item in spec.split(","):
+        count, sep, name = item.strip().partition(":")
+        if not sep or not count.strip().isdigit():
+            raise ValueError(f"--fleet: {item!r} is not COUNT:PROFILE")
+        prof = load_profile(name.strip())
+        batch = vllm_serve_batch_defaults(prof.gpu).resolve(None, None)
+        kinds.append(ReplicaKind(prof.name, int(count), prof.time_model, prof.kv_capacity_tokens,
+                                 load_engine_time_model(engine_time_spec, prof.name),
+                                 batch.max_num_batched_tokens, batch.max_num_seqs))  # fmt: skip
+    return tuple(kinds)
+
+
+def kinds_steady_bound(kinds: Sequence[ReplicaKind], prompts: Sequence[int], outputs: Sequence[int], ttft_ms: float,
+                       tpot_ms: float, cached_tokens: Any = None) -> float:  # fmt: skip
+    """A heterogeneous fleet's steady-state bound (req/s): the sum of each kind's
+    (loadgen/fleet/bound.py ``steady_state_bound`` on its engine model, its count of replicas and
+    its batch settings): requests split in the best proportion, each kind serving the trace's mix."""
+    return sum(steady_state_bound(prompts, outputs, k.engine_time if k.engine_time is not None else k.time_model,
+                                  ttft_ms, tpot_ms, k.count, k.kv_capacity_tokens, k.max_num_seqs,
+                                  k.max_num_batched_tokens, 0.9, cached_tokens=cached_tokens).rps for k in kinds)  # fmt: skip
 
 
 def add_point_args(ap: argparse.ArgumentParser, *, trace: str | None, ttft_ms: float, duration_s: float,
@@ -312,6 +345,7 @@ def fleet_config(setup: Setup, policy: str) -> FleetConfig:
         lease_mode=setup.lease_mode, min_push_interval_ms=setup.min_push_interval_ms,
         prefix_caching=setup.prefix_caching, work_shed=setup.work_shed,
         contention_max_inflight=setup.contention_max_inflight, max_bypass=setup.max_bypass,
+        replica_kinds=setup.replica_kinds,
     )  # fmt: skip
 
 
@@ -416,6 +450,11 @@ def stream_bounds(
     counted = [i for i, r in enumerate(reqs) if r.arrival_ms >= t0]
     if not counted:
         return {}
+    if setup.replica_kinds:  # heterogeneous: the steady bound summed over kinds; the stream bounds assume one kind
+        rps = kinds_steady_bound(setup.replica_kinds, [reqs[i].prompt_tokens for i in counted],
+                                 [reqs[i].output_tokens for i in counted], setup.ttft_ms, setup.tpot_ms,
+                                 None if h is None else h[counted])  # fmt: skip
+        return {"stream_steady_bound_rps": round(rps, 3)}
     steady = steady_state_bound(
         [reqs[i].prompt_tokens for i in counted], [reqs[i].output_tokens for i in counted], model, setup.ttft_ms,
         setup.tpot_ms, setup.replicas, prof.kv_capacity_tokens, setup.max_num_seqs, setup.max_num_batched_tokens,
@@ -562,6 +601,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="fleet.json")
     p.add_argument("--plot", default=None, help="fleet.png")
     p.add_argument("--routers", type=int, default=1, help="router copies")
+    p.add_argument("--fleet", default=None, metavar="N:PROFILE,...",
+                   help="a heterogeneous fleet, e.g. 8:llama-3-8b-a100,8:llama-3-8b-h100: each kind with its profile "
+                        "(the agents' prior), its shipped engine model and vllm serve's batch defaults for its GPU; "
+                        "replaces --replicas and --profile")  # fmt: skip
     p.add_argument("--push-period-ms", type=float, default=100.0, help="agents' periodic budget push (simulated ms)")
     p.add_argument("--net-delay-ms", type=float, default=0.5, help="one-way router-agent network delay (simulated ms)")
     p.add_argument("--ttft-ms", type=float, default=1000.0, help="TTFT target of the one SLO class (ms)")
@@ -634,6 +677,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine_time = resolve_engine_time(args)
     spread_ms = args.arrival_spread_ms
     kept, native, n_trace = trace_rows(args.trace, spread_ms, args.seed, args.max_model_len)
+    kinds = parse_fleet(args.fleet, args.engine_time_model) if args.fleet else ()
+    if kinds:  # heterogeneous: --profile is the first kind (the router's defaults and the tables' label)
+        args.replicas, args.profile = sum(k.count for k in kinds), kinds[0].name
+        engine_time = kinds[0].engine_time
     prof = load_profile(args.profile)
     max_tokens = args.max_num_batched_tokens
     max_seqs = args.max_num_seqs
@@ -644,6 +691,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine_time if engine_time is not None else prof.time_model,
         args.ttft_ms, args.tpot_ms, args.replicas, prof.kv_capacity_tokens, max_seqs, max_tokens, 0.9,
     )  # fmt: skip
+    if kinds:
+        steady = dataclasses.replace(steady, rps=kinds_steady_bound(
+            kinds, [r.prompt_tokens for r in kept], [r.output_tokens for r in kept], args.ttft_ms, args.tpot_ms))
     search = None
     if args.rates:
         rates = sorted(args.rates)
@@ -661,7 +711,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   not args.no_leases, args.max_model_len, args.seed, max_tokens, max_seqs,
                   args.window_offset, engine_time, args.warmup_s, args.start_window_steps, args.lease_mode,
                   args.min_push_interval_ms, args.windows or args.replicas, not args.no_prefix_caching,
-                  work_shed, args.contention_max_inflight, args.max_bypass)  # fmt: skip
+                  work_shed, args.contention_max_inflight, args.max_bypass, kinds)  # fmt: skip
     if not 0.0 <= args.warmup_s < args.duration_s:
         raise SystemExit("bench-fleet: --warmup-s must be in [0, --duration-s)")
     t0 = time.perf_counter()
@@ -718,6 +768,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                 if tg is not None and best_tok and base_tok[best_tok] else None)  # fmt: skip
     result = {
         "trace": args.trace, "profile": args.profile, "replicas": args.replicas, "routers": args.routers,
+        "fleet": [{"profile": k.name, "count": k.count, "max_num_batched_tokens": k.max_num_batched_tokens,
+                   "max_num_seqs": k.max_num_seqs, "engine_time_model": describe_engine(k.engine_time)} for k in kinds],
         "ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "duration_s": args.duration_s, "warmup_s": args.warmup_s, "drain_s": args.drain_s,
         "push_period_ms": args.push_period_ms, "net_delay_ms": args.net_delay_ms, "queue": args.queue,
         "leases": not args.no_leases, "static_queue_cap_tokens": cap_tokens, "seed": args.seed,

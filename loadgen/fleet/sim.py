@@ -198,6 +198,36 @@ class FleetRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaKind:
+    """Replicas of one GPU kind in a heterogeneous fleet (:attr:`FleetConfig.replica_kinds`).
+
+    Attributes:
+        name: the kind's profile name (``llama-3-8b-h100``), for reports.
+        count: replicas of this kind (>= 1).
+        time_model: the agent's prior (its GPU profile; the online model learns from it).
+        kv_capacity_tokens: KV cache per replica (tokens).
+        engine_time: the engine's own step time; None: it steps at ``time_model`` (an oracle).
+        max_num_batched_tokens, max_num_seqs: the engine's batch settings (``vllm serve`` defaults
+            differ per GPU: replica_agent/profiles.py ``vllm_serve_batch_defaults``).
+
+    Raises:
+        ValueError: ``count`` < 1.
+    """
+
+    name: str
+    count: int
+    time_model: TimeModel
+    kv_capacity_tokens: int
+    engine_time: EngineTimeModel | None
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ValueError(f"replica kind {self.name!r}: count must be >= 1, got {self.count}")
+
+
+@dataclass(frozen=True, slots=True)
 class FleetConfig:
     """One fleet run.
 
@@ -259,6 +289,11 @@ class FleetConfig:
             costliest predicted work (router/work_shed.py, the router's ``admission.work_shed``;
             reason ``work-shed``); None: off, the router's default. The decode estimate is the
             request's ``output_tokens`` (the simulated client's ``max_tokens``).
+        replica_kinds: a heterogeneous fleet (issue 27 item 3): replicas r0.. of the first kind,
+            then the next kind's, ...; their counts sum to ``replicas``. Each kind's time model,
+            KV cache, engine model and batch settings replace ``time_model``,
+            ``kv_capacity_tokens``, ``engine_time``, ``max_num_batched_tokens`` and
+            ``max_num_seqs`` for its replicas. Empty: every replica from those fields.
     """
 
     policy: str
@@ -302,8 +337,12 @@ class FleetConfig:
     placement_hooks: tuple[str, ...] = ()
     contention_max_inflight: int = 32
     max_bypass: int = 8
+    replica_kinds: tuple[ReplicaKind, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.replica_kinds and sum(k.count for k in self.replica_kinds) != self.replicas:
+            raise ValueError(f"replica_kinds count {sum(k.count for k in self.replica_kinds)} replicas, "
+                             f"replicas is {self.replicas}")  # fmt: skip
         if self.policy not in POLICIES:
             raise ValueError(f"unknown fleet policy {self.policy!r}; known: {', '.join(POLICIES)}")
         if self.replicas < 1 or self.routers < 1:
@@ -749,15 +788,19 @@ class FleetSim:
         self.stats = FleetStats()
         self.slo = SloClass(SLO_CLASS, cfg.ttft_ms, cfg.tpot_ms)
         batching = POLICIES[cfg.policy][1]
-        ecfg = EngineConfig(cfg.time_model, cfg.kv_capacity_tokens // cfg.block_size, cfg.block_size,
-                            cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len, cfg.engine_time,
-                            cfg.prefix_caching)  # fmt: skip
+        kinds = cfg.replica_kinds or (ReplicaKind("", cfg.replicas, cfg.time_model, cfg.kv_capacity_tokens,
+                                                  cfg.engine_time, cfg.max_num_batched_tokens, cfg.max_num_seqs),)  # fmt: skip
         pcfg = PolicyConfig(cfg.ttft_ms, cfg.tpot_ms)
-        self.replicas = [
-            _Replica(f"r{i}", SimEngine(ecfg, make_policy(batching, pcfg), noise_stream=i), LeaseTable(1 << 20, f"r{i}"),
-                     OnlineTimeModel(cfg.time_model, cfg.calibration) if cfg.online_time_model else None)
-            for i in range(cfg.replicas)
-        ]
+        self.replicas = []
+        for kind in kinds:
+            ecfg = EngineConfig(kind.time_model, kind.kv_capacity_tokens // cfg.block_size, cfg.block_size,
+                                kind.max_num_batched_tokens, kind.max_num_seqs, cfg.max_model_len, kind.engine_time,
+                                cfg.prefix_caching)  # fmt: skip
+            for _ in range(kind.count):
+                i = len(self.replicas)
+                self.replicas.append(_Replica(
+                    f"r{i}", SimEngine(ecfg, make_policy(batching, pcfg), noise_stream=i), LeaseTable(1 << 20, f"r{i}"),
+                    OnlineTimeModel(kind.time_model, cfg.calibration) if cfg.online_time_model else None))  # fmt: skip
         self.index_of = {r.rid: i for i, r in enumerate(self.replicas)}
         self._metrics_seq = 0  # seq of the baselines' metric snapshots
         self.routers = [_Router(self, i) for i in range(cfg.routers)]
@@ -973,7 +1016,7 @@ class FleetSim:
         rep.prefix_window.add(t, rep.engine.prefix_cache_queries, rep.engine.prefix_cache_hits)
         snap = _Snapshot(rep.seq, rep.engine.policy_time_model.linearized(), [b], cfg.budget_ttl_ms,
                          rep.allocated and not rep.draining, cfg.max_model_len, "",
-                         *inflight_schedule(state, cfg.max_num_batched_tokens), *rep.prefix_window.delta())  # fmt: skip
+                         *inflight_schedule(state, rep.engine.config.max_num_batched_tokens), *rep.prefix_window.delta())  # fmt: skip
         for r in self.routers:
             self.push_event(t + cfg.net_delay_ms, _DELIVER, r.index, (ri, snap))
         if periodic:
@@ -985,7 +1028,7 @@ class FleetSim:
         usage now."""
         self._metrics_seq += 1
         eng = self.replicas[self.index_of[rid]].engine
-        return _Snapshot(self._metrics_seq, self.cfg.time_model, [], float("inf"), True, self.cfg.max_model_len,
+        return _Snapshot(self._metrics_seq, eng.config.time_model, [], float("inf"), True, self.cfg.max_model_len,
                          num_running=eng.num_running, num_waiting=eng.num_waiting, kv_usage=eng.kv_usage)
 
     def _on_scrape(self, t: float, ri: int) -> None:
