@@ -18,6 +18,10 @@ no-replica          503     no_replica            as queue-timeout, but no repli
 placement-error     503     placement_error       placing this request raised (never retried)
 no-budget           503     upstream_error        agents refused its inline admission too often
 queue-cap           429     queue_cap             ``static-queue-cap``: every replica tried was over its cap
+flow-control-ttl    503     flow_control_ttl      ``llm-d-flow-control``: its TTL passed while it waited (llm-d EvictedTTL)
+flow-control-       429     flow_control_capacity ``llm-d-flow-control``: its band or the queue is full (llm-d
+capacity                                          RejectedCapacity)
+flow-control-shed   429     flow_control_shed     ``llm-d-flow-control`` with ``reject_sheddable``: sheddable, pool saturated
 ==================  ======  ====================  ==================================================
 """
 
@@ -141,3 +145,26 @@ def queue_cap() -> Answer:
     """429 ``queue-cap``: every replica the ``static-queue-cap`` profile tried (at most 3) refused the
     request, each over its queued-token cap (router/placement/baselines.py)."""
     return Answer("queue_cap", 429, "queue-cap", "Every replica tried is over its queued-token cap; retry later.")
+
+
+FLOW_CONTROL_REASONS = frozenset({"flow-control-ttl", "flow-control-capacity", "flow-control-shed"})
+"""The refusal reasons of the ``llm-d-flow-control`` profile (router/core.py ``RouterCore.flow_dispatch``)."""
+
+
+def flow_control(reason: str) -> Answer:
+    """The ``llm-d-flow-control`` profile's refusal ``reason`` (one of :data:`FLOW_CONTROL_REASONS`),
+    with llm-d's status (GIE v1.5.0 pkg/epp/requestcontrol/admission.go ``translateFlowControlOutcome``:
+    TTL eviction 503 ServiceUnavailable, capacity 429 ResourceExhausted; a sheddable request dropped
+    while saturated 429 ResourceExhausted).
+
+    Raises:
+        ValueError: an unknown reason.
+    """
+    if reason == "flow-control-ttl":
+        return Answer("flow_control_ttl", 503, reason, "The request timed out in the flow-control queue.",
+                      err_type="service_unavailable")  # fmt: skip
+    if reason == "flow-control-capacity":
+        return Answer("flow_control_capacity", 429, reason, "The flow-control queue is full; retry later.")
+    if reason == "flow-control-shed":
+        return Answer("flow_control_shed", 429, reason, "The pool is saturated and the request is sheddable.")
+    raise ValueError(f"not a flow-control reason: {reason!r}")

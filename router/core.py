@@ -29,7 +29,15 @@ fit, no admission queue, no Reserve. The policy reads the core's :class:`~router
 (:meth:`RouterCore.refresh_load`); the grant is *direct* (:class:`Grant` ``direct``): no lease exists
 anywhere, the request goes to its replica's agent with ``x-fairbatch-direct: 1`` and no
 ``x-fairbatch-lease`` / ``x-fairbatch-admit``, which the agent admits as it is (tracked and relayed,
-as every request without a lease). ``static-queue-cap`` adds ``x-fairbatch-queue-cap: <tokens>``: the
+as every request without a lease). ``llm-d-flow-control`` holds a request at the router while llm-d's saturation detector says the
+pool is saturated (:meth:`RouterCore.acquire` answers :class:`Queued`; its entry waits in the core's
+:class:`~router.placement.flow_control.FlowControlQueue`, not in the fair queue) and
+:meth:`RouterCore.flow_dispatch` places waiting requests, in llm-d's band / fairness / FCFS order,
+whenever the pool has room again: on every change of the book (a listener: a new snapshot or scrape,
+the drivers need nothing more) and at the earliest TTL (the drivers' timer: the server's wait on the
+entry, the simulation's event), when an expired entry fails with ``flow-control-ttl``. Each entry
+leaves exactly once: granted, refused, expired, or taken out by :meth:`RouterCore.leave_queue`
+(client gone). ``static-queue-cap`` adds ``x-fairbatch-queue-cap: <tokens>``: the
 agent refuses the request (409 ``x-fairbatch-refused: queue-cap``) while it has work and its queued
 prompt tokens plus this prompt exceed the cap, and the core then takes the placement's next
 candidate (:meth:`RouterCore.redirect`, at most ``DEFAULT_MAX_CANDIDATES`` in all; then refused
@@ -63,7 +71,7 @@ from router.admission import (
     offer_replicas,
     use_inline,
 )
-from router.admission_queue import Attempt, Dispatcher, QueueFull, WaitingRequest
+from router.admission_queue import Attempt, Dispatcher, PlacementFailed, QueueFull, QueueTimeout, WaitingRequest
 from router.arrival import Refuse, no_replica_left, place_now_exclude, queue_or_refuse
 from router.budget_client import ReserveResult
 from router.budgets import BudgetBook
@@ -79,6 +87,7 @@ from router.placement import (
     RouterLoad,
     default_registry,
 )
+from router.placement.flow_control import FlowControlQueue, FlowItem, band_key
 from router.prefix_correction import PrefixCorrection
 from router.prefix_index import PrefixIndex
 from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start, priced_tokens
@@ -291,6 +300,9 @@ class RouterCore:
     _inline_seq: int = field(init=False, default=0)
     _load_seen: int = field(init=False, default=-1)
     _prefix_keys: dict[str, Sequence[int]] = field(init=False, default_factory=dict)
+    flow: FlowControlQueue | None = field(init=False, default=None)
+    _flow_items: dict[WaitingRequest, FlowItem] = field(init=False, default_factory=dict)
+    _flow_busy: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         config = self.config
@@ -310,6 +322,8 @@ class RouterCore:
             shed_recheck_ms=config.queue.shed_recheck_ms, probe=self.probe,
         )  # fmt: skip
         self.book.add_listener(self.dispatcher.wake)
+        self._configure_flow()
+        self.book.add_listener(self.flow_dispatch)
 
     # ------------------------------------------------------------------ configuration
 
@@ -333,6 +347,36 @@ class RouterCore:
         if self.prefix is None or (self.prefix.capacity_keys, self.prefix.tokens_per_key) != (capacity, tokens_per_key):
             self.prefix = PrefixIndex(capacity, tokens_per_key)
             self.prefix_correction = PrefixCorrection()
+
+    def _configure_flow(self) -> None:
+        """Build (or drop) the flow-control queue of the policy (``DirectAdmission.flow_control``);
+        one whose settings changed is rebuilt with its entries in their order (an entry over the new
+        limits is refused ``flow-control-capacity``); without flow control they are placed now."""
+        direct = self.policy.direct
+        fc = direct.flow_control if direct is not None else None
+        old = self.flow
+        if old is not None and fc is not None and old.settings == fc:
+            return
+        self.flow = FlowControlQueue(fc) if fc is not None else None
+        if old is None:
+            return
+        for item in sorted(old, key=lambda i: i.seq):
+            entry = item.payload
+            self._flow_items.pop(entry, None)
+            if entry.future.done():
+                continue
+            if self.flow is None:  # placed now by the new profile (a pab one cannot: answered no-replica)
+                if self.policy.direct is not None:
+                    self._flow_place(entry)
+                else:
+                    entry.future.set_exception(QueueTimeout("no-replica"))
+                continue
+            item.deadline_ms = entry.deadline_ms = (item.enqueued_ms + fc.ttl_ms if fc is not None and fc.ttl_ms
+                                                    else float("inf"))  # fmt: skip
+            if self.flow.push(item):
+                self._flow_items[entry] = item
+            else:
+                entry.future.set_exception(QueueTimeout("flow-control-capacity"))
 
     def _configure_work_shed(self, config: RouterConfig) -> None:
         """Build (or drop) the state of ``admission.work_shed``; kept, with what it learned, when its
@@ -361,6 +405,7 @@ class RouterCore:
                 self.seed = new_pl["seed"]
             self.policy = self._build_policy(config)
             self._applied_placement = new_pl
+            self._configure_flow()
         self._configure_prefix(config)
         self._configure_work_shed(config)
         self.dispatcher.wake()
@@ -713,6 +758,10 @@ class RouterCore:
         if previous is not None and previous.direct and previous.refused:
             nxt = self.redirect(previous, req)
             return Refused("queue-cap") if nxt is None else Placed(nxt)
+        if self.flow is not None:
+            held = self._flow_hold(req, exclude)
+            if held is not None:
+                return held
         try:
             grant, reason = self.place_direct(req.slo_class, req.prompt_tokens, req.max_tokens, req.request_id,
                                               exclude)  # fmt: skip
@@ -720,6 +769,108 @@ class RouterCore:
             log.error("request %s: placement failed: %s", req.request_id, type(exc).__name__, exc_info=exc)
             return Refused("placement-error", detail=type(exc).__name__)
         return Refused("no-replica", detail=reason) if grant is None else Placed(grant)
+
+    # ------------------------------------------------------------------ llm-d flow control
+
+    def saturated(self) -> bool:
+        """llm-d's saturation detector on the core's load now (router/placement/saturation.py): the
+        scraped engine metrics of every replica of the book, aged on the core's clock. False
+        without flow control."""
+        flow = self.flow
+        if flow is None:
+            return False
+        self.refresh_load()
+        return flow.settings.detector.saturated(self.load.scraped, self.book.replica_ids(), self.clock.now_ms())
+
+    def _flow_hold(self, req: CoreRequest, exclude: frozenset[str]) -> Acquired | None:
+        """A flow-controlled arrival: None (place it at once: the pool has room; whoever waited
+        was placed first, as llm-d's dispatch cycle empties its queues while the pool has room),
+        else :class:`Queued` in the flow-control queue, or refused ``flow-control-shed`` (a sheddable
+        class with ``reject_sheddable``) or ``flow-control-capacity`` (over a capacity limit)."""
+        flow = self.flow
+        assert flow is not None
+        if not self.saturated():
+            self.flow_dispatch()
+            return None
+        fc = flow.settings
+        slo = self.config.slo_classes[req.slo_class]
+        if slo.sheddable and fc.reject_sheddable:
+            return Refused("flow-control-shed")
+        now = self.clock.now_ms()
+        deadline = now + fc.ttl_ms if fc.ttl_ms is not None else float("inf")
+        entry = WaitingRequest(
+            request_id=req.request_id, tenant=req.tenant, slo_class=req.slo_class, prompt_tokens=req.prompt_tokens,
+            max_tokens=req.max_tokens, enqueued_ms=now, deadline_ms=deadline, future=self.new_future(),
+            exclude=exclude, priority=slo.priority, expire_reason="flow-control-ttl", arrival_ms=req.arrival_ms,
+            sheddable=slo.sheddable,
+        )  # fmt: skip
+        # llm-d counts the request body's bytes; the router's estimate of them: prompt tokens * bytes per token
+        size = int(req.prompt_tokens * self.config.admission.bytes_per_token)
+        item = FlowItem(req.tenant, band_key(slo.priority, slo.sheddable), size, now, deadline, entry)
+        if not flow.push(item):
+            return Refused("flow-control-capacity")
+        self._flow_items[entry] = item
+        return Queued(entry)
+
+    def flow_dispatch(self) -> int:
+        """llm-d's dispatch cycle on the flow-control queue (no-op without one): first every entry
+        whose TTL passed fails (:class:`~router.admission_queue.QueueTimeout` ``flow-control-ttl``),
+        then, while the pool is not saturated, the next entry (highest band, its fairness policy's
+        flow, FCFS) is placed by the profile (:meth:`place_direct`) and its future resolved with the
+        grant (or failed: ``no-replica`` when no replica passed the filters, ``PlacementFailed`` when
+        placement raised). The detector reads scraped metrics, which placing does not change, so one
+        pass empties the queue while the pool has room (llm-d's "thundering herd" between scrapes).
+        An entry whose future is already done (its client left) is dropped. Re-entrant calls (from a
+        future's callback) return at once. Returns the number of entries granted."""
+        flow = self.flow
+        if flow is None or not len(flow) or self._flow_busy:
+            return 0
+        self._flow_busy = True
+        try:
+            for item in flow.expire(self.clock.now_ms()):
+                entry = item.payload
+                self._flow_items.pop(entry, None)
+                if not entry.future.done():
+                    entry.future.set_exception(QueueTimeout(entry.expire_reason))
+            if not len(flow) or self.saturated():
+                return 0
+            granted = 0
+            while (item := flow.pop()) is not None:
+                entry = item.payload
+                self._flow_items.pop(entry, None)
+                if not entry.future.done():
+                    granted += self._flow_place(entry)
+            return granted
+        finally:
+            self._flow_busy = False
+
+    def _flow_place(self, entry: WaitingRequest) -> int:
+        """Place a flow-controlled entry now and resolve its future; 1 when granted, else 0."""
+        try:
+            grant, reason = self.place_direct(entry.slo_class, entry.prompt_tokens, entry.max_tokens, entry.request_id,
+                                              entry.exclude)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - one request's failure answers that request only
+            log.error("request %s: placement failed: %s", entry.request_id, type(exc).__name__, exc_info=exc)
+            entry.future.set_exception(PlacementFailed(type(exc).__name__))
+            return 0
+        if grant is None:
+            entry.future.set_exception(QueueTimeout("no-replica"))
+            return 0
+        entry.future.set_result(grant)
+        return 1
+
+    def flow_next_deadline_ms(self) -> float | None:
+        """When the drivers must call :meth:`flow_dispatch` at the latest (the earliest TTL of a
+        waiting entry, router clock ms); None when nothing waits with a TTL."""
+        return self.flow.next_deadline_ms() if self.flow is not None else None
+
+    def leave_queue(self, entry: WaitingRequest) -> None:
+        """``entry`` is done waiting (granted, refused, expired or its client gone): take it out of
+        whichever queue holds it (the fair queue or the flow-control queue). Idempotent."""
+        item = self._flow_items.pop(entry, None)
+        if item is not None and self.flow is not None:
+            self.flow.remove(item)
+        self.queue.remove(entry)
 
     def after_attempt(self, tries: RelayAttempts, req: CoreRequest, grant: Grant, kind: str,
                       pab_ms: float = -1.0, pab_tokens: int = -1) -> RelayAction:

@@ -50,7 +50,7 @@ ANSWER_SERIES_CACHE = 4096  # (tenant, class, outcome, status) keys whose series
 SLO_EXEMPT_OUTCOMES = frozenset({"bad_request", "unauthorized", "client_disconnect"})
 """Outcomes not judged against the SLO (the client's doing)."""
 REJECTED_OUTCOMES = frozenset({"queue_full", "slo_infeasible", "work_shed", "queue_timeout", "tenant_rate",
-                               "tenant_concurrency", "queue_cap"})
+                               "tenant_concurrency", "queue_cap", "flow_control_capacity", "flow_control_shed"})
 """Outcomes answered 429 (counted as ``kind="rejected"`` misses)."""
 
 

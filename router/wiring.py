@@ -26,7 +26,16 @@ from fairbatch_common.clock import Clock
 from fairbatch_common.telemetry import make_tracer
 from router.admission import MAX_RELAY_TRIES
 from router.admission_queue import Dispatcher, PlacementFailed, QueueTimeout, WaitingRequest
-from router.answers import Answer, placement_error, queue_cap, queue_expired, queue_full, slo_infeasible
+from router.answers import (
+    FLOW_CONTROL_REASONS,
+    Answer,
+    flow_control,
+    placement_error,
+    queue_cap,
+    queue_expired,
+    queue_full,
+    slo_infeasible,
+)
 from router.auth import ApiKeyAuthenticator, Principal
 from router.budget_client import BudgetClient, ReserveResult
 from router.budgets import BudgetBook
@@ -346,7 +355,8 @@ class RouterWiring:
         try:
             if on_queued is not None:
                 await on_queued(entry)
-            grant = await within(entry.future, self.clock.to_wall_s(entry.deadline_ms - now))
+            wait_s = None if entry.deadline_ms == float("inf") else self.clock.to_wall_s(entry.deadline_ms - now)
+            grant = await within(entry.future, wait_s)  # no deadline: llm-d flow control without a TTL
             self.core.charge_dispatch(req)
             return grant  # type: ignore[no-any-return]
         except TimeoutError:
@@ -362,7 +372,7 @@ class RouterWiring:
                 self._release(fut.result(), "client-disconnect")
             raise
         finally:
-            self.queue.remove(entry)
+            self.core.leave_queue(entry)  # the fair queue's or the flow-control queue's entry
             self.metrics.queue_depth.set(len(self.queue))
             self.metrics.queue_wait.observe((self.clock.now_ms() - now) / 1000.0)
 
@@ -372,6 +382,8 @@ class RouterWiring:
             return queue_full() if got.reason == "queue-full" else queue_cap()
         if got.reason == "placement-error":
             return placement_error(got.detail)
+        if got.reason in FLOW_CONTROL_REASONS:  # llm-d-flow-control (router/core.py)
+            return flow_control(got.reason)
         if got.reason == "slo-infeasible" and not got.queued:  # predicted at arrival
             return slo_infeasible(principal.slo_class, slo.ttft_ms, got.wait_ms, self.clock.to_wall_s(got.wait_ms))
         usable = got.reason == "slo-infeasible" or any(v.healthy and v.fresh for v in self.book.views())

@@ -119,6 +119,8 @@ POLICIES: dict[str, tuple[str, str]] = {
     "llm-d-prefix": ("direct", "vllm-default"),
     "sglang-cache-aware": ("direct", "vllm-default"),
     "vllm-router-cache-aware": ("direct", "vllm-default"),
+    "llm-d-flow-control": ("direct", "vllm-default"),
+    "llm-d-flow-control+fairbatching": ("direct", "fairbatching"),
     "pab": ("pab", "vllm-default"),
     "pab+fairbatching": ("pab", "fairbatching"),
     "pab-prefix": ("pab", "vllm-default"),
@@ -130,8 +132,13 @@ scheduler plugin but kept their router would run)."""
 
 
 PREFIX_POLICIES = frozenset({"llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware", "pab-prefix",
-                             "pab-prefix+fairbatching"})  # fmt: skip
+                             "pab-prefix+fairbatching", "llm-d-flow-control",
+                             "llm-d-flow-control+fairbatching"})  # fmt: skip
 """Fleet policies whose routers keep a prefix map (router/prefix_index.py) and place with it."""
+
+
+SCRAPED_POLICIES = frozenset({"power-of-two", "llm-d-scorer", "llm-d-prefix", "llm-d-flow-control"})
+"""Placement profiles that read scraped engine metrics (the fleet scrapes every ``scrape_period_ms`` for them)."""
 
 
 def placement_name(policy: str) -> str:
@@ -681,6 +688,11 @@ class _Router:
         queue is retried now (as the router's dispatcher loop wakes on every budget change), not
         only when its earliest entry expires.
         """
+        if self.core.flow is not None:  # llm-d-flow-control: a pass at the earliest TTL (scrapes wake it too)
+            nd = self.core.flow_next_deadline_ms()
+            if nd is not None:
+                self._schedule_pass(max(nd, self.clock.t))
+            return
         if self.kind != "pab" or len(self.queue) == 0:
             return
         self._schedule_pass(max(self.clock.t, self.last_pass_ms + self.sim.cfg.dispatch_gap_ms))
@@ -691,6 +703,10 @@ class _Router:
         self.pass_at = None
         self.last_pass_ms = self.clock.t
         self.sim.stats.dispatch_passes += 1
+        if self.core.flow is not None:  # llm-d-flow-control: expire and dispatch (router/core.py)
+            self.core.flow_dispatch()
+            self.wake()
+            return
         stats = _drive(self.dispatcher.dispatch_chain())
         self.sim.stats.dispatch_stalled_ms = max(self.sim.stats.dispatch_stalled_ms,
                                                  self.dispatcher.stalled_ms(self.clock.t))
@@ -1136,7 +1152,7 @@ class FleetSim:
         for ri in range(cfg.replicas):
             if kind == "pab":
                 self.push_event(self.rng.uniform(0.0, cfg.push_period_ms), _PUSH, ri, 0)
-            elif cfg.policy in ("power-of-two", "llm-d-scorer", "llm-d-prefix"):
+            elif placement_name(cfg.policy) in SCRAPED_POLICIES:
                 self.push_event(self.rng.uniform(0.0, cfg.scrape_period_ms), _SCRAPE, ri, 0)
         pending = len(self.requests)
         heap = self._heap
@@ -1173,7 +1189,8 @@ class FleetSim:
                 self._on_push(t, a, periodic=False)
             elif ev in (_PUSH, _SCRAPE, _SCALE):
                 if pending == 0 and not any(r.engine.has_work() for r in self.replicas) and not any(
-                    kind == "pab" and len(r.queue) for r in self.routers
+                    (kind == "pab" and len(r.queue)) or (r.core.flow is not None and len(r.core.flow))
+                    for r in self.routers
                 ):
                     continue  # everything drained: let the periodic events die out
                 if ev == _SCALE:

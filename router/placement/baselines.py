@@ -44,6 +44,19 @@ absorbs bursts, as in front of plain vLLM; :class:`~router.placement.core.Direct
   by the fleet simulation's replica, loadgen/fleet/sim.py, and in a real fleet by the agent, sent
   in ``x-fairbatch-queue-cap``); the router then tries the next candidate, at most 3 in all.
 
+- ``llm-d-flow-control``: llm-d v0.8 with its Flow Control layer (feature gate ``flowControl``):
+  the ``llm-d-prefix`` scheduling profile behind llm-d's saturation detector and flow-control queues
+  (router/placement/saturation.py, router/placement/flow_control.py, rules and sources there). While
+  the pool is saturated (mean over replicas of ``max(waiting / 5, kv_usage / 0.8)`` >= 1, a replica
+  without metrics fresher than 200 ms counting 1) a request waits at the router: bands strictly by
+  priority, global-strict (or round-robin) fairness between tenants, FCFS within one; it is placed
+  when the pool has room again (router/core.py ``RouterCore.flow_dispatch``). Parameters:
+  ``queue_depth_threshold``, ``kv_cache_util_threshold``, ``metrics_staleness_ms``,
+  ``saturation_rule``, ``fairness``, ``ttl_ms`` (None: no TTL, llm-d's default; on expiry 503
+  ``flow-control-ttl``), ``band_max_bytes``, ``band_max_requests``, ``max_bytes``,
+  ``max_requests`` (over a limit: 429 ``flow-control-capacity``), ``reject_sheddable`` (429
+  ``flow-control-shed`` for a sheddable class while saturated; off in llm-d v0.8).
+
 The three cache-aware profiles set ``prefix_map``: the router keeps its prefix map for them even
 with ``placement.prefix_cache`` off (its chunk and capacity settings apply).
 """
@@ -54,10 +67,18 @@ from typing import Any
 
 from router.placement.cache_aware import SGLANG_CACHE_AWARE, VLLM_ROUTER_CACHE_AWARE, CacheAwarePolicy
 from router.placement.core import DirectAdmission, PlacementPolicy
+from router.placement.flow_control import DEFAULT_BAND_MAX_BYTES, FlowControlSettings
 from router.placement.load import RouterLoad
+from router.placement.saturation import (
+    DEFAULT_KV_CACHE_UTIL_THRESHOLD,
+    DEFAULT_METRICS_STALENESS_MS,
+    DEFAULT_QUEUE_DEPTH_THRESHOLD,
+    UtilizationDetector,
+)
 
 BASELINE_POLICIES = ("round-robin", "least-outstanding", "least-outstanding-tokens", "power-of-two", "llm-d-scorer",
-                     "static-queue-cap", "llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware")  # fmt: skip
+                     "static-queue-cap", "llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware",
+                     "llm-d-flow-control")  # fmt: skip
 """Names of the baseline placement profiles (the fleet benchmark's policy names)."""
 
 BASELINE_FILTERS = ("exclude", "healthy", "fresh", "max-prompt")
@@ -75,7 +96,8 @@ def register_baselines(reg: Any) -> None:
     ``kv-usage``, ``prefix-cache``; pickers ``round-robin``, ``power-of-two``).
 
     Every profile takes ``load`` (:class:`RouterLoad`; a fresh empty one when None) and ``seed``
-    (tie-break RNG); ``static-queue-cap`` also ``queue_cap_tokens``.
+    (tie-break RNG); ``static-queue-cap`` also ``queue_cap_tokens``; ``llm-d-flow-control`` the
+    parameters of the module docstring.
     """
     sc, pk = reg.scorers, reg.pickers
 
@@ -117,9 +139,26 @@ def register_baselines(reg: Any) -> None:
         return chain([("least-outstanding", 1.0)], pk["highest"](seed=seed), load or RouterLoad(),
                      cap=int(queue_cap_tokens))  # fmt: skip
 
+    def llmd_flow_control(load: RouterLoad | None = None, seed: int | None = None,
+                          queue_depth_threshold: int = DEFAULT_QUEUE_DEPTH_THRESHOLD,
+                          kv_cache_util_threshold: float = DEFAULT_KV_CACHE_UTIL_THRESHOLD,
+                          metrics_staleness_ms: float = DEFAULT_METRICS_STALENESS_MS,
+                          saturation_rule: str = "gradient", fairness: str = "global-strict",
+                          ttl_ms: float | None = None, band_max_bytes: int = DEFAULT_BAND_MAX_BYTES,
+                          band_max_requests: int = 0, max_bytes: int = 0, max_requests: int = 0,
+                          reject_sheddable: bool = False) -> PlacementPolicy:  # fmt: skip
+        policy = llmd_prefix(load, seed)
+        detector = UtilizationDetector(int(queue_depth_threshold), float(kv_cache_util_threshold),
+                                       float(metrics_staleness_ms), saturation_rule)  # fmt: skip
+        policy.direct = DirectAdmission(flow_control=FlowControlSettings(
+            detector, fairness, None if ttl_ms is None else float(ttl_ms), int(band_max_bytes),
+            int(band_max_requests), int(max_bytes), int(max_requests), bool(reject_sheddable)))  # fmt: skip
+        return policy
+
     reg.policies.update({
         "round-robin": round_robin, "least-outstanding": least_outstanding,
         "least-outstanding-tokens": least_outstanding_tokens, "power-of-two": power_of_two, "llm-d-scorer": llmd,
         "llm-d-prefix": llmd_prefix, "sglang-cache-aware": cache_aware(SGLANG_CACHE_AWARE),
         "vllm-router-cache-aware": cache_aware(VLLM_ROUTER_CACHE_AWARE), "static-queue-cap": static_queue_cap,
-    })  # fmt: skip
+    })
+    reg.policies["llm-d-flow-control"] = llmd_flow_control  # fmt: skip

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from replica_agent.policy.pab import _EPS, ClassBudget, fits, on_time  # _EPS: fits()'s 1e-9 ms tolerance, reused as is
 from replica_agent.policy.time_model import TimeModel
+from router.placement.flow_control import FlowControlSettings
 
 DEFAULT_MAX_CANDIDATES = 3  # candidates the ``pab`` policy returns: the Reserve calls a router tries
 
@@ -260,9 +261,14 @@ class DirectAdmission:
             (``static-queue-cap``): the replica refuses a prompt while it has work and its queued
             prompt tokens plus this one would exceed the cap, and the router tries the next
             candidate (at most :data:`DEFAULT_MAX_CANDIDATES` in all).
+        flow_control: None = placed at once; else (``llm-d-flow-control``) llm-d's Flow Control
+            settings (router/placement/flow_control.py, with its saturation detector,
+            router/placement/saturation.py): while the pool is saturated the request waits at the
+            router in llm-d's band / fairness / FCFS order (router/core.py ``RouterCore.flow_dispatch``).
     """
 
     queue_cap_tokens: int | None = None
+    flow_control: FlowControlSettings | None = None
 
     def __post_init__(self) -> None:
         if self.queue_cap_tokens is not None and self.queue_cap_tokens < 0:

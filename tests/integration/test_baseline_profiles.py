@@ -159,7 +159,8 @@ async def test_the_router_runs_a_fleet_baseline_from_its_yaml(fleet_factory, pro
     async with aiohttp.ClientSession() as session:
         served = await burst_goes_straight_through(session, fleet)
         assert set(served) <= {"r0", "r1"}
-        if profile not in ("power-of-two", "llm-d-scorer", "llm-d-prefix"):  # these herd on one snapshot's figures
+        if profile not in ("power-of-two", "llm-d-scorer", "llm-d-prefix", "llm-d-flow-control"):  # these herd on one
+            # snapshot's figures (llm-d-flow-control: unsaturated here, it places as llm-d-prefix)
             assert set(served) == {"r0", "r1"}, served  # router-local counts spread a burst
         await spread_as_the_policy_says(session, fleet, profile)
         if profile == "static-queue-cap":
@@ -170,3 +171,19 @@ async def test_the_router_runs_a_fleet_baseline_from_its_yaml(fleet_factory, pro
         assert await metric(session, fleet.router_url, "fairbatch_router_reserve_seconds_count") == 0
         for url in fleet.agent_urls:
             assert await metric(session, url, "fairbatch_agent_reserve_total") == 0
+
+
+async def test_llm_d_flow_control_holds_requests_while_saturated(fleet_factory) -> None:
+    # kvCacheUtilThreshold 0.0001: a replica with any KV in use scores kv / 0.0001 >> 2, so one long
+    # stream on one of the 2 replicas saturates the pool (mean score >= 1); a request arriving then waits
+    # at the router and, with a 500 ms TTL, is answered 503 flow-control-ttl in the OpenAI error format
+    fleet = fleet_factory(2, placement={"profile": "llm-d-flow-control", "seed": 7,
+                                        "params": {"kv_cache_util_threshold": 0.0001, "ttl_ms": 500}})  # fmt: skip
+    async with aiohttp.ClientSession() as session:
+        long = LongStream(session, fleet, unique_prompt(6000))
+        await long.start()
+        await asyncio.sleep(0.4)  # the agents' snapshots now carry the long request's KV usage
+        status, _, body = await post(session, fleet, unique_prompt(100), 4)
+        assert status == 503 and body["error"]["code"] == "flow-control-ttl", body
+        assert await metric(session, fleet.router_url, "fairbatch_router_queue_wait_seconds_count") == 1
+        assert await long.done() == 300
