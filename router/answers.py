@@ -18,6 +18,7 @@ no-replica          503     no_replica            as queue-timeout, but no repli
 placement-error     503     placement_error       placing this request raised (never retried)
 no-budget           503     upstream_error        agents refused its inline admission too often
 queue-cap           429     queue_cap             ``static-queue-cap``: every replica tried was over its cap
+overloaded          529     overloaded            ``dynamo-kv``: every worker over a busy threshold (Dynamo's 529)
 ==================  ======  ====================  ==================================================
 """
 
@@ -141,3 +142,13 @@ def queue_cap() -> Answer:
     """429 ``queue-cap``: every replica the ``static-queue-cap`` profile tried (at most 3) refused the
     request, each over its queued-token cap (router/placement/baselines.py)."""
     return Answer("queue_cap", 429, "queue-cap", "Every replica tried is over its queued-token cap; retry later.")
+
+
+def overloaded() -> Answer:
+    """529 ``overloaded``: every replica is over a busy threshold of the ``dynamo-kv`` profile
+    (router/placement/filters/dynamo_busy.py), as NVIDIA Dynamo's frontend answers when every
+    eligible worker is busy (HTTP 529 by default since v1.3,
+    https://docs.nvidia.com/dynamo/v1.3.0/user-guides/fault-tolerance/request-rejection); retry
+    after ``RETRY_AFTER_S``."""
+    return Answer("overloaded", 529, "overloaded", "All workers are busy; retry later.",
+                  err_type="service_unavailable")  # fmt: skip

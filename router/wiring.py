@@ -26,7 +26,15 @@ from fairbatch_common.clock import Clock
 from fairbatch_common.telemetry import make_tracer
 from router.admission import MAX_RELAY_TRIES
 from router.admission_queue import Dispatcher, PlacementFailed, QueueTimeout, WaitingRequest
-from router.answers import Answer, placement_error, queue_cap, queue_expired, queue_full, slo_infeasible
+from router.answers import (
+    Answer,
+    overloaded,
+    placement_error,
+    queue_cap,
+    queue_expired,
+    queue_full,
+    slo_infeasible,
+)
 from router.auth import ApiKeyAuthenticator, Principal
 from router.budget_client import BudgetClient, ReserveResult
 from router.budgets import BudgetBook
@@ -370,6 +378,8 @@ class RouterWiring:
         """The answer of one of the core's refusals (router/answers.py), for either driver."""
         if got.reason in ("queue-full", "queue-cap"):
             return queue_full() if got.reason == "queue-full" else queue_cap()
+        if got.reason == "overloaded":
+            return overloaded()
         if got.reason == "placement-error":
             return placement_error(got.detail)
         if got.reason == "slo-infeasible" and not got.queued:  # predicted at arrival

@@ -249,6 +249,20 @@ class PostDecisionHook(Protocol):
     def after_decision(self, request: PlacementRequest, replica_id: str) -> None: ...
 
 
+OVERLOAD_FILTERS = frozenset({"dynamo-busy"})
+"""Filters that drop replicas for being busy: when one of them leaves no replica, a direct placement
+is refused ``overloaded`` (HTTP 529, as Dynamo's frontend answers "all workers busy"), not
+``no-replica`` (router/core.py ``RouterCore.acquire``, router/answers.py ``overloaded``)."""
+
+
+class SaturationGate(Protocol):
+    """A baseline's router-queue gate (:class:`DirectAdmission` ``hold``)."""
+
+    def saturated(self, replicas: Sequence[ReplicaView]) -> bool:
+        """True while no replica has room (new requests are held at the router)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class DirectAdmission:
     """How a baseline profile (router/placement/baselines.py) has its placements admitted: like the
@@ -260,9 +274,14 @@ class DirectAdmission:
             (``static-queue-cap``): the replica refuses a prompt while it has work and its queued
             prompt tokens plus this one would exceed the cap, and the router tries the next
             candidate (at most :data:`DEFAULT_MAX_CANDIDATES` in all).
+        hold: None = no router queue (the engine's waiting queue absorbs bursts); a
+            :class:`SaturationGate` (``dynamo-kv``: Dynamo's ``--router-queue-threshold``): while it
+            says every replica is saturated, the router holds new requests in a small first come,
+            first served queue and places them as capacity frees (router/core.py ``RouterCore._hold``).
     """
 
     queue_cap_tokens: int | None = None
+    hold: SaturationGate | None = None
 
     def __post_init__(self) -> None:
         if self.queue_cap_tokens is not None and self.queue_cap_tokens < 0:
