@@ -305,11 +305,12 @@ class PickerEntry(_Strict):
 PLACEMENT_PLUGINS: Mapping[str, frozenset[str]] = {
     "policies": frozenset({"pab", "pab-chain", "round-robin", "least-outstanding", "least-outstanding-tokens",
                            "power-of-two", "llm-d-scorer", "llm-d-prefix", "sglang-cache-aware",
-                           "vllm-router-cache-aware", "static-queue-cap", "llm-d-flow-control"}),
-    "filters": frozenset({"exclude", "fits", "fresh", "healthy", "max-prompt", "on-time", "window"}),
+                           "vllm-router-cache-aware", "static-queue-cap", "llm-d-flow-control", "dynamo-kv",
+                           "llm-d-sticky"}),
+    "filters": frozenset({"exclude", "fits", "fresh", "healthy", "max-prompt", "on-time", "window", "dynamo-busy"}),
     "scorers": frozenset({"headroom", "kv-headroom", "least-outstanding", "least-outstanding-tokens", "engine-queue",
-                          "llm-d-queue", "kv-usage", "prefix-cache"}),
-    "pickers": frozenset({"highest", "round-robin", "power-of-two"}),
+                          "llm-d-queue", "kv-usage", "prefix-cache", "dynamo-kv-cost"}),
+    "pickers": frozenset({"highest", "round-robin", "power-of-two", "softmax"}),
     "hooks": frozenset({"decision-count"}),
 }
 """The names the ``placement`` section may use, by kind: the profiles and the plugins of

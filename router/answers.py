@@ -22,6 +22,7 @@ flow-control-ttl    503     flow_control_ttl      ``llm-d-flow-control``: its TT
 flow-control-       429     flow_control_capacity ``llm-d-flow-control``: its band or the queue is full (llm-d
 capacity                                          RejectedCapacity)
 flow-control-shed   429     flow_control_shed     ``llm-d-flow-control`` with ``reject_sheddable``: sheddable, pool saturated
+overloaded          529     overloaded            ``dynamo-kv``: every worker over a busy threshold (Dynamo's 529)
 ==================  ======  ====================  ==================================================
 """
 
@@ -168,3 +169,13 @@ def flow_control(reason: str) -> Answer:
     if reason == "flow-control-shed":
         return Answer("flow_control_shed", 429, reason, "The pool is saturated and the request is sheddable.")
     raise ValueError(f"not a flow-control reason: {reason!r}")
+
+
+def overloaded() -> Answer:
+    """529 ``overloaded``: every replica is over a busy threshold of the ``dynamo-kv`` profile
+    (router/placement/filters/dynamo_busy.py), as NVIDIA Dynamo's frontend answers when every
+    eligible worker is busy (HTTP 529 by default since v1.3,
+    https://docs.nvidia.com/dynamo/v1.3.0/user-guides/fault-tolerance/request-rejection); retry
+    after ``RETRY_AFTER_S``."""
+    return Answer("overloaded", 529, "overloaded", "All workers are busy; retry later.",
+                  err_type="service_unavailable")  # fmt: skip

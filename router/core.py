@@ -80,6 +80,7 @@ from router.config import RouterConfig
 from router.fair_queue import FairQueue, TenantShare
 from router.placement import (
     DEFAULT_MAX_CANDIDATES,
+    OVERLOAD_FILTERS,
     MetricsSample,
     PlacementPolicy,
     PlacementRequest,
@@ -202,7 +203,9 @@ class Refused:
         reason: ``queue-full``, ``slo-infeasible`` (predicted wait ``wait_ms``), ``queue-timeout``
             (the class's max queue time already passed), ``no-replica`` (every replica failed for
             it; a direct placement: none passed the filters, ``detail`` names the filter that left
-            none), ``queue-cap`` (a direct placement's candidates all refused it) or
+            none), ``queue-cap`` (a direct placement's candidates all refused it), ``overloaded``
+            (a direct placement found every replica busy: a filter of ``OVERLOAD_FILTERS`` left
+            none, ``dynamo-kv``; answered 529) or
             ``placement-error`` (placement raised; ``detail`` names the exception class).
         wait_ms: the predicted queue wait of an ``slo-infeasible`` refusal (simulated ms).
         detail: the exception class name of a ``placement-error``; the filter of a direct ``no-replica``.
@@ -244,6 +247,15 @@ def tenant_shares(config: RouterConfig) -> dict[str, TenantShare]:
 
 def _no_observer(seconds: float) -> None:
     return None
+
+
+def _take(counts: dict[str, int], rid: str, n: int) -> None:
+    """``counts[rid] -= n``, the entry dropped at 0 or below."""
+    left = counts.get(rid, 0) - n
+    if left > 0:
+        counts[rid] = left
+    else:
+        counts.pop(rid, None)
 
 
 @dataclass(slots=True)
@@ -297,6 +309,9 @@ class RouterCore:
     load: RouterLoad = field(init=False)
     _applied_placement: dict[str, Any] = field(init=False, default_factory=dict)
     _leased: dict[str, tuple[str, int]] = field(init=False, default_factory=dict)
+    _prompts: dict[str, tuple[str, int, int]] = field(init=False, default_factory=dict)
+    _held: collections.deque[tuple[WaitingRequest, CoreRequest, frozenset[str]]] = field(
+        init=False, default_factory=collections.deque)
     _inline_seq: int = field(init=False, default=0)
     _load_seen: int = field(init=False, default=-1)
     _prefix_keys: dict[str, Sequence[int]] = field(init=False, default_factory=dict)
@@ -307,7 +322,8 @@ class RouterCore:
     def __post_init__(self) -> None:
         config = self.config
         self.book = BudgetBook(self.clock, list(self.replica_ids))
-        self.load = RouterLoad(self.replica_load, {}, 0, self.replica_tokens)
+        self.load = RouterLoad(self.replica_load, {}, 0, self.replica_tokens, collections.Counter(),
+                               collections.Counter())  # fmt: skip
         self.policy = self._build_policy(config)
         self._applied_placement = config.placement.model_dump(exclude={"prefix_cache"})
         self._configure_prefix(config)
@@ -439,12 +455,30 @@ class RouterCore:
         """The charge of a request that got its lease: prompt + the decode estimate."""
         self.charge(req.tenant, req.prompt_tokens, self.decode_estimate(req.max_tokens))
 
-    def _count(self, grant: Grant, tokens: int) -> None:
-        """``grant``'s request now counts in its replica's load (``tokens``: prompt + decode estimate)."""
+    def _count(self, grant: Grant, tokens: int, prompt: int = 0, uncached: int = 0) -> None:
+        """``grant``'s request now counts in its replica's load (``tokens``: prompt + decode estimate;
+        ``prompt`` and ``uncached``: its whole and uncached prompt tokens, :attr:`load`'s
+        ``prompt_tokens`` and ``prefill_tokens``, the latter until :meth:`prefill_done`)."""
         rid = grant.replica_id
         self._leased[grant.lease_id] = (rid, tokens)
         self.replica_load[rid] += 1
         self.replica_tokens[rid] += tokens
+        if prompt > 0:
+            self._prompts[grant.lease_id] = (rid, prompt, uncached)
+            self.load.prompt_tokens[rid] = self.load.prompt_tokens.get(rid, 0) + prompt
+            self.load.prefill_tokens[rid] = self.load.prefill_tokens.get(rid, 0) + uncached
+
+    def prefill_done(self, grant: Grant) -> None:
+        """The router saw ``grant``'s first token: its uncached prompt tokens leave :attr:`load`'s
+        ``prefill_tokens`` (Dynamo decrements active prefill tokens there too); a held request
+        may start (:meth:`_release_held`). Idempotent."""
+        got = self._prompts.get(grant.lease_id)
+        if got is None or got[2] == 0:
+            return
+        rid, prompt, uncached = got
+        self._prompts[grant.lease_id] = (rid, prompt, 0)
+        _take(self.load.prefill_tokens, rid, uncached)
+        self._release_held()
 
     def lease_done(self, grant: Grant) -> None:
         """The request of ``grant`` ended (served, failed, released or gone): it no longer counts
@@ -458,6 +492,12 @@ class RouterCore:
             self.replica_tokens[rid] -= tokens
             if self.replica_tokens[rid] <= 0:
                 del self.replica_tokens[rid]
+        prompts = self._prompts.pop(grant.lease_id, None)
+        if prompts is not None:
+            rid, prompt, uncached = prompts
+            _take(self.load.prompt_tokens, rid, prompt)
+            _take(self.load.prefill_tokens, rid, uncached)
+            self._release_held()
 
     def refresh_load(self) -> None:
         """Bring :attr:`load`'s engine metrics (``scraped``) up to the book, when it changed since the
@@ -673,14 +713,15 @@ class RouterCore:
         policy.after_decision(preq, first)
         assert policy.direct is not None
         return self._direct_grant(first, tuple(rest), policy.direct.queue_cap_tokens, prompt_tokens,
-                                  prompt_tokens + self.decode_estimate(max_tokens)), ""  # fmt: skip
+                                  prompt_tokens + self.decode_estimate(max_tokens),
+                                  max(0, prompt_tokens - cached.get(first, 0))), ""  # fmt: skip
 
     def _direct_grant(self, replica_id: str, fallbacks: tuple[str, ...], cap: int | None, prompt_tokens: int,
-                      tokens: int) -> Grant:  # fmt: skip
+                      tokens: int, uncached: int | None = None) -> Grant:  # fmt: skip
         self._inline_seq += 1
         grant = Grant(replica_id, f"direct-{self._inline_seq}", prompt_tokens=prompt_tokens, direct=True,
                       fallbacks=fallbacks, queue_cap_tokens=cap)
-        self._count(grant, tokens)
+        self._count(grant, tokens, prompt_tokens, prompt_tokens if uncached is None else uncached)
         return grant
 
     def redirect(self, grant: Grant, req: CoreRequest) -> Grant | None:
@@ -762,13 +803,58 @@ class RouterCore:
             held = self._flow_hold(req, exclude)
             if held is not None:
                 return held
+        gate = self.policy.direct.hold if self.policy.direct is not None else None
+        if gate is not None and (self._held or gate.saturated(self.book.views())):
+            return self._hold(req, exclude)
         try:
             grant, reason = self.place_direct(req.slo_class, req.prompt_tokens, req.max_tokens, req.request_id,
                                               exclude)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - one request's failure answers that request only
             log.error("request %s: placement failed: %s", req.request_id, type(exc).__name__, exc_info=exc)
             return Refused("placement-error", detail=type(exc).__name__)
-        return Refused("no-replica", detail=reason) if grant is None else Placed(grant)
+        if grant is None:
+            return Refused("overloaded", detail=reason) if reason in OVERLOAD_FILTERS else \
+                Refused("no-replica", detail=reason)  # fmt: skip
+        return Placed(grant)
+
+    def _hold(self, req: CoreRequest, exclude: frozenset[str]) -> Queued:
+        """A baseline with a router queue (``DirectAdmission.hold``: ``dynamo-kv``) found every
+        replica saturated, or others already held: the request waits, first come first served, in
+        the core's small hold queue (not the fair queue), until :meth:`_release_held` places it; the
+        caller bounds the wait by the entry's deadline (arrival + the class's ``max_queue_ms``)."""
+        slo = self.config.slo_classes[req.slo_class]
+        now = self.clock.now_ms()
+        entry = WaitingRequest(
+            request_id=req.request_id, tenant=req.tenant, slo_class=req.slo_class, prompt_tokens=req.prompt_tokens,
+            max_tokens=req.max_tokens, enqueued_ms=now, deadline_ms=req.arrival_ms + slo.max_queue_ms,
+            future=self.new_future(), exclude=exclude, priority=slo.priority, arrival_ms=req.arrival_ms,
+        )  # fmt: skip
+        self._held.append((entry, req, exclude))
+        return Queued(entry)
+
+    def _release_held(self) -> None:
+        """Place held requests, oldest first, while the policy's gate is open (Dynamo's
+        ``SchedulerQueue``: pending requests are scheduled as capacity frees). An entry whose waiter
+        is gone (its future done: timed out, cancelled) is dropped; a placement that finds no
+        replica fails the entry with :class:`~router.admission_queue.QueueTimeout` (its reason)."""
+        direct = self.policy.direct
+        gate = direct.hold if direct is not None else None
+        while self._held:
+            if gate is not None and gate.saturated(self.book.views()):
+                return
+            entry, req, exclude = self._held.popleft()
+            if entry.future.done():
+                continue
+            grant, reason = self.place_direct(req.slo_class, req.prompt_tokens, req.max_tokens, req.request_id,
+                                              exclude)  # fmt: skip
+            if grant is None:
+                entry.future.set_exception(QueueTimeout("overloaded" if reason in OVERLOAD_FILTERS else "no-replica"))
+            else:
+                entry.future.set_result(grant)
+
+    def held(self) -> int:
+        """Requests waiting in the hold queue of a baseline with a router queue (:meth:`_hold`)."""
+        return sum(1 for e, _, _ in self._held if not e.future.done())
 
     # ------------------------------------------------------------------ llm-d flow control
 

@@ -50,8 +50,10 @@ ANSWER_SERIES_CACHE = 4096  # (tenant, class, outcome, status) keys whose series
 SLO_EXEMPT_OUTCOMES = frozenset({"bad_request", "unauthorized", "client_disconnect"})
 """Outcomes not judged against the SLO (the client's doing)."""
 REJECTED_OUTCOMES = frozenset({"queue_full", "slo_infeasible", "work_shed", "queue_timeout", "tenant_rate",
-                               "tenant_concurrency", "queue_cap", "flow_control_capacity", "flow_control_shed"})
-"""Outcomes answered 429 (counted as ``kind="rejected"`` misses)."""
+                               "tenant_concurrency", "queue_cap", "flow_control_capacity", "flow_control_shed",
+                               "overloaded"})
+"""Outcomes answered 429, or 529 (``overloaded``, dynamo-kv's all-busy answer), counted as
+``kind="rejected"`` misses."""
 
 
 def slo_buckets(targets_ms: Iterable[float], ladder_s: Iterable[float]) -> tuple[float, ...]:

@@ -68,6 +68,9 @@ log = logging.getLogger(__name__)
 
 _ROUTER_KEY = web.AppKey("fairbatch_router", object)
 FIRST_BYTE_MS = web.RequestKey("fairbatch_first_byte_ms", float)
+GRANT = web.RequestKey("fairbatch_grant", Grant)
+"""The request's current grant: its first byte relayed ends its prefill in the core's load view
+(``RouterCore.prefill_done``: Dynamo's and llm-d-sticky's router-local prefill tokens)."""
 RELAY_EVENTS = web.RequestKey("fairbatch_relay_events", int)
 STREAM_SHAPE = web.RequestKey("fairbatch_stream_shape", tuple)
 
@@ -122,6 +125,9 @@ class Router(AuxEndpoints):
     async def _on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
         if FIRST_BYTE_MS not in request:  # a stream's first event is written right after this hook
             request[FIRST_BYTE_MS] = self.clock.now_ms()
+            grant = request.get(GRANT)
+            if grant is not None:
+                self.core.prefill_done(grant)
         if "x-request-id" not in response.headers:
             rid = request.get(REQUEST_ID) or client_request_id(request.headers.get("x-request-id")) or new_request_id()
             response.headers["x-request-id"] = rid
@@ -273,6 +279,7 @@ class Router(AuxEndpoints):
                     core.budget_refused()
                 return self._answer(self._refusal_answer(got, principal, slo))
             grant = got
+            request[GRANT] = grant
             outcome = await self._forward(request, principal, grant, raw, req.request_id, req.arrival_ms, stream)
             action = core.after_attempt(tries, req, grant, outcome.kind, outcome.pab_ms, outcome.pab_tokens)
             if outcome.kind == "lease_refused":  # the agent's budget was gone on arrival: nothing ran

@@ -30,6 +30,7 @@ from router.answers import (
     FLOW_CONTROL_REASONS,
     Answer,
     flow_control,
+    overloaded,
     placement_error,
     queue_cap,
     queue_expired,
@@ -380,6 +381,8 @@ class RouterWiring:
         """The answer of one of the core's refusals (router/answers.py), for either driver."""
         if got.reason in ("queue-full", "queue-cap"):
             return queue_full() if got.reason == "queue-full" else queue_cap()
+        if got.reason == "overloaded":
+            return overloaded()
         if got.reason == "placement-error":
             return placement_error(got.detail)
         if got.reason in FLOW_CONTROL_REASONS:  # llm-d-flow-control (router/core.py)

@@ -102,7 +102,8 @@ from router.autoscale import FleetSignal, Stabilizer, pab_desired, waiting_desir
 from router.budget_client import ReserveResult
 from router.config import RouterConfig
 from router.core import CoreRequest, Grant, Placed, Queued, RouterCore
-from router.placement import BASELINE_POLICIES
+from router.placement import BASELINE_POLICIES, LLMD_STICKY_DEFAULTS
+from router.placement.sticky import peak_prefill_tokens_per_s
 from router.prefix_correction import PrefixCorrection
 from router.prefix_index import PrefixIndex
 from router.work_shed import BUDGET_REASONS, REASON as WORK_SHED_REASON, WorkShed, WorkShedSettings
@@ -121,6 +122,10 @@ POLICIES: dict[str, tuple[str, str]] = {
     "vllm-router-cache-aware": ("direct", "vllm-default"),
     "llm-d-flow-control": ("direct", "vllm-default"),
     "llm-d-flow-control+fairbatching": ("direct", "fairbatching"),
+    "dynamo-kv": ("direct", "vllm-default"),
+    "llm-d-sticky": ("direct", "vllm-default"),
+    "dynamo-kv+fairbatching": ("direct", "fairbatching"),
+    "llm-d-sticky+fairbatching": ("direct", "fairbatching"),
     "pab": ("pab", "vllm-default"),
     "pab+fairbatching": ("pab", "fairbatching"),
     "pab-prefix": ("pab", "vllm-default"),
@@ -132,12 +137,12 @@ scheduler plugin but kept their router would run)."""
 
 
 PREFIX_POLICIES = frozenset({"llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware", "pab-prefix",
-                             "pab-prefix+fairbatching", "llm-d-flow-control",
-                             "llm-d-flow-control+fairbatching"})  # fmt: skip
+                             "pab-prefix+fairbatching", "llm-d-flow-control", "llm-d-flow-control+fairbatching",
+                             "dynamo-kv", "llm-d-sticky", "dynamo-kv+fairbatching", "llm-d-sticky+fairbatching"})  # fmt: skip
 """Fleet policies whose routers keep a prefix map (router/prefix_index.py) and place with it."""
 
 
-SCRAPED_POLICIES = frozenset({"power-of-two", "llm-d-scorer", "llm-d-prefix", "llm-d-flow-control"})
+SCRAPED_POLICIES = frozenset({"power-of-two", "llm-d-scorer", "llm-d-prefix", "llm-d-flow-control", "dynamo-kv"})
 """Placement profiles that read scraped engine metrics (the fleet scrapes every ``scrape_period_ms`` for them)."""
 
 
@@ -488,6 +493,23 @@ def _unset_future() -> _SimFuture:
     return _SimFuture(_unset, _unset)
 
 
+def profile_params(cfg: FleetConfig, profile: str) -> dict[str, Any]:
+    """The placement profile's parameters in this fleet: ``static-queue-cap`` its cap; ``dynamo-kv``
+    the engines' block size and ``max_num_batched_tokens`` (Dynamo reads both from its workers);
+    ``llm-d-sticky`` its tau from the fleet's time model, calibrated as llm-d's guide says (peak
+    prefill throughput of a full ``max_num_batched_tokens`` step x the maximum TTFT penalty,
+    router/placement/sticky.py); none for the others."""
+    if profile == "static-queue-cap":
+        return {"queue_cap_tokens": cfg.queue_cap_tokens}
+    if profile == "dynamo-kv":
+        return {"block_size": cfg.block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens}
+    if profile == "llm-d-sticky":
+        penalty_ms = float(LLMD_STICKY_DEFAULTS["max_ttft_penalty_ms"])
+        rate = peak_prefill_tokens_per_s(cfg.time_model, cfg.max_num_batched_tokens)
+        return {"tau_tokens": int(rate * penalty_ms / 1000.0)}
+    return {}
+
+
 def sim_router_config(cfg: FleetConfig, seed: int) -> RouterConfig:
     """The router configuration a fleet's ``pab`` routers run (router/config.py), from ``cfg``: one
     class (``SLO_CLASS``: its TTFT, TPOT, sheddability and max queue time), the tenants of
@@ -519,7 +541,7 @@ def sim_router_config(cfg: FleetConfig, seed: int) -> RouterConfig:
             if ws is not None and cfg.sheddable else {},
         },
         "placement": {"seed": seed, "hooks": list(cfg.placement_hooks), "profile": profile,
-                      "params": {"queue_cap_tokens": cfg.queue_cap_tokens} if profile == "static-queue-cap" else {},
+                      "params": profile_params(cfg, profile),
                       "prefix_cache": {
             "enabled": cfg.policy in PREFIX_POLICIES, "chunk_chars": 4 * cfg.prefix_block_tokens,
             "capacity_tokens": max(cfg.prefix_block_tokens, cfg.kv_capacity_tokens)}},
@@ -1006,6 +1028,11 @@ class FleetSim:
             st.token_times.append(t + d)
             if out.finished or len(st.token_times) == 1:  # a decode joins or leaves: the budget changed
                 self.changed(ri, t)
+            router = self.routers[st.router]
+            if router.core.held():  # a request held at the router (dynamo-kv) may start now, at this time
+                router.clock.t = t
+            if len(st.token_times) == 1 and st.grant is not None:  # the router sees the first token
+                router.core.prefill_done(st.grant)
             if out.finished:
                 st.outcome = OK
                 self.routers[st.router].ended(idx)

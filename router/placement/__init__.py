@@ -22,7 +22,8 @@ Filters -> scorers -> picker (the shape of llm-d's endpoint picker; docs/design.
 
 Baseline profiles (router/placement/baselines.py: ``round-robin``, ``least-outstanding``,
 ``least-outstanding-tokens``, ``power-of-two``, ``llm-d-scorer``, ``llm-d-prefix``,
-``sglang-cache-aware``, ``vllm-router-cache-aware``, ``static-queue-cap``) are the routers the
+``sglang-cache-aware``, ``vllm-router-cache-aware``, ``static-queue-cap``, ``dynamo-kv``,
+``llm-d-sticky``) are the routers the
 fleet benchmark compares against; they read a :class:`RouterLoad` (router-local outstanding
 requests and tokens, scraped engine metrics) instead of budgets and are admitted directly
 (:class:`DirectAdmission`: no fit, no queue, no lease; router/core.py).
@@ -45,6 +46,7 @@ from __future__ import annotations
 from router.placement.core import (
     DEFAULT_MAX_CANDIDATES,
     ClassBudgetView,
+    OVERLOAD_FILTERS,
     DirectAdmission,
     Filter,
     PabFitEntry,
@@ -54,6 +56,7 @@ from router.placement.core import (
     PlacementResult,
     PostDecisionHook,
     ReplicaView,
+    SaturationGate,
     Scorer,
     apply_filters,
     effective_prompt_tokens,
@@ -63,6 +66,8 @@ from router.placement.core import (
 )
 from router.placement.baselines import BASELINE_POLICIES, DEFAULT_QUEUE_CAP_TOKENS
 from router.placement.cache_aware import SGLANG_CACHE_AWARE, VLLM_ROUTER_CACHE_AWARE, CacheAwarePolicy
+from router.placement.dynamo_kv import DYNAMO_KV_DEFAULTS, DynamoQueueGate
+from router.placement.sticky import LLMD_STICKY_DEFAULTS, StickyPolicy, sticky_tau_tokens
 from router.placement.filters.exclude import ExcludeFilter
 from router.placement.filters.fits import FitsFilter
 from router.placement.filters.fresh import FreshFilter
@@ -87,7 +92,8 @@ from router.placement.scorers.prefix_cache import PrefixCacheScorer
 from replica_agent.policy.pab import fits, on_time  # re-exported: callers import them from here too
 
 __all__ = [
-    "BASELINE_POLICIES", "DEFAULT_MAX_CANDIDATES", "DEFAULT_QUEUE_CAP_TOKENS", "SGLANG_CACHE_AWARE",
+    "BASELINE_POLICIES", "DEFAULT_MAX_CANDIDATES", "DYNAMO_KV_DEFAULTS", "DynamoQueueGate", "LLMD_STICKY_DEFAULTS",
+    "OVERLOAD_FILTERS", "SaturationGate", "StickyPolicy", "sticky_tau_tokens", "DEFAULT_QUEUE_CAP_TOKENS", "SGLANG_CACHE_AWARE",
     "VLLM_ROUTER_CACHE_AWARE", "CacheAwarePolicy", "ClassBudgetView", "DirectAdmission", "EngineQueueScorer",
     "ExcludeFilter", "Filter", "FitsFilter", "FreshFilter", "FusedPabPolicy", "HeadroomScorer", "HealthyFilter",
     "HighestScorePicker", "KvHeadroomScorer", "KvUsageScorer", "LeastOutstandingScorer",

@@ -57,7 +57,23 @@ absorbs bursts, as in front of plain vLLM; :class:`~router.placement.core.Direct
   ``max_requests`` (over a limit: 429 ``flow-control-capacity``), ``reject_sheddable`` (429
   ``flow-control-shed`` for a sheddable class while saturated; off in llm-d v0.8).
 
-The three cache-aware profiles set ``prefix_map``: the router keeps its prefix map for them even
+- ``dynamo-kv``: NVIDIA Dynamo's KV router (``--router-mode kv``; router/placement/dynamo_kv.py):
+  cost = overlap-credited prefill blocks (router-local active prefill tokens plus the prompt's
+  uncached tokens, weight ``overlap_score_weight`` 1) + active decode blocks (router-local, plus
+  the request's), in blocks of ``block_size`` (16) tokens (scorer ``dynamo-kv-cost``); lowest cost,
+  or a softmax draw at ``router_temperature`` > 0 (picker ``softmax``, seeded); workers over
+  ``active_decode_blocks_threshold`` (KV usage) or ``active_prefill_tokens_threshold`` (both off by
+  default) are busy (filter ``dynamo-busy``): all busy = refused ``overloaded``, HTTP 529; while
+  every worker's active prefill tokens exceed ``router_queue_threshold`` (16) x
+  ``max_num_batched_tokens`` (2048) new requests wait at the router, first come first served
+  (:class:`~router.placement.dynamo_kv.DynamoQueueGate`, router/core.py ``RouterCore._hold``).
+- ``llm-d-sticky``: llm-d's "sticky until saturated" (router/placement/sticky.py): a replica whose
+  cached share of the prompt is >= ``affinity_threshold`` (0.8) keeps it while its uncached tokens in
+  flight are <= ``tau_tokens`` (peak prefill throughput x maximum TTFT penalty, from
+  ``engine_profile`` and ``max_ttft_penalty_ms`` 5000 when not given); otherwise fewest outstanding
+  tokens.
+
+The seven cache-aware profiles set ``prefix_map``: the router keeps its prefix map for them even
 with ``placement.prefix_cache`` off (its chunk and capacity settings apply).
 """
 
@@ -67,6 +83,7 @@ from typing import Any
 
 from router.placement.cache_aware import SGLANG_CACHE_AWARE, VLLM_ROUTER_CACHE_AWARE, CacheAwarePolicy
 from router.placement.core import DirectAdmission, PlacementPolicy
+from router.placement.dynamo_kv import DYNAMO_BLOCK_SIZE, DynamoQueueGate
 from router.placement.flow_control import DEFAULT_BAND_MAX_BYTES, FlowControlSettings
 from router.placement.load import RouterLoad
 from router.placement.saturation import (
@@ -75,10 +92,11 @@ from router.placement.saturation import (
     DEFAULT_QUEUE_DEPTH_THRESHOLD,
     UtilizationDetector,
 )
+from router.placement.sticky import LLMD_STICKY_DEFAULTS, StickyPolicy, sticky_tau_tokens
 
 BASELINE_POLICIES = ("round-robin", "least-outstanding", "least-outstanding-tokens", "power-of-two", "llm-d-scorer",
                      "static-queue-cap", "llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware",
-                     "llm-d-flow-control")  # fmt: skip
+                     "llm-d-flow-control", "dynamo-kv", "llm-d-sticky")  # fmt: skip
 """Names of the baseline placement profiles (the fleet benchmark's policy names)."""
 
 BASELINE_FILTERS = ("exclude", "healthy", "fresh", "max-prompt")
@@ -97,7 +115,10 @@ def register_baselines(reg: Any) -> None:
 
     Every profile takes ``load`` (:class:`RouterLoad`; a fresh empty one when None) and ``seed``
     (tie-break RNG); ``static-queue-cap`` also ``queue_cap_tokens``; ``llm-d-flow-control`` the
-    parameters of the module docstring.
+    parameters of the module docstring; ``dynamo-kv`` and ``llm-d-sticky``
+    the parameters of router/placement/dynamo_kv.py ``DYNAMO_KV_DEFAULTS`` and of
+    router/placement/sticky.py (``affinity_threshold``, ``tau_tokens``, ``engine_profile``,
+    ``max_ttft_penalty_ms``, ``max_num_batched_tokens``, ``exploration_probability``).
     """
     sc, pk = reg.scorers, reg.pickers
 
@@ -155,7 +176,35 @@ def register_baselines(reg: Any) -> None:
             int(band_max_requests), int(max_bytes), int(max_requests), bool(reject_sheddable)))  # fmt: skip
         return policy
 
+    def dynamo_kv(load: RouterLoad | None = None, seed: int | None = None, block_size: int = DYNAMO_BLOCK_SIZE,
+                  overlap_score_weight: float = 1.0, router_temperature: float = 0.0,
+                  active_decode_blocks_threshold: float | None = None,
+                  active_prefill_tokens_threshold: int | None = None, router_queue_threshold: float | None = 16.0,
+                  max_num_batched_tokens: int = 2048) -> PlacementPolicy:  # fmt: skip
+        load = load or RouterLoad()
+        busy = reg.filters["dynamo-busy"](load, active_decode_blocks_threshold, active_prefill_tokens_threshold)
+        gate = None if router_queue_threshold is None else \
+            DynamoQueueGate(load, float(router_queue_threshold), int(max_num_batched_tokens))  # fmt: skip
+        return PlacementPolicy(filters() + [busy], [(sc["dynamo-kv-cost"](load, int(block_size),
+                                                                           float(overlap_score_weight)), 1.0)],
+                               pk["softmax"](float(router_temperature), seed), direct=DirectAdmission(hold=gate),
+                               prefix_map=True)  # fmt: skip
+
+    def llmd_sticky(load: RouterLoad | None = None, seed: int | None = None,
+                    affinity_threshold: float = float(LLMD_STICKY_DEFAULTS["affinity_threshold"]),
+                    tau_tokens: int | None = None,
+                    engine_profile: str = str(LLMD_STICKY_DEFAULTS["engine_profile"]),
+                    max_ttft_penalty_ms: float = float(LLMD_STICKY_DEFAULTS["max_ttft_penalty_ms"]),
+                    max_num_batched_tokens: int | None = None,
+                    exploration_probability: float = float(LLMD_STICKY_DEFAULTS["exploration_probability"]),
+                    ) -> PlacementPolicy:  # fmt: skip
+        tau = sticky_tau_tokens(engine_profile, max_ttft_penalty_ms, max_num_batched_tokens) \
+            if tau_tokens is None else int(tau_tokens)  # fmt: skip
+        return StickyPolicy(filters(), [], pk["highest"](), load or RouterLoad(), float(affinity_threshold), tau,
+                            float(exploration_probability), seed, direct=DirectAdmission(), prefix_map=True)  # fmt: skip
+
     reg.policies.update({
+        "dynamo-kv": dynamo_kv, "llm-d-sticky": llmd_sticky,
         "round-robin": round_robin, "least-outstanding": least_outstanding,
         "least-outstanding-tokens": least_outstanding_tokens, "power-of-two": power_of_two, "llm-d-scorer": llmd,
         "llm-d-prefix": llmd_prefix, "sglang-cache-aware": cache_aware(SGLANG_CACHE_AWARE),

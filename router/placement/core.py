@@ -250,6 +250,20 @@ class PostDecisionHook(Protocol):
     def after_decision(self, request: PlacementRequest, replica_id: str) -> None: ...
 
 
+OVERLOAD_FILTERS = frozenset({"dynamo-busy"})
+"""Filters that drop replicas for being busy: when one of them leaves no replica, a direct placement
+is refused ``overloaded`` (HTTP 529, as Dynamo's frontend answers "all workers busy"), not
+``no-replica`` (router/core.py ``RouterCore.acquire``, router/answers.py ``overloaded``)."""
+
+
+class SaturationGate(Protocol):
+    """A baseline's router-queue gate (:class:`DirectAdmission` ``hold``)."""
+
+    def saturated(self, replicas: Sequence[ReplicaView]) -> bool:
+        """True while no replica has room (new requests are held at the router)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class DirectAdmission:
     """How a baseline profile (router/placement/baselines.py) has its placements admitted: like the
@@ -265,10 +279,15 @@ class DirectAdmission:
             settings (router/placement/flow_control.py, with its saturation detector,
             router/placement/saturation.py): while the pool is saturated the request waits at the
             router in llm-d's band / fairness / FCFS order (router/core.py ``RouterCore.flow_dispatch``).
+        hold: None = no router queue (the engine's waiting queue absorbs bursts); a
+            :class:`SaturationGate` (``dynamo-kv``: Dynamo's ``--router-queue-threshold``): while it
+            says every replica is saturated, the router holds new requests in a small first come,
+            first served queue and places them as capacity frees (router/core.py ``RouterCore._hold``).
     """
 
     queue_cap_tokens: int | None = None
     flow_control: FlowControlSettings | None = None
+    hold: SaturationGate | None = None
 
     def __post_init__(self) -> None:
         if self.queue_cap_tokens is not None and self.queue_cap_tokens < 0:

@@ -44,12 +44,19 @@ class RouterLoad:
         scraped: replica id -> latest engine metrics (a replica not listed: never heard from).
         version: bumped on every change of ``scraped`` (scorers cache per version).
         outstanding_tokens: replica id -> prompt + requested output tokens of those requests.
+        prompt_tokens: replica id -> whole prompt tokens of those requests (grant to end): the KV
+            blocks a router counts as active there (``dynamo-kv``: ``/ block_size``).
+        prefill_tokens: replica id -> uncached prompt tokens of those requests whose first token the
+            router has not yet seen (grant to first token, or to the end when it never saw one:
+            Dynamo's router-local active prefill tokens, llm-d's uncached tokens in flight).
     """
 
     outstanding: dict[str, int] = field(default_factory=dict)
     scraped: dict[str, MetricsSample] = field(default_factory=dict)
     version: int = 0
     outstanding_tokens: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: dict[str, int] = field(default_factory=dict)
+    prefill_tokens: dict[str, int] = field(default_factory=dict)
 
     def add(self, replica_id: str, tokens: int) -> None:
         """One request (of ``tokens`` prompt + output tokens) sent to ``replica_id`` (``tokens`` < 0:
