@@ -305,7 +305,7 @@ class PickerEntry(_Strict):
 PLACEMENT_PLUGINS: Mapping[str, frozenset[str]] = {
     "policies": frozenset({"pab", "pab-chain", "round-robin", "least-outstanding", "least-outstanding-tokens",
                            "power-of-two", "llm-d-scorer", "llm-d-prefix", "sglang-cache-aware",
-                           "vllm-router-cache-aware", "static-queue-cap"}),
+                           "vllm-router-cache-aware", "static-queue-cap", "llm-d-predicted-latency"}),
     "filters": frozenset({"exclude", "fits", "fresh", "healthy", "max-prompt", "on-time", "window"}),
     "scorers": frozenset({"headroom", "kv-headroom", "least-outstanding", "least-outstanding-tokens", "engine-queue",
                           "llm-d-queue", "kv-usage", "prefix-cache"}),
@@ -330,11 +330,13 @@ class PlacementConfig(_Strict):
             chain; ``pab-chain``: the same chain from the plugins; or a baseline router of the
             fleet benchmark, router/placement/baselines.py: ``round-robin``, ``least-outstanding``,
             ``least-outstanding-tokens``, ``power-of-two``, ``llm-d-scorer``, ``llm-d-prefix``,
-            ``sglang-cache-aware``, ``vllm-router-cache-aware``, ``static-queue-cap``, which admit
+            ``sglang-cache-aware``, ``vllm-router-cache-aware``, ``static-queue-cap``,
+            ``llm-d-predicted-latency`` (which refuses sheddable requests it predicts late), which admit
             every request and forward it at once, without PAB, queue or lease) used when no chain
             is given.
         params: the profile's own parameters (``static-queue-cap``: ``queue_cap_tokens``, the bound
-            on a replica's queued prompt tokens); only with a profile, not with a chain.
+            on a replica's queued prompt tokens; ``llm-d-predicted-latency``: its settings, e.g.
+            ``refit_interval_ms``); only with a profile, not with a chain.
         filters: filter names in order (None: the profile's).
         scorers: scorers with weights (None: the profile's).
         picker: the picker (None: ``highest``).

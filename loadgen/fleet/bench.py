@@ -100,7 +100,8 @@ TENANTS = (("t0", 0.4), ("t1", 0.3), ("t2", 0.2), ("t3", 0.1))
 
 BASELINES = ("round-robin", "least-outstanding", "least-outstanding-tokens", "power-of-two", "llm-d-scorer",
              "static-queue-cap", "least-outstanding+fairbatching", "static-queue-cap+fairbatching",
-             "llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware")  # fmt: skip
+             "llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware", "llm-d-predicted-latency",
+             "llm-d-predicted-latency+fairbatching")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -119,6 +119,8 @@ POLICIES: dict[str, tuple[str, str]] = {
     "llm-d-prefix": ("direct", "vllm-default"),
     "sglang-cache-aware": ("direct", "vllm-default"),
     "vllm-router-cache-aware": ("direct", "vllm-default"),
+    "llm-d-predicted-latency": ("direct", "vllm-default"),
+    "llm-d-predicted-latency+fairbatching": ("direct", "fairbatching"),
     "pab": ("pab", "vllm-default"),
     "pab+fairbatching": ("pab", "fairbatching"),
     "pab-prefix": ("pab", "vllm-default"),
@@ -130,7 +132,8 @@ scheduler plugin but kept their router would run)."""
 
 
 PREFIX_POLICIES = frozenset({"llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware", "pab-prefix",
-                             "pab-prefix+fairbatching"})  # fmt: skip
+                             "pab-prefix+fairbatching", "llm-d-predicted-latency",
+                             "llm-d-predicted-latency+fairbatching"})  # fmt: skip
 """Fleet policies whose routers keep a prefix map (router/prefix_index.py) and place with it."""
 
 
@@ -138,6 +141,9 @@ def placement_name(policy: str) -> str:
     """The placement policy of a fleet policy: ``least-outstanding+fairbatching`` -> ``least-outstanding``."""
     return policy.removesuffix("+fairbatching") if POLICIES[policy][0] != "pab" else "pab"
 
+
+SCRAPED_POLICIES = frozenset({"power-of-two", "llm-d-scorer", "llm-d-prefix", "llm-d-predicted-latency"})
+"""Placement policies that read the engines' scraped metrics (a ``SCRAPE`` every ``scrape_period_ms``)."""
 
 SLO_CLASS = "interactive"
 
@@ -672,6 +678,9 @@ class _Router:
         now = self.clock.t
         core = self.core
         creq = self.core_request(idx)
+        predictor = core.latency_predictor  # llm-d-predicted-latency: its training loop, at simulated times
+        if predictor is not None and predictor.refit_due(now):
+            predictor.fit(now)
         # work-aware admission under contention (router/work_shed.py), once per new request (never a baseline's)
         if not avoid and st.attempts is None and core.refuse_by_work(creq, self.book.views(now)):
             sim.reject(idx, WORK_SHED_REASON)
@@ -724,6 +733,11 @@ class _Router:
     def ended(self, idx: int) -> None:
         """Request ``idx`` finished on its replica: its lease settles (the contention cap's count)."""
         st = self.sim.states[idx]
+        if self.core.latency_predictor is not None:  # the training signal: TTFT and TPOT as this router saw them
+            times = st.token_times
+            ttft = times[0] - self.sim.requests[idx].arrival_ms if times else None
+            tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) >= 2 else None
+            self.core.latency_observed(str(idx), ttft, tpot)
         if st.grant is not None:
             self.core.lease_done(st.grant)
             st.grant = None
@@ -947,6 +961,8 @@ class FleetSim:
             st.token_times.append(t + d)
             if out.finished or len(st.token_times) == 1:  # a decode joins or leaves: the budget changed
                 self.changed(ri, t)
+                if len(st.token_times) == 1:  # the first token reaches its router
+                    self.routers[st.router].core.latency_first_token(str(idx))
             if out.finished:
                 st.outcome = OK
                 self.routers[st.router].ended(idx)
@@ -1093,7 +1109,7 @@ class FleetSim:
         for ri in range(cfg.replicas):
             if kind == "pab":
                 self.push_event(self.rng.uniform(0.0, cfg.push_period_ms), _PUSH, ri, 0)
-            elif cfg.policy in ("power-of-two", "llm-d-scorer", "llm-d-prefix"):
+            elif placement_name(cfg.policy) in SCRAPED_POLICIES:
                 self.push_event(self.rng.uniform(0.0, cfg.scrape_period_ms), _SCRAPE, ri, 0)
         pending = len(self.requests)
         heap = self._heap
@@ -1166,4 +1182,4 @@ def run_fleet(cfg: FleetConfig, requests: Sequence[FleetRequest]) -> FleetResult
 
 
 __all__ = ["AUTOSCALE_SIGNALS", "AutoscaleConfig", "BASELINE_POLICIES", "FleetConfig", "FleetRequest", "FleetResult",
-           "FleetStats", "POLICIES", "PREFIX_POLICIES", "replica_state", "run_fleet"]  # fmt: skip
+           "FleetStats", "POLICIES", "PREFIX_POLICIES", "SCRAPED_POLICIES", "replica_state", "run_fleet"]  # fmt: skip
