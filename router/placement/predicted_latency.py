@@ -366,3 +366,22 @@ class PredictedLatencyPolicy(PlacementPolicy):
         d = self._dispatched.pop(request_id, None)
         if d is not None:
             self._release(d)
+
+
+TTFT_SLO_HEADER = "x-slo-ttft-ms"
+"""llm-d's request header of the TTFT SLO (ms; ``predicted-latency-producer`` ``TTFTSLOHeaderKey``)."""
+
+TPOT_SLO_HEADER = "x-slo-tpot-ms"
+"""llm-d's request header of the TPOT SLO (ms)."""
+
+
+def slo_header_ms(value: str | None) -> float:
+    """An SLO header's value in ms: a finite number > 0, else 0 (absent or malformed: llm-d parses
+    it as 0, and a 0 here means the request's class SLO)."""
+    if not value:
+        return 0.0
+    try:
+        v = float(value)
+    except ValueError:
+        return 0.0
+    return v if v > 0 and math.isfinite(v) else 0.0

@@ -131,7 +131,8 @@ def test_every_fleet_baseline_is_a_profile_of_the_yaml() -> None:
         assert core.policy.direct.queue_cap_tokens == (DEFAULT_QUEUE_CAP_TOKENS if name == "static-queue-cap"
                                                        else None)  # fmt: skip
         # the cache-aware ones keep a prefix map although placement.prefix_cache is off
-        assert (core.prefix is not None) == (name in ("llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware"))
+        assert (core.prefix is not None) == (name in ("llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware",
+                                                      "llm-d-predicted-latency"))
     core, _, _ = make_core("{profile: static-queue-cap, params: {queue_cap_tokens: 500}}")
     assert core.policy.direct is not None and core.policy.direct.queue_cap_tokens == 500
     assert make_core("{}")[0].policy.direct is None  # pab
