@@ -293,3 +293,29 @@ def test_fleet_sim_learns_and_serves() -> None:
     # a trained TTFT grows with the prompt on an idle pod (its prefill)
     (short, _), (long, _) = pr.predict([LatencyFeatures(0.0, 100, 0, 0), LatencyFeatures(0.0, 2000, 0, 0)])
     assert long > short
+
+
+# ---------------------------------------------------------------- the router core
+
+
+async def test_the_core_carries_the_slo_and_the_training_signal() -> None:
+    from router.core import CoreRequest, Placed
+    from tests.unit.test_placement_profiles import make_core
+
+    core, _, port = make_core("{profile: llm-d-predicted-latency, seed: 3}")  # class i: TTFT 1000, TPOT 100
+    policy = core.policy
+    assert isinstance(policy, PredictedLatencyPolicy) and core.latency_predictor is policy.predictor
+    got = await core.acquire(CoreRequest("q1", "t", "i", 100, 20, 0.0))  # the class's SLO
+    assert isinstance(got, Placed) and port.calls == []
+    # cold start: every pod predicted 10 ms, so the headrooms are the SLO less 10
+    assert {(p.ttft_headroom, p.tpot_headroom) for p in policy.last.values()} == {(990.0, 90.0)}
+    got2 = await core.acquire(CoreRequest("q2", "t", "i", 100, 20, 0.0, (), 250.0, 0.0))  # x-slo-ttft-ms: 250
+    assert isinstance(got2, Placed)
+    assert {(p.ttft_headroom, p.tpot_headroom) for p in policy.last.values()} == {(240.0, 90.0)}
+    assert policy._dispatched["q2"].tpot_slo_ms == 100.0
+    core.latency_first_token("q1")
+    core.latency_observed("q1", 80.0, 12.0)
+    core.latency_forget("q2")
+    ttft, tpot, test = policy.predictor.sample_counts()
+    assert (ttft + test, tpot + test) in ((1, 1), (1, 2), (2, 1))  # one request: one sample, maybe held out
+    assert policy.prefill_in_flight(got.grant.replica_id) == 0 and policy.prefill_in_flight(got2.grant.replica_id) == 0
