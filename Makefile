@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	@echo "fairbatch: installing fairbatch and its pinned dependencies into $(VENV) (first run: 1-2 minutes)"
 	$(PYTHON) -m venv $(VENV)
 	@set -o pipefail; $(VENV)/bin/pip install --quiet --upgrade pip 2>&1 | $(PYTHON) scripts/pip_progress.py
-	@set -o pipefail; PYTHONWARNINGS=ignore $(VENV)/bin/pip install --progress-bar off -e '.[loadgen,dev]' 2>&1 \
+	@set -o pipefail; PYTHONWARNINGS=ignore $(VENV)/bin/pip install --progress-bar off -e '.[loadgen,dev,baselines]' 2>&1 \
 		| $(PYTHON) scripts/pip_progress.py
 	@# xds-protos (the ext_proc picker's Envoy stubs) ships copies of opentelemetry/proto/* older than
 	@# opentelemetry-proto's; whichever pip installs last wins, so opentelemetry-proto's go in again

@@ -306,7 +306,7 @@ PLACEMENT_PLUGINS: Mapping[str, frozenset[str]] = {
     "policies": frozenset({"pab", "pab-chain", "round-robin", "least-outstanding", "least-outstanding-tokens",
                            "power-of-two", "llm-d-scorer", "llm-d-prefix", "sglang-cache-aware",
                            "vllm-router-cache-aware", "static-queue-cap", "llm-d-flow-control", "dynamo-kv",
-                           "llm-d-sticky"}),
+                           "llm-d-sticky", "llm-d-predicted-latency"}),
     "filters": frozenset({"exclude", "fits", "fresh", "healthy", "max-prompt", "on-time", "window", "dynamo-busy"}),
     "scorers": frozenset({"headroom", "kv-headroom", "least-outstanding", "least-outstanding-tokens", "engine-queue",
                           "llm-d-queue", "kv-usage", "prefix-cache", "dynamo-kv-cost"}),
@@ -331,13 +331,15 @@ class PlacementConfig(_Strict):
             chain; ``pab-chain``: the same chain from the plugins; or a baseline router of the
             fleet benchmark, router/placement/baselines.py: ``round-robin``, ``least-outstanding``,
             ``least-outstanding-tokens``, ``power-of-two``, ``llm-d-scorer``, ``llm-d-prefix``,
-            ``sglang-cache-aware``, ``vllm-router-cache-aware``, ``static-queue-cap``, which admit
-            every request and forward it at once, without PAB, queue or lease; ``llm-d-flow-control``,
-            which holds requests at the router while llm-d's saturation detector says the pool is
-            saturated) used when no chain is given.
+            ``sglang-cache-aware``, ``vllm-router-cache-aware``, ``static-queue-cap``, ``dynamo-kv``,
+            ``llm-d-sticky``, ``llm-d-predicted-latency`` (which refuses sheddable requests it predicts
+            late), which admit every request and forward it at once, without PAB, queue or lease;
+            ``llm-d-flow-control``, which holds requests at the router while llm-d's saturation
+            detector says the pool is saturated; ``dynamo-kv`` also holds them while every replica's
+            prefill load is over its queue threshold) used when no chain is given.
         params: the profile's own parameters (``static-queue-cap``: ``queue_cap_tokens``, the bound
-            on a replica's queued prompt tokens; ``llm-d-flow-control``: router/placement/baselines.py);
-            only with a profile, not with a chain.
+            on a replica's queued prompt tokens; the others: router/placement/baselines.py); only
+            with a profile, not with a chain.
         filters: filter names in order (None: the profile's).
         scorers: scorers with weights (None: the profile's).
         picker: the picker (None: ``highest``).

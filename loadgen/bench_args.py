@@ -7,7 +7,7 @@ import argparse
 
 from loadgen.sim.engine_time import EngineTimeModel, load_engine_time_model
 from loadgen.traces import arrival_granularity_ms
-from replica_agent.profiles import ServeBatchDefaults, load_profile, vllm_serve_batch_defaults
+from replica_agent.policy.profiles import ServeBatchDefaults, load_profile, vllm_serve_batch_defaults
 
 
 def add_engine_and_trace_args(p: argparse.ArgumentParser) -> None:

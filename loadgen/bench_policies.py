@@ -63,7 +63,7 @@ from loadgen.traces import PREFIX_BLOCK_TOKENS, TraceRequest, load_trace, resolv
 from replica_agent.policy.batching import POLICIES, PolicyConfig, make_policy
 from replica_agent.policy.calibration import CalibratorConfig, OnlineTimeModel
 from replica_agent.policy.envelope import Envelope
-from replica_agent.profiles import load_profile
+from replica_agent.policy.profiles import load_profile
 
 DEFAULT_POLICIES = ("vllm-default", "fairbatching", "fcfs", "prefill-first")
 

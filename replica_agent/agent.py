@@ -70,7 +70,7 @@ class AgentConfig:
         calibration: settings of the online time model (replica_agent/policy/calibration.py).
         proxy_step_estimates: in proxy mode, learn from the decode-only steps timed from token gaps.
         max_num_batched_tokens: the engine's token budget per step (vLLM's flag; the default of
-            ``vllm serve`` on the profile's GPU, replica_agent/profiles.py), for the predicted end
+            ``vllm serve`` on the profile's GPU, replica_agent/policy/profiles.py), for the predicted end
             of each in-flight prefill (replica_agent/policy/prefill_eta.py); plugin mode uses the
             scheduler's own figure.
     """

@@ -41,7 +41,7 @@ from replica_agent.plugin_mode import PluginExportReader, parse_export_target
 from replica_agent.policy.pab import SloClass
 from replica_agent.policy.calibration import CalibratorConfig
 from replica_agent.policy.time_model import TimeModel
-from replica_agent.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile, vllm_serve_batch_defaults
+from replica_agent.policy.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile, vllm_serve_batch_defaults
 from replica_agent.proxy import Proxy, ProxyConfig, make_session
 from fairbatch_common.http_guard import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, make_runner
 from fairbatch_common.runtime import hold_grpc_aio, run, setup_logging
@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _step_tokens(gpu: str, flag: int | None) -> int:
     """The engine's token budget per step: the flag, else ``vllm serve``'s default on ``gpu``
-    (replica_agent/profiles.py), else 2048 (vLLM's smallest default) for a GPU it does not know."""
+    (replica_agent/policy/profiles.py), else 2048 (vLLM's smallest default) for a GPU it does not know."""
     if flag is not None:
         if flag < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {flag}")

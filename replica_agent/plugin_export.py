@@ -60,7 +60,7 @@ def positive_float(value: Any) -> float | None:
 def time_model_from_env(env: Mapping[str, str] | None = None) -> tuple[TimeModel, str]:
     """Time model from ``FAIRBATCH_COEFFICIENTS`` ("a,b,c", ms) or ``FAIRBATCH_PROFILE``; returns (model, source).
 
-    Neither set: profile ``llama-3-8b-a100`` (replica_agent.profiles.DEFAULT_PROFILE).
+    Neither set: profile ``llama-3-8b-a100`` (replica_agent.policy.profiles.DEFAULT_PROFILE).
 
     Raises:
         ValueError: malformed coefficients (or a, b, c out of range); KeyError: unknown profile.
@@ -73,7 +73,7 @@ def time_model_from_env(env: Mapping[str, str] | None = None) -> tuple[TimeModel
             raise ValueError(f"FAIRBATCH_COEFFICIENTS must be 'a,b,c', got {coef!r}")
         a, b, c = (float(p) for p in parts)
         return TimeModel(a, b, c), f"coefficients {a:g},{b:g},{c:g}"
-    from replica_agent.profiles import DEFAULT_PROFILE, load_profile
+    from replica_agent.policy.profiles import DEFAULT_PROFILE, load_profile
 
     name = (env.get("FAIRBATCH_PROFILE") or "").strip() or DEFAULT_PROFILE
     return load_profile(name).time_model, f"profile {name}"

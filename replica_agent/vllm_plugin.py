@@ -83,7 +83,7 @@ version the class still loads but **refuses to apply the policy**: it logs a war
 stock scheduler (serving keeps working) unless ``FAIRBATCH_PLUGIN_FORCE=1``.
 
 Imports are kept to what the vLLM venv has: vLLM itself, the standard library and
-``replica_agent.policy`` / ``replica_agent.profiles`` (numpy only; no pydantic, aiohttp or yaml).
+``replica_agent.policy`` / ``replica_agent.policy.profiles`` (numpy only; no pydantic, aiohttp or yaml).
 """
 
 from __future__ import annotations

@@ -89,6 +89,7 @@ from router.placement import (
     default_registry,
 )
 from router.placement.flow_control import FlowControlQueue, FlowItem, band_key
+from router.placement.latency_predictor import LatencyPredictor
 from router.prefix_correction import PrefixCorrection
 from router.prefix_index import PrefixIndex
 from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict_start, priced_tokens
@@ -162,6 +163,8 @@ class CoreRequest:
         max_tokens: output tokens asked for, all choices together (0 = unknown).
         arrival_ms: router clock at its arrival (simulated ms).
         prefix_keys: the prompt's prefix-block keys (router/prefix_index.py; empty without a map).
+        ttft_slo_ms, tpot_slo_ms: the request's own latency SLO (ms; the ``x-slo-ttft-ms`` /
+            ``x-slo-tpot-ms`` headers of llm-d), 0 = its class's; read by ``llm-d-predicted-latency``.
     """
 
     request_id: str
@@ -171,6 +174,8 @@ class CoreRequest:
     max_tokens: int
     arrival_ms: float
     prefix_keys: Sequence[int] = ()
+    ttft_slo_ms: float = 0.0
+    tpot_slo_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -691,18 +696,25 @@ class RouterCore:
         return None
 
     def place_direct(self, slo_class: str, prompt_tokens: int, max_tokens: int, request_id: str,
-                     exclude: frozenset[str]) -> tuple[Grant | None, str]:
+                     exclude: frozenset[str], ttft_slo_ms: float = 0.0,
+                     tpot_slo_ms: float = 0.0) -> tuple[Grant | None, str]:  # fmt: skip
         """A baseline profile's placement (module docstring): the policy on the book's views and the
         core's :attr:`load` (refreshed first), the prefix map's raw estimates (no correction: the
         imitated routers have none), then at once a direct grant on the first candidate with the
         next ones as its fallbacks (at most ``DEFAULT_MAX_CANDIDATES`` in all); the prefix map learns
-        the pick, the hooks see it. (None, the name of the filter that left no replica) when none."""
+        the pick, the hooks see it. (None, the name of the filter that left no replica) when none.
+        The placement request carries the request's id and SLO (``ttft_slo_ms`` / ``tpot_slo_ms``
+        when > 0, else its class's) for the policies that predict latency."""
         t0 = time.perf_counter()
         policy, prefix = self.policy, self.prefix
         self.refresh_load()
         keys = self._prefix_keys.get(request_id)
         cached = prefix.cached_tokens(keys, prompt_tokens) if prefix is not None and keys else {}
-        preq = PlacementRequest(slo_class, prompt_tokens, exclude, cached_tokens=cached)
+        slo = self.config.slo_classes.get(slo_class)
+        preq = PlacementRequest(slo_class, prompt_tokens, exclude, cached_tokens=cached, request_id=request_id,
+                                ttft_slo_ms=ttft_slo_ms or (slo.ttft_ms if slo else 0.0),
+                                tpot_slo_ms=tpot_slo_ms or (slo.tpot_ms if slo else 0.0),
+                                sheddable=bool(slo and slo.sheddable))  # fmt: skip
         result = policy.place(preq, self.book.views())
         self.observe_placement(time.perf_counter() - t0)
         if not result.candidates:
@@ -808,7 +820,7 @@ class RouterCore:
             return self._hold(req, exclude)
         try:
             grant, reason = self.place_direct(req.slo_class, req.prompt_tokens, req.max_tokens, req.request_id,
-                                              exclude)  # fmt: skip
+                                              exclude, req.ttft_slo_ms, req.tpot_slo_ms)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - one request's failure answers that request only
             log.error("request %s: placement failed: %s", req.request_id, type(exc).__name__, exc_info=exc)
             return Refused("placement-error", detail=type(exc).__name__)
@@ -975,6 +987,34 @@ class RouterCore:
         if kind == "lease_refused" and pab_ms >= 0:
             self.book.apply_reserve(grant.replica_id, req.slo_class, pab_ms, pab_tokens)
         return action
+
+    # ------------------------------------------------------------------ latency learning
+
+    @property
+    def latency_predictor(self) -> LatencyPredictor | None:
+        """The online latency model of a policy that has one (``llm-d-predicted-latency``), else None.
+        The driver trains it when :meth:`LatencyPredictor.refit_due` says so: the simulation in place
+        at simulated times, the server in a worker thread (router/wiring.py)."""
+        return getattr(self.policy, "predictor", None)
+
+    def latency_first_token(self, request_id: str) -> None:
+        """The request's first token reached the router (its prompt is no longer in flight)."""
+        hook = getattr(self.policy, "first_token", None)
+        if hook is not None:
+            hook(request_id)
+
+    def latency_observed(self, request_id: str, ttft_ms: float | None, tpot_ms: float | None) -> None:
+        """The request ended with its TTFT and TPOT as the router measured them (ms; None: not
+        measured): the training signal of a policy that learns latency (no-op for the others)."""
+        hook = getattr(self.policy, "observe_latency", None)
+        if hook is not None:
+            hook(request_id, ttft_ms, tpot_ms)
+
+    def latency_forget(self, request_id: str) -> None:
+        """The request ended without a measurement (failed, refused, client gone)."""
+        hook = getattr(self.policy, "forget", None)
+        if hook is not None:
+            hook(request_id)
 
     @staticmethod
     def attempts(max_tries: int) -> RelayAttempts:

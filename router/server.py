@@ -55,6 +55,7 @@ from router.endpoints import AuxEndpoints, answer_response, metrics_http_errors,
 from router.ledger import CONCURRENCY_RETRY_MS, Refusal, TenantLimits
 from router.openai_surface import REFUSED_PATHS, RELAYED_PATHS, model_not_found
 from router.placement import largest_max_prompt
+from router.placement.predicted_latency import TPOT_SLO_HEADER, TTFT_SLO_HEADER, slo_header_ms
 from router.prefix_index import text_block_keys
 from router.relay import RelayOutcome, UpstreamAbort
 from router.tokens import PromptError, estimate_prompt_tokens, prompt_is_exact, prompt_text
@@ -170,18 +171,23 @@ class Router(AuxEndpoints):
                 outcome, response = "bad_request", api_error_response(exc)
             except asyncio.CancelledError:  # client went away (queued or mid-relay); leases already freed
                 self.metrics.requests.labels(principal.tenant, principal.slo_class, "client_disconnect").inc()
+                self.core.latency_forget(request_id)
                 raise
-            self._observe(request, principal, outcome, response.status, arrival_ms, chat)
+            ttft_s, tpot_s = self._observe(request, principal, outcome, response.status, arrival_ms, chat)
+            if ttft_s is None:  # the training signal of a policy that learns latency (llm-d-predicted-latency)
+                self.core.latency_forget(request_id)
+            else:
+                self.core.latency_observed(request_id, ttft_s * 1000.0, None if tpot_s is None else tpot_s * 1000.0)
             span.set_attribute("fairbatch.outcome", outcome)
             set_http_status(span, response.status, "upstream_error" if outcome == "upstream_error" else None)
             return response
 
     def _observe(
         self, request: web.Request, principal: Principal, outcome: str, code: int, arrival_ms: float, chat: bool
-    ) -> None:
+    ) -> tuple[float | None, float | None]:
         """Record one answered request in the metrics (router/metrics.py: TTFT to the first byte relayed,
         a non-stream answer's whole body; TPOT over the relayed events per choice, chat's role event
-        and the usage event not counted)."""
+        and the usage event not counted); returns (TTFT s, TPOT s), None where not measured."""
         now = self.clock.now_ms()
         first = request.get(FIRST_BYTE_MS)
         ttft_s = ((now if first is None else first) - arrival_ms) / 1000.0 if outcome == "ok" else None
@@ -194,6 +200,7 @@ class Router(AuxEndpoints):
         slo = principal.slo
         self.metrics.observe_answer(principal.tenant, principal.slo_class, outcome, code, (now - arrival_ms) / 1000.0,
                                     ttft_s, tpot_s, slo.ttft_ms / 1000.0, slo.tpot_ms / 1000.0)  # fmt: skip
+        return ttft_s, tpot_s
 
     async def _serve(
         self, request: web.Request, principal: Principal, chat: bool, request_id: str, arrival_ms: float
@@ -239,7 +246,9 @@ class Router(AuxEndpoints):
         prompt_tokens = cap.tokens
         req = CoreRequest(request_id, principal.tenant, principal.slo_class, prompt_tokens, max_tokens, arrival_ms,
                           text_block_keys(prompt_text(body, chat), self.config.placement.prefix_cache.chunk_chars)
-                          if self.core.prefix is not None else ())  # fmt: skip
+                          if self.core.prefix is not None else (),
+                          slo_header_ms(request.headers.get(TTFT_SLO_HEADER)),
+                          slo_header_ms(request.headers.get(TPOT_SLO_HEADER)))  # fmt: skip
         if self.core.refuse_by_work(req, views):
             return self._answer(work_shed(principal.slo_class))
 

@@ -129,6 +129,7 @@ class RouterWiring:
         self._inflight: dict[str, set[UpstreamAbort]] = {}
         self.ledger: Ledger = build_ledger(config, self.clock, self._on_ledger_degraded, redis_password)
         self._sync_task: asyncio.Task[None] | None = None
+        self._refit_task: asyncio.Task[None] | None = None
         self.tracer = make_tracer(config.telemetry.service_name, otlp_endpoint or config.telemetry.otlp_endpoint,
                                   config.telemetry.sample_ratio)
         self._upstream_headers = {"Content-Type": "application/json", "Accept-Encoding": "identity",
@@ -194,6 +195,7 @@ class RouterWiring:
             self._discovery_task = asyncio.create_task(self._run_discovery(self.discovery), name="discovery")
         if self._shared_counters:
             self._sync_task = asyncio.create_task(self._sync_counters(), name="vtc-sync")
+        self._refit_task = asyncio.create_task(self._refit_latency(), name="latency-refit")
 
     async def close(self) -> None:
         """Stop discovery and the dispatcher, finish background releases (bounded), close clients."""
@@ -203,6 +205,9 @@ class RouterWiring:
         if self._dispatch_task is not None:
             await stop_task(self._dispatch_task)
             self._dispatch_task = None
+        if self._refit_task is not None:
+            await stop_task(self._refit_task)
+            self._refit_task = None
         if self._sync_task is not None:
             await stop_task(self._sync_task)
             self._sync_task = None
@@ -212,6 +217,28 @@ class RouterWiring:
         await self.budgets.close()
         await self.relay.close()
         await self.ledger.close()
+
+    async def _refit_latency(self, tick_s: float = 1.0) -> None:
+        """The training loop of a policy with a latency model (``llm-d-predicted-latency``; llm-d's
+        training server retrains every 10 s): every ``tick_s`` it asks the model whether a training
+        is due, copies its samples on the event loop, trains in a worker thread and installs the
+        result on the loop, so that no placement waits for a training. A failed training is logged
+        and the old model kept."""
+        from router.placement.latency_predictor import train
+
+        while True:
+            await asyncio.sleep(tick_s)
+            predictor = self.core.latency_predictor
+            now = self.clock.now_ms()
+            if predictor is None or not predictor.refit_due(now):
+                continue
+            try:
+                fitted = await asyncio.to_thread(train, predictor.snapshot(now))
+            except Exception:  # noqa: BLE001 - keep serving on the old model
+                log.exception("latency model training failed")
+                continue
+            if self.core.latency_predictor is predictor:  # not swapped by a reload meanwhile
+                predictor.install(fitted)
 
     # ------------------------------------------------------------------ replicas (discovery)
 

@@ -34,7 +34,7 @@ from fairbatch_common.clock import Clock  # noqa: E402
 from replica_agent.engine_metrics import parse_engine_metrics  # noqa: E402
 from replica_agent.policy.calibration import CalibratorConfig  # noqa: E402
 from replica_agent.policy.pab import SloClass  # noqa: E402
-from replica_agent.profiles import load_profile  # noqa: E402
+from replica_agent.policy.profiles import load_profile  # noqa: E402
 
 PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

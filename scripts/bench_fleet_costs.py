@@ -37,7 +37,7 @@ from loadgen.fleet.bench import Setup, analytic_bound, run_point
 from loadgen.fleet.sim import _Snapshot
 from loadgen.traces import load_trace, resolve_trace
 from replica_agent.policy.pab import ClassBudget
-from replica_agent.profiles import load_profile, vllm_serve_batch_defaults
+from replica_agent.policy.profiles import load_profile, vllm_serve_batch_defaults
 from router.budgets import BudgetBook
 from router.placement import PlacementRequest, default_registry
 

@@ -40,7 +40,7 @@ from replica_agent.admission_server import AdmissionService, snapshot_pb  # noqa
 from replica_agent.agent import Agent, AgentConfig  # noqa: E402
 from fairbatch_common.clock import Clock  # noqa: E402
 from replica_agent.policy.pab import SloClass  # noqa: E402
-from replica_agent.profiles import load_profile  # noqa: E402
+from replica_agent.policy.profiles import load_profile  # noqa: E402
 from fairbatch_common.runtime import run  # noqa: E402
 
 

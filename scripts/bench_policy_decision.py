@@ -18,7 +18,7 @@ import timeit
 from collections.abc import Sequence
 
 from replica_agent.policy.batching import POLICIES, SchedRequest, SchedState, make_policy
-from replica_agent.profiles import load_profile
+from replica_agent.policy.profiles import load_profile
 
 
 def make_state(n_running: int, n_waiting: int, seed: int = 0) -> SchedState:

@@ -62,7 +62,7 @@ from loadgen.stats import Slo, figures  # noqa: E402
 from loadgen.traces import arrival_granularity_ms  # noqa: E402
 from replica_agent.policy.calibration import CalibratorConfig, OnlineTimeModel  # noqa: E402
 from replica_agent.policy.time_model import StepFeatures, TimeModel  # noqa: E402
-from replica_agent.profiles import load_profile, vllm_serve_batch_defaults  # noqa: E402
+from replica_agent.policy.profiles import load_profile, vllm_serve_batch_defaults  # noqa: E402
 
 ENGINES: tuple[tuple[str, str, str], ...] = (
     ("shipped-8b", "llama-3-8b-a100", "llama-3-8b-a100"),

@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from replica_agent.policy.time_model import StepFeatures, TimeModel  # noqa: E402
-from replica_agent.profiles import load_profile  # noqa: E402
+from replica_agent.policy.profiles import load_profile  # noqa: E402
 
 DATA = ROOT / "loadgen" / "data" / "profiles"
 
@@ -63,7 +63,7 @@ class Pair:
     """One model/GPU/TP pair of the component model.
 
     Attributes:
-        name: profile name (``replica_agent/profiles.py``).
+        name: profile name (``replica_agent/policy/profiles.py``).
         mlp_csv: vendored Vidur mlp.csv (rows of this TP degree).
         all_reduce_csv: vendored Vidur all_reduce.csv (rows of this TP, one node), None for TP 1.
         tp: tensor-parallel degree.
@@ -480,7 +480,7 @@ def fit_splitwise() -> dict:
 
 
 def _linear_policy_model(name: str) -> TimeModel:
-    """The policies' linear model of this profile (replica_agent/profiles.py, variant all_batches)."""
+    """The policies' linear model of this profile (replica_agent/policy/profiles.py, variant all_batches)."""
     return load_profile(name).time_model
 
 

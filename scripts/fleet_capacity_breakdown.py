@@ -39,7 +39,7 @@ from loadgen.sim.engine import SimEngine
 from loadgen.sim.engine_time import load_engine_time_model
 from loadgen.stats import OK, Slo, meets_slo
 from loadgen.traces import arrival_granularity_ms
-from replica_agent.profiles import load_profile
+from replica_agent.policy.profiles import load_profile
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,7 @@ from loadgen.sim.virtual import VirtualRequest, run_virtual
 from loadgen.traces import load_trace, resolve_trace, select
 from replica_agent.policy.batching import PolicyConfig, make_policy
 from replica_agent.policy.pab import ReplicaState, SloClass, compute_budgets, fits
-from replica_agent.profiles import load_profile, vllm_serve_batch_defaults
+from replica_agent.policy.profiles import load_profile, vllm_serve_batch_defaults
 from replica_agent.tracker import Tracker
 
 

@@ -35,7 +35,7 @@ from loadgen.fleet.sim import FleetRequest
 from loadgen.sim.engine_time import load_engine_time_model
 from loadgen.sim.prefix_cache import chain_hashes
 from loadgen.traces import arrival_granularity_ms
-from replica_agent.profiles import load_profile, vllm_serve_batch_defaults
+from replica_agent.policy.profiles import load_profile, vllm_serve_batch_defaults
 
 DELTAS_S = (5.0, 15.0, 30.0, 60.0, 120.0, 300.0, math.inf)
 

@@ -54,7 +54,7 @@ from loadgen.fleet.sim import AutoscaleConfig, FleetRequest, run_fleet
 from loadgen.sim.engine_time import describe_engine
 from loadgen.stats import Slo, figures
 from loadgen.traces import load_trace, resolve_trace, spread_arrivals
-from replica_agent.profiles import load_profile
+from replica_agent.policy.profiles import load_profile
 
 VARIANTS = ("fixed-peak", "pab", "num-waiting", "num-waiting-direct")
 """Rows: fleet sizing (and, for ``num-waiting-direct``, the router: round-robin without a router

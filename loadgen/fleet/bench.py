@@ -99,7 +99,7 @@ from loadgen.sim.engine_time import EngineTimeModel, describe_engine, engine_lab
 from loadgen.stats import Slo, figures, meets_slo, per_tenant
 from loadgen.traces import TraceRequest, load_trace, resolve_trace, spread_arrivals
 from replica_agent.policy.time_model import TimeModel
-from replica_agent.profiles import load_profile, vllm_serve_batch_defaults
+from replica_agent.policy.profiles import load_profile, vllm_serve_batch_defaults
 from router.work_shed import WorkShedSettings
 
 DEFAULT_FRACTIONS = (0.4, 0.55, 0.7, 0.8, 0.9, 1.0, 1.1)
@@ -116,7 +116,8 @@ TENANTS = (("t0", 0.4), ("t1", 0.3), ("t2", 0.2), ("t3", 0.1))
 BASELINES = ("round-robin", "least-outstanding", "least-outstanding-tokens", "power-of-two", "llm-d-scorer",
              "static-queue-cap", "least-outstanding+fairbatching", "static-queue-cap+fairbatching",
              "llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware", "llm-d-flow-control",
-             "llm-d-flow-control+fairbatching", "dynamo-kv", "llm-d-sticky")  # fmt: skip
+             "llm-d-flow-control+fairbatching", "dynamo-kv", "llm-d-sticky", "llm-d-predicted-latency",
+             "llm-d-predicted-latency+fairbatching")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +272,7 @@ def parse_fleet(spec: str, engine_time_spec: str | None = None) -> tuple[Replica
     """``--fleet 8:llama-3-8b-a100,8:llama-3-8b-h100``: replica kinds of a heterogeneous fleet, each
     with its profile's time model (the agents' prior) and KV cache, its shipped engine model
     (loadgen/data/engine_time/<profile>.json; ``engine_time_spec`` ``policy`` = oracle engines) and
-    ``vllm serve``'s batch defaults for its GPU (replica_agent/profiles.py).
+    ``vllm serve``'s batch defaults for its GPU (replica_agent/policy/profiles.py).
 
     Raises:
         ValueError: a malformed item; KeyError: an unknown profile.

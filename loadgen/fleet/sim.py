@@ -126,6 +126,8 @@ POLICIES: dict[str, tuple[str, str]] = {
     "llm-d-sticky": ("direct", "vllm-default"),
     "dynamo-kv+fairbatching": ("direct", "fairbatching"),
     "llm-d-sticky+fairbatching": ("direct", "fairbatching"),
+    "llm-d-predicted-latency": ("direct", "vllm-default"),
+    "llm-d-predicted-latency+fairbatching": ("direct", "fairbatching"),
     "pab": ("pab", "vllm-default"),
     "pab+fairbatching": ("pab", "fairbatching"),
     "pab-prefix": ("pab", "vllm-default"),
@@ -138,11 +140,13 @@ scheduler plugin but kept their router would run)."""
 
 PREFIX_POLICIES = frozenset({"llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware", "pab-prefix",
                              "pab-prefix+fairbatching", "llm-d-flow-control", "llm-d-flow-control+fairbatching",
-                             "dynamo-kv", "llm-d-sticky", "dynamo-kv+fairbatching", "llm-d-sticky+fairbatching"})  # fmt: skip
+                             "dynamo-kv", "llm-d-sticky", "dynamo-kv+fairbatching", "llm-d-sticky+fairbatching",
+                             "llm-d-predicted-latency", "llm-d-predicted-latency+fairbatching"})  # fmt: skip
 """Fleet policies whose routers keep a prefix map (router/prefix_index.py) and place with it."""
 
 
-SCRAPED_POLICIES = frozenset({"power-of-two", "llm-d-scorer", "llm-d-prefix", "llm-d-flow-control", "dynamo-kv"})
+SCRAPED_POLICIES = frozenset({"power-of-two", "llm-d-scorer", "llm-d-prefix", "llm-d-flow-control", "dynamo-kv",
+                              "llm-d-predicted-latency"})
 """Placement profiles that read scraped engine metrics (the fleet scrapes every ``scrape_period_ms`` for them)."""
 
 
@@ -220,7 +224,7 @@ class ReplicaKind:
         kv_capacity_tokens: KV cache per replica (tokens).
         engine_time: the engine's own step time; None: it steps at ``time_model`` (an oracle).
         max_num_batched_tokens, max_num_seqs: the engine's batch settings (``vllm serve`` defaults
-            differ per GPU: replica_agent/profiles.py ``vllm_serve_batch_defaults``).
+            differ per GPU: replica_agent/policy/profiles.py ``vllm_serve_batch_defaults``).
 
     Raises:
         ValueError: ``count`` < 1.
@@ -749,6 +753,9 @@ class _Router:
         now = self.clock.t
         core = self.core
         creq = self.core_request(idx)
+        predictor = core.latency_predictor  # llm-d-predicted-latency: its training loop, at simulated times
+        if predictor is not None and predictor.refit_due(now):
+            predictor.fit(now)
         # work-aware admission under contention (router/work_shed.py), once per new request (never a baseline's)
         if not avoid and st.attempts is None and core.refuse_by_work(creq, self.book.views(now)):
             sim.reject(idx, WORK_SHED_REASON)
@@ -801,6 +808,11 @@ class _Router:
     def ended(self, idx: int) -> None:
         """Request ``idx`` finished on its replica: its lease settles (the contention cap's count)."""
         st = self.sim.states[idx]
+        if self.core.latency_predictor is not None:  # the training signal: TTFT and TPOT as this router saw them
+            times = st.token_times
+            ttft = times[0] - self.sim.requests[idx].arrival_ms if times else None
+            tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) >= 2 else None
+            self.core.latency_observed(str(idx), ttft, tpot)
         if st.grant is not None:
             self.core.lease_done(st.grant)
             st.grant = None
@@ -1031,8 +1043,10 @@ class FleetSim:
             router = self.routers[st.router]
             if router.core.held():  # a request held at the router (dynamo-kv) may start now, at this time
                 router.clock.t = t
-            if len(st.token_times) == 1 and st.grant is not None:  # the router sees the first token
-                router.core.prefill_done(st.grant)
+            if len(st.token_times) == 1:  # the first token reaches its router
+                if st.grant is not None:
+                    router.core.prefill_done(st.grant)
+                router.core.latency_first_token(str(idx))
             if out.finished:
                 st.outcome = OK
                 self.routers[st.router].ended(idx)
@@ -1253,4 +1267,4 @@ def run_fleet(cfg: FleetConfig, requests: Sequence[FleetRequest]) -> FleetResult
 
 
 __all__ = ["AUTOSCALE_SIGNALS", "AutoscaleConfig", "BASELINE_POLICIES", "FleetConfig", "FleetRequest", "FleetResult",
-           "FleetStats", "POLICIES", "PREFIX_POLICIES", "replica_state", "run_fleet"]  # fmt: skip
+           "FleetStats", "POLICIES", "PREFIX_POLICIES", "SCRAPED_POLICIES", "replica_state", "run_fleet"]  # fmt: skip

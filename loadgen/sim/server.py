@@ -60,7 +60,7 @@ from loadgen.sim.tokenizer import BYTES_PER_TOKEN, OUTPUT_TOKEN_TEXT, count_toke
 from fairbatch_common.aio import stop_task, wait_event
 from fairbatch_common.clock import Clock
 from replica_agent.policy.batching import POLICIES, PolicyConfig, make_policy
-from replica_agent.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile, vllm_serve_batch_defaults
+from replica_agent.policy.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile, vllm_serve_batch_defaults
 from fairbatch_common.runtime import run, setup_logging
 
 log = logging.getLogger("loadgen.sim.server")
@@ -88,10 +88,10 @@ class SimServerConfig:
 
     Attributes:
         host, port: listen address.
-        profile, variant: GPU profile (time model and default KV capacity), see replica_agent.profiles.
+        profile, variant: GPU profile (time model and default KV capacity), see replica_agent.policy.profiles.
         time_scale: wall seconds per simulated second (> 0).
         max_num_batched_tokens: token cap of one iteration (tokens); None -> what ``vllm serve``
-            uses on the profile's GPU (``replica_agent.profiles.vllm_serve_batch_defaults``:
+            uses on the profile's GPU (``replica_agent.policy.profiles.vllm_serve_batch_defaults``:
             A100 2048, H100/H200 8192).
         max_num_seqs: cap on running requests; None -> ``vllm serve``'s default on the GPU (A100
             256, H100/H200 1024).

@@ -73,19 +73,33 @@ absorbs bursts, as in front of plain vLLM; :class:`~router.placement.core.Direct
   ``engine_profile`` and ``max_ttft_penalty_ms`` 5000 when not given); otherwise fewest outstanding
   tokens.
 
+- ``llm-d-predicted-latency``: llm-d's predicted-latency scheduling (an online XGBoost model of TTFT
+  and TPOT per pod, an SLO headroom tier filter between two prefix-affinity filters, the latency
+  scorer, a weighted-random picker and the latency-SLO admitter that refuses sheddable requests no
+  pod is predicted to serve in time), :class:`~router.placement.predicted_latency.PredictedLatencyPolicy`;
+  parameters: those of :class:`~router.placement.predicted_latency.PredictedLatencySettings` and of
+  :class:`~router.placement.latency_predictor.PredictorSettings` (e.g. ``refit_interval_ms``). Its
+  drivers feed it each request's end (router/core.py ``RouterCore.latency_observed``) and train it
+  (``RouterCore.latency_predictor``).
+
+
 The seven cache-aware profiles set ``prefix_map``: the router keeps its prefix map for them even
 with ``placement.prefix_cache`` off (its chunk and capacity settings apply).
 """
 
 from __future__ import annotations
 
+import random
+from dataclasses import fields
 from typing import Any
 
 from router.placement.cache_aware import SGLANG_CACHE_AWARE, VLLM_ROUTER_CACHE_AWARE, CacheAwarePolicy
 from router.placement.core import DirectAdmission, PlacementPolicy
 from router.placement.dynamo_kv import DYNAMO_BLOCK_SIZE, DynamoQueueGate
 from router.placement.flow_control import DEFAULT_BAND_MAX_BYTES, FlowControlSettings
+from router.placement.latency_predictor import LatencyPredictor, PredictorSettings
 from router.placement.load import RouterLoad
+from router.placement.predicted_latency import PredictedLatencyPolicy, PredictedLatencySettings
 from router.placement.saturation import (
     DEFAULT_KV_CACHE_UTIL_THRESHOLD,
     DEFAULT_METRICS_STALENESS_MS,
@@ -96,7 +110,7 @@ from router.placement.sticky import LLMD_STICKY_DEFAULTS, StickyPolicy, sticky_t
 
 BASELINE_POLICIES = ("round-robin", "least-outstanding", "least-outstanding-tokens", "power-of-two", "llm-d-scorer",
                      "static-queue-cap", "llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware",
-                     "llm-d-flow-control", "dynamo-kv", "llm-d-sticky")  # fmt: skip
+                     "llm-d-flow-control", "dynamo-kv", "llm-d-sticky", "llm-d-predicted-latency")  # fmt: skip
 """Names of the baseline placement profiles (the fleet benchmark's policy names)."""
 
 BASELINE_FILTERS = ("exclude", "healthy", "fresh", "max-prompt")
@@ -202,6 +216,19 @@ def register_baselines(reg: Any) -> None:
             if tau_tokens is None else int(tau_tokens)  # fmt: skip
         return StickyPolicy(filters(), [], pk["highest"](), load or RouterLoad(), float(affinity_threshold), tau,
                             float(exploration_probability), seed, direct=DirectAdmission(), prefix_map=True)  # fmt: skip
+    def predicted_latency(load: RouterLoad | None = None, seed: int | None = None,
+                          **params: Any) -> PlacementPolicy:  # fmt: skip
+        own = {f.name for f in fields(PredictedLatencySettings)}
+        pred = {f.name for f in fields(PredictorSettings)}
+        unknown = set(params) - own - pred
+        if unknown:
+            raise ValueError(f"llm-d-predicted-latency: unknown parameters {sorted(unknown)}")
+        return PredictedLatencyPolicy(
+            filters(), [], pk["highest"](), load or RouterLoad(),
+            LatencyPredictor(PredictorSettings(**{k: v for k, v in params.items() if k in pred})),
+            PredictedLatencySettings(**{k: v for k, v in params.items() if k in own}), random.Random(seed),
+            direct=DirectAdmission(), prefix_map=True,
+        )  # fmt: skip
 
     reg.policies.update({
         "dynamo-kv": dynamo_kv, "llm-d-sticky": llmd_sticky,
@@ -209,5 +236,6 @@ def register_baselines(reg: Any) -> None:
         "least-outstanding-tokens": least_outstanding_tokens, "power-of-two": power_of_two, "llm-d-scorer": llmd,
         "llm-d-prefix": llmd_prefix, "sglang-cache-aware": cache_aware(SGLANG_CACHE_AWARE),
         "vllm-router-cache-aware": cache_aware(VLLM_ROUTER_CACHE_AWARE), "static-queue-cap": static_queue_cap,
-    })
+        "llm-d-predicted-latency": predicted_latency,
+    })  # fmt: skip
     reg.policies["llm-d-flow-control"] = llmd_flow_control  # fmt: skip

@@ -140,6 +140,11 @@ class PlacementRequest:
             (router/prefix_index.py; 0 for a replica not listed). The PAB rules and scorers price
             the prompt there at its uncached tokens ``P - cached`` (:func:`effective_prompt_tokens`);
             the max-prompt filter keeps the whole P. Empty = no prefix awareness.
+        request_id: the router's id of the request ("" = not given; a policy that learns from the
+            request's end keys it by this: ``llm-d-predicted-latency``).
+        ttft_slo_ms, tpot_slo_ms: the request's latency SLO (ms; 0 = none), for policies that
+            predict latency (``llm-d-predicted-latency``; the PAB rules read the class budgets).
+        sheddable: the request's class may be refused rather than served late.
     """
 
     slo_class: str
@@ -150,6 +155,10 @@ class PlacementRequest:
     window_steps: float = 0.0
     step_tokens: int = 2048
     cached_tokens: Mapping[str, int] = field(default_factory=dict, compare=False)
+    request_id: str = field(default="", compare=False)
+    ttft_slo_ms: float = 0.0
+    tpot_slo_ms: float = 0.0
+    sheddable: bool = False
 
 
 def effective_prompt_tokens(request: PlacementRequest, replica_id: str) -> int:

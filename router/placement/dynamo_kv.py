@@ -73,7 +73,7 @@ DYNAMO_KV_DEFAULTS: dict[str, float | int | None] = {
 }
 """The ``dynamo-kv`` profile's parameters and their defaults (module docstring). ``max_num_batched_tokens``
 is the engine's (Dynamo reads it from each worker's runtime config): 2048 is ``vllm serve``'s on an
-A100 (replica_agent/profiles.py ``vllm_serve_batch_defaults``); the fleet simulation passes its own."""
+A100 (replica_agent/policy/profiles.py ``vllm_serve_batch_defaults``); the fleet simulation passes its own."""
 
 
 @dataclass(slots=True)

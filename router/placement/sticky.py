@@ -59,14 +59,14 @@ def peak_prefill_tokens_per_s(time_model: TimeModel, max_num_batched_tokens: int
 def sticky_tau_tokens(profile: str, max_ttft_penalty_ms: float = 5000.0,
                       max_num_batched_tokens: int | None = None) -> int:  # fmt: skip
     """tau (tokens) = peak prefill throughput x maximum TTFT penalty, for GPU profile ``profile``
-    (replica_agent/profiles.py): the throughput of one full ``max_num_batched_tokens`` prefill step
+    (replica_agent/policy/profiles.py): the throughput of one full ``max_num_batched_tokens`` prefill step
     (default ``vllm serve``'s for the profile's GPU), floored to whole tokens.
 
     Raises:
         KeyError: an unknown profile or GPU.
         ValueError: a negative penalty.
     """
-    from replica_agent.profiles import load_profile, vllm_serve_batch_defaults
+    from replica_agent.policy.profiles import load_profile, vllm_serve_batch_defaults
 
     if max_ttft_penalty_ms < 0:
         raise ValueError(f"max_ttft_penalty_ms must be >= 0, got {max_ttft_penalty_ms}")

@@ -28,7 +28,7 @@ from fairbatch_common.clock import Clock
 from fairbatch_common.http_guard import make_runner
 from replica_agent.engine_metrics import MetricsScraper, parse_engine_metrics
 from replica_agent.policy.pab import SloClass
-from replica_agent.profiles import load_profile
+from replica_agent.policy.profiles import load_profile
 from replica_agent.proxy import Proxy, ProxyConfig, make_session
 from fairbatch_common.telemetry import make_tracer
 from replica_agent.tracker import Phase

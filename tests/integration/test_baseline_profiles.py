@@ -124,6 +124,16 @@ async def spread_as_the_policy_says(session: aiohttp.ClientSession, fleet, profi
             assert (status, rid != busy) == (200, True), (rid, busy)
         assert await long.done() == 300
         return
+    if profile == "llm-d-predicted-latency":
+        # before its first training every pod is predicted 10 ms (llm-d's default model): all meet the
+        # SLO, and the prefix-affinity filter (0.80 after the tier filter) sends a repeated prompt home
+        text = unique_prompt(1000)
+        status, home, _ = await post(session, fleet, text, 4)
+        assert status == 200
+        for _ in range(3):
+            await asyncio.sleep(0.2)
+            assert (await post(session, fleet, text, 4))[:2] == (200, home)
+        return
     # cache-aware: a conversation A held on one replica; B, new, goes to the other (less loaded / shorter
     # engine queue); then each repeated prompt returns to the replica that holds its prefix
     text_a, text_b = unique_prompt(1000), unique_prompt(1000)

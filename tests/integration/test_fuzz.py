@@ -37,7 +37,7 @@ from fairbatch_common.clock import Clock
 from fairbatch_common.http_guard import make_runner
 from fairbatch_common.log_redact import install
 from replica_agent.policy.pab import SloClass
-from replica_agent.profiles import load_profile
+from replica_agent.policy.profiles import load_profile
 from replica_agent.proxy import Proxy, ProxyConfig, make_session
 from fairbatch_common.telemetry import make_tracer
 from tests.integration.test_router_hardening import raw_http

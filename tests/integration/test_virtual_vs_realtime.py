@@ -33,7 +33,7 @@ from loadgen.sim.virtual import VirtualRequest, run_virtual
 from loadgen.stats import OK
 from loadgen.traces import embedded_trace, load_trace, select
 from replica_agent.policy.batching import PolicyConfig, make_policy
-from replica_agent.profiles import load_profile
+from replica_agent.policy.profiles import load_profile
 
 pytestmark = pytest.mark.timeout(120)
 

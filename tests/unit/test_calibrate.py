@@ -11,7 +11,7 @@ from loadgen.sim.engine import EngineConfig, SimEngine
 from loadgen.sim.virtual import VirtualRequest, run_virtual
 from replica_agent.calibrate import calibrate, read_step_log
 from replica_agent.cli import main
-from replica_agent.profiles import load_profile
+from replica_agent.policy.profiles import load_profile
 
 
 def sim_log(path: Path) -> None:

@@ -11,7 +11,7 @@ from loadgen.fleet.bound import steady_state_bound
 from loadgen.fleet.sim import FleetConfig, FleetRequest, FleetSim, ReplicaKind, run_fleet
 from loadgen.sim.engine_time import load_engine_time_model
 from replica_agent.policy.time_model import TimeModel
-from replica_agent.profiles import load_profile
+from replica_agent.policy.profiles import load_profile
 
 SLOW = TimeModel(10.0, 0.1, 0.0)  # a prompt of 1,000 tokens: a 110-ms prefill step
 FAST = TimeModel(5.0, 0.05, 0.0)  # the same prompt: 55 ms

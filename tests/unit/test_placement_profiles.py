@@ -132,7 +132,8 @@ def test_every_fleet_baseline_is_a_profile_of_the_yaml() -> None:
                                                        else None)  # fmt: skip
         # the cache-aware ones keep a prefix map although placement.prefix_cache is off
         assert (core.prefix is not None) == (name in ("llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware",
-                                                      "llm-d-flow-control", "dynamo-kv", "llm-d-sticky"))  # fmt: skip
+                                                      "llm-d-flow-control", "dynamo-kv", "llm-d-sticky",
+                                                      "llm-d-predicted-latency"))  # fmt: skip
         assert (core.flow is not None) == (name == "llm-d-flow-control")
     core, _, _ = make_core("{profile: static-queue-cap, params: {queue_cap_tokens: 500}}")
     assert core.policy.direct is not None and core.policy.direct.queue_cap_tokens == 500

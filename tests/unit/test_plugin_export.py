@@ -15,7 +15,7 @@ from replica_agent.plugin_export import (
     step_deadline,
     time_model_from_env,
 )
-from replica_agent.profiles import DEFAULT_PROFILE, load_profile
+from replica_agent.policy.profiles import DEFAULT_PROFILE, load_profile
 
 
 def test_time_model_from_env() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from replica_agent.profiles import ServeBatchDefaults, available_profiles, load_profile, vllm_serve_batch_defaults
+from replica_agent.policy.profiles import ServeBatchDefaults, available_profiles, load_profile, vllm_serve_batch_defaults
 
 
 def test_profile_rows_from_the_shared_fits() -> None:
