@@ -161,7 +161,9 @@ def _rows(lines: Iterable[str], header: tuple[str, ...], what: str) -> Iterable[
         if line.strip():
             got = tuple(c.strip() for c in line.lstrip("\ufeff").split(","))
             if got != header:
-                raise ServeGenFormatError(f"line {lineno}: expected the {what} header {','.join(header)!r}, got {line[:80]!r}")
+                raise ServeGenFormatError(
+                    f"line {lineno}: expected the {what} header {','.join(header)!r}, got {line[:80]!r}"
+                )
             break
     else:
         raise ServeGenFormatError(f"empty {what} table")
