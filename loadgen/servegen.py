@@ -25,8 +25,7 @@ the last one (it lands on W), so it emits ceil(r W) - 1 requests, on average r W
 with 6 requests per window loses ~8 % of them. Drawing one gap more (step 2) removes that bias.
 
 Lengths, per request, from the client's length window that holds the rate window's start (the
-latest length window starting at or before it, ServeGen's rule): a piecewise-linear inverse CDF
-through the quantile knots (u, Q(u)) = (0, q0), (0.1, p10), (0.5, p50), (0.9, p90), (0.99, p99),
+latest length window starting at or before it, ServeGen's rule): an inverse CDF through the quantile knots (u, Q(u)) = (0, q0), (0.1, p10), (0.5, p50), (0.9, p90), (0.99, p99),
 (1, max), rounded to whole tokens (:func:`inverse_cdf`). q0, the minimum, is not published; it is
 the first segment extended down to u = 0, q0 = p10 - (p50 - p10) / 4, clamped to [min(1, p10), p10].
 Straight lines between the knots overstate the mean: in the embedded stretch by 10 % (prompts)
@@ -37,8 +36,8 @@ client, field and window, set so the law's mean is the published mean (:meth:`Le
 k = 1 is piecewise linear, k > 1 crowds each band's lower end).
 What this loses against ServeGen's PMFs: the shape inside each quantile band (modes and spikes of
 templated prompts, fixed output lengths such as 1-token classifier answers), the true minimum,
-nothing finer than 10 % of the mass below p10, and the tail's shape beyond its mean. ServeGen samples prompt and
-output with the *same* uniform (perfectly rank-correlated lengths, a property of its sampler, not
+nothing finer than 10 % of the mass below p10, and the tail's shape beyond its mean. ServeGen
+samples prompt and output with the *same* uniform (perfectly rank-correlated lengths, a property of its sampler, not
 of the data: the PMFs are marginals); here they are independent unless ``shared_uniform``.
 
 Clients without length statistics (ServeGen's files for the busiest clients are missing from the
