@@ -25,9 +25,10 @@ the last one (it lands on W), so it emits ceil(r W) - 1 requests, on average r W
 with 6 requests per window loses ~8 % of them. Drawing one gap more (step 2) removes that bias.
 
 Lengths, per request, from the client's length window that holds the rate window's start (the
-latest length window starting at or before it, ServeGen's rule): an inverse CDF through the quantile knots
-(u, Q(u)) = (0, q0), (0.1, p10), (0.5, p50), (0.9, p90), (0.99, p99), (1, max), rounded to whole tokens (:func:`inverse_cdf`). q0, the minimum, is not published; it is
-the first segment extended down to u = 0, q0 = p10 - (p50 - p10) / 4, clamped to [min(1, p10), p10].
+latest length window starting at or before it, ServeGen's rule): an inverse CDF through the
+quantile knots (u, Q(u)) = (0, q0), (0.1, p10), (0.5, p50), (0.9, p90), (0.99, p99), (1, max),
+rounded to whole tokens (:func:`inverse_cdf`). q0, the minimum, is not published; it is the first
+segment extended down to u = 0, q0 = p10 - (p50 - p10) / 4, clamped to [min(1, p10), p10].
 Straight lines between the knots overstate the mean: in the embedded stretch by 10 % (prompts)
 and 24 % (outputs) against the published means, mostly from the last 1 % (p99 to max, with max often
 10x p99: outputs capped at 8192, a few 24k-token prompts), since real lengths crowd the lower end of
