@@ -8,6 +8,10 @@ Two formats are recognised from the file's first line:
 - Mooncake FAST'25 (JSON lines): ``timestamp`` ms relative to the trace start,
   ``input_length`` prompt tokens, ``output_length`` output tokens, ``hash_ids`` (optional) one id per
   :data:`PREFIX_BLOCK_TOKENS` prompt tokens, equal leading ids = equal prompt prefix (other keys ignored).
+- ServeGen statistics (a JSON spec object with ``"format": "servegen-stats"``, naming a rate-window
+  and a length-window CSV beside it, the stretch, the thinning factor and the seed): the requests
+  are synthesised from per-client statistics by :func:`loadgen.servegen.synthesize`, each with its
+  client id as ``tenant`` (``c<id>``).
 
 Arrivals are returned in ms relative to the first arrival, sorted. The embedded traces (origin
 and licence in ``loadgen/traces/SOURCES.md``) are named by :data:`EMBEDDED_TRACES`.
@@ -15,6 +19,7 @@ and licence in ``loadgen/traces/SOURCES.md``) are named by :data:`EMBEDDED_TRACE
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import random
@@ -27,6 +32,7 @@ EMBEDDED_TRACES: dict[str, str] = {
     "azure-code": "azure_llm_2023_code.csv",
     "mooncake-conv": "mooncake_fast25_conversation.jsonl",
     "mooncake-syn": "mooncake_fast25_synthetic.jsonl",
+    "servegen-m-large": "servegen_m-large_864000-867600.json",
 }
 """Name -> file name inside the ``loadgen/traces`` package-data folder."""
 
@@ -56,16 +62,19 @@ class TraceRequest:
         output_tokens: output length (tokens).
         hash_ids: prefix-block ids of the prompt, one per :data:`PREFIX_BLOCK_TOKENS` tokens (Mooncake
             traces; empty for traces without prompt structure).
+        tenant: the client the trace names (ServeGen: ``c<client_id>``); empty for traces without one.
     """
 
     arrival_ms: float
     prompt_tokens: int
     output_tokens: int
     hash_ids: tuple[int, ...] = ()
+    tenant: str = ""
 
 
 def embedded_trace(name: str) -> Path:
-    """Path of an embedded trace by name (``azure-conv``, ``azure-code``, ``mooncake-conv``, ``mooncake-syn``).
+    """Path of an embedded trace by name (``azure-conv``, ``azure-code``, ``mooncake-conv``, ``mooncake-syn``,
+    ``servegen-m-large``: for ServeGen, the JSON spec the requests are synthesised from).
 
     Raises:
         KeyError: for an unknown name (the message lists the known ones).
@@ -94,7 +103,8 @@ def resolve_trace(name_or_path: str) -> Path:
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
-    """Read an Azure 2023 CSV or Mooncake JSONL trace (format detected from the first line).
+    """Read an Azure 2023 CSV or Mooncake JSONL trace, or synthesise one from a ServeGen spec
+    (format detected from the content).
 
     Returns:
         Requests sorted by arrival, arrivals in ms relative to the earliest one.
@@ -110,7 +120,10 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
     if first is None:
         raise TraceFormatError(f"{path}: empty trace file")
     head = lines[first].lstrip("\ufeff").strip()
-    if head.startswith("{"):
+    spec = _servegen_spec(lines) if head.startswith("{") else None
+    if spec is not None:
+        reqs = _synthesize_servegen(path, spec)
+    elif head.startswith("{"):
         reqs = _parse_mooncake(path, lines)
     elif tuple(c.strip() for c in head.split(",")) == _AZURE_HEADER:
         reqs = _parse_azure(path, lines, first)
@@ -123,7 +136,7 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
         raise TraceFormatError(f"{path}: trace has no requests")
     reqs.sort(key=lambda r: r.arrival_ms)
     t0 = reqs[0].arrival_ms
-    return [TraceRequest(r.arrival_ms - t0, r.prompt_tokens, r.output_tokens, r.hash_ids) for r in reqs]
+    return [dataclasses.replace(r, arrival_ms=r.arrival_ms - t0) for r in reqs]
 
 
 def _tokens(path: Path, lineno: int, field_name: str, raw: object) -> int:
@@ -217,6 +230,47 @@ def _parse_mooncake(path: Path, lines: list[str]) -> list[TraceRequest]:
     return out
 
 
+SERVEGEN_FORMAT = "servegen-stats"
+"""``format`` of a ServeGen spec (JSON object): ``rate_windows`` and ``length_windows`` (CSV file
+names relative to the spec, loadgen/servegen.py headers), ``start_s`` / ``end_s`` (the stretch, s
+of ServeGen trace time), ``rate_scale`` (thinning factor), ``seed``, optional ``shared_uniform``."""
+
+
+def _servegen_spec(lines: list[str]) -> dict[str, object] | None:
+    """The parsed spec when the file is one JSON object with ``format`` = :data:`SERVEGEN_FORMAT`, else None
+    (a Mooncake JSONL file has an object per line, so the whole text is not one JSON value)."""
+    try:
+        obj = json.loads("\n".join(lines))
+    except json.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) and obj.get("format") == SERVEGEN_FORMAT else None
+
+
+def _synthesize_servegen(path: Path, spec: dict[str, object]) -> list[TraceRequest]:
+    """A ServeGen spec -> its synthesised requests (arrivals in ms from the stretch start)."""
+    from loadgen import servegen  # numpy only when a ServeGen trace is read
+
+    try:
+        rate_file = path.parent / str(spec["rate_windows"])
+        length_file = path.parent / str(spec["length_windows"])
+        start_s, end_s = float(spec["start_s"]), float(spec["end_s"])  # type: ignore[arg-type]
+        rate_scale = float(spec.get("rate_scale", 1.0))  # type: ignore[arg-type]
+        seed = int(spec.get("seed", 0))  # type: ignore[call-overload]
+        shared = bool(spec.get("shared_uniform", False))
+    except (KeyError, TypeError, ValueError) as e:
+        raise TraceFormatError(f"{path}: bad ServeGen spec ({e!r})") from None
+    try:
+        with open(rate_file, encoding="utf-8") as f:
+            rates = servegen.parse_rate_windows(f.read().splitlines())
+        with open(length_file, encoding="utf-8") as f:
+            lengths = servegen.parse_length_windows(f.read().splitlines())
+        synth = servegen.synthesize(rates, lengths, start_s=start_s, end_s=end_s, rate_scale=rate_scale,
+                                    seed=seed, shared_uniform=shared)  # fmt: skip
+    except ValueError as e:  # ServeGenFormatError, or a stretch without requests
+        raise TraceFormatError(f"{path}: {e}") from None
+    return [TraceRequest(r.arrival_s * 1000.0, r.prompt_tokens, r.output_tokens, (), f"c{r.client_id}") for r in synth]
+
+
 def select(
     reqs: list[TraceRequest], duration_s: float | None, rate_scale: float = 1.0, start_s: float = 0.0
 ) -> list[TraceRequest]:
@@ -238,7 +292,7 @@ def select(
     lo_ms = start_s * 1000.0
     hi_ms = float("inf") if duration_s is None else lo_ms + duration_s * 1000.0
     return [
-        TraceRequest((r.arrival_ms - lo_ms) / rate_scale, r.prompt_tokens, r.output_tokens, r.hash_ids)
+        dataclasses.replace(r, arrival_ms=(r.arrival_ms - lo_ms) / rate_scale)
         for r in reqs
         if lo_ms <= r.arrival_ms < hi_ms
     ]
@@ -274,7 +328,6 @@ def spread_arrivals(reqs: list[TraceRequest], granularity_ms: float, seed: int =
     if granularity_ms == 0.0:
         return sorted(reqs, key=lambda r: r.arrival_ms)
     rng = random.Random(seed)
-    out = [TraceRequest(r.arrival_ms + rng.random() * granularity_ms, r.prompt_tokens, r.output_tokens, r.hash_ids)
-           for r in reqs]
+    out = [dataclasses.replace(r, arrival_ms=r.arrival_ms + rng.random() * granularity_ms) for r in reqs]
     out.sort(key=lambda r: r.arrival_ms)
     return out
