@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token-budget", type=int, default=None)
     p.add_argument("--trace-start-s", type=float, default=0.0)
     p.add_argument("--policies", nargs="+", default=["vllm-default", "fairbatching"])
+    p.add_argument("--seed-envelope", action="store_true",
+                   help="also run fairbatching on the seed's envelope alone (reported as fairbatching-seed-envelope)")
     p.add_argument("--out", required=True)
     add_engine_and_trace_args(p)
     add_engine_time_arg(p)
@@ -63,11 +65,14 @@ def main(argv: list[str] | None = None) -> int:
         reqs.append(VirtualRequest(str(i), t, max(1, r.prompt_tokens), max(1, r.output_tokens), args.ttft_ms, args.tpot_ms))
     prof = load_profile(args.profile)
     out: dict = {"args": vars(args) | {"engine_time_model": str(args.engine_time_model)}, "requests": len(reqs), "policies": {}}
-    for name in args.policies:
+    runs = [(n, True) for n in args.policies]
+    if args.seed_envelope:
+        runs.append(("fairbatching", False))
+    for name, anchored in runs:
         cfg = EngineConfig(time_model=prof.time_model, num_gpu_blocks=prof.kv_capacity_tokens // 16, block_size=16,
                            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                            max_model_len=32768, engine_time=engine_time)
-        eng = SimEngine(cfg, make_policy(name, PolicyConfig(args.ttft_ms, args.tpot_ms, args.token_budget)))
+        eng = SimEngine(cfg, make_policy(name, PolicyConfig(args.ttft_ms, args.tpot_ms, args.token_budget, anchored)))
         cal = OnlineTimeModel(prof.time_model, CalibratorConfig(refit_every=4)) if engine_time is not None else None
         run = run_virtual(reqs, eng, calibrator=cal, policy_time_model=prof.time_model)
         rows = []
@@ -85,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         n = len(run.records)
         att = sum(r["attained"] for r in rows) / max(1, n)
         all_ttft = [r.ttft_ms for r in run.records if r.ttft_ms is not None]
+        if not anchored:
+            name += "-seed-envelope"
         out["policies"][name] = {"slo_attainment": att, "ttft_p99_ms": _pct(all_ttft, 0.99), "steps": run.steps,
                                  "by_prompt": rows}
         print(f"{name}: attainment {att:.3f}, TTFT p99 {_pct(all_ttft, 0.99):.0f} ms, steps {run.steps}")
