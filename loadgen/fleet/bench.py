@@ -116,8 +116,8 @@ TENANTS = (("t0", 0.4), ("t1", 0.3), ("t2", 0.2), ("t3", 0.1))
 BASELINES = ("round-robin", "least-outstanding", "least-outstanding-tokens", "power-of-two", "llm-d-scorer",
              "static-queue-cap", "least-outstanding+fairbatching", "static-queue-cap+fairbatching",
              "llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware", "llm-d-flow-control",
-             "llm-d-flow-control+fairbatching", "dynamo-kv", "llm-d-sticky", "llm-d-predicted-latency",
-             "llm-d-predicted-latency+fairbatching")  # fmt: skip
+             "llm-d-flow-control+fairbatching", "dynamo-kv", "dynamo-kv+fairbatching", "llm-d-sticky",
+             "llm-d-sticky+fairbatching", "llm-d-predicted-latency", "llm-d-predicted-latency+fairbatching")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
