@@ -392,6 +392,7 @@ class Relay:
         status = upstream.status
         before = b""  # a first attempt's bytes before anything was relayed (its error answer)
         cause = ""
+        why = ""
         try:
             while True:
                 try:
@@ -399,6 +400,7 @@ class Relay:
                 except UpstreamError as exc:
                     upstream.close()
                     cause = _cause(exc)
+                    why = f"{exc.__class__.__name__}: {exc}" if isinstance(exc, ReplicaGone) else exc.__class__.__name__
                     break
                 if not chunk:
                     if not state.done and not state.error:
@@ -430,7 +432,7 @@ class Relay:
         except (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError):
             upstream.close()
             return RelayOutcome("client_gone", resp, status, "client disconnected", events=state.events)
-        detail = f"upstream failed mid-stream: {cause}"
+        detail = f"upstream failed mid-stream: {why or cause}"
         if resp is None or state.attempt_events == 0:
             body = before if before.rstrip().endswith(b"[DONE]") else before + _SSE_DONE
             return RelayOutcome("retryable", resp, status, detail, error_body=body if before else b"",

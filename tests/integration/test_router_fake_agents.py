@@ -435,6 +435,19 @@ async def test_migration_gives_up_when_no_replica_is_left(fleet: Fleet) -> None:
         in metrics
 
 
+async def test_migration_limit_holds(fleet: Fleet) -> None:
+    """migration.max_migrations 1: r0 fails mid-stream, its continuation on r1 fails too; the limit
+    stops there (r2, healthy, is never asked) and the stream ends with the SSE error event."""
+    await fleet.start({"r0": 400.0, "r1": 350.0, "r2": 300.0}, modes={"r0": "cut", "r1": "cut"}, max_migrations=1)
+    resp = await fleet.post({**completion(stream=True), "max_tokens": 10})
+    raw = await asyncio.wait_for(resp.read(), 10.0)
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and json.loads(events[-2][len("data: "):])["error"]["code"] == 502
+    assert len(fleet.upstreams["r1"].hits) == 1 and not fleet.upstreams["r2"].hits
+    metrics = await (await fleet.session.get(fleet.url + "/metrics")).text()  # type: ignore[union-attr]
+    assert 'fairbatch_router_stream_migrations_total{cause="disconnect",outcome="limit"} 1.0' in metrics
+
+
 async def test_error_event_mid_stream_counts_as_a_failure(fleet: Fleet) -> None:
     """The agent whose engine dies mid-stream sends an error event and [DONE]: the client gets it as
     sent, and the router counts an upstream_error and an SLO miss, not an ok answer (a user's trial:
