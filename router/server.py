@@ -456,7 +456,6 @@ class Router(AuxEndpoints):
             grant = got
             request[GRANT] = grant
             raw = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
-            failed_at = loop.time()
             outcome = await self._forward(request, principal, grant, raw, f"{req.request_id}-m{state.migrations}",
                                           req.arrival_ms, True, state, resp, first_event)  # fmt: skip
             action = core.after_attempt(tries, creq, grant, outcome.kind, outcome.pab_ms, outcome.pab_tokens)
