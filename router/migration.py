@@ -1,12 +1,14 @@
-"""Token-resume migration of a streamed ``/v1/completions`` (issue 29): pure, no I/O, no clock.
+"""Token-resume migration of a streamed ``/v1/completions`` or ``/v1/chat/completions`` (issue 29):
+pure, no I/O, no clock.
 
 A stream whose replica fails after its first byte (the agent's SSE error event when its engine died
 or stalled, the connection lost, the agent silent past ``Router.silence_s``) is continued on another
 replica instead of ending with the SSE error event. This module holds the decisions; router/server.py
 carries them out (placement through the core, the relay of router/relay.py).
 
-- :func:`migratable`: which requests can be continued at all (streamed completions, one choice,
-  no ``echo``, a prompt that is a string or token ids).
+- :func:`migratable`: which requests can be continued at all (streamed, one choice, no output
+  constraint such as tools or a JSON schema; completions: no ``echo``, a prompt that is a string or
+  token ids; chat: a ``messages`` list).
 - :class:`StreamResume`: one stream's state across its attempts. :meth:`StreamResume.feed` takes the
   upstream bytes of the current attempt and returns the bytes for the client: every SSE event is
   relayed, the agent's error event is held back (it marks the attempt failed), and a continuation's
@@ -22,6 +24,10 @@ Exactness. The output so far is kept as token ids when the engine streams them (
 continues with ``prompt + text``: exact when re-tokenizing the text gives back the same tokens (the
 simulated engine: 4-byte tokens; vLLM: usually, but a BPE merge across the boundary can differ).
 A token-id prompt whose engine streams no token ids cannot be continued (``not-continuable``).
+A chat completion continues through the engine's chat template: ``messages`` + an assistant
+message holding the text so far, ``continue_final_message: true, add_generation_prompt: false``
+(vLLM renders the turn open, so the prompt is the original one plus the text; the simulated engine
+does the same, loadgen/sim/tokenizer.py ``render_chat``).
 The count of tokens sent is ``len(token_ids)`` per event when present, else one per event that
 carries a choice (one engine step of one sequence: one token without speculative decoding; an
 empty final event with a ``finish_reason`` is not counted). Greedy decoding (``temperature`` 0, or
@@ -57,13 +63,28 @@ def prompt_of(body: Mapping[str, Any]) -> str | list[int] | None:
     return None
 
 
+_CONSTRAINED = ("tools", "functions", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                "structured_outputs")
+"""Fields that constrain the output from its first token (a grammar, a tool call): a continuation
+would restart the constraint mid-value, so such a request is not migrated."""
+
+
 def migratable(body: Mapping[str, Any], chat: bool, stream: bool) -> bool:
-    """Whether a request can be continued on another replica: a streamed ``/v1/completions`` with one
-    choice (``n`` and ``best_of`` absent or 1), no ``echo``, and a prompt :func:`prompt_of` accepts."""
-    if chat or not stream:
+    """Whether a request can be continued on another replica: streamed, one choice (``n`` and
+    ``best_of`` absent or 1), no output constraint (``tools``, ``response_format`` other than text,
+    vLLM's ``guided_*`` / ``structured_outputs``); a completion without ``echo`` and with a prompt
+    :func:`prompt_of` accepts, or a chat completion with a ``messages`` list."""
+    if not stream:
         return False
     if body.get("n", 1) not in (None, 1) or body.get("best_of", 1) not in (None, 1):
         return False
+    if any(body.get(k) for k in _CONSTRAINED):
+        return False
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, Mapping) and fmt.get("type") == "text"):
+        return False
+    if chat:
+        return isinstance(body.get("messages"), list) and bool(body["messages"])
     if body.get("echo"):
         return False
     return prompt_of(body) is not None
@@ -90,6 +111,8 @@ class StreamResume:
 
     Args:
         body: the client's request (parsed JSON object; not modified).
+        chat: a ``/v1/chat/completions`` stream (text in ``delta.content``; a continuation's
+            role-only first event is not relayed: the client had the first attempt's).
 
     Attributes:
         response_id, created: the first attempt's ``id`` and ``created`` (None before its first event).
@@ -106,6 +129,7 @@ class StreamResume:
     """
 
     body: Mapping[str, Any]
+    chat: bool = False
     response_id: str | None = None
     created: int | None = None
     texts: list[str] = field(default_factory=list)
@@ -173,6 +197,8 @@ class StreamResume:
         if "error" in obj:
             self.error = True
             return b""
+        if self.chat and self.migrations > 0 and _role_only(obj):
+            return b""  # the continuation's {"role": "assistant", "content": ""}: the client has one
         self._account(obj)
         self.events += 1
         self.attempt_events += 1
@@ -195,9 +221,17 @@ class StreamResume:
         for choice in obj.get("choices") or ():
             if not isinstance(choice, dict):
                 continue
-            text = choice.get("text")
-            text = text if isinstance(text, str) else ""
             finish = choice.get("finish_reason")
+            if self.chat:
+                delta = choice.get("delta")
+                delta = delta if isinstance(delta, dict) else {}
+                text = delta.get("content")
+                text = text if isinstance(text, str) else ""
+                if "role" in delta and not text and finish is None:
+                    continue  # the role event opens the turn: no token
+            else:
+                text = choice.get("text")
+                text = text if isinstance(text, str) else ""
             ids = choice.get("token_ids")
             if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
                 self.tokens += len(ids)
@@ -211,6 +245,16 @@ class StreamResume:
                 self.texts.append(text)
             if finish is not None:
                 self.finish_reason = finish
+
+
+def _role_only(obj: Mapping[str, Any]) -> bool:
+    """A chat chunk that only opens the assistant turn (role, empty content, no finish)."""
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return False
+    delta = choices[0].get("delta")
+    return (isinstance(delta, dict) and "role" in delta and not delta.get("content")
+            and not delta.get("tool_calls") and choices[0].get("finish_reason") is None)
 
 
 def client_usage(usage: Mapping[str, Any], base_tokens: int) -> dict[str, Any]:
@@ -227,24 +271,63 @@ def client_usage(usage: Mapping[str, Any], base_tokens: int) -> dict[str, Any]:
     return out
 
 
+def _limit_key(body: Mapping[str, Any]) -> str | None:
+    """The field that bounds the output: ``max_completion_tokens`` (chat's newer name, first when set),
+    else ``max_tokens``; None when neither is an int."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return key
+    return None
+
+
 def remaining_tokens(body: Mapping[str, Any], sent: int) -> int | None:
-    """``max_tokens`` left after ``sent`` tokens (>= 0); None when the request gave no ``max_tokens``
-    (the engine's default, context - prompt, already shrinks with the longer prompt)."""
-    max_tokens = body.get("max_tokens")
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+    """``max_completion_tokens`` / ``max_tokens`` left after ``sent`` tokens (>= 0); None when the
+    request gave neither (the engine's default, context - prompt, already shrinks with the longer prompt)."""
+    key = _limit_key(body)
+    if key is None:
         return None
-    return max(0, max_tokens - sent)
+    return max(0, body[key] - sent)
+
+
+def _continued_messages(body: Mapping[str, Any], text: str) -> list[Any] | None:
+    """``messages`` with the assistant's partial turn: appended as a new assistant message, or, when
+    the client already asked to continue its own last assistant message, added to its content."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    out = list(messages)
+    last = out[-1]
+    if body.get("continue_final_message") and isinstance(last, Mapping) and last.get("role") == "assistant":
+        content = last.get("content")
+        if not isinstance(content, str):
+            return None
+        out[-1] = {**last, "content": content + text}
+        return out
+    out.append({"role": "assistant", "content": text})
+    return out
 
 
 def continuation_body(body: Mapping[str, Any], state: StreamResume) -> dict[str, Any] | None:
     """The continuation's request: the client's ``body`` with ``prompt`` + the output so far
-    (token ids when both are ids, else text), ``max_tokens`` - tokens sent, ``min_tokens`` - tokens
-    sent (>= 0), no ``echo``; everything else (``seed``, ``temperature``, ``stop``, ``logprobs``,
+    (token ids when both are ids, else text; chat: ``messages`` + an assistant message with the text,
+    ``continue_final_message`` true and ``add_generation_prompt`` false, vLLM's way to continue a
+    turn through the chat template), ``max_tokens`` / ``max_completion_tokens`` - tokens sent,
+    ``min_tokens`` - tokens sent (>= 0), no ``echo``; everything else (``seed``, ``temperature``, ``stop``, ``logprobs``,
     ``stream_options``, ...) unchanged. None when it cannot be built: a token-id prompt without
     token ids from the engine, or a prompt :func:`prompt_of` refuses.
 
     Worked: {"prompt": "abcd", "max_tokens": 8, "min_tokens": 2, "seed": 7} after " tok tok tok"
     (3 tokens) -> {"prompt": "abcd tok tok tok", "max_tokens": 5, "min_tokens": 0, "seed": 7}."""
+    if state.chat:
+        messages = _continued_messages(body, state.text())
+        if messages is None:
+            return None
+        out = dict(body)
+        out["messages"] = messages
+        out["continue_final_message"] = True  # vLLM: render the last turn open, no generation prompt
+        out["add_generation_prompt"] = False
+        return _reduce(out, body, state.tokens)
     prompt = prompt_of(body)
     if prompt is None:
         return None
@@ -255,13 +338,17 @@ def continuation_body(body: Mapping[str, Any], state: StreamResume) -> dict[str,
         out["prompt"] = prompt + state.token_ids
     else:
         out["prompt"] = prompt + state.text()
-    left = remaining_tokens(body, state.tokens)
-    if left is not None:
-        out["max_tokens"] = left
-    min_tokens = body.get("min_tokens")
-    if isinstance(min_tokens, int) and not isinstance(min_tokens, bool):
-        out["min_tokens"] = max(0, min_tokens - state.tokens)
     out.pop("echo", None)
+    return _reduce(out, body, state.tokens)
+
+
+def _reduce(out: dict[str, Any], body: Mapping[str, Any], sent: int) -> dict[str, Any]:
+    """``out`` with the output bound (``max_completion_tokens`` / ``max_tokens``) and ``min_tokens``
+    of ``body`` reduced by ``sent`` tokens (>= 0)."""
+    for key in ("max_completion_tokens", "max_tokens", "min_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            out[key] = max(0, value - sent)
     return out
 
 

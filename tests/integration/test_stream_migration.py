@@ -202,3 +202,40 @@ async def test_non_stream_request_is_reissued_when_its_agent_dies(fleet_factory)
         answer = await resp.json()
         assert answer["choices"][0]["text"] == " tok" * MAX_TOKENS
         assert answer["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+async def test_chat_stream_survives_a_killed_agent(fleet_factory) -> None:
+    """A streamed chat completion: its agent killed after 20 tokens, the router continues it with the
+    partial assistant turn (continue_final_message); the client sees one role event, one id, exactly
+    max_tokens content tokens, finish_reason length and the original prompt's usage."""
+    from loadgen.sim.tokenizer import count_tokens, render_chat
+
+    fleet = fleet_factory(2, time_scale=1.0)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": prompt(6000)}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "stream": True,
+            "stream_options": {"include_usage": True}}
+    roles, contents, ids, finish, usage = 0, [], set(), [], None
+    async with aiohttp.ClientSession() as s, s.post(f"{fleet.router_url}/v1/chat/completions", json=body,
+                                                      headers=auth(fleet)) as resp:  # fmt: skip
+        assert resp.status == 200
+        replica = resp.headers["x-fairbatch-replica"]
+        async for line in resp.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            assert "error" not in ev
+            ids.add(ev["id"])
+            for ch in ev.get("choices") or ():
+                roles += "role" in ch["delta"]
+                if ch["delta"].get("content"):
+                    contents.append(ch["delta"]["content"])
+                if ch.get("finish_reason") is not None:
+                    finish.append(ch["finish_reason"])
+            if ev.get("usage"):
+                usage = ev["usage"]
+            if len(contents) == 20 and not finish:
+                kill(fleet, f"agent{replica[1:]}")
+    assert roles == 1 and len(ids) == 1 and finish == ["length"]
+    assert "".join(contents) == " tok" * MAX_TOKENS and len(contents) == MAX_TOKENS
+    assert usage is not None and usage["prompt_tokens"] == count_tokens(render_chat(messages))
+    assert usage["completion_tokens"] == MAX_TOKENS

@@ -141,3 +141,45 @@ def test_migration_config_bounds() -> None:
     for bad in (-1, 17):
         with pytest.raises(ValidationError):
             MigrationConfig(max_migrations=bad)
+
+
+def chat_ev(content: str | None, finish: str | None = None, role: bool = False, rid: str = "chatcmpl-a") -> bytes:
+    delta: dict = {"content": content} if content is not None else {}
+    if role:
+        delta["role"] = "assistant"
+    return ev({"id": rid, "object": "chat.completion.chunk", "created": 100, "model": "m",
+               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+
+
+def test_chat_migratable_and_constraints() -> None:
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    assert migratable(base, chat=True, stream=True)
+    assert not migratable({**base, "messages": []}, chat=True, stream=True)
+    assert not migratable({**base, "tools": [{"type": "function"}]}, chat=True, stream=True)
+    assert not migratable({**base, "response_format": {"type": "json_object"}}, chat=True, stream=True)
+    assert migratable({**base, "response_format": {"type": "text"}}, chat=True, stream=True)
+    assert not migratable({"prompt": "abcd", "guided_json": {"type": "object"}}, chat=False, stream=True)
+
+
+def test_chat_feed_counts_content_and_drops_the_continuations_role_event() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5, "max_tokens": 9}
+    s = StreamResume(body, chat=True)
+    role = chat_ev("", role=True)
+    assert s.feed(role + chat_ev(" tok") + chat_ev(" the")) == role + chat_ev(" tok") + chat_ev(" the")
+    assert s.tokens == 2 and s.text() == " tok the"  # the role event is no token
+    got = continuation_body(body, s)
+    assert got == {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " tok the"}],
+                   "max_completion_tokens": 3, "max_tokens": 7, "continue_final_message": True,
+                   "add_generation_prompt": False}
+    s.next_attempt()
+    out = s.feed(chat_ev("", role=True, rid="chatcmpl-b") + chat_ev(" and", rid="chatcmpl-b"))
+    assert [json.loads(e[6:])["choices"][0]["delta"] for e in out.split(b"\n\n") if e] == [{"content": " and"}]
+    assert s.tokens == 3 and remaining_tokens(body, s.tokens) == 2  # max_completion_tokens wins
+
+
+def test_chat_continues_the_clients_own_open_turn() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}],
+            "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 4}
+    s = StreamResume(body, chat=True)
+    s.feed(chat_ev(" tok"))
+    assert continuation_body(body, s)["messages"][-1] == {"role": "assistant", "content": "Sure, tok"}
