@@ -23,14 +23,17 @@ Exactness. The output so far is kept as token ids when the engine streams them (
 ``prompt + token_ids``, the engine's own tokens. Otherwise the text is kept and a string prompt
 continues with ``prompt + text``: exact when re-tokenizing the text gives back the same tokens (the
 simulated engine: 4-byte tokens; vLLM: usually, but a BPE merge across the boundary can differ).
-A token-id prompt whose engine streams no token ids cannot be continued (``not-continuable``).
+A token-id prompt whose engine streams no token ids cannot be continued (``not-continuable``),
+nor a chat stream that sent reasoning, a refusal or a tool call.
 A chat completion continues through the engine's chat template: ``messages`` + an assistant
 message holding the text so far, ``continue_final_message: true, add_generation_prompt: false``
 (vLLM renders the turn open, so the prompt is the original one plus the text; the simulated engine
 does the same, loadgen/sim/tokenizer.py ``render_chat``).
-The count of tokens sent is ``len(token_ids)`` per event when present, else one per event that
-carries a choice (one engine step of one sequence: one token without speculative decoding; an
-empty final event with a ``finish_reason`` is not counted). Greedy decoding (``temperature`` 0, or
+The count of tokens sent is ``len(token_ids)`` per event when present, else the event's logprobs
+entries when the client asked for logprobs, else one per event that carries a choice (one engine step
+of one sequence: one token without speculative decoding; an empty final event with a
+``finish_reason`` is not counted, an empty event before it is: vLLM sends one for a token whose bytes
+end inside a UTF-8 character, and a cut right there loses those bytes from the text prompt). Greedy decoding (``temperature`` 0, or
 the simulated engine without ``seed``) continues exactly as an unbroken run; a seeded sampled
 request restarts its generator on the new replica, so the continuation is a valid sample given the
 text so far but not the unbroken run's. A ``stop`` string that would straddle the failure point is
@@ -44,10 +47,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fairbatch_common.openai_stream import logprob_tokens
+
 CAUSES = ("error_event", "disconnect", "silence", "replica_removed")
 """Why an attempt failed mid-stream (metric label ``cause``; router/relay.py ``RelayOutcome.cause``)."""
 
 _DONE = b"[DONE]"
+_OPAQUE_DELTA = ("reasoning_content", "reasoning", "refusal", "tool_calls")
+"""Chat delta fields a continuation's ``messages`` cannot carry back: a stream that sent one is not continued."""
 
 
 def prompt_of(body: Mapping[str, Any]) -> str | list[int] | None:
@@ -126,6 +133,7 @@ class StreamResume:
         migrations: continuations placed so far.
         attempt_events: SSE events the current attempt relayed.
         events: SSE data events relayed to the client over all attempts (``[DONE]`` not counted).
+        opaque: a chat event carried reasoning, a refusal or a tool call (not continuable).
     """
 
     body: Mapping[str, Any]
@@ -142,6 +150,7 @@ class StreamResume:
     migrations: int = 0
     attempt_events: int = 0
     events: int = 0
+    opaque: bool = False
     _buf: bytes = b""
 
     def text(self) -> str:
@@ -227,7 +236,9 @@ class StreamResume:
                 delta = delta if isinstance(delta, dict) else {}
                 text = delta.get("content")
                 text = text if isinstance(text, str) else ""
-                if "role" in delta and not text and finish is None:
+                if any(delta.get(k) for k in _OPAQUE_DELTA):
+                    self.opaque = True  # output the continuation's prompt could not carry
+                elif "role" in delta and not text and finish is None:
                     continue  # the role event opens the turn: no token
             else:
                 text = choice.get("text")
@@ -239,7 +250,10 @@ class StreamResume:
                     self.token_ids.extend(ids)
             else:
                 self.token_ids = None
-                if text or finish is None:
+                counted = logprob_tokens(choice.get("logprobs"))  # one entry per token when asked for
+                if counted:
+                    self.tokens += counted
+                elif text or finish is None:
                     self.tokens += 1
             if text:
                 self.texts.append(text)
@@ -319,6 +333,8 @@ def continuation_body(body: Mapping[str, Any], state: StreamResume) -> dict[str,
 
     Worked: {"prompt": "abcd", "max_tokens": 8, "min_tokens": 2, "seed": 7} after " tok tok tok"
     (3 tokens) -> {"prompt": "abcd tok tok tok", "max_tokens": 5, "min_tokens": 0, "seed": 7}."""
+    if state.opaque:
+        return None
     if state.chat:
         messages = _continued_messages(body, state.text())
         if messages is None:

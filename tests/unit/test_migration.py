@@ -183,3 +183,15 @@ def test_chat_continues_the_clients_own_open_turn() -> None:
     s = StreamResume(body, chat=True)
     s.feed(chat_ev(" tok"))
     assert continuation_body(body, s)["messages"][-1] == {"role": "assistant", "content": "Sure, tok"}
+
+
+def test_logprobs_count_tokens_and_opaque_chat_output_is_not_continued() -> None:
+    s = StreamResume({"prompt": "abcd", "max_tokens": 9, "logprobs": 1})
+    s.feed(tok(" tok the", logprobs={"tokens": [" tok", " the"], "token_logprobs": [-0.1, -0.2]}))
+    assert s.tokens == 2  # two tokens in one engine step (speculative decoding)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9}
+    s = StreamResume(body, chat=True)
+    s.feed(ev({"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "reasoning_content": "hm"},
+                                        "finish_reason": None}]}))
+    assert s.opaque and s.tokens == 1
+    assert continuation_body(body, s) is None and decide(s, 3, 1, None).reason == "not-continuable"
