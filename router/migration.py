@@ -157,13 +157,18 @@ class StreamResume:
         """The text relayed so far."""
         return "".join(self.texts)
 
+    def new_attempt(self) -> None:
+        """An attempt starts (the first, a retry before the first byte, or a continuation): the
+        previous attempt's error mark, event count and partial event are dropped."""
+        self.error = False
+        self.attempt_events = 0
+        self._buf = b""
+
     def next_attempt(self) -> None:
         """A continuation is placed: the tokens so far are its base; the attempt's state resets."""
         self.migrations += 1
         self.base_tokens = self.tokens
-        self.error = False
-        self.attempt_events = 0
-        self._buf = b""
+        self.new_attempt()
 
     def feed(self, chunk: bytes) -> bytes:
         """The upstream bytes ``chunk`` of the current attempt -> the bytes to write to the client

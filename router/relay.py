@@ -360,6 +360,7 @@ class Relay:
         Raises:
             asyncio.CancelledError: the handler was cancelled (client gone); upstream is closed first.
         """
+        state.new_attempt()
         try:
             upstream = await self.open(base_url, path, body, upstream_headers, abort, silence_s)
         except ValueError:
@@ -432,6 +433,11 @@ class Relay:
         except (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError):
             upstream.close()
             return RelayOutcome("client_gone", resp, status, "client disconnected", events=state.events)
+        except Exception:  # noqa: BLE001 - a bug in the event accounting: end the attempt, never continue it
+            upstream.close()
+            log.exception("resumable relay failed")
+            state.opaque = True  # router/migration.py decide: not-continuable -> the SSE error event
+            cause, why = "disconnect", "relay error"
         detail = f"upstream failed mid-stream: {why or cause}"
         if resp is None or state.attempt_events == 0:
             body = before if before.rstrip().endswith(b"[DONE]") else before + _SSE_DONE

@@ -343,6 +343,8 @@ async def test_failure_before_first_byte_retried_elsewhere(fleet: Fleet, mode: s
     while not fleet.admission["r0"].releases and loop.time() < end:
         await asyncio.sleep(0.02)
     assert [r.lease_id for r in fleet.admission["r0"].releases] == ["r0-lease-1"]
+    metrics = await (await fleet.session.get(fleet.url + "/metrics")).text()  # type: ignore[union-attr]
+    assert 'fairbatch_router_requests_total{outcome="ok",slo_class="interactive",tenant="acme"} 1.0' in metrics
 
 
 @pytest.mark.parametrize("stream", [False, True])

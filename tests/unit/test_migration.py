@@ -195,3 +195,17 @@ def test_logprobs_count_tokens_and_opaque_chat_output_is_not_continued() -> None
                                         "finish_reason": None}]}))
     assert s.opaque and s.tokens == 1
     assert continuation_body(body, s) is None and decide(s, 3, 1, None).reason == "not-continuable"
+
+
+def test_opaque_state_is_not_continuable_for_completions_too() -> None:
+    s = StreamResume({"prompt": "abcd", "max_tokens": 9})
+    s.feed(tok(" tok"))
+    s.opaque = True  # what the relay sets when the accounting itself failed
+    assert decide(s, 3, 1, None).reason == "not-continuable"
+
+
+def test_a_retry_before_the_first_byte_starts_clean() -> None:
+    s = StreamResume({"prompt": "abcd", "max_tokens": 9})
+    assert s.feed(b'data: {"error": {"message": "x", "code": 502}}\n\ndata: [DONE]\n\n') == b"" and s.error
+    s.new_attempt()  # the relay does this at every attempt's start
+    assert not s.error and s.feed(tok(" tok")) == tok(" tok") and s.migrations == 0
