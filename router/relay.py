@@ -378,8 +378,10 @@ class Relay:
             ctype = upstream.headers.get("content-type", "application/json")
             if not ctype.startswith("text/event-stream") or upstream.status >= 400:
                 out = await self._relay(request, upstream, response_headers)
-                if resp is not None and out.kind != "lease_refused":  # a continuation answered, but not a stream
-                    return RelayOutcome("retryable", resp, out.status, out.detail or "continuation not streamed",
+                if resp is not None and out.kind != "lease_refused":  # a continuation answered, but not a stream:
+                    # the engine's refusal (4xx) stays one (every replica would refuse it), the rest is a failure
+                    kind = "refused" if out.kind == "refused" else "retryable"
+                    return RelayOutcome(kind, resp, out.status, out.detail or "continuation not streamed",
                                         cause="error_event")
                 return out
             return await self._resume_stream(request, upstream, ctype, response_headers, state, resp, on_first)

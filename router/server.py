@@ -403,7 +403,8 @@ class Router(AuxEndpoints):
     ) -> tuple[str, web.StreamResponse]:
         """Continue a stream whose attempt on ``grant`` failed after its first byte (the core already
         released that grant): router/migration.py ``decide`` says whether; each continuation is a
-        new placement through the core (the failed replicas excluded, the class's queue bound), its
+        new placement through the core as a request arriving now (the failed replicas excluded, the
+        class's ``max_queue_ms`` from now), its
         request built by ``continuation_body`` and relayed into the same client response. Bounded by
         ``migration.max_migrations``. The tenant is charged once, for the original request: each
         continuation's charge is refunded. Returns (outcome, response): ``ok`` when a continuation
@@ -418,9 +419,10 @@ class Router(AuxEndpoints):
         failed_at = loop.time()
         added = 0.0
 
-        def first_event() -> None:
+        def first_event() -> None:  # the continuation's first event relayed: its prefill is done
             nonlocal added
             added += loop.time() - failed_at
+            core.prefill_done(grant)
 
         while True:
             log.warning("request %s: replica %s failed mid-stream (%s) after %d tokens", req.request_id,
@@ -443,8 +445,11 @@ class Router(AuxEndpoints):
             assert body is not None
             state.next_attempt()
             left = remaining_tokens(state.body, state.tokens)
+            # placed as a request arriving now (its queue bound and TTFT feasibility from now: the client
+            # already has its first token; judged from the original arrival it would be shed or expired)
             creq = dataclasses.replace(req, prompt_tokens=req.prompt_tokens + state.base_tokens,
-                                       max_tokens=req.max_tokens - state.base_tokens if left is None else left)
+                                       max_tokens=req.max_tokens - state.base_tokens if left is None else left,
+                                       arrival_ms=self.clock.now_ms())
             tries = core.attempts(1)
             tries.exclude = frozenset(exclude)
             tries.next_try()
@@ -457,11 +462,10 @@ class Router(AuxEndpoints):
             request[GRANT] = grant
             raw = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
             outcome = await self._forward(request, principal, grant, raw, f"{req.request_id}-m{state.migrations}",
-                                          req.arrival_ms, True, state, resp, first_event)  # fmt: skip
+                                          creq.arrival_ms, True, state, resp, first_event)  # fmt: skip
             action = core.after_attempt(tries, creq, grant, outcome.kind, outcome.pab_ms, outcome.pab_tokens)
             if not action.refund:  # charged once: the original request's charge covers the continuation
                 core.charge(creq.tenant, -creq.prompt_tokens, -core.decode_estimate(creq.max_tokens))
-            core.prefill_done(grant)
             request[RELAY_EVENTS] = state.events
             if outcome.kind == "ok":
                 self.budgets.forget(grant.lease_id)
