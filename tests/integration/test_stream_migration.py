@@ -239,3 +239,37 @@ async def test_chat_stream_survives_a_killed_agent(fleet_factory) -> None:
     assert "".join(contents) == " tok" * MAX_TOKENS and len(contents) == MAX_TOKENS
     assert usage is not None and usage["prompt_tokens"] == count_tokens(render_chat(messages))
     assert usage["completion_tokens"] == MAX_TOKENS
+
+
+STALL_CLASSES = {"interactive": {"ttft_ms": 1000, "tpot_ms": 100, "priority": 0, "sheddable": False,
+                                 "max_queue_ms": 8000, "stall_timeout_ms": 1000}}
+
+
+@pytest.mark.parametrize("victim", ["engine", "agent"])
+async def test_a_stalled_replica_is_left_for_another(fleet_factory, victim: str) -> None:
+    """SIGSTOP instead of SIGKILL: a frozen engine is a stall the agent reports after the class's
+    stall_timeout_ms (1 s here) with its error event; a frozen agent goes silent and the router gives
+    it up after Router.silence_s (2 x 1 s + 5 s). Either way the stream is continued elsewhere, whole."""
+    fleet = fleet_factory(2, time_scale=1.0, slo_classes=STALL_CLASSES)
+    stopped: list[int] = []
+
+    def maybe_stop(out: dict) -> None:
+        if not stopped and len(out["texts"]) >= 20:
+            pid = fleet.children[f"{victim}{out['replica'][1:]}"].popen.pid
+            stopped.append(pid)
+            os.killpg(pid, signal.SIGSTOP)
+
+    try:
+        async with aiohttp.ClientSession() as s:
+            t0 = time.monotonic()
+            res = await stream(s, fleet, 5000, maybe_stop)
+            waited = time.monotonic() - t0
+            metrics = await router_metrics(s, fleet)
+    finally:
+        for pid in stopped:
+            os.killpg(pid, signal.SIGCONT)
+    assert stopped
+    assert_whole(res, " tok" * MAX_TOKENS)
+    cause = "error_event" if victim == "engine" else "silence"
+    assert f'fairbatch_router_stream_migrations_total{{cause="{cause}",outcome="resumed"}} 1.0' in metrics
+    assert waited >= (1.0 if victim == "engine" else 7.0)
