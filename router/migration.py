@@ -134,6 +134,7 @@ class StreamResume:
         attempt_events: SSE events the current attempt relayed.
         events: SSE data events relayed to the client over all attempts (``[DONE]`` not counted).
         opaque: a chat event carried reasoning, a refusal or a tool call (not continuable).
+        last_out: the relay's output that ended with ``[DONE]`` (written with the end of the body).
     """
 
     body: Mapping[str, Any]
@@ -151,6 +152,7 @@ class StreamResume:
     attempt_events: int = 0
     events: int = 0
     opaque: bool = False
+    last_out: bytes = b""
     _buf: bytes = b""
 
     def text(self) -> str:

@@ -209,6 +209,11 @@ def _stream_end(pipe: _StreamPipe, resp: web.StreamResponse, status: int, events
     return RelayOutcome("ok", resp, status, events=events)
 
 
+def _why(exc: BaseException) -> str:
+    """A failure's detail for logs and the client's error event (a removed replica's reason kept)."""
+    return f"{exc.__class__.__name__}: {exc}" if isinstance(exc, ReplicaGone) else exc.__class__.__name__
+
+
 def _cause(exc: BaseException) -> str:
     """The migration cause of an upstream failure (router/migration.py ``CAUSES``)."""
     if isinstance(exc, ReplicaGone):
@@ -392,43 +397,57 @@ class Relay:
         self, request: web.Request, upstream: Exchange, ctype: str, response_headers: Mapping[str, str],
         state: StreamResume, resp: web.StreamResponse | None, on_first: Callable[[], None] | None,
     ) -> RelayOutcome:
+        """Read until this attempt relays its first event (the client's response prepared then on a
+        first attempt), then pipe the rest from the upstream socket's read callback
+        (:meth:`Exchange.pipe`, :class:`ClientSink`: no task wake-up per chunk), each chunk through
+        ``state.feed``, up to ``[DONE]`` (sent with the end of the body), an error event or a failure."""
         status = upstream.status
         before = b""  # a first attempt's bytes before anything was relayed (its error answer)
         cause = ""
         why = ""
         try:
-            while True:
+            while True:  # up to this attempt's first relayed event
                 try:
                     chunk = await upstream.readany()
                 except UpstreamError as exc:
                     upstream.close()
-                    cause = _cause(exc)
-                    why = f"{exc.__class__.__name__}: {exc}" if isinstance(exc, ReplicaGone) else exc.__class__.__name__
+                    cause, why = _cause(exc), _why(exc)
                     break
                 if not chunk:
-                    if not state.done and not state.error:
-                        cause = "disconnect"
+                    cause = "disconnect"
                     break
                 out = state.feed(chunk)
-                if resp is None and not out:
-                    before = (before + chunk)[-4096:]
-                if out:
-                    if on_first is not None:
-                        on_first()
-                        on_first = None
+                if not out:
                     if resp is None:
-                        resp = FirstChunkStreamResponse(status=status, headers=response_headers)
-                        resp.content_type = ctype.split(";", 1)[0]
-                        resp.headers["Cache-Control"] = "no-cache"
-                        await resp.prepare(request)
-                    await resp.write(out)
+                        before = (before + chunk)[-4096:]
+                    if state.error:
+                        upstream.close()
+                        cause = "error_event"
+                        break
+                    continue
+                if on_first is not None:
+                    on_first()
+                if resp is None:
+                    resp = FirstChunkStreamResponse(status=status, headers=response_headers)
+                    resp.content_type = ctype.split(";", 1)[0]
+                    resp.headers["Cache-Control"] = "no-cache"
+                    await resp.prepare(request)
                 if state.done:
-                    await resp.write_eof()  # type: ignore[union-attr]
+                    await resp.write_eof(out)
                     return RelayOutcome("ok", resp, status, events=state.events)
+                await resp.write(out)
                 if state.error:
                     upstream.close()
                     cause = "error_event"
                     break
+                cause, why = await self._pipe_resumable(request, upstream, state)
+                if cause == "ok":
+                    await resp.write_eof(state.last_out)
+                    return RelayOutcome("ok", resp, status, events=state.events)
+                if cause == "client_gone":
+                    upstream.close()
+                    return RelayOutcome("client_gone", resp, status, "client disconnected", events=state.events)
+                break
         except asyncio.CancelledError:
             upstream.close()
             raise
@@ -446,6 +465,49 @@ class Relay:
             return RelayOutcome("retryable", resp, status, detail, error_body=body if before else b"",
                                 error_content_type=ctype, events=state.events, cause=cause)
         return RelayOutcome("upstream_error", resp, status, detail, events=state.events, cause=cause)
+
+    @staticmethod
+    async def _pipe_resumable(request: web.Request, upstream: Exchange, state: StreamResume) -> tuple[str, str]:
+        """The rest of an attempt after its first relayed event, from the read callback: returns
+        (``ok`` | ``client_gone`` | a migration cause, detail). On ``ok`` the output that ends with
+        ``[DONE]`` is left in ``state.last_out`` for ``write_eof``; the upstream is closed on failures."""
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            return "client_gone", ""
+        client = ClientSink(transport, upstream, request.version >= HttpVersion11)
+        gone = False
+
+        def on_chunk(chunk: bytes) -> bool:
+            nonlocal gone
+            out = state.feed(chunk)
+            if state.done:
+                state.last_out = out
+                return True
+            if out and not client.send(out):
+                gone = True
+                return True
+            return state.error
+
+        try:
+            await upstream.pipe(on_chunk, client.flush)
+        except UpstreamError as exc:
+            upstream.close()
+            return _cause(exc), _why(exc)
+        except asyncio.CancelledError:
+            upstream.close()
+            raise
+        except Exception:  # noqa: BLE001 - a bug in the event accounting (raised in the sink)
+            upstream.close()
+            log.exception("resumable relay pipe failed")
+            state.opaque = True
+            return "disconnect", "relay error"
+        client.flush()
+        if gone:
+            return "client_gone", ""
+        if state.done:
+            return "ok", ""
+        upstream.close()
+        return ("error_event", "") if state.error else ("disconnect", "")
 
     @staticmethod
     async def end_with_error(resp: web.StreamResponse, detail: str) -> bool:
