@@ -43,11 +43,12 @@ not seen (each attempt checks its own output).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fairbatch_common.openai_stream import logprob_tokens
+from fairbatch_common.openai_stream import fast_event_tokens, logprob_tokens
 
 CAUSES = ("error_event", "disconnect", "silence", "replica_removed")
 """Why an attempt failed mid-stream (metric label ``cause``; router/relay.py ``RelayOutcome.cause``)."""
@@ -154,10 +155,18 @@ class StreamResume:
     opaque: bool = False
     last_out: bytes = b""
     _buf: bytes = b""
+    _pending: list[bytes] = field(default_factory=list)
 
     def text(self) -> str:
         """The text relayed so far."""
+        self._decode_pending()
         return "".join(self.texts)
+
+    def _decode_pending(self) -> None:
+        """The fast path's text pieces (JSON string bodies, still escaped) decoded into :attr:`texts`."""
+        if self._pending:
+            self.texts.append(json.loads(b'"' + b"".join(self._pending) + b'"'))
+            self._pending.clear()
 
     def new_attempt(self) -> None:
         """An attempt starts (the first, a retry before the first byte, or a continuation): the
@@ -191,7 +200,19 @@ class StreamResume:
         return b"".join(out)
 
     def _event(self, raw: bytes) -> bytes:
-        data = b"".join(line[5:].lstrip() for line in raw.split(b"\n") if line.startswith(b"data:"))
+        if raw.startswith(b"data: ") and raw.count(b"\n") == 2:  # one data line: nearly every event
+            data = raw[6:-2]
+            if self.migrations == 0 and self.response_id is not None:
+                piece = fast_token_text(data, self.chat)
+                if piece is not None:  # a plain token event of the first attempt: no JSON parse
+                    self._pending.append(piece)
+                    self.token_ids = None
+                    self.tokens += 1
+                    self.events += 1
+                    self.attempt_events += 1
+                    return raw
+        else:
+            data = b"".join(line[5:].lstrip() for line in raw.split(b"\n") if line.startswith(b"data:"))
         if not data:
             return raw if raw.strip() else b""  # a comment or an empty keep-alive line: as is
         if data.strip() == _DONE:
@@ -263,9 +284,26 @@ class StreamResume:
                 elif text or finish is None:
                     self.tokens += 1
             if text:
+                self._decode_pending()
                 self.texts.append(text)
             if finish is not None:
                 self.finish_reason = finish
+
+
+_COMPLETION_TEXT = re.compile(rb'"text":"((?:[^"\\]|\\.)*)"')
+_CHAT_TEXT = re.compile(rb'"delta":\{"content":"((?:[^"\\]|\\.)*)"')
+
+
+def fast_token_text(payload: bytes, chat: bool) -> bytes | None:
+    """The text of a plain one-token event read from its bytes (the JSON string's body, still
+    escaped), or None when the event needs the full parse: the shapes
+    fairbatch_common/openai_stream.py ``fast_event_tokens`` recognises (one choice, a null
+    ``finish_reason``, no usage, logprobs, role, reasoning, tool calls or error), without
+    ``token_ids``. Sound for the reason given there: generated text cannot hold an unescaped quote."""
+    if b'"token_ids"' in payload or fast_event_tokens(payload) is None:
+        return None
+    m = (_CHAT_TEXT if chat else _COMPLETION_TEXT).search(payload)
+    return None if m is None else m.group(1)
 
 
 def _role_only(obj: Mapping[str, Any]) -> bool:

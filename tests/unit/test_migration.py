@@ -209,3 +209,42 @@ def test_a_retry_before_the_first_byte_starts_clean() -> None:
     assert s.feed(b'data: {"error": {"message": "x", "code": 502}}\n\ndata: [DONE]\n\n') == b"" and s.error
     s.new_attempt()  # the relay does this at every attempt's start
     assert not s.error and s.feed(tok(" tok")) == tok(" tok") and s.migrations == 0
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_fast_path_agrees_with_the_full_parse(chat: bool) -> None:
+    """The first attempt's plain token events are read from their bytes (fast_token_text); on every
+    shape the state equals what the full parse gives (a first event, escapes, unicode, logprobs,
+    finish, usage, a role event)."""
+    from router.migration import fast_token_text
+
+    def compact(obj: dict) -> bytes:
+        return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+    def choice(text: str, finish=None, **kw) -> dict:
+        base = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+        return {**base, "logprobs": None, "finish_reason": finish, **kw}
+
+    head = {"id": "x-1", "object": "o", "created": 5, "model": "m"}
+    texts = [" tok", 'a "quoted" \\ back', "\u00e9\u4e2d\U0001f600", "\n\t", "", " end"]
+    events = [compact({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})] if chat else []
+    events += [compact({**head, "choices": [choice(t)]}) for t in texts]
+    events.append(compact({**head, "choices": [choice(" lp", logprobs={"tokens": [" lp"], "content": [{}]})]}))
+    events.append(compact({**head, "choices": [choice(" last", "length")]}))
+    events.append(compact({**head, "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 9}}))
+    body = {"messages": [{"role": "user", "content": "q"}]} if chat else {"prompt": "q"}
+    fast = StreamResume(body, chat=chat)
+    out = fast.feed(b"".join(events))
+    assert out == b"".join(events)  # the first attempt's bytes unchanged
+    parsed = StreamResume(body, chat=chat)
+    for e in events:
+        parsed._account(json.loads(e[6:]))
+    assert (fast.tokens, fast.text(), fast.finish_reason) == (parsed.tokens, parsed.text(), parsed.finish_reason)
+    assert fast.text() == "".join(texts) + " lp last"
+    assert fast_token_text(events[-3][6:-2], chat) is None  # logprobs: the full parse
+    plain = compact({**head, "choices": [choice(" tok")]})
+    assert fast_token_text(plain[6:-2], chat) == b" tok"
+    s = StreamResume(body, chat=chat)
+    s.feed(plain + plain)  # the first event parsed (its id), the second read from its bytes
+    assert s._pending == [b" tok"] and s.tokens == 2 and s.text() == " tok tok"
