@@ -273,3 +273,26 @@ async def test_a_stalled_replica_is_left_for_another(fleet_factory, victim: str)
     cause = "error_event" if victim == "engine" else "silence"
     assert f'fairbatch_router_stream_migrations_total{{cause="{cause}",outcome="resumed"}} 1.0' in metrics
     assert waited >= (1.0 if victim == "engine" else 7.0)
+
+
+async def test_a_seeded_sampled_stream_is_continued_whole(fleet_factory) -> None:
+    """seed + temperature 1 (the simulated engine samples from its seeded generator; ignore_eos so the
+    stream runs to max_tokens): the agent killed after 20 tokens, the stream still ends whole with
+    max_tokens tokens, one id and finish_reason length. The text before the cut is the unbroken run's;
+    after it the continuation's generator starts afresh (router/migration.py: not the unbroken run's)."""
+    fleet = fleet_factory(2, time_scale=1.0)
+    extra = {"seed": 1234, "temperature": 1.0, "ignore_eos": True}
+    async with aiohttp.ClientSession() as s:
+        unbroken = await stream(s, fleet, 4000, **extra)
+        killed: list[int] = []
+
+        def maybe_kill(out: dict) -> None:
+            if not killed and len(out["texts"]) >= 20:
+                killed.append(len(out["texts"]))
+                kill(fleet, f"agent{out['replica'][1:]}")
+
+        res = await stream(s, fleet, 4000, maybe_kill, **extra)
+    assert killed and res["error"] is None and res["done"] and len(res["ids"]) == 1
+    assert len(res["texts"]) == MAX_TOKENS and res["finish"] == ["length"]
+    assert res["usage"]["completion_tokens"] == MAX_TOKENS and res["usage"]["prompt_tokens"] == PROMPT_TOKENS
+    assert res["texts"][:killed[0]] == unbroken["texts"][:killed[0]]
