@@ -136,6 +136,8 @@ class StreamResume:
         events: SSE data events relayed to the client over all attempts (``[DONE]`` not counted).
         opaque: a chat event carried reasoning, a refusal or a tool call (not continuable).
         last_out: the relay's output that ended with ``[DONE]`` (written with the end of the body).
+        error_message: the held-back error event's message (at most 200 characters; the agent's, e.g.
+            "engine stalled: no byte for 3 s"), for the router's own error event when not continued.
     """
 
     body: Mapping[str, Any]
@@ -154,6 +156,7 @@ class StreamResume:
     events: int = 0
     opaque: bool = False
     last_out: bytes = b""
+    error_message: str = ""
     _buf: bytes = b""
     _pending: list[bytes] = field(default_factory=list)
 
@@ -172,6 +175,7 @@ class StreamResume:
         """An attempt starts (the first, a retry before the first byte, or a continuation): the
         previous attempt's error mark, event count and partial event are dropped."""
         self.error = False
+        self.error_message = ""
         self.attempt_events = 0
         self._buf = b""
 
@@ -218,9 +222,6 @@ class StreamResume:
         if data.strip() == _DONE:
             self.done = True
             return b"data: [DONE]\n\n"
-        if data.startswith(b'{"error"'):
-            self.error = True
-            return b""
         try:
             obj = json.loads(data)
         except ValueError:
@@ -233,6 +234,9 @@ class StreamResume:
             return raw
         if "error" in obj:
             self.error = True
+            err = obj["error"]
+            message = err.get("message") if isinstance(err, dict) else err
+            self.error_message = message[:200] if isinstance(message, str) else ""
             return b""
         if self.chat and self.migrations > 0 and _role_only(obj):
             return b""  # the continuation's {"role": "assistant", "content": ""}: the client has one

@@ -459,6 +459,8 @@ class Relay:
             log.exception("resumable relay failed")
             state.opaque = True  # router/migration.py decide: not-continuable -> the SSE error event
             cause, why = "disconnect", "relay error"
+        if cause == "error_event" and state.error_message:
+            why = state.error_message  # the agent's own words (engine stalled, engine stream failed, ...)
         detail = f"upstream failed mid-stream: {why or cause}"
         if resp is None or state.attempt_events == 0:
             body = before if before.rstrip().endswith(b"[DONE]") else before + _SSE_DONE

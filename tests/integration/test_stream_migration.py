@@ -171,6 +171,7 @@ async def test_a_stream_that_cannot_be_continued_ends_with_the_error_event(fleet
         async with s.post(f"{fleet.router_url}/v1/completions", json=body, headers=auth(fleet)) as resp:
             res = await read_stream(resp, maybe_kill)
         assert killed and res["done"] and res["error"] is not None and res["error"]["code"] == 502
+        assert res["error"]["message"].startswith("upstream failed mid-stream: engine stream failed")  # the agent's words
         assert 20 <= len(res["texts"]) < MAX_TOKENS
         metrics = await router_metrics(s, fleet)
     assert 'fairbatch_router_stream_migrations_total{cause="error_event",outcome="not_continuable"} 1.0' in metrics

@@ -53,6 +53,7 @@ def test_feed_relays_first_attempt_bytes_unchanged_and_counts_tokens() -> None:
     # the agent's error event is held back and marks the attempt failed; the rest is dropped
     err = b'data: {"error": {"message": "engine stream failed", "code": 502}}\n\ndata: [DONE]\n\n'
     assert s.feed(err) == b"" and s.error and not s.done
+    assert s.error_message == "engine stream failed"
     assert s.feed(tok(" and")) == b""
 
 
