@@ -33,6 +33,7 @@ Schema (docs/architecture.md, section "Router"; docs/design.md section 6)::
     fairness: {w_prefill: 1.0, w_decode: 2.0, default_max_tokens: 256, counter_sync_ms: 100}
     ledger: {key_prefix: fairbatch, timeout_ms: 200, retry_initial_ms: 100, retry_max_ms: 5000,
              concurrency_ttl_ms: 600000}
+    migration: {max_migrations: 3}     # streamed /v1/completions continued on another replica (0 = off)
     redis_url: null                    # redis://host:port/0 -> quotas and VTC counters shared by routers
                                        #   (password: FAIRBATCH_REDIS_PASSWORD in the router's environment)
 
@@ -468,6 +469,22 @@ class LedgerConfig(_Strict):
     concurrency_ttl_ms: float = Field(default=600_000.0, gt=0)
 
 
+class MigrationConfig(_Strict):
+    """Token-resume migration of streamed ``/v1/completions`` (router/migration.py).
+
+    A stream whose replica fails after its first byte (connection lost, the agent's error event,
+    silence past the router's limit) is continued on another replica: prompt + the text (or token
+    ids) generated so far, ``max_tokens`` reduced by the tokens already sent, the same sampling
+    parameters and seed; the client's stream goes on with the same response id.
+
+    Attributes:
+        max_migrations: continuations placed per request, at most (0 = off: a failure mid-stream
+            ends the stream with the SSE error event, as before); in [0, 16].
+    """
+
+    max_migrations: int = Field(default=3, ge=0, le=16)
+
+
 class RouterConfig(_Strict):
     """The whole router YAML (see the module docstring). Cross-references are checked:
     a tenant's slo_class exists, api_keys are 64-hex sha256 digests of existing tenants,
@@ -487,6 +504,7 @@ class RouterConfig(_Strict):
     auth: AuthConfig = Field(default_factory=AuthConfig)
     fairness: FairnessConfig = Field(default_factory=FairnessConfig)
     ledger: LedgerConfig = Field(default_factory=LedgerConfig)
+    migration: MigrationConfig = Field(default_factory=MigrationConfig)
     redis_url: str | None = Field(default=None, pattern=r"^(redis|rediss|unix)://")
 
     @field_validator("api_keys", mode="before")

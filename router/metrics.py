@@ -116,6 +116,20 @@ class RouterMetrics:
             "Requests that missed their SLO, once each, by the first kind that applies (rejected, failed, ttft, tpot)",
             ["slo_class", "tenant", "kind"], registry=r,
         )
+        self.migrations = Counter(
+            "fairbatch_router_stream_migrations",
+            "Streamed completions whose replica failed after the first byte (router/migration.py), by cause "
+            "(error_event, disconnect, silence, replica_removed) and outcome (resumed: continued elsewhere to its "
+            "end; complete: every token was out; limit, not_continuable, context, no_replica, failed: ended with "
+            "the SSE error event; client_gone)",
+            ["cause", "outcome"], registry=r,
+        )
+        self.migration_added = Histogram(
+            "fairbatch_router_stream_migration_added_seconds",
+            "Wall seconds a migrated stream lost per migration: its replica's failure seen to the continuation's "
+            "first event relayed",
+            buckets=QUEUE_WAIT_BUCKETS_S, registry=r,
+        )
         self.inflight = Gauge(
             "fairbatch_router_inflight_requests", "Generation requests being handled (queued, relayed)", registry=r
         )

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -40,7 +40,8 @@ from aiohttp.http import HttpVersion11
 
 from fairbatch_common.aio import FirstChunkStreamResponse
 from fairbatch_common.openai_errors import sse_error_event
-from fairbatch_common.upstream import ClientSink, Exchange, Http1Pool, UpstreamError
+from fairbatch_common.upstream import ClientSink, Exchange, Http1Pool, UpstreamError, UpstreamTimeout
+from router.migration import StreamResume
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class RelayOutcome:
         pab_ms, pab_tokens: the class budget a ``lease_refused`` answer reported (-1: none).
         events: SSE data events relayed to the client, ``[DONE]`` not counted (0 for a non-stream
             answer); counted on line starts, never by parsing an event.
+        cause: why a resumable stream's attempt failed (:meth:`Relay.forward_resumable`; one of
+            router/migration.py ``CAUSES``), "" otherwise.
     """
 
     kind: str
@@ -85,6 +88,7 @@ class RelayOutcome:
     pab_ms: float = -1.0
     pab_tokens: int = -1
     events: int = 0
+    cause: str = ""
 
 
 class ReplicaGone(UpstreamError):
@@ -205,6 +209,20 @@ def _stream_end(pipe: _StreamPipe, resp: web.StreamResponse, status: int, events
     return RelayOutcome("ok", resp, status, events=events)
 
 
+def _why(exc: BaseException) -> str:
+    """A failure's detail for logs and the client's error event (a removed replica's reason kept)."""
+    return f"{exc.__class__.__name__}: {exc}" if isinstance(exc, ReplicaGone) else exc.__class__.__name__
+
+
+def _cause(exc: BaseException) -> str:
+    """The migration cause of an upstream failure (router/migration.py ``CAUSES``)."""
+    if isinstance(exc, ReplicaGone):
+        return "replica_removed"
+    if isinstance(exc, UpstreamTimeout):
+        return "silence"
+    return "disconnect"
+
+
 class Relay:
     """Forwards requests to agents over pooled keep-alive connections.
 
@@ -311,6 +329,198 @@ class Relay:
             return await self._relay(request, upstream, response_headers)
         finally:
             upstream.release()  # back to the pool once its body is complete (no-op when closed)
+
+    async def forward_resumable(
+        self,
+        request: web.Request,
+        base_url: str,
+        path: str,
+        body: bytes,
+        upstream_headers: Mapping[str, str],
+        response_headers: Mapping[str, str],
+        state: StreamResume,
+        resp: web.StreamResponse | None,
+        abort: UpstreamAbort | None = None,
+        silence_s: float | None = None,
+        on_first: Callable[[], None] | None = None,
+    ) -> RelayOutcome:
+        """One attempt of a migratable stream (router/migration.py): like :meth:`forward`, but every
+        SSE event goes through ``state.feed`` (the agent's error event held back, a continuation's
+        id and usage rewritten), and a failure after the first byte does not end the client stream:
+        the caller continues it elsewhere or ends it (:meth:`end_with_error`).
+
+        Args:
+            state: the stream's state across attempts (updated in place).
+            resp: the client's response once prepared (a continuation), else None (the first
+                attempt: prepared with this attempt's first relayed event).
+            on_first: called once, when this attempt relays its first event.
+            others: as :meth:`forward`.
+
+        Returns:
+            ``ok`` (``[DONE]`` relayed, stream ended), ``retryable`` (this attempt relayed nothing:
+            ``response`` is ``resp``, None on a first attempt), ``upstream_error`` (it failed after
+            relaying events; the client stream is open, ``cause`` set), ``client_gone``, or the
+            outcomes of a non-stream answer as :meth:`forward` (``refused``, ``lease_refused``, ...).
+
+        Raises:
+            asyncio.CancelledError: the handler was cancelled (client gone); upstream is closed first.
+        """
+        state.new_attempt()
+        try:
+            upstream = await self.open(base_url, path, body, upstream_headers, abort, silence_s)
+        except ValueError:
+            err = {"error": {"message": "a request header cannot be forwarded", "type": "invalid_request_error",
+                             "param": None, "code": 400}}
+            return RelayOutcome("refused", web.json_response(err, status=400, headers=dict(response_headers)), 400,
+                                "request header not forwardable")
+        except UpstreamError as exc:
+            return RelayOutcome("retryable", resp, detail=f"connect: {exc.__class__.__name__}: {exc}",
+                                cause=_cause(exc))
+        if upstream is None:
+            return RelayOutcome("retryable", resp, detail=f"aborted: {abort.reason if abort else ''}",
+                                cause="replica_removed")
+        try:
+            ctype = upstream.headers.get("content-type", "application/json")
+            if not ctype.startswith("text/event-stream") or upstream.status >= 400:
+                out = await self._relay(request, upstream, response_headers)
+                if resp is not None and out.kind != "lease_refused":  # a continuation answered, but not a stream:
+                    # the engine's refusal (4xx) stays one (every replica would refuse it), the rest is a failure
+                    kind = "refused" if out.kind == "refused" else "retryable"
+                    return RelayOutcome(kind, resp, out.status, out.detail or "continuation not streamed",
+                                        cause="error_event")
+                return out
+            return await self._resume_stream(request, upstream, ctype, response_headers, state, resp, on_first)
+        finally:
+            upstream.release()
+
+    async def _resume_stream(
+        self, request: web.Request, upstream: Exchange, ctype: str, response_headers: Mapping[str, str],
+        state: StreamResume, resp: web.StreamResponse | None, on_first: Callable[[], None] | None,
+    ) -> RelayOutcome:
+        """Read until this attempt relays its first event (the client's response prepared then on a
+        first attempt), then pipe the rest from the upstream socket's read callback
+        (:meth:`Exchange.pipe`, :class:`ClientSink`: no task wake-up per chunk), each chunk through
+        ``state.feed``, up to ``[DONE]`` (sent with the end of the body), an error event or a failure."""
+        status = upstream.status
+        before = b""  # a first attempt's bytes before anything was relayed (its error answer)
+        cause = ""
+        why = ""
+        try:
+            while True:  # up to this attempt's first relayed event
+                try:
+                    chunk = await upstream.readany()
+                except UpstreamError as exc:
+                    upstream.close()
+                    cause, why = _cause(exc), _why(exc)
+                    break
+                if not chunk:
+                    cause = "disconnect"
+                    break
+                out = state.feed(chunk)
+                if not out:
+                    if resp is None:
+                        before = (before + chunk)[-4096:]
+                    if state.error:
+                        upstream.close()
+                        cause = "error_event"
+                        break
+                    continue
+                if on_first is not None:
+                    on_first()
+                if resp is None:
+                    resp = FirstChunkStreamResponse(status=status, headers=response_headers)
+                    resp.content_type = ctype.split(";", 1)[0]
+                    resp.headers["Cache-Control"] = "no-cache"
+                    await resp.prepare(request)
+                if state.done:
+                    await resp.write_eof(out)
+                    return RelayOutcome("ok", resp, status, events=state.events)
+                await resp.write(out)
+                if state.error:
+                    upstream.close()
+                    cause = "error_event"
+                    break
+                cause, why = await self._pipe_resumable(request, upstream, state)
+                if cause == "ok":
+                    await resp.write_eof(state.last_out)
+                    return RelayOutcome("ok", resp, status, events=state.events)
+                if cause == "client_gone":
+                    upstream.close()
+                    return RelayOutcome("client_gone", resp, status, "client disconnected", events=state.events)
+                break
+        except asyncio.CancelledError:
+            upstream.close()
+            raise
+        except (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError):
+            upstream.close()
+            return RelayOutcome("client_gone", resp, status, "client disconnected", events=state.events)
+        except Exception:  # noqa: BLE001 - a bug in the event accounting: end the attempt, never continue it
+            upstream.close()
+            log.exception("resumable relay failed")
+            state.opaque = True  # router/migration.py decide: not-continuable -> the SSE error event
+            cause, why = "disconnect", "relay error"
+        if cause == "error_event" and state.error_message:
+            why = state.error_message  # the agent's own words (engine stalled, engine stream failed, ...)
+        detail = f"upstream failed mid-stream: {why or cause}"
+        if resp is None or state.attempt_events == 0:
+            body = before if before.rstrip().endswith(b"[DONE]") else before + _SSE_DONE
+            return RelayOutcome("retryable", resp, status, detail, error_body=body if before else b"",
+                                error_content_type=ctype, events=state.events, cause=cause)
+        return RelayOutcome("upstream_error", resp, status, detail, events=state.events, cause=cause)
+
+    @staticmethod
+    async def _pipe_resumable(request: web.Request, upstream: Exchange, state: StreamResume) -> tuple[str, str]:
+        """The rest of an attempt after its first relayed event, from the read callback: returns
+        (``ok`` | ``client_gone`` | a migration cause, detail). On ``ok`` the output that ends with
+        ``[DONE]`` is left in ``state.last_out`` for ``write_eof``; the upstream is closed on failures."""
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            return "client_gone", ""
+        client = ClientSink(transport, upstream, request.version >= HttpVersion11)
+        gone = False
+
+        def on_chunk(chunk: bytes) -> bool:
+            nonlocal gone
+            out = state.feed(chunk)
+            if state.done:
+                state.last_out = out
+                return True
+            if out and not client.send(out):
+                gone = True
+                return True
+            return state.error
+
+        try:
+            await upstream.pipe(on_chunk, client.flush)
+        except UpstreamError as exc:
+            upstream.close()
+            return _cause(exc), _why(exc)
+        except asyncio.CancelledError:
+            upstream.close()
+            raise
+        except Exception:  # noqa: BLE001 - a bug in the event accounting (raised in the sink)
+            upstream.close()
+            log.exception("resumable relay pipe failed")
+            state.opaque = True
+            return "disconnect", "relay error"
+        client.flush()
+        if gone:
+            return "client_gone", ""
+        if state.done:
+            return "ok", ""
+        upstream.close()
+        return ("error_event", "") if state.error else ("disconnect", "")
+
+    @staticmethod
+    async def end_with_error(resp: web.StreamResponse, detail: str) -> bool:
+        """End an open client stream with the SSE error event and ``[DONE]``; False when the client
+        was gone."""
+        try:
+            await resp.write(sse_error_event(detail))
+            await resp.write_eof()
+        except (ConnectionError, RuntimeError, aiohttp.ClientConnectionResetError):
+            return False
+        return True
 
     async def open(
         self, base_url: str, path: str, body: bytes, headers: Mapping[str, str], abort: UpstreamAbort | None = None,

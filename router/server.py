@@ -25,6 +25,8 @@ request's lease is consumed by the agent. Times are simulated ms from the router
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 from typing import Any
 
@@ -53,6 +55,7 @@ from router.config import RouterConfig, SloClassConfig
 from router.core import CoreRequest, Grant, Refused, tenant_shares
 from router.endpoints import AuxEndpoints, answer_response, metrics_http_errors, openai_error, openai_http_errors
 from router.ledger import CONCURRENCY_RETRY_MS, Refusal, TenantLimits
+from router.migration import StreamResume, continuation_body, decide, migratable, remaining_tokens
 from router.openai_surface import REFUSED_PATHS, RELAYED_PATHS, model_not_found
 from router.placement import largest_max_prompt
 from router.placement.predicted_latency import TPOT_SLO_HEADER, TTFT_SLO_HEADER, slo_header_ms
@@ -259,7 +262,9 @@ class Router(AuxEndpoints):
             return self._answer(tenant_over(quota.reason, principal.tenant, self.clock.to_wall_s(quota.retry_after_ms)))
         self.core.track_prefix(req)
         try:
-            outcome, response = await self._serve_placed(request, principal, raw, req, valid.stream)
+            resume = (StreamResume(body, chat) if self.config.migration.max_migrations > 0
+                      and migratable(body, chat, valid.stream) else None)  # fmt: skip
+            outcome, response = await self._serve_placed(request, principal, raw, req, valid.stream, resume)
             if quota_refunded(outcome, response.prepared):  # router/charges.py: nothing was generated
                 self._spawn(self.ledger.refund(quota, limits))
             return outcome, response
@@ -269,8 +274,10 @@ class Router(AuxEndpoints):
 
     async def _serve_placed(
         self, request: web.Request, principal: Principal, raw: bytes, req: CoreRequest, stream: bool,
+        resume: StreamResume | None = None,
     ) -> tuple[str, web.StreamResponse]:
-        """Acquire a lease (the core), relay, and follow the core's rule after each attempt."""
+        """Acquire a lease (the core), relay, and follow the core's rule after each attempt; a
+        migratable stream (``resume``) that fails after its first byte goes on in :meth:`_migrate`."""
         last: RelayOutcome | None = None
         last_replica = ""
         core = self.core
@@ -289,8 +296,11 @@ class Router(AuxEndpoints):
                 return self._answer(self._refusal_answer(got, principal, slo))
             grant = got
             request[GRANT] = grant
-            outcome = await self._forward(request, principal, grant, raw, req.request_id, req.arrival_ms, stream)
+            outcome = await self._forward(request, principal, grant, raw, req.request_id, req.arrival_ms, stream,
+                                          resume)  # fmt: skip
             action = core.after_attempt(tries, req, grant, outcome.kind, outcome.pab_ms, outcome.pab_tokens)
+            if resume is not None and outcome.kind == "upstream_error" and outcome.response is not None:
+                return await self._migrate(request, principal, req, resume, outcome, grant)
             if outcome.kind == "lease_refused":  # the agent's budget was gone on arrival: nothing ran
                 self.metrics.admit_refusals.labels(grant.replica_id).inc()
             if action.next == "give_up":
@@ -333,7 +343,8 @@ class Router(AuxEndpoints):
 
     async def _forward(
         self, request: web.Request, principal: Principal, grant: Grant, raw: bytes, request_id: str, arrival_ms: float,
-        stream: bool = True,
+        stream: bool = True, resume: StreamResume | None = None, resp: web.StreamResponse | None = None,
+        on_first: Any = None,
     ) -> RelayOutcome:
         replica = self.replicas.get(grant.replica_id)
         if replica is None:  # removed by discovery between Reserve and here
@@ -358,12 +369,18 @@ class Router(AuxEndpoints):
             span.set_attribute("fairbatch.replica", grant.replica_id)
             inject_context(headers)
             try:
-                outcome = await self.relay.forward(
-                    request, replica.http_url, request.path, raw, headers, response_headers, abort,
-                    # a stream only: a non-stream answer is silent until the end, the agent watching its engine
-                    # by /metrics meanwhile (a long one may take minutes)
-                    self.silence_s(principal.slo) if stream else None,
-                )
+                if resume is not None:  # a migratable stream (router/migration.py): events parsed, failure kept open
+                    outcome = await self.relay.forward_resumable(
+                        request, replica.http_url, request.path, raw, headers, response_headers, resume, resp, abort,
+                        self.silence_s(principal.slo), on_first,
+                    )
+                else:
+                    outcome = await self.relay.forward(
+                        request, replica.http_url, request.path, raw, headers, response_headers, abort,
+                        # a stream only: a non-stream answer is silent until the end, the agent watching its engine
+                        # by /metrics meanwhile (a long one may take minutes)
+                        self.silence_s(principal.slo) if stream else None,
+                    )
             except asyncio.CancelledError:
                 self._release(grant, "client-disconnect")
                 raise
@@ -379,6 +396,94 @@ class Router(AuxEndpoints):
         if outcome.response is not None:
             outcome.response.headers.setdefault("x-fairbatch-replica", grant.replica_id)
         return outcome
+
+    async def _migrate(
+        self, request: web.Request, principal: Principal, req: CoreRequest, state: StreamResume,
+        outcome: RelayOutcome, grant: Grant,
+    ) -> tuple[str, web.StreamResponse]:
+        """Continue a stream whose attempt on ``grant`` failed after its first byte (the core already
+        released that grant): router/migration.py ``decide`` says whether; each continuation is a
+        new placement through the core as a request arriving now (the failed replicas excluded, the
+        class's ``max_queue_ms`` from now), its
+        request built by ``continuation_body`` and relayed into the same client response. Bounded by
+        ``migration.max_migrations``. The tenant is charged once, for the original request: each
+        continuation's charge is refunded. Returns (outcome, response): ``ok`` when a continuation
+        relayed ``[DONE]``, ``client_disconnect``, else ``upstream_error`` after the SSE error event."""
+        resp = outcome.response
+        assert resp is not None
+        core = self.core
+        loop = asyncio.get_running_loop()
+        cause = outcome.cause or "disconnect"
+        detail = outcome.detail
+        exclude = {grant.replica_id}
+        failed_at = loop.time()
+        added = 0.0
+
+        def first_event() -> None:  # the continuation's first event relayed: its prefill is done
+            nonlocal added
+            added += loop.time() - failed_at
+            core.prefill_done(grant)
+
+        while True:
+            log.warning("request %s: replica %s failed mid-stream (%s) after %d tokens", req.request_id,
+                        grant.replica_id, cause, state.tokens)  # fmt: skip
+            decision = decide(state, self.config.migration.max_migrations, req.prompt_tokens,
+                              largest_max_prompt(self.book.views()))  # fmt: skip
+            if decision.reason == "complete":  # every token went out: end the stream as the engine would have
+                self.metrics.migrations.labels(cause, "complete").inc()
+                try:
+                    await resp.write(b"data: [DONE]\n\n")
+                    await resp.write_eof()
+                except (ConnectionError, RuntimeError):
+                    return "client_disconnect", resp
+                return "ok", resp
+            if not decision.go:
+                self.metrics.migrations.labels(cause, decision.reason.replace("-", "_")).inc()
+                await self.relay.end_with_error(resp, detail)
+                return "upstream_error", resp
+            body = continuation_body(state.body, state)
+            assert body is not None
+            state.next_attempt()
+            left = remaining_tokens(state.body, state.tokens)
+            # placed as a request arriving now (its queue bound and TTFT feasibility from now: the client
+            # already has its first token; judged from the original arrival it would be shed or expired)
+            creq = dataclasses.replace(req, prompt_tokens=req.prompt_tokens + state.base_tokens,
+                                       max_tokens=req.max_tokens - state.base_tokens if left is None else left,
+                                       arrival_ms=self.clock.now_ms())
+            tries = core.attempts(1)
+            tries.exclude = frozenset(exclude)
+            tries.next_try()
+            got = await self._acquire(creq, tries.exclude, frozenset(), None)
+            if isinstance(got, Refused):
+                self.metrics.migrations.labels(cause, "no_replica").inc()
+                await self.relay.end_with_error(resp, f"{detail}; no replica could continue the stream ({got.reason})")
+                return "upstream_error", resp
+            grant = got
+            request[GRANT] = grant
+            raw = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+            outcome = await self._forward(request, principal, grant, raw, f"{req.request_id}-m{state.migrations}",
+                                          creq.arrival_ms, True, state, resp, first_event)  # fmt: skip
+            action = core.after_attempt(tries, creq, grant, outcome.kind, outcome.pab_ms, outcome.pab_tokens)
+            if not action.refund:  # charged once: the original request's charge covers the continuation
+                core.charge(creq.tenant, -creq.prompt_tokens, -core.decode_estimate(creq.max_tokens))
+            request[RELAY_EVENTS] = state.events
+            if outcome.kind == "ok":
+                self.budgets.forget(grant.lease_id)
+                self.metrics.migrations.labels(cause, "resumed").inc()
+                self.metrics.migration_added.observe(added)
+                return "ok", resp
+            if outcome.kind == "client_gone":
+                self.metrics.migrations.labels(cause, "client_gone").inc()
+                return "client_disconnect", resp
+            if outcome.kind == "refused":  # the engine refused the continuation (e.g. its context): no retry
+                self.metrics.migrations.labels(cause, "failed").inc()
+                await self.relay.end_with_error(resp, f"{detail}; the continuation was refused: {outcome.detail}")
+                return "upstream_error", resp
+            self.metrics.migrations.labels(cause, "failed").inc()
+            exclude.add(grant.replica_id)
+            cause = outcome.cause or "disconnect"
+            detail = outcome.detail or detail
+            failed_at = loop.time()
 
     def silence_s(self, slo: SloClassConfig) -> float:
         """Wall seconds an agent may send nothing on a streamed generation request of class ``slo``

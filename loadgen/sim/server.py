@@ -499,8 +499,12 @@ class SimServer:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise RequestError("'messages' must be a non-empty list", param="messages")
+            cont = bool(body.get("continue_final_message", False))
+            if cont and body.get("add_generation_prompt", True):  # vLLM's own check
+                raise RequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                                   param="continue_final_message")
             try:
-                text = render_chat(messages)
+                text = render_chat(messages, continue_final_message=cont)
             except (ValueError, AttributeError) as e:
                 raise RequestError(f"invalid 'messages': {e}", param="messages") from None
             parsed = self._check_common(body, count_tokens(text), DEFAULT_CHAT_MAX_TOKENS, chat=True)

@@ -22,14 +22,19 @@ def count_tokens(text: str) -> int:
     return (n + BYTES_PER_TOKEN - 1) // BYTES_PER_TOKEN
 
 
-def render_chat(messages: Iterable[Mapping[str, object]]) -> str:
+def render_chat(messages: Iterable[Mapping[str, object]], continue_final_message: bool = False) -> str:
     """Render chat messages as ``<|role|>\\ncontent\\n`` blocks plus ``<|assistant|>\\n``.
 
     ``content`` may be a string or OpenAI's list of ``{"type": "text", "text": ...}`` parts.
+    ``continue_final_message`` (vLLM's chat field of that name, with ``add_generation_prompt`` false):
+    the last message is left open, ``<|role|>\\ncontent`` with no newline and no generation prompt
+    after it, so the model continues its text (an assistant turn cut short: the same prompt as the
+    turn's start plus its content).
 
     Raises:
         ValueError: if a message has no role or a content part is not text.
     """
+    messages = list(messages)
     parts: list[str] = []
     for m in messages:
         role = m.get("role")
@@ -48,6 +53,9 @@ def render_chat(messages: Iterable[Mapping[str, object]]) -> str:
         elif not isinstance(content, str):
             raise ValueError("message content must be a string or a list of text parts")
         parts.append(f"<|{role}|>\n{content}\n")
+    if continue_final_message and messages:
+        parts[-1] = parts[-1][:-1]  # the last turn stays open
+        return "".join(parts)
     parts.append("<|assistant|>\n")
     return "".join(parts)
 

@@ -33,7 +33,7 @@ class Fleet(LoopbackFleet):
 
     async def start(self, replicas: dict[str, float], modes: dict[str, str] | None = None,
                     max_queue_ms: float = 3000, queue_max_requests: int = 64, silence_s: float = 10.0,
-                    ttft_ms: float = 500, lease_mode: str = "reserve") -> None:
+                    ttft_ms: float = 500, lease_mode: str = "reserve", max_migrations: int = 3) -> None:
         modes = modes or {}
         reps = []
         for rid, pab in replicas.items():
@@ -47,6 +47,7 @@ class Fleet(LoopbackFleet):
             "replicas": reps,
             "queue": {"max_requests": queue_max_requests, "max_tokens": 1_000_000},
             "admission": {"bytes_per_token": 4.0, "reserve_timeout_ms": 500, "lease_mode": lease_mode},
+            "migration": {"max_migrations": max_migrations},
         })
         router = Router(config, Clock(1.0), "test-router")
         router.budgets._silence_s = silence_s
@@ -342,6 +343,8 @@ async def test_failure_before_first_byte_retried_elsewhere(fleet: Fleet, mode: s
     while not fleet.admission["r0"].releases and loop.time() < end:
         await asyncio.sleep(0.02)
     assert [r.lease_id for r in fleet.admission["r0"].releases] == ["r0-lease-1"]
+    metrics = await (await fleet.session.get(fleet.url + "/metrics")).text()  # type: ignore[union-attr]
+    assert 'fairbatch_router_requests_total{outcome="ok",slo_class="interactive",tenant="acme"} 1.0' in metrics
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -369,7 +372,7 @@ async def test_engine_refusal_is_relayed_not_retried_and_frees_everything(fleet:
 
 
 async def test_failure_mid_stream_ends_with_error_event(fleet: Fleet) -> None:
-    await fleet.start({"r0": 400.0, "r1": 300.0}, modes={"r0": "cut"})
+    await fleet.start({"r0": 400.0, "r1": 300.0}, modes={"r0": "cut"}, max_migrations=0)  # migration off
     resp = await fleet.post(completion(stream=True))
     assert resp.status == 200 and resp.headers["x-fairbatch-replica"] == "r0"
     raw = await resp.read()
@@ -382,11 +385,76 @@ async def test_failure_mid_stream_ends_with_error_event(fleet: Fleet) -> None:
     assert not fleet.upstreams["r1"].hits  # no retry after the first byte
 
 
+@pytest.mark.parametrize("mode", ["cut", "error-mid", "freeze"])
+async def test_failure_mid_stream_is_continued_on_another_replica(fleet: Fleet, mode: str) -> None:
+    """Migration on (the default, 3): r0 sends " t0" " t1" then fails (connection cut, the agent's error
+    event, or silence); the router continues on r1 with the prompt + " t0 t1" and max_tokens 4 - 2 = 2,
+    relays r1's events into the same stream under r0's response id, and releases r0's lease. The fake r1
+    streams its canned three events (not a real continuation; the real one is tests/integration/
+    test_stream_migration.py)."""
+    await fleet.start({"r0": 400.0, "r1": 300.0}, modes={"r0": mode})
+    assert fleet.router is not None
+    if mode == "freeze":
+        fleet.router.silence_s = lambda slo: 0.5  # type: ignore[method-assign]
+    resp = await fleet.post(completion(stream=True))
+    assert resp.status == 200 and resp.headers["x-fairbatch-replica"] == "r0"
+    raw = await asyncio.wait_for(resp.read(), 10.0)
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    texts = [json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-1]]
+    assert texts == [" t0", " t1", " t0", " t1", " t2"] and "error" not in raw.decode()
+    body = json.loads(fleet.upstreams["r1"].bodies[0])
+    assert body["prompt"] == PROMPT + " t0 t1" and body["max_tokens"] == 2 and body["stream"] is True
+    assert fleet.upstreams["r1"].hits[0]["x-request-id"].endswith("-m1")
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 2.0
+    while not fleet.admission["r0"].releases and loop.time() < end:
+        await asyncio.sleep(0.02)
+    assert [(r.lease_id, r.reason) for r in fleet.admission["r0"].releases] == [("r0-lease-1", "upstream-error")]
+    metrics = await (await fleet.session.get(fleet.url + "/metrics")).text()  # type: ignore[union-attr]
+    cause = {"cut": "disconnect", "error-mid": "error_event", "freeze": "silence"}[mode]
+    assert f'fairbatch_router_stream_migrations_total{{cause="{cause}",outcome="resumed"}} 1.0' in metrics
+    assert 'fairbatch_router_stream_migration_added_seconds_count 1.0' in metrics
+    assert 'fairbatch_router_requests_total{outcome="ok",slo_class="interactive",tenant="acme"} 1.0' in metrics
+
+
+async def test_migration_gives_up_when_no_replica_is_left(fleet: Fleet) -> None:
+    """Both replicas fail mid-stream: r0's continuation goes to r1, r1's finds no replica (both excluded):
+    the stream ends with the SSE error event and [DONE], outcome upstream_error."""
+    await fleet.start({"r0": 400.0, "r1": 300.0}, modes={"r0": "cut", "r1": "cut"}, max_queue_ms=300)
+    resp = await fleet.post({**completion(stream=True), "max_tokens": 10})
+    raw = await asyncio.wait_for(resp.read(), 10.0)
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][len("data: "):])["error"]["code"] == 502
+    texts = [json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-2]]
+    assert texts == [" t0", " t1", " t0", " t1"]
+    assert len(fleet.upstreams["r1"].hits) == 1
+    metrics = await (await fleet.session.get(fleet.url + "/metrics")).text()  # type: ignore[union-attr]
+    assert 'fairbatch_router_stream_migrations_total{cause="disconnect",outcome="failed"} 1.0' in metrics
+    assert 'fairbatch_router_stream_migrations_total{cause="disconnect",outcome="no_replica"} 1.0' in metrics
+    assert 'fairbatch_router_requests_total{outcome="upstream_error",slo_class="interactive",tenant="acme"} 1.0' \
+        in metrics
+
+
+async def test_migration_limit_holds(fleet: Fleet) -> None:
+    """migration.max_migrations 1: r0 fails mid-stream, its continuation on r1 fails too; the limit
+    stops there (r2, healthy, is never asked) and the stream ends with the SSE error event."""
+    await fleet.start({"r0": 400.0, "r1": 350.0, "r2": 300.0}, modes={"r0": "cut", "r1": "cut"}, max_migrations=1)
+    resp = await fleet.post({**completion(stream=True), "max_tokens": 10})
+    raw = await asyncio.wait_for(resp.read(), 10.0)
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and json.loads(events[-2][len("data: "):])["error"]["code"] == 502
+    assert len(fleet.upstreams["r1"].hits) == 1 and not fleet.upstreams["r2"].hits
+    metrics = await (await fleet.session.get(fleet.url + "/metrics")).text()  # type: ignore[union-attr]
+    assert 'fairbatch_router_stream_migrations_total{cause="disconnect",outcome="limit"} 1.0' in metrics
+
+
 async def test_error_event_mid_stream_counts_as_a_failure(fleet: Fleet) -> None:
     """The agent whose engine dies mid-stream sends an error event and [DONE]: the client gets it as
     sent, and the router counts an upstream_error and an SLO miss, not an ok answer (a user's trial:
     a crashed engine's streams were counted ok and attained)."""
-    await fleet.start({"r0": 400.0, "r1": 300.0}, modes={"r0": "error-mid"})
+    await fleet.start({"r0": 400.0, "r1": 300.0}, modes={"r0": "error-mid"}, max_migrations=0)  # migration off
     resp = await fleet.post(completion(stream=True))
     assert resp.status == 200 and resp.headers["x-fairbatch-replica"] == "r0"
     raw = await resp.read()
@@ -405,7 +473,7 @@ async def test_error_event_mid_stream_counts_as_a_failure(fleet: Fleet) -> None:
 async def test_a_frozen_agent_does_not_hold_the_stream(fleet: Fleet) -> None:
     """An agent that stops mid-stream (SIGSTOP) with the socket open: the router gives it up after its
     silence limit (Router.silence_s, here 0.5 s) with an error event, not after the pool's 600 s."""
-    await fleet.start({"r0": 400.0, "r1": 300.0}, modes={"r0": "freeze"})
+    await fleet.start({"r0": 400.0, "r1": 300.0}, modes={"r0": "freeze"}, max_migrations=0)  # migration off
     assert fleet.router is not None
     limit = fleet.router.silence_s(fleet.router.config.slo_classes["interactive"])
     assert limit == pytest.approx(2 * 3.0 + 5.0)  # twice the default stall of TTFT 500 / TPOT 50 (3 s), + 5 s
