@@ -1,0 +1,74 @@
+"""Markdown tables of the issue-27 headline (docs/evaluation.md "Headline: goodput at SLO against the
+admission controllers that ship today") from bench-fleet JSON files.
+
+``python scripts/headline_tables.py docs/evaluation/headline/*.json``: one table per file, a row per
+policy, led by token goodput at the per-token floor (issue 27 item 2):
+
+- tok floor: the highest rate with per-token attainment >= 0.9 (interpolated between two measured
+  rates; ``>=`` / ``<`` when the search could not bracket it);
+- tok goodput: prompt + output tokens/s of requests that met both TTFT and TPOT at that rate;
+- x best: that figure over the best baseline's (bench-fleet's ``x_best_baseline_token_goodput``);
+- req floor, goodput req/s and refused share (with its main reason) at the per-request capacity;
+- TTFT p99 at the highest measured rate that met the per-request floor.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def cap_text(value: float, how: str, rows: list[dict[str, Any]]) -> str:
+    """A capacity as bench-fleet prints it (``<`` below the search, ``>=`` above it)."""
+    if how == "below-sweep":
+        return f"<{min(r['rate_rps'] for r in rows):.1f}" if rows else "-"
+    return f">={value:.1f}" if how == "at-least" else f"{value:.1f}"
+
+
+def table(path: Path) -> str:
+    """The markdown table of one bench-fleet JSON file."""
+    d = json.loads(path.read_text())
+    fleet = ", ".join(f"{k['count']} x {k['profile']}" for k in d.get("fleet") or []) or \
+        f"{d['replicas']} x {d['profile']}"  # fmt: skip
+    eng = " + ".join(k["engine_time_model"]["name"] for k in d["fleet"]) if d.get("fleet") else \
+        d.get("engine_time_model", {}).get("name", "policy")  # fmt: skip
+    head = (f"#### {d['trace']}, {fleet}, {d.get('routers', 1)} router(s); TTFT {d['ttft_ms']:g} / TPOT "
+            f"{d['tpot_ms']:g} ms; engine {eng}; {d['duration_s']:g} s window, {d.get('warmup_s', 0):g} s warm-up "
+            f"(`{path.name}`)\n\n")  # fmt: skip
+    lines = ["| policy | tok floor (req/s) | tok goodput (tok/s) | x best | req floor (req/s) | goodput (req/s) "
+             "| refused @ req floor | TTFT p99 (ms) | rates measured |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, p in d["policies"].items():
+        rows = p["rows"]
+        tok = cap_text(p.get("capacity_token_floor_rps", 0.0), p.get("capacity_token_floor_bound", "below-sweep"), rows)
+        req = cap_text(p["capacity_rps"], p["capacity_bound"], rows)
+        tg = p.get("token_goodput_at_token_capacity")
+        xb = p.get("x_best_baseline_token_goodput")
+        rs = p.get("refused_share_at_capacity")
+        reasons = p.get("refused_share_by_reason_at_capacity") or {}
+        main = max(reasons, key=reasons.__getitem__) if reasons and max(reasons.values()) > 0 else None
+        refused = "-" if rs is None else f"{100 * rs:.1f} %" + (f" ({main})" if main else "")
+        ok = [r for r in rows if (r.get("slo_attainment") or 0) >= 0.9]
+        top = max(ok, key=lambda r: r["rate_rps"]) if ok else None
+        ttft = "-" if top is None else f"{top['ttft_p99_ms']:.0f} @ {top['rate_rps']:.1f}"
+        gp = p.get("goodput_rps_at_capacity")
+        bold = name.startswith("pab")
+        cell = (lambda s: f"**{s}**") if bold else (lambda s: s)
+        lines.append(f"| {cell(name)} | {tok} | {cell('-' if tg is None else f'{tg:,.0f}')} | "
+                     f"{'-' if xb is None else f'{xb:.2f}'} | {req} | {'-' if gp is None else f'{gp:.1f}'} | "
+                     f"{refused} | {ttft} | {len(rows)} |")  # fmt: skip
+    best = d.get("best_baseline_token_goodput")
+    return head + "\n".join(lines) + f"\n\nBest baseline by token goodput: `{best}`.\n"
+
+
+def main(argv: list[str]) -> int:
+    """Print one table per JSON file named in ``argv``."""
+    for a in argv:
+        print(table(Path(a)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
