@@ -868,6 +868,11 @@ class RouterCore:
         """Requests waiting in the hold queue of a baseline with a router queue (:meth:`_hold`)."""
         return sum(1 for e, _, _ in self._held if not e.future.done())
 
+    def has_held(self) -> bool:
+        """Whether the hold queue has any entry (O(1); entries whose waiter is gone count until
+        :meth:`_release_held` drops them): the fleet simulation asks this on every token."""
+        return bool(self._held)
+
     # ------------------------------------------------------------------ llm-d flow control
 
     def saturated(self) -> bool:

@@ -1041,7 +1041,7 @@ class FleetSim:
             if out.finished or len(st.token_times) == 1:  # a decode joins or leaves: the budget changed
                 self.changed(ri, t)
             router = self.routers[st.router]
-            if router.core.held():  # a request held at the router (dynamo-kv) may start now, at this time
+            if router.core.has_held():  # a request held at the router (dynamo-kv) may start now, at this time
                 router.clock.t = t
             if len(st.token_times) == 1:  # the first token reaches its router
                 if st.grant is not None:
