@@ -252,6 +252,12 @@ class AdmissionConfig(_Strict):
             more, so the weights decide who runs next (the engine serves its running requests
             alike, so without it a closed loop that fits the engine splits 1:1 whatever the
             weights). 0 = off. Default 32 (docs/architecture.md, "Start window", measurements).
+        contention_keep_running: the cap of a replica is ``max(contention_max_inflight, the
+            requests of this router it ran when the contention began)`` (default True): under
+            contention a replica keeps its batch and each request that ends frees a slot the fair
+            queue fills, instead of the batch shrinking to the cap (on azure-conv at 16 replicas the
+            fixed cap cost 7-8 % of capacity: docs/architecture.md "Start window"). False: the
+            fixed cap of earlier releases.
         lease_mode: ``inline`` (default): no round trip before forwarding; the router admits on
             its streamed view and its own outstanding placements (``BudgetBook.take_local``) and
             the forwarded request carries ``x-fairbatch-admit: <prompt tokens>``; the agent runs the
@@ -268,6 +274,7 @@ class AdmissionConfig(_Strict):
     start_window_steps: float = Field(default=4.0, ge=0)
     step_tokens: int = Field(default=2048, ge=1)
     contention_max_inflight: int = Field(default=32, ge=0)
+    contention_keep_running: bool = True
     lease_mode: Literal["inline", "reserve"] = "inline"
     work_shed: WorkShedConfig = Field(default_factory=WorkShedConfig)
 

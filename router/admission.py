@@ -9,9 +9,10 @@ state and acts on the answer.
   ``bytes_per_token``) only when even ``estimate / refuse_factor`` is, because an estimate may
   overcount; an estimate that is kept is placed as at most the largest context (the engine's
   tokenizer has the last word).
-- :func:`contention_excluded`: the contention cap (docs/architecture.md "Start window"): while
-  requests of two tenants or more wait in the fair queue, a replica already running ``cap`` of this
-  router's requests takes no more, so the rest waits where the weights decide.
+- :func:`contention_excluded` and :class:`ContentionCap`: the contention cap (docs/architecture.md
+  "Start window"): while requests of two tenants or more wait in the fair queue, a replica already
+  running ``max(cap, what it ran when the contention began)`` of this router's requests takes no
+  more, so the rest waits where the weights decide.
 - :func:`hold_replica`: the replica held for a starving queue head (:class:`router.admission_queue.
   Dispatcher`, "Holds"): the usable one it may use where it will fit soonest.
 - :func:`offer_replicas` and :func:`lease_tokens`: where a placement is carried out, and with what
@@ -76,18 +77,54 @@ def prompt_decision(
     return PromptDecision(min(prompt_tokens, largest) if largest > 0 else prompt_tokens)
 
 
-def contention_excluded(cap: int, backlogged_tenants: int, replica_load: Mapping[str, int]) -> frozenset[str]:
+def contention_excluded(cap: int, backlogged_tenants: int, replica_load: Mapping[str, int],
+                        onset_load: Mapping[str, int] | None = None) -> frozenset[str]:
     """Replicas at the contention cap (module docstring); empty with the cap off (``cap <= 0``) or
     fewer than two tenants waiting.
+
+    A replica's cap is ``max(cap, onset_load[replica])``: with ``onset_load`` (the requests each
+    replica ran for this router when the contention began, :class:`ContentionCap`), a replica
+    keeps the batch it had and takes a new request only as one of its own ends, so the fair queue
+    decides who gets each freed slot without the batch shrinking to ``cap`` (``admission.
+    contention_keep_running``). Without it (None) every replica's cap is ``cap``.
 
     Args:
         cap: ``admission.contention_max_inflight``.
         backlogged_tenants: tenants with requests in the fair queue.
         replica_load: requests this router holds a lease for, per replica.
+        onset_load: the same, read when the current contention began, or None.
     """
     if cap <= 0 or backlogged_tenants < 2:
         return frozenset()
-    return frozenset(rid for rid, n in replica_load.items() if n >= cap)
+    if onset_load is None:
+        return frozenset(rid for rid, n in replica_load.items() if n >= cap)
+    return frozenset(rid for rid, n in replica_load.items() if n >= max(cap, onset_load.get(rid, 0)))
+
+
+@dataclass(slots=True)
+class ContentionCap:
+    """The contention cap with its memory of the contention's onset (:func:`contention_excluded`).
+
+    ``cap`` and ``keep_running`` are ``admission.contention_max_inflight`` and ``admission.
+    contention_keep_running``. :meth:`excluded` is called with the state now; the first call that
+    sees two tenants or more waiting records ``replica_load`` as the onset, and the first that sees
+    fewer forgets it, so a contention that ends and starts again records afresh.
+    """
+
+    cap: int
+    keep_running: bool = True
+    onset: dict[str, int] | None = None
+
+    def excluded(self, backlogged_tenants: int, replica_load: Mapping[str, int]) -> frozenset[str]:
+        """Replicas that take no new request now (:func:`contention_excluded`)."""
+        if self.cap <= 0 or backlogged_tenants < 2:
+            self.onset = None
+            return frozenset()
+        if not self.keep_running:
+            return contention_excluded(self.cap, backlogged_tenants, replica_load)
+        if self.onset is None:
+            self.onset = dict(replica_load)
+        return contention_excluded(self.cap, backlogged_tenants, replica_load, self.onset)
 
 
 def hold_replica(

@@ -65,7 +65,7 @@ from router.admission import (
     MAX_ADMIT_REFUSALS,
     RelayAction,
     RelayAttempts,
-    contention_excluded,
+    ContentionCap,
     hold_replica,
     lease_tokens,
     offer_replicas,
@@ -323,10 +323,13 @@ class RouterCore:
     flow: FlowControlQueue | None = field(init=False, default=None)
     _flow_items: dict[WaitingRequest, FlowItem] = field(init=False, default_factory=dict)
     _flow_busy: bool = field(init=False, default=False)
+    _contention: ContentionCap = field(init=False)
 
     def __post_init__(self) -> None:
         config = self.config
         self.book = BudgetBook(self.clock, list(self.replica_ids))
+        adm = config.admission
+        self._contention = ContentionCap(adm.contention_max_inflight, adm.contention_keep_running)
         self.load = RouterLoad(self.replica_load, {}, 0, self.replica_tokens, collections.Counter(),
                                collections.Counter())  # fmt: skip
         self.policy = self._build_policy(config)
@@ -420,6 +423,8 @@ class RouterCore:
         self.queue.aging_floor_share = config.queue.aging_floor_share
         self.dispatcher.max_bypass = config.queue.max_bypass
         self.dispatcher.shed_recheck_ms = config.queue.shed_recheck_ms
+        self._contention.cap = config.admission.contention_max_inflight
+        self._contention.keep_running = config.admission.contention_keep_running
         new_pl = config.placement.model_dump(exclude={"prefix_cache"})
         if new_pl != self._applied_placement:
             if new_pl.get("seed") is not None:
@@ -550,9 +555,8 @@ class RouterCore:
         self.release(grant, "client-gone")
 
     def contention_excluded(self) -> frozenset[str]:
-        """Replicas at the contention cap (router/admission.py ``contention_excluded``)."""
-        return contention_excluded(self.config.admission.contention_max_inflight, self.queue.backlogged_tenants(),
-                                   self.replica_load)  # fmt: skip
+        """Replicas at the contention cap (router/admission.py :class:`ContentionCap`)."""
+        return self._contention.excluded(self.queue.backlogged_tenants(), self.replica_load)
 
     # ------------------------------------------------------------------ prefix map
 

@@ -266,6 +266,7 @@ class Setup:
     contention_max_inflight: int = 32
     max_bypass: int = 8
     replica_kinds: tuple[ReplicaKind, ...] = ()
+    contention_keep_running: bool = True
 
 
 def parse_fleet(spec: str, engine_time_spec: str | None = None) -> tuple[ReplicaKind, ...]:
@@ -347,7 +348,7 @@ def fleet_config(setup: Setup, policy: str) -> FleetConfig:
         lease_mode=setup.lease_mode, min_push_interval_ms=setup.min_push_interval_ms,
         prefix_caching=setup.prefix_caching, work_shed=setup.work_shed,
         contention_max_inflight=setup.contention_max_inflight, max_bypass=setup.max_bypass,
-        replica_kinds=setup.replica_kinds,
+        replica_kinds=setup.replica_kinds, contention_keep_running=setup.contention_keep_running,
     )  # fmt: skip
 
 
@@ -632,6 +633,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(steady state: the window measured is [warmup, duration])")
     p.add_argument("--contention-max-inflight", type=int, default=32,
                    help="pab routers: admission.contention_max_inflight (router default 32; 0 = off)")
+    p.add_argument("--contention-fixed-cap", action="store_true",
+                   help="pab routers: admission.contention_keep_running false (the fixed cap of earlier releases: "
+                        "under contention every replica's batch shrinks to the cap)")
     p.add_argument("--max-bypass", type=int, default=8,
                    help="pab routers: queue.max_bypass, entries admitted behind a blocked head before it gets a "
                         "held replica (router default 8)")
@@ -713,7 +717,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   not args.no_leases, args.max_model_len, args.seed, max_tokens, max_seqs,
                   args.window_offset, engine_time, args.warmup_s, args.start_window_steps, args.lease_mode,
                   args.min_push_interval_ms, args.windows or args.replicas, not args.no_prefix_caching,
-                  work_shed, args.contention_max_inflight, args.max_bypass, kinds)  # fmt: skip
+                  work_shed, args.contention_max_inflight, args.max_bypass, kinds,
+                  not args.contention_fixed_cap)  # fmt: skip
     if not 0.0 <= args.warmup_s < args.duration_s:
         raise SystemExit("bench-fleet: --warmup-s must be in [0, --duration-s)")
     t0 = time.perf_counter()

@@ -297,6 +297,8 @@ class FleetConfig:
             the unit of the routers' prefix maps, which hold about one replica's KV cache each.
         contention_max_inflight: the ``pab`` routers' contention cap (router/config.py
             ``admission.contention_max_inflight``; the router's default 32, 0 = off).
+        contention_keep_running: ``admission.contention_keep_running`` (the router's default True:
+            under contention a replica keeps the batch it had; False: the fixed cap).
         max_bypass: entries admitted behind a blocked queue head before it gets a held replica
             (``queue.max_bypass``; the router's default 8).
         placement_hooks: post-decision hooks of the ``pab`` routers' placement (router/config.py
@@ -354,6 +356,7 @@ class FleetConfig:
     contention_max_inflight: int = 32
     max_bypass: int = 8
     replica_kinds: tuple[ReplicaKind, ...] = ()
+    contention_keep_running: bool = True
 
     def __post_init__(self) -> None:
         if self.replica_kinds and sum(k.count for k in self.replica_kinds) != self.replicas:
@@ -538,6 +541,7 @@ def sim_router_config(cfg: FleetConfig, seed: int) -> RouterConfig:
                   "max_bypass": cfg.max_bypass},
         "admission": {
             "contention_max_inflight": cfg.contention_max_inflight,
+            "contention_keep_running": cfg.contention_keep_running,
             "lease_mode": cfg.lease_mode if cfg.leases else "reserve", "bytes_per_token": 4.0,
             "start_window_steps": cfg.start_window_steps, "step_tokens": cfg.max_num_batched_tokens,
             "work_shed": {"enabled": True, "gain": ws.gain, "max_share": ws.max_share, "window": ws.window,

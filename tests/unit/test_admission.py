@@ -10,6 +10,7 @@ from replica_agent.policy.time_model import TimeModel
 from router.admission import (
     MAX_ADMIT_REFUSALS,
     MAX_RELAY_TRIES,
+    ContentionCap,
     PromptDecision,
     RelayAction,
     RelayAttempts,
@@ -63,6 +64,26 @@ def test_contention_cap_applies_only_with_two_tenants_waiting_and_a_positive_cap
     assert contention_excluded(32, 2, load) == frozenset({"r0", "r2"})
     assert contention_excluded(32, 1, load) == frozenset()  # one tenant: its own FCFS, nothing to weigh
     assert contention_excluded(0, 5, load) == frozenset()  # cap off
+
+
+def test_keep_running_cap_is_the_larger_of_the_cap_and_the_load_at_onset() -> None:
+    # onset: r0 ran 60 (over the cap of 32), r1 ran 10 (under it), r2 joined later (no onset: 32)
+    assert contention_excluded(32, 2, {"r0": 60, "r1": 31, "r2": 32}, {"r0": 60, "r1": 10}) == frozenset({"r0", "r2"})
+    assert contention_excluded(32, 2, {"r0": 59, "r1": 32}, {"r0": 60, "r1": 10}) == frozenset({"r1"})
+
+
+def test_contention_cap_records_the_onset_once_and_forgets_it_when_contention_ends() -> None:
+    cap = ContentionCap(32)
+    assert cap.excluded(1, {"r0": 50}) == frozenset() and cap.onset is None  # one tenant waiting: no contention
+    assert cap.excluded(2, {"r0": 50, "r1": 5}) == frozenset({"r0"})  # onset {r0: 50, r1: 5}: r0 at its 50
+    assert cap.excluded(3, {"r0": 49, "r1": 31}) == frozenset()  # r0 ended one: a slot for the fair queue
+    assert cap.excluded(3, {"r0": 55, "r1": 32}) == frozenset({"r0", "r1"})  # onset kept (not 55)
+    assert cap.onset == {"r0": 50, "r1": 5}
+    assert cap.excluded(0, {"r0": 55}) == frozenset() and cap.onset is None  # contention over
+    assert cap.excluded(2, {"r0": 40}) == frozenset({"r0"})  # a new contention records afresh: 40
+    fixed = ContentionCap(32, keep_running=False)
+    assert fixed.excluded(2, {"r0": 50, "r1": 31}) == frozenset({"r0"}) and fixed.onset is None
+    assert ContentionCap(0).excluded(5, {"r0": 500}) == frozenset()  # cap off
 
 
 def test_the_hold_goes_where_least_is_reserved_then_most_kv() -> None:
