@@ -149,7 +149,7 @@ def queue_cap() -> Answer:
 
 
 FLOW_CONTROL_REASONS = frozenset({"flow-control-ttl", "flow-control-capacity", "flow-control-shed"})
-"""The refusal reasons of the ``llm-d-flow-control`` profile (router/core.py ``RouterCore.flow_dispatch``)."""
+"""The refusal reasons of the ``llm-d-flow-control`` profile (router/core.py ``RouterCore.dispatch_held``)."""
 
 
 def flow_control(reason: str) -> Answer:

@@ -29,15 +29,19 @@ fit, no admission queue, no Reserve. The policy reads the core's :class:`~router
 (:meth:`RouterCore.refresh_load`); the grant is *direct* (:class:`Grant` ``direct``): no lease exists
 anywhere, the request goes to its replica's agent with ``x-fairbatch-direct: 1`` and no
 ``x-fairbatch-lease`` / ``x-fairbatch-admit``, which the agent admits as it is (tracked and relayed,
-as every request without a lease). ``llm-d-flow-control`` holds a request at the router while llm-d's saturation detector says the
-pool is saturated (:meth:`RouterCore.acquire` answers :class:`Queued`; its entry waits in the core's
-:class:`~router.placement.flow_control.FlowControlQueue`, not in the fair queue) and
-:meth:`RouterCore.flow_dispatch` places waiting requests, in llm-d's band / fairness / FCFS order,
-whenever the pool has room again: on every change of the book (a listener: a new snapshot or scrape,
-the drivers need nothing more) and at the earliest TTL (the drivers' timer: the server's wait on the
-entry, the simulation's event), when an expired entry fails with ``flow-control-ttl``. Each entry
-leaves exactly once: granted, refused, expired, or taken out by :meth:`RouterCore.leave_queue`
-(client gone). ``static-queue-cap`` adds ``x-fairbatch-queue-cap: <tokens>``: the
+as every request without a lease). A baseline with a router queue holds a request at the router
+while its gate says the pool is saturated (:meth:`RouterCore.acquire` answers :class:`Queued`; its
+entry waits in the core's one *held queue*, a :class:`~router.placement.flow_control.FlowControlQueue`,
+not in the fair queue): ``llm-d-flow-control`` (gate: llm-d's saturation detector on the scraped
+engine metrics; llm-d's band / fairness / FCFS order, TTL, capacity limits) and ``dynamo-kv`` (gate:
+Dynamo's all-workers-busy on the router's active prefill tokens; one band, first come first served).
+:meth:`RouterCore.dispatch_held` places waiting requests in that order while the gate is open: on
+every change of the book (a listener: a new snapshot or scrape), whenever a request's prefill or
+the request ends (:meth:`RouterCore.prefill_done`, :meth:`RouterCore.lease_done`: Dynamo's queue
+is woken as active prefill tokens fall), and at the earliest TTL (the drivers' timer: the server's
+wait on the entry, the simulation's event), when an expired entry fails with ``flow-control-ttl``.
+Each entry leaves exactly once: granted, refused, expired, or taken out by
+:meth:`RouterCore.leave_queue` (client gone). ``static-queue-cap`` adds ``x-fairbatch-queue-cap: <tokens>``: the
 agent refuses the request (409 ``x-fairbatch-refused: queue-cap``) while it has work and its queued
 prompt tokens plus this prompt exceed the cap, and the core then takes the placement's next
 candidate (:meth:`RouterCore.redirect`, at most ``DEFAULT_MAX_CANDIDATES`` in all; then refused
@@ -88,7 +92,7 @@ from router.placement import (
     RouterLoad,
     default_registry,
 )
-from router.placement.flow_control import FlowControlQueue, FlowItem, band_key
+from router.placement.flow_control import FlowControlQueue, FlowControlSettings, FlowItem, band_key
 from router.placement.latency_predictor import LatencyPredictor
 from router.prefix_correction import PrefixCorrection
 from router.prefix_index import PrefixIndex
@@ -96,6 +100,12 @@ from router.shedding import MAX_DRAIN_RATE, agent_margin_ms, infeasible, predict
 from router.work_shed import WorkShed, WorkShedSettings, refuse_by_work
 
 log = logging.getLogger(__name__)
+
+HOLD_QUEUE = FlowControlSettings(band_max_bytes=0)
+"""The held queue of a gate without flow-control settings (``DirectAdmission.hold``: ``dynamo-kv``,
+Dynamo's ``SchedulerQueue``): every request in one band (:data:`HOLD_BAND`), first come first served,
+no TTL (the caller bounds the wait by arrival + the class's ``max_queue_ms``), no capacity limit."""
+HOLD_BAND = (0, 0)
 
 __all__ = ["CoreRequest", "Grant", "Placed", "Queued", "Refused", "ReservePort", "RouterCore", "tenant_shares"]
 
@@ -315,14 +325,12 @@ class RouterCore:
     _applied_placement: dict[str, Any] = field(init=False, default_factory=dict)
     _leased: dict[str, tuple[str, int]] = field(init=False, default_factory=dict)
     _prompts: dict[str, tuple[str, int, int]] = field(init=False, default_factory=dict)
-    _held: collections.deque[tuple[WaitingRequest, CoreRequest, frozenset[str]]] = field(
-        init=False, default_factory=collections.deque)
     _inline_seq: int = field(init=False, default=0)
     _load_seen: int = field(init=False, default=-1)
     _prefix_keys: dict[str, Sequence[int]] = field(init=False, default_factory=dict)
-    flow: FlowControlQueue | None = field(init=False, default=None)
-    _flow_items: dict[WaitingRequest, FlowItem] = field(init=False, default_factory=dict)
-    _flow_busy: bool = field(init=False, default=False)
+    held_queue: FlowControlQueue | None = field(init=False, default=None)
+    _held_items: dict[WaitingRequest, FlowItem] = field(init=False, default_factory=dict)
+    _held_busy: bool = field(init=False, default=False)
     _contention: ContentionCap = field(init=False)
 
     def __post_init__(self) -> None:
@@ -346,8 +354,8 @@ class RouterCore:
             shed_recheck_ms=config.queue.shed_recheck_ms, probe=self.probe,
         )  # fmt: skip
         self.book.add_listener(self.dispatcher.wake)
-        self._configure_flow()
-        self.book.add_listener(self.flow_dispatch)
+        self._configure_held_queue()
+        self.book.add_listener(self.dispatch_held)
 
     # ------------------------------------------------------------------ configuration
 
@@ -372,33 +380,45 @@ class RouterCore:
             self.prefix = PrefixIndex(capacity, tokens_per_key)
             self.prefix_correction = PrefixCorrection()
 
-    def _configure_flow(self) -> None:
-        """Build (or drop) the flow-control queue of the policy (``DirectAdmission.flow_control``);
-        one whose settings changed is rebuilt with its entries in their order (an entry over the new
-        limits is refused ``flow-control-capacity``); without flow control they are placed now."""
+    def _held_settings(self) -> FlowControlSettings | None:
+        """The held queue's settings for the policy now: llm-d's (``DirectAdmission.flow_control``),
+        :data:`HOLD_QUEUE` for a gate without them (``DirectAdmission.hold``), or None (no router
+        queue)."""
         direct = self.policy.direct
-        fc = direct.flow_control if direct is not None else None
-        old = self.flow
+        if direct is None:
+            return None
+        if direct.flow_control is not None:
+            return direct.flow_control
+        return HOLD_QUEUE if direct.hold is not None else None
+
+    def _configure_held_queue(self) -> None:
+        """Build (or drop) the held queue of the policy (:meth:`_held_settings`); one whose settings
+        changed is rebuilt with its entries in their order (an entry over the new limits is refused
+        ``flow-control-capacity``); without a router queue they are placed now."""
+        fc = self._held_settings()
+        old = self.held_queue
         if old is not None and fc is not None and old.settings == fc:
             return
-        self.flow = FlowControlQueue(fc) if fc is not None else None
+        self.held_queue = FlowControlQueue(fc) if fc is not None else None
         if old is None:
             return
         for item in sorted(old, key=lambda i: i.seq):
             entry = item.payload
-            self._flow_items.pop(entry, None)
+            self._held_items.pop(entry, None)
             if entry.future.done():
                 continue
-            if self.flow is None:  # placed now by the new profile (a pab one cannot: answered no-replica)
+            if self.held_queue is None:  # placed now by the new profile (a pab one cannot: answered no-replica)
                 if self.policy.direct is not None:
-                    self._flow_place(entry)
+                    self._place_held(entry)
                 else:
                     entry.future.set_exception(QueueTimeout("no-replica"))
                 continue
-            item.deadline_ms = entry.deadline_ms = (item.enqueued_ms + fc.ttl_ms if fc is not None and fc.ttl_ms
-                                                    else float("inf"))  # fmt: skip
-            if self.flow.push(item):
-                self._flow_items[entry] = item
+            if fc is not None and fc.ttl_ms:
+                item.deadline_ms = entry.deadline_ms = item.enqueued_ms + fc.ttl_ms
+            else:
+                item.deadline_ms = float("inf")  # the entry keeps its own deadline (the caller's bound)
+            if self.held_queue.push(item):
+                self._held_items[entry] = item
             else:
                 entry.future.set_exception(QueueTimeout("flow-control-capacity"))
 
@@ -431,7 +451,7 @@ class RouterCore:
                 self.seed = new_pl["seed"]
             self.policy = self._build_policy(config)
             self._applied_placement = new_pl
-            self._configure_flow()
+            self._configure_held_queue()
         self._configure_prefix(config)
         self._configure_work_shed(config)
         self.dispatcher.wake()
@@ -481,14 +501,15 @@ class RouterCore:
     def prefill_done(self, grant: Grant) -> None:
         """The router saw ``grant``'s first token: its uncached prompt tokens leave :attr:`load`'s
         ``prefill_tokens`` (Dynamo decrements active prefill tokens there too); a held request
-        may start (:meth:`_release_held`). Idempotent."""
+        may start (:meth:`dispatch_held`). Idempotent."""
         got = self._prompts.get(grant.lease_id)
         if got is None or got[2] == 0:
             return
         rid, prompt, uncached = got
         self._prompts[grant.lease_id] = (rid, prompt, 0)
         _take(self.load.prefill_tokens, rid, uncached)
-        self._release_held()
+        if self.held_queue is not None:
+            self.dispatch_held()
 
     def lease_done(self, grant: Grant) -> None:
         """The request of ``grant`` ended (served, failed, released or gone): it no longer counts
@@ -507,7 +528,8 @@ class RouterCore:
             rid, prompt, uncached = prompts
             _take(self.load.prompt_tokens, rid, prompt)
             _take(self.load.prefill_tokens, rid, uncached)
-            self._release_held()
+            if self.held_queue is not None:
+                self.dispatch_held()
 
     def refresh_load(self) -> None:
         """Bring :attr:`load`'s engine metrics (``scraped``) up to the book, when it changed since the
@@ -815,13 +837,10 @@ class RouterCore:
         if previous is not None and previous.direct and previous.refused:
             nxt = self.redirect(previous, req)
             return Refused("queue-cap") if nxt is None else Placed(nxt)
-        if self.flow is not None:
-            held = self._flow_hold(req, exclude)
+        if self.held_queue is not None:
+            held = self._hold(req, exclude)
             if held is not None:
                 return held
-        gate = self.policy.direct.hold if self.policy.direct is not None else None
-        if gate is not None and (self._held or gate.saturated(self.book.views())):
-            return self._hold(req, exclude)
         try:
             grant, reason = self.place_direct(req.slo_class, req.prompt_tokens, req.max_tokens, req.request_id,
                                               exclude, req.ttft_slo_ms, req.tpot_slo_ms)  # fmt: skip
@@ -833,126 +852,104 @@ class RouterCore:
                 Refused("no-replica", detail=reason)  # fmt: skip
         return Placed(grant)
 
-    def _hold(self, req: CoreRequest, exclude: frozenset[str]) -> Queued:
-        """A baseline with a router queue (``DirectAdmission.hold``: ``dynamo-kv``) found every
-        replica saturated, or others already held: the request waits, first come first served, in
-        the core's small hold queue (not the fair queue), until :meth:`_release_held` places it; the
-        caller bounds the wait by the entry's deadline (arrival + the class's ``max_queue_ms``)."""
-        slo = self.config.slo_classes[req.slo_class]
-        now = self.clock.now_ms()
-        entry = WaitingRequest(
-            request_id=req.request_id, tenant=req.tenant, slo_class=req.slo_class, prompt_tokens=req.prompt_tokens,
-            max_tokens=req.max_tokens, enqueued_ms=now, deadline_ms=req.arrival_ms + slo.max_queue_ms,
-            future=self.new_future(), exclude=exclude, priority=slo.priority, arrival_ms=req.arrival_ms,
-        )  # fmt: skip
-        self._held.append((entry, req, exclude))
-        return Queued(entry)
-
-    def _release_held(self) -> None:
-        """Place held requests, oldest first, while the policy's gate is open (Dynamo's
-        ``SchedulerQueue``: pending requests are scheduled as capacity frees). An entry whose waiter
-        is gone (its future done: timed out, cancelled) is dropped; a placement that finds no
-        replica fails the entry with :class:`~router.admission_queue.QueueTimeout` (its reason)."""
-        direct = self.policy.direct
-        gate = direct.hold if direct is not None else None
-        while self._held:
-            if gate is not None and gate.saturated(self.book.views()):
-                return
-            entry, req, exclude = self._held.popleft()
-            if entry.future.done():
-                continue
-            grant, reason = self.place_direct(req.slo_class, req.prompt_tokens, req.max_tokens, req.request_id,
-                                              exclude)  # fmt: skip
-            if grant is None:
-                entry.future.set_exception(QueueTimeout("overloaded" if reason in OVERLOAD_FILTERS else "no-replica"))
-            else:
-                entry.future.set_result(grant)
+    # ------------------------------------------------------------------ the held queue (baselines)
 
     def held(self) -> int:
-        """Requests waiting in the hold queue of a baseline with a router queue (:meth:`_hold`)."""
-        return sum(1 for e, _, _ in self._held if not e.future.done())
+        """Requests waiting in the held queue of a baseline with a router queue (0 without one)."""
+        q = self.held_queue
+        return 0 if q is None else sum(1 for item in q if not item.payload.future.done())
 
     def has_held(self) -> bool:
-        """Whether the hold queue has any entry (O(1); entries whose waiter is gone count until
-        :meth:`_release_held` drops them): the fleet simulation asks this on every token."""
-        return bool(self._held)
-
-    # ------------------------------------------------------------------ llm-d flow control
+        """Whether the held queue has any entry (O(1); entries whose waiter is gone count until
+        :meth:`dispatch_held` drops them): the fleet simulation asks this on every token."""
+        return self.held_queue is not None and len(self.held_queue) > 0
 
     def saturated(self) -> bool:
-        """llm-d's saturation detector on the core's load now (router/placement/saturation.py): the
-        scraped engine metrics of every replica of the book, aged on the core's clock. False
-        without flow control."""
-        flow = self.flow
-        if flow is None:
+        """The held queue's gate on the core's state now: llm-d's saturation detector
+        (router/placement/saturation.py) on the scraped engine metrics of every replica of the
+        book, aged on the core's clock (``llm-d-flow-control``), or the policy's
+        :class:`~router.placement.core.SaturationGate` on the book's views (``dynamo-kv``). False
+        without a router queue."""
+        direct = self.policy.direct
+        if direct is None or self.held_queue is None:
             return False
-        self.refresh_load()
-        return flow.settings.detector.saturated(self.load.scraped, self.book.replica_ids(), self.clock.now_ms())
+        if direct.flow_control is not None:
+            self.refresh_load()
+            return direct.flow_control.detector.saturated(self.load.scraped, self.book.replica_ids(),
+                                                          self.clock.now_ms())  # fmt: skip
+        return direct.hold is not None and direct.hold.saturated(self.book.views())
 
-    def _flow_hold(self, req: CoreRequest, exclude: frozenset[str]) -> Acquired | None:
-        """A flow-controlled arrival: None (place it at once: the pool has room; whoever waited
-        was placed first, as llm-d's dispatch cycle empties its queues while the pool has room),
-        else :class:`Queued` in the flow-control queue, or refused ``flow-control-shed`` (a sheddable
-        class with ``reject_sheddable``) or ``flow-control-capacity`` (over a capacity limit)."""
-        flow = self.flow
-        assert flow is not None
-        if not self.saturated():
-            self.flow_dispatch()
+    def _hold(self, req: CoreRequest, exclude: frozenset[str]) -> Acquired | None:
+        """An arrival under a baseline with a router queue: None (place it at once: the gate is open;
+        whoever waited was placed first, as llm-d's dispatch cycle and Dynamo's scheduler queue
+        empty their queues while there is room), else :class:`Queued` in the held queue, or refused
+        ``flow-control-shed`` (a sheddable class with llm-d's ``reject_sheddable``) or
+        ``flow-control-capacity`` (over a capacity limit). A flow-controlled entry's deadline is
+        its TTL (none by default); a held one's otherwise is arrival + the class's ``max_queue_ms``,
+        which the caller's wait bounds."""
+        q = self.held_queue
+        assert q is not None
+        self.dispatch_held()
+        if not len(q) and not self.saturated():
             return None
-        fc = flow.settings
+        fc = q.settings
         slo = self.config.slo_classes[req.slo_class]
-        if slo.sheddable and fc.reject_sheddable:
+        flow = self.policy.direct is not None and self.policy.direct.flow_control is not None
+        if flow and slo.sheddable and fc.reject_sheddable:
             return Refused("flow-control-shed")
         now = self.clock.now_ms()
-        deadline = now + fc.ttl_ms if fc.ttl_ms is not None else float("inf")
+        ttl = now + fc.ttl_ms if fc.ttl_ms is not None else float("inf")
         entry = WaitingRequest(
             request_id=req.request_id, tenant=req.tenant, slo_class=req.slo_class, prompt_tokens=req.prompt_tokens,
-            max_tokens=req.max_tokens, enqueued_ms=now, deadline_ms=deadline, future=self.new_future(),
-            exclude=exclude, priority=slo.priority, expire_reason="flow-control-ttl", arrival_ms=req.arrival_ms,
-            sheddable=slo.sheddable,
+            max_tokens=req.max_tokens, enqueued_ms=now, deadline_ms=ttl if flow else req.arrival_ms + slo.max_queue_ms,
+            future=self.new_future(), exclude=exclude, priority=slo.priority, arrival_ms=req.arrival_ms,
+            sheddable=slo.sheddable, **({"expire_reason": "flow-control-ttl"} if flow else {}),
         )  # fmt: skip
         # llm-d counts the request body's bytes; the router's estimate of them: prompt tokens * bytes per token
         size = int(req.prompt_tokens * self.config.admission.bytes_per_token)
-        item = FlowItem(req.tenant, band_key(slo.priority, slo.sheddable), size, now, deadline, entry)
-        if not flow.push(item):
+        band = band_key(slo.priority, slo.sheddable) if flow else HOLD_BAND
+        item = FlowItem(req.tenant, band, size, now, ttl, entry)
+        if not q.push(item):
             return Refused("flow-control-capacity")
-        self._flow_items[entry] = item
+        self._held_items[entry] = item
         return Queued(entry)
 
-    def flow_dispatch(self) -> int:
-        """llm-d's dispatch cycle on the flow-control queue (no-op without one): first every entry
-        whose TTL passed fails (:class:`~router.admission_queue.QueueTimeout` ``flow-control-ttl``),
-        then, while the pool is not saturated, the next entry (highest band, its fairness policy's
-        flow, FCFS) is placed by the profile (:meth:`place_direct`) and its future resolved with the
-        grant (or failed: ``no-replica`` when no replica passed the filters, ``PlacementFailed`` when
-        placement raised). The detector reads scraped metrics, which placing does not change, so one
-        pass empties the queue while the pool has room (llm-d's "thundering herd" between scrapes).
-        An entry whose future is already done (its client left) is dropped. Re-entrant calls (from a
-        future's callback) return at once. Returns the number of entries granted."""
-        flow = self.flow
-        if flow is None or not len(flow) or self._flow_busy:
+    def dispatch_held(self) -> int:
+        """The held queue's dispatch cycle (no-op without one): first every entry whose TTL passed
+        fails (:class:`~router.admission_queue.QueueTimeout` ``flow-control-ttl``), then, while the
+        gate is open (:meth:`saturated`, asked again after each placement: Dynamo's gate counts the
+        prefill just placed; llm-d's detector reads scraped metrics, which placing does not change,
+        so one pass empties its queue while the pool has room: llm-d's "thundering herd" between
+        scrapes), the next entry (highest band, the fairness policy's flow, FCFS) is placed by the
+        profile (:meth:`place_direct`) and its future resolved with the grant (or failed:
+        ``overloaded`` / ``no-replica`` when no replica passed the filters, ``PlacementFailed``
+        when placement raised). An entry whose future is already done (its client left) is
+        dropped. Re-entrant calls (from a future's callback) return at once. Returns the number of
+        entries granted."""
+        q = self.held_queue
+        if q is None or not len(q) or self._held_busy:
             return 0
-        self._flow_busy = True
+        self._held_busy = True
         try:
-            for item in flow.expire(self.clock.now_ms()):
+            for item in q.expire(self.clock.now_ms()):
                 entry = item.payload
-                self._flow_items.pop(entry, None)
+                self._held_items.pop(entry, None)
                 if not entry.future.done():
                     entry.future.set_exception(QueueTimeout(entry.expire_reason))
-            if not len(flow) or self.saturated():
-                return 0
             granted = 0
-            while (item := flow.pop()) is not None:
+            while len(q) and not self.saturated():
+                item = q.pop()
+                assert item is not None
                 entry = item.payload
-                self._flow_items.pop(entry, None)
+                self._held_items.pop(entry, None)
                 if not entry.future.done():
-                    granted += self._flow_place(entry)
+                    granted += self._place_held(entry)
             return granted
         finally:
-            self._flow_busy = False
+            self._held_busy = False
 
-    def _flow_place(self, entry: WaitingRequest) -> int:
-        """Place a flow-controlled entry now and resolve its future; 1 when granted, else 0."""
+    def _place_held(self, entry: WaitingRequest) -> int:
+        """Place a held entry now and resolve its future; 1 when granted, else 0."""
         try:
             grant, reason = self.place_direct(entry.slo_class, entry.prompt_tokens, entry.max_tokens, entry.request_id,
                                               entry.exclude)  # fmt: skip
@@ -961,22 +958,22 @@ class RouterCore:
             entry.future.set_exception(PlacementFailed(type(exc).__name__))
             return 0
         if grant is None:
-            entry.future.set_exception(QueueTimeout("no-replica"))
+            entry.future.set_exception(QueueTimeout("overloaded" if reason in OVERLOAD_FILTERS else "no-replica"))
             return 0
         entry.future.set_result(grant)
         return 1
 
-    def flow_next_deadline_ms(self) -> float | None:
-        """When the drivers must call :meth:`flow_dispatch` at the latest (the earliest TTL of a
-        waiting entry, router clock ms); None when nothing waits with a TTL."""
-        return self.flow.next_deadline_ms() if self.flow is not None else None
+    def held_next_deadline_ms(self) -> float | None:
+        """When the drivers must call :meth:`dispatch_held` at the latest (the earliest TTL of a
+        held entry, router clock ms); None when nothing waits with a TTL."""
+        return self.held_queue.next_deadline_ms() if self.held_queue is not None else None
 
     def leave_queue(self, entry: WaitingRequest) -> None:
         """``entry`` is done waiting (granted, refused, expired or its client gone): take it out of
-        whichever queue holds it (the fair queue or the flow-control queue). Idempotent."""
-        item = self._flow_items.pop(entry, None)
-        if item is not None and self.flow is not None:
-            self.flow.remove(item)
+        whichever queue holds it (the fair queue or the held queue). Idempotent."""
+        item = self._held_items.pop(entry, None)
+        if item is not None and self.held_queue is not None:
+            self.held_queue.remove(item)
         self.queue.remove(entry)
 
     def after_attempt(self, tries: RelayAttempts, req: CoreRequest, grant: Grant, kind: str,

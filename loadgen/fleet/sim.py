@@ -718,8 +718,8 @@ class _Router:
         queue is retried now (as the router's dispatcher loop wakes on every budget change), not
         only when its earliest entry expires.
         """
-        if self.core.flow is not None:  # llm-d-flow-control: a pass at the earliest TTL (scrapes wake it too)
-            nd = self.core.flow_next_deadline_ms()
+        if self.core.held_queue is not None:  # a router queue: a pass at the earliest TTL (book changes wake it too)
+            nd = self.core.held_next_deadline_ms()
             if nd is not None:
                 self._schedule_pass(max(nd, self.clock.t))
             return
@@ -733,8 +733,8 @@ class _Router:
         self.pass_at = None
         self.last_pass_ms = self.clock.t
         self.sim.stats.dispatch_passes += 1
-        if self.core.flow is not None:  # llm-d-flow-control: expire and dispatch (router/core.py)
-            self.core.flow_dispatch()
+        if self.core.held_queue is not None:  # a router queue: expire and dispatch (router/core.py)
+            self.core.dispatch_held()
             self.wake()
             return
         stats = _drive(self.dispatcher.dispatch_chain())
@@ -1234,7 +1234,7 @@ class FleetSim:
                 self._on_push(t, a, periodic=False)
             elif ev in (_PUSH, _SCRAPE, _SCALE):
                 if pending == 0 and not any(r.engine.has_work() for r in self.replicas) and not any(
-                    (kind == "pab" and len(r.queue)) or (r.core.flow is not None and len(r.core.flow))
+                    (kind == "pab" and len(r.queue)) or r.core.has_held()
                     for r in self.routers
                 ):
                     continue  # everything drained: let the periodic events die out

@@ -50,7 +50,7 @@ absorbs bursts, as in front of plain vLLM; :class:`~router.placement.core.Direct
   the pool is saturated (mean over replicas of ``max(waiting / 5, kv_usage / 0.8)`` >= 1, a replica
   without metrics fresher than 200 ms counting 1) a request waits at the router: bands strictly by
   priority, global-strict (or round-robin) fairness between tenants, FCFS within one; it is placed
-  when the pool has room again (router/core.py ``RouterCore.flow_dispatch``). Parameters:
+  when the pool has room again (router/core.py ``RouterCore.dispatch_held``). Parameters:
   ``queue_depth_threshold``, ``kv_cache_util_threshold``, ``metrics_staleness_ms``,
   ``saturation_rule``, ``fairness``, ``ttl_ms`` (None: no TTL, llm-d's default; on expiry 503
   ``flow-control-ttl``), ``band_max_bytes``, ``band_max_requests``, ``max_bytes``,

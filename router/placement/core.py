@@ -287,11 +287,11 @@ class DirectAdmission:
         flow_control: None = placed at once; else (``llm-d-flow-control``) llm-d's Flow Control
             settings (router/placement/flow_control.py, with its saturation detector,
             router/placement/saturation.py): while the pool is saturated the request waits at the
-            router in llm-d's band / fairness / FCFS order (router/core.py ``RouterCore.flow_dispatch``).
+            router in llm-d's band / fairness / FCFS order (router/core.py ``RouterCore.dispatch_held``).
         hold: None = no router queue (the engine's waiting queue absorbs bursts); a
             :class:`SaturationGate` (``dynamo-kv``: Dynamo's ``--router-queue-threshold``): while it
             says every replica is saturated, the router holds new requests in a small first come,
-            first served queue and places them as capacity frees (router/core.py ``RouterCore._hold``).
+            first served queue and places them as capacity frees (router/core.py ``RouterCore.dispatch_held``).
     """
 
     queue_cap_tokens: int | None = None

@@ -1,5 +1,5 @@
 """llm-d-flow-control (router/placement/saturation.py, router/placement/flow_control.py, router/core.py
-``RouterCore.flow_dispatch``), hand-worked.
+``RouterCore.dispatch_held``), hand-worked.
 
 Detector defaults (llm-d v0.8 = GIE v1.5.0 utilization detector): queueDepthThreshold Q = 5,
 kvCacheUtilThreshold KV = 0.8, metricsStalenessThreshold 200 ms; pool saturation = mean over replicas
@@ -189,12 +189,12 @@ async def test_saturated_queues_then_dispatches_when_headroom_returns() -> None:
     core, clock, _ = make_core(FC, SATURATED)
     core.new_future = asyncio.get_running_loop().create_future  # type: ignore[method-assign]
     got = await core.acquire(request(1))
-    assert isinstance(got, Queued) and len(core.flow) == 1  # type: ignore[arg-type]
+    assert isinstance(got, Queued) and len(core.held_queue) == 1  # type: ignore[arg-type]
     assert got.entry.deadline_ms == 500.0  # TTL 500 ms from t = 0
     clock.t = 50.0
     core.book.update("r0", snapshot("r0", 2, 3, 4, 0.25))  # r0 waiting 4: 0.8, r1 still 1 -> mean 0.9
     assert got.entry.future.done() and got.entry.future.result().replica_id == "r0"
-    assert len(core.flow) == 0  # type: ignore[arg-type]
+    assert len(core.held_queue) == 0  # type: ignore[arg-type]
 
 
 async def test_ttl_expiry_is_a_503() -> None:
@@ -202,12 +202,12 @@ async def test_ttl_expiry_is_a_503() -> None:
     core.new_future = asyncio.get_running_loop().create_future  # type: ignore[method-assign]
     got = await core.acquire(request(1))
     assert isinstance(got, Queued)
-    assert core.flow_next_deadline_ms() == 500.0
+    assert core.held_next_deadline_ms() == 500.0
     clock.t = 499.0
-    core.flow_dispatch()
+    core.dispatch_held()
     assert not got.entry.future.done()
     clock.t = 500.0
-    core.flow_dispatch()
+    core.dispatch_held()
     exc = got.entry.future.exception()
     assert isinstance(exc, QueueTimeout) and exc.reason == "flow-control-ttl"
     assert (flow_control(exc.reason).status, flow_control("flow-control-capacity").status) == (503, 429)
@@ -232,7 +232,7 @@ async def test_capacity_refusal_and_client_gone() -> None:
     assert isinstance(got, Refused) and got.reason == "flow-control-capacity"
     core.leave_queue(first.entry)  # the client left: out of the queue, room again
     core.leave_queue(first.entry)  # idempotent
-    assert len(core.flow) == 0  # type: ignore[arg-type]
+    assert len(core.held_queue) == 0  # type: ignore[arg-type]
     assert isinstance(await core.acquire(request(3)), Queued)
 
 
@@ -261,12 +261,12 @@ def test_fleet_burst_queues_at_the_router_and_drains() -> None:
 
     def watched(t: float, ri: int) -> None:
         nonlocal most
-        most = max(most, len(core.flow))  # type: ignore[arg-type]
+        most = max(most, len(core.held_queue))  # type: ignore[arg-type]
         scrape(t, ri)
 
     sim._on_scrape = watched  # type: ignore[method-assign]
     res = sim.run()
     assert most >= 20  # a burst waited at the router
-    assert len(core.flow) == 0  # type: ignore[arg-type]
+    assert len(core.held_queue) == 0  # type: ignore[arg-type]
     assert collections.Counter(r.outcome for r in res.records) == {"ok": 120}
     assert res.stats.replica_requests == [120]

@@ -134,7 +134,7 @@ def test_every_fleet_baseline_is_a_profile_of_the_yaml() -> None:
         assert (core.prefix is not None) == (name in ("llm-d-prefix", "sglang-cache-aware", "vllm-router-cache-aware",
                                                       "llm-d-flow-control", "dynamo-kv", "llm-d-sticky",
                                                       "llm-d-predicted-latency"))  # fmt: skip
-        assert (core.flow is not None) == (name == "llm-d-flow-control")
+        assert (core.held_queue is not None) == (name in ("llm-d-flow-control", "dynamo-kv"))
     core, _, _ = make_core("{profile: static-queue-cap, params: {queue_cap_tokens: 500}}")
     assert core.policy.direct is not None and core.policy.direct.queue_cap_tokens == 500
     assert make_core("{}")[0].policy.direct is None  # pab
