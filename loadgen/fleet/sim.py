@@ -132,6 +132,7 @@ POLICIES: dict[str, tuple[str, str]] = {
     "pab+fairbatching": ("pab", "fairbatching"),
     "pab-prefix": ("pab", "vllm-default"),
     "pab-prefix+fairbatching": ("pab", "fairbatching"),
+    "pab-best-fit+fairbatching": ("pab", "fairbatching"),
 }
 """Fleet policy name -> (router kind, replica batching policy). ``X+fairbatching`` for a baseline
 router X: the same placement in front of FairBatching replicas (what an operator who installed the
@@ -143,6 +144,12 @@ PREFIX_POLICIES = frozenset({"llm-d-prefix", "sglang-cache-aware", "vllm-router-
                              "dynamo-kv", "llm-d-sticky", "dynamo-kv+fairbatching", "llm-d-sticky+fairbatching",
                              "llm-d-predicted-latency", "llm-d-predicted-latency+fairbatching"})  # fmt: skip
 """Fleet policies whose routers keep a prefix map (router/prefix_index.py) and place with it."""
+
+BEST_FIT_SCORERS = {"pab-best-fit+fairbatching": [{"name": "headroom", "weight": -1.0}]}
+"""Fleet policies whose ``pab`` routers place with a custom chain (router YAML ``placement.scorers``):
+``pab-best-fit``: the default filters (the request fits, on time, inside the start window), then the
+replica with the *least* headroom left after this prefill (best fit; the default ``pab`` profile
+takes the most headroom plus KV headroom: worst fit), which keeps replicas with room for long prompts."""
 
 
 SCRAPED_POLICIES = frozenset({"power-of-two", "llm-d-scorer", "llm-d-prefix", "llm-d-flow-control", "dynamo-kv",
@@ -550,6 +557,7 @@ def sim_router_config(cfg: FleetConfig, seed: int) -> RouterConfig:
         },
         "placement": {"seed": seed, "hooks": list(cfg.placement_hooks), "profile": profile,
                       "params": profile_params(cfg, profile),
+                      **({"scorers": BEST_FIT_SCORERS[cfg.policy]} if cfg.policy in BEST_FIT_SCORERS else {}),
                       "prefix_cache": {
             "enabled": cfg.policy in PREFIX_POLICIES, "chunk_chars": 4 * cfg.prefix_block_tokens,
             "capacity_tokens": max(cfg.prefix_block_tokens, cfg.kv_capacity_tokens)}},
