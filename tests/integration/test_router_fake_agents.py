@@ -312,7 +312,7 @@ async def test_client_disconnect_mid_stream_releases(fleet: Fleet) -> None:
     resp.close()  # client goes away mid-stream
     await asyncio.wait_for(fleet.upstreams["r0"].disconnected.wait(), 3.0)
     loop = asyncio.get_running_loop()
-    end = loop.time() + 3.0
+    end = loop.time() + 10.0
     while not fleet.admission["r0"].releases and loop.time() < end:
         await asyncio.sleep(0.02)
     assert [r.lease_id for r in fleet.admission["r0"].releases] == ["r0-lease-1"]
@@ -326,7 +326,7 @@ async def test_client_disconnect_while_queued_leaves_queue(fleet: Fleet) -> None
     assert fleet.router is not None and len(fleet.router.queue) == 1
     task.cancel()
     loop = asyncio.get_running_loop()
-    end = loop.time() + 2.0
+    end = loop.time() + 10.0
     while len(fleet.router.queue) and loop.time() < end:
         await asyncio.sleep(0.02)
     assert len(fleet.router.queue) == 0
@@ -341,7 +341,7 @@ async def test_failure_before_first_byte_retried_elsewhere(fleet: Fleet, mode: s
     assert await resp.read() == b"".join(fleet.upstreams["r1"].chunks())
     assert len(fleet.upstreams["r0"].hits) == 1
     loop = asyncio.get_running_loop()
-    end = loop.time() + 2.0
+    end = loop.time() + 10.0
     while not fleet.admission["r0"].releases and loop.time() < end:
         await asyncio.sleep(0.02)
     assert [r.lease_id for r in fleet.admission["r0"].releases] == ["r0-lease-1"]
@@ -361,7 +361,7 @@ async def test_engine_refusal_is_relayed_not_retried_and_frees_everything(fleet:
     assert (await resp.json())["error"]["message"] == "max_tokens must be at least 1, got -5."
     assert len(fleet.upstreams["r0"].hits) == 1 and not fleet.upstreams["r1"].hits
     loop = asyncio.get_running_loop()
-    end = loop.time() + 2.0
+    end = loop.time() + 10.0
     while not fleet.admission["r0"].releases and loop.time() < end:
         await asyncio.sleep(0.02)
     assert [(r.lease_id, r.reason) for r in fleet.admission["r0"].releases] == [("r0-lease-1", "upstream-refused")]
@@ -409,7 +409,7 @@ async def test_failure_mid_stream_is_continued_on_another_replica(fleet: Fleet, 
     assert body["prompt"] == PROMPT + " t0 t1" and body["max_tokens"] == 2 and body["stream"] is True
     assert fleet.upstreams["r1"].hits[0]["x-request-id"].endswith("-m1")
     loop = asyncio.get_running_loop()
-    end = loop.time() + 2.0
+    end = loop.time() + 10.0
     while not fleet.admission["r0"].releases and loop.time() < end:
         await asyncio.sleep(0.02)
     assert [(r.lease_id, r.reason) for r in fleet.admission["r0"].releases] == [("r0-lease-1", "upstream-error")]
