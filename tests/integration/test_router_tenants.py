@@ -308,6 +308,9 @@ async def test_reload_on_sighup_keeps_serving_and_refuses_broken_file(tmp_path: 
             assert await metric_value(s, url, 'fairbatch_router_config_reloads_total{result="invalid"}') >= 1
             assert await metric_value(s, url, success) == 0.0  # FairbatchConfigReloadFailed's signal
             assert applied <= await metric_value(s, url, stamp) <= time.time()
+            # the running configuration's load: applied (at or after the one read above), before the refusal
+            applied_at = await metric_value(s, url, "fairbatch_router_config_last_reload_success_timestamp_seconds")
+            assert applied <= applied_at < await metric_value(s, url, stamp)
             reps.admission["r0"].set_budget(400.0)
             r = await post(s, url, "beta", stream=True)
             assert r.status == 200
