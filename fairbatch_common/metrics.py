@@ -42,8 +42,11 @@ def standard_registry(component: str) -> CollectorRegistry:
 class ReloadMetrics:
     """A component's configuration reloads: ``fairbatch_<component>_config_reloads_total{result}``
     (``ok``, ``invalid``) and the last-reload gauges ``..._config_last_reload_success`` (1 applied,
-    0 refused and the running configuration kept; 1 at start) and
-    ``..._config_last_reload_timestamp_seconds`` (Unix wall seconds of that load).
+    0 refused and the running configuration kept; 1 at start),
+    ``..._config_last_reload_timestamp_seconds`` (Unix wall seconds of that load, whatever its result)
+    and ``..._config_last_reload_success_timestamp_seconds`` (Unix wall seconds of the latest load that
+    was applied: the age of the running configuration; Prometheus's own
+    ``prometheus_config_last_reload_success_timestamp_seconds`` has the same meaning).
 
     Args:
         registry: the component's registry (:func:`standard_registry`).
@@ -60,12 +63,21 @@ class ReloadMetrics:
                              "was refused and the running one kept", registry=registry)  # fmt: skip
         self.timestamp = Gauge(f"{prefix}_last_reload_timestamp_seconds",
                                "Unix time (wall s) of that load, whatever its result", registry=registry)
+        self.success_timestamp = Gauge(f"{prefix}_last_reload_success_timestamp_seconds",
+                                       f"Unix time (wall s) of the latest {what} load that was applied (the start, "
+                                       "then each applied reload)", registry=registry)  # fmt: skip
         self.success.set(1)  # what the process starts with
-        self.timestamp.set(time.time())
+        started = time.time()
+        self.timestamp.set(started)
+        self.success_timestamp.set(started)
 
     def observe(self, ok: bool, now_s: float | None = None) -> None:
         """Count one reload and set the gauges: success 1 (applied) or 0 (refused), timestamp
-        ``now_s`` (Unix wall seconds; default now)."""
+        ``now_s`` (Unix wall seconds; default now), and the success timestamp to ``now_s`` only when
+        applied (a refused reload leaves it at the running configuration's load)."""
+        now = time.time() if now_s is None else now_s
         self.reloads.labels("ok" if ok else "invalid").inc()
         self.success.set(1 if ok else 0)
-        self.timestamp.set(time.time() if now_s is None else now_s)
+        self.timestamp.set(now)
+        if ok:
+            self.success_timestamp.set(now)

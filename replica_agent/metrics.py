@@ -105,6 +105,7 @@ class AgentMetrics:
         self.config_reloads = self.reload.reloads
         self.config_last_reload_success = self.reload.success
         self.config_last_reload_timestamp = self.reload.timestamp
+        self.config_last_reload_success_timestamp = self.reload.success_timestamp
         self.time_model_abs_error.set(math.nan)
 
     def observe_reload(self, ok: bool, now_s: float | None = None) -> None:

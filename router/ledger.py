@@ -397,6 +397,7 @@ class RedisLedger:
         import redis.asyncio as aioredis
 
         self.url = redact_url(url)
+        self._password_given = bool(password) or urllib.parse.urlsplit(url).password is not None
         self.clock = clock
         self.prefix = key_prefix
         self.timeout_s = timeout_ms / 1000.0
@@ -447,8 +448,16 @@ class RedisLedger:
         if self.degraded:
             return
         self.degraded = True
-        log.warning("ledger: Redis at %s unreachable (%s: %s); serving on the local ledger",
-                    self.url, exc.__class__.__name__, exc)
+        from redis.exceptions import AuthenticationError
+
+        if isinstance(exc, AuthenticationError):  # NOAUTH (no password given) or WRONGPASS
+            log.warning("ledger: Redis at %s %s (%s: %s): give Redis's requirepass as FAIRBATCH_REDIS_PASSWORD "
+                        "or in redis_url; serving on the local ledger", self.url,
+                        "refused the password given" if self._password_given else "requires a password, none given",
+                        exc.__class__.__name__, exc)
+        else:
+            log.warning("ledger: Redis at %s unreachable (%s: %s); serving on the local ledger",
+                        self.url, exc.__class__.__name__, exc)
         if self.on_degraded is not None:
             self.on_degraded(True)
         if self._rejoin is None or self._rejoin.done():

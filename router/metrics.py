@@ -166,6 +166,7 @@ class RouterMetrics:
         self.config_reloads = self.reload.reloads
         self.config_last_reload_success = self.reload.success
         self.config_last_reload_timestamp = self.reload.timestamp
+        self.config_last_reload_success_timestamp = self.reload.success_timestamp
         self.config_generation = Gauge(
             "fairbatch_router_config_generation", "Configurations applied since start (1 = the initial one)", registry=r,
         )

@@ -100,6 +100,9 @@ def test_slo_classes_reload_on_file_change_and_sighup(tmp_path: Path) -> None:
         assert metric_value(url, pab) == 0.9
         assert metric_value(url, success) == 0.0  # FairbatchConfigReloadFailed's signal
         assert applied <= (metric_value(url, stamp) or 0.0) <= time.time()
+        # the running classes' load: the edit above (at or after the one read), before the refusal
+        applied_at = metric_value(url, "fairbatch_agent_config_last_reload_success_timestamp_seconds") or 0.0
+        assert applied <= applied_at < (metric_value(url, stamp) or 0.0)
         # a value the router's model refuses: refused at the next poll
         config.write_text(BASE + "  interactive: {ttft_ms: -5, tpot_ms: 50}\n")
         wait_value(url, invalid, n + 1.0)

@@ -86,7 +86,12 @@ async def test_without_the_password_redis_refuses_and_the_ledger_falls_back(
     finally:
         await led.close()
     text = "\n".join(r.getMessage() for r in caplog.records)
-    assert f"Redis at {redis_auth_server.url} unreachable (AuthenticationError" in text
+    if password is None:
+        assert f"Redis at {redis_auth_server.url} requires a password, none given (AuthenticationError: " in text
+    else:
+        assert (f"Redis at {redis_auth_server.url} refused the password given (AuthenticationError: "
+                "invalid username-password pair") in text
+    assert "give Redis's requirepass as FAIRBATCH_REDIS_PASSWORD or in redis_url" in text
     if password:
         assert password not in text
 

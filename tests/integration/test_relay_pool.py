@@ -10,6 +10,7 @@ from aiohttp import web
 
 from loadgen.procs import free_port
 from fairbatch_common.upstream import Exchange, Http1Pool
+from tests.timing import LoopLag
 
 _TAIL_DELAY_S = 0.05
 
@@ -94,11 +95,13 @@ async def test_a_body_that_never_ends_frees_the_connection_after_the_bound() -> 
         assert pool.idle_connections() == 0  # not back yet: its body has not ended
         # max_per_host=1: this request can only go once the bound dropped the stream's connection
         loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        plain = pool.exchange("POST", base, "/plain", {})
-        await asyncio.wait_for(plain.start(), 10.0)
-        assert await plain.read() == b"ok"
-        assert 0.15 < loop.time() - t0 < 2.0
+        async with LoopLag() as lag:
+            t0 = loop.time()
+            plain = pool.exchange("POST", base, "/plain", {})
+            await asyncio.wait_for(plain.start(), 10.0)
+            assert await plain.read() == b"ok"
+            # after the 0.2 s bound (eof_wait_s), long before the body's own end (30 s)
+            assert 0.15 < loop.time() - t0 <= lag.bound_s(0.2)
         assert peers[0] != peers[1]  # a new connection: the old one was dropped, not reused mid-body
         plain.release()
         await pool.close()

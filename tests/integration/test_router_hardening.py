@@ -17,6 +17,7 @@ import redis.asyncio
 from tests.integration.test_router_fake_agents import Fleet
 from tests.integration.test_router_tenants import KEYS, PROMPT, InProcess, fleet  # noqa: F401 - the fixture
 from tests.redis_fixture import RedisServer, redis_clean, redis_server  # noqa: F401
+from tests.timing import LoopLag
 
 ACME = {"acme": {"weight": 1, "slo_class": "interactive"}}
 
@@ -160,10 +161,11 @@ async def test_half_sent_body_times_out_with_408(fleet: InProcess) -> None:
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEYS["acme"].encode()
             + b"\r\nContent-Length: 100\r\n\r\n{\"model\": ")
     loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    status, doc = status_and_json(await raw_http(fleet.url, head, read_timeout_s=3.0))
-    assert status == 408 and doc["error"]["code"] == "body_timeout"
-    assert loop.time() - t0 < 2.0
+    async with LoopLag() as lag:
+        t0 = loop.time()
+        status, doc = status_and_json(await raw_http(fleet.url, head, read_timeout_s=30.0))
+        assert status == 408 and doc["error"]["code"] == "body_timeout"
+        assert 0.25 <= loop.time() - t0 <= lag.bound_s(0.3)  # at body_timeout_s, as late as the loop ran
     assert fleet.router is not None and fleet.router.ledger.local.in_flight("acme") == 0  # type: ignore[attr-defined]
 
 
@@ -200,7 +202,8 @@ async def test_a_poison_request_in_the_queue_is_answered_and_the_others_flow() -
         poison = resps[1]
         assert poison.headers["x-fairbatch-reason"] == "placement-error"
         assert (await poison.json())["error"]["code"] == "placement-error"
-        assert served_s < 2.0, served_s
+        # served, not left behind the poison until their 5 s queue deadline (429 queue-timeout): the statuses
+        # above tell, with no wall-clock bound
         assert len(router.queue) == 0 and router.ledger.local.in_flight("acme") == 0  # type: ignore[attr-defined]
         print(f"poison case: 3 good requests served and the poison answered {served_s * 1000:.0f} ms after "
               "budget came")
@@ -228,7 +231,7 @@ async def test_a_repeated_request_id_does_not_bypass_max_concurrency(fleet: InPr
         for r in resps:
             r.close()
     loop = asyncio.get_running_loop()
-    end = loop.time() + 3.0
+    end = loop.time() + 10.0
     while loop.time() < end and (router.ledger.local.in_flight("acme") or fleet.replicas.admission["r0"].leases):  # type: ignore[attr-defined]
         await asyncio.sleep(0.02)
     assert router.ledger.local.in_flight("acme") == 0  # type: ignore[attr-defined]
@@ -270,7 +273,7 @@ async def test_a_repeated_request_id_does_not_bypass_max_concurrency_in_redis(fl
             for r in resps:
                 r.close()
         loop = asyncio.get_running_loop()
-        end = loop.time() + 3.0
+        end = loop.time() + 10.0
         while loop.time() < end and await client.zcard("hard:conc:acme"):
             await asyncio.sleep(0.02)
         assert await client.zcard("hard:conc:acme") == 0  # every slot released

@@ -162,7 +162,8 @@ def test_attained_plus_misses_equal_judged_requests() -> None:
 @pytest.mark.parametrize("component", ["router", "agent"])
 def test_last_reload_gauges_follow_each_reload(component: str) -> None:
     """``fairbatch_<component>_config_last_reload_success`` is 1 from the start (the configuration the process
-    started with), then the result of the latest reload; its timestamp is that load's Unix time."""
+    started with), then the result of the latest reload; its timestamp is that load's Unix time, and the
+    success timestamp that of the latest load applied (a refused reload leaves it)."""
     import time
 
     before = time.time()
@@ -178,15 +179,23 @@ def test_last_reload_gauges_follow_each_reload(component: str) -> None:
     start = samples()
     assert start[f"{prefix}_last_reload_success"] == 1.0
     assert before <= start[f"{prefix}_last_reload_timestamp_seconds"] <= after
+    assert start[f"{prefix}_last_reload_success_timestamp_seconds"] == start[f"{prefix}_last_reload_timestamp_seconds"]
     assert f"{prefix}_reloads_total{{result=ok}}" not in start  # the start is no reload
     m.observe_reload(False, now_s=1_700_000_000.0)
     m.observe_reload(False, now_s=1_700_000_060.0)
     got = samples()
     assert got[f"{prefix}_last_reload_success"] == 0.0
     assert got[f"{prefix}_last_reload_timestamp_seconds"] == 1_700_000_060.0
+    # two refusals: the running configuration is still the one loaded at the start
+    assert got[f"{prefix}_last_reload_success_timestamp_seconds"] == start[f"{prefix}_last_reload_timestamp_seconds"]
     assert got[f"{prefix}_reloads_total{{result=invalid}}"] == 2.0
     m.observe_reload(True, now_s=1_700_000_120.5)
     got = samples()
     assert got[f"{prefix}_last_reload_success"] == 1.0
     assert got[f"{prefix}_last_reload_timestamp_seconds"] == 1_700_000_120.5
+    assert got[f"{prefix}_last_reload_success_timestamp_seconds"] == 1_700_000_120.5
+    m.observe_reload(False, now_s=1_700_000_180.0)
+    got = samples()
+    assert got[f"{prefix}_last_reload_timestamp_seconds"] == 1_700_000_180.0
+    assert got[f"{prefix}_last_reload_success_timestamp_seconds"] == 1_700_000_120.5  # the applied one
     assert got[f"{prefix}_reloads_total{{result=ok}}"] == 1.0

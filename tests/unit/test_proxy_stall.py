@@ -7,6 +7,7 @@ import asyncio
 import time
 
 from replica_agent.proxy import EngineStalled, StallWatch
+from tests.timing import LoopLag
 
 
 class _Recorder:
@@ -19,15 +20,25 @@ class _Recorder:
         self.calls.append((time.monotonic(), exc))
 
 
+async def _until_called(rec: _Recorder, lag: LoopLag, due_s: float) -> None:
+    """Wait for the watch's call, at most :meth:`LoopLag.bound_s` of ``due_s`` (then the assert tells)."""
+    start = time.monotonic()
+    while not rec.calls and time.monotonic() - start < lag.bound_s(due_s) + 0.5:
+        await asyncio.sleep(0.01)
+
+
 async def test_silent_engine_is_a_stall() -> None:
     rec = _Recorder()
-    t0 = time.monotonic()
-    watch = StallWatch(0.4, rec)
-    await asyncio.sleep(1.2)
-    watch.close()
+    async with LoopLag() as lag:
+        t0 = time.monotonic()
+        watch = StallWatch(0.4, rec)
+        await _until_called(rec, lag, 0.4)
+        await asyncio.sleep(0.3)  # three more slices of 0.1 s
+        watch.close()
     assert len(rec.calls) == 1  # once, not once per slice after the stall
     at, exc = rec.calls[0]
-    assert 0.35 < at - t0 < 1.0
+    # due 0.4 s after the start; a loop held up runs the watch's timer later (never earlier)
+    assert 0.35 < at - t0 <= lag.bound_s(0.4)
     assert exc.timeout_s == 0.4
 
 
@@ -35,16 +46,17 @@ async def test_chunks_restart_the_silence() -> None:
     # A chunk every 0.15 s for 0.9 s (six times the 0.4 s rule's slice of 0.1 s, 2.25 rules long):
     # never 0.4 s of silence, so no stall; then silence: the stall comes 0.4 s after the last chunk.
     rec = _Recorder()
-    watch = StallWatch(0.4, rec)
-    for _ in range(6):
-        await asyncio.sleep(0.15)
-        watch.saw_chunk()
-    last = time.monotonic()
-    assert rec.calls == []
-    await asyncio.sleep(1.2)
-    watch.close()
+    async with LoopLag() as lag:
+        watch = StallWatch(0.4, rec)
+        for _ in range(6):
+            await asyncio.sleep(0.15)
+            watch.saw_chunk()
+        last = time.monotonic()
+        assert rec.calls == []
+        await _until_called(rec, lag, 0.4)
+        watch.close()
     assert len(rec.calls) == 1
-    assert 0.35 < rec.calls[0][0] - last < 1.0
+    assert 0.35 < rec.calls[0][0] - last <= lag.bound_s(0.4)
 
 
 async def test_a_paused_agent_is_not_a_stalled_engine() -> None:
