@@ -50,8 +50,13 @@ from typing import Any
 
 from fairbatch_common.openai_stream import fast_event_tokens, logprob_tokens
 
-CAUSES = ("error_event", "disconnect", "silence", "replica_removed")
-"""Why an attempt failed mid-stream (metric label ``cause``; router/relay.py ``RelayOutcome.cause``)."""
+CAUSES = ("error_event", "disconnect", "silence", "replica_removed", "drain")
+"""Why an attempt failed mid-stream (metric label ``cause``; router/relay.py ``RelayOutcome.cause``):
+``drain`` is the hand-over event of a draining agent (an error event of type :data:`HANDOVER_TYPE`)."""
+
+HANDOVER_TYPE = "replica_draining"
+"""``error.type`` of the event a draining agent ends a stream with when it hands it over
+(replica_agent/proxy.py ``HANDOVER_TYPE``, the same string: the agent imports nothing from the router)."""
 
 _DONE = b"[DONE]"
 _OPAQUE_DELTA = ("reasoning_content", "reasoning", "refusal", "tool_calls")
@@ -138,6 +143,7 @@ class StreamResume:
         last_out: the relay's output that ended with ``[DONE]`` (written with the end of the body).
         error_message: the held-back error event's message (at most 200 characters; the agent's, e.g.
             "engine stalled: no byte for 3 s"), for the router's own error event when not continued.
+        error_type: its ``type`` (``replica_draining``: a draining agent's hand-over).
     """
 
     body: Mapping[str, Any]
@@ -157,6 +163,7 @@ class StreamResume:
     opaque: bool = False
     last_out: bytes = b""
     error_message: str = ""
+    error_type: str = ""
     _buf: bytes = b""
     _pending: list[bytes] = field(default_factory=list)
 
@@ -176,6 +183,7 @@ class StreamResume:
         previous attempt's error mark, event count and partial event are dropped."""
         self.error = False
         self.error_message = ""
+        self.error_type = ""
         self.attempt_events = 0
         self._buf = b""
 
@@ -237,6 +245,8 @@ class StreamResume:
             err = obj["error"]
             message = err.get("message") if isinstance(err, dict) else err
             self.error_message = message[:200] if isinstance(message, str) else ""
+            kind = err.get("type") if isinstance(err, dict) else None
+            self.error_type = kind[:64] if isinstance(kind, str) else ""
             return b""
         if self.chat and self.migrations > 0 and _role_only(obj):
             return b""  # the continuation's {"role": "assistant", "content": ""}: the client has one
