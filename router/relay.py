@@ -433,6 +433,8 @@ class Relay:
                     resp.headers["Cache-Control"] = "no-cache"
                     await resp.prepare(request)
                 if state.done:
+                    if state.cut:  # the router ended the stream at a stop across the cut: the engine stops too
+                        upstream.close()
                     await resp.write_eof(out)
                     return RelayOutcome("ok", resp, status, events=state.events)
                 await resp.write(out)
@@ -442,6 +444,8 @@ class Relay:
                     break
                 cause, why = await self._pipe_resumable(request, upstream, state)
                 if cause == "ok":
+                    if state.cut:
+                        upstream.close()
                     await resp.write_eof(state.last_out)
                     return RelayOutcome("ok", resp, status, events=state.events)
                 if cause == "client_gone":

@@ -262,7 +262,7 @@ class Router(AuxEndpoints):
             return self._answer(tenant_over(quota.reason, principal.tenant, self.clock.to_wall_s(quota.retry_after_ms)))
         self.core.track_prefix(req)
         try:
-            resume = (StreamResume(body, chat) if self.config.migration.max_migrations > 0
+            resume = (StreamResume(body, chat, prompt_tokens=prompt_tokens) if self.config.migration.max_migrations > 0
                       and migratable(body, chat, valid.stream) else None)  # fmt: skip
             outcome, response = await self._serve_placed(request, principal, raw, req, valid.stream, resume)
             if quota_refunded(outcome, response.prepared):  # router/charges.py: nothing was generated
