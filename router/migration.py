@@ -612,27 +612,57 @@ def _reduce(out: dict[str, Any], body: Mapping[str, Any], sent: int) -> dict[str
     return out
 
 
+def decide_resume(sent: int, left: int | None, finished: bool, migrations: int, max_migrations: int,
+                  continuable: bool, prompt_tokens: int, max_prompt: int | None) -> MigrationDecision:
+    """Continue a stream whose replica failed mid-stream, or not: the rule on plain numbers (the
+    router calls it through :func:`decide`; the fleet simulation, loadgen/fleet/sim.py, calls it
+    directly).
+
+    Args:
+        sent: completion tokens relayed to the client so far.
+        left: ``max_tokens`` left after them (:func:`remaining_tokens`; None: no limit given).
+        finished: a ``finish_reason`` was relayed.
+        migrations: continuations placed so far.
+        max_migrations: ``migration.max_migrations`` (>= 0).
+        continuable: a continuation request can be built (:func:`continuation_body` not None).
+        prompt_tokens: the original prompt's tokens (the router's count or estimate).
+        max_prompt: the largest prompt any replica takes (tokens; None: unknown, not checked).
+
+    Returns:
+        in this order: ``complete`` when ``finished`` or nothing is left; ``limit`` at
+        ``max_migrations``; ``not-continuable``; ``context`` when prompt + ``sent`` exceeds
+        ``max_prompt``; else ``resume``.
+    """
+    if finished or left == 0:
+        return MigrationDecision(False, "complete")
+    if migrations >= max_migrations:
+        return MigrationDecision(False, "limit")
+    if not continuable:
+        return MigrationDecision(False, "not-continuable")
+    if max_prompt is not None and prompt_tokens + sent > max_prompt:
+        return MigrationDecision(False, "context")
+    return MigrationDecision(True, "resume")
+
+
+def continuation_sizes(prompt_tokens: int, max_tokens: int, resumed: int) -> tuple[int, int]:
+    """(prompt tokens, max tokens) of a continuation as placement prices it: the prompt grows by the
+    ``resumed`` tokens it carries back, the output bound shrinks by them (>= 0). Worked: a 100-token
+    prompt, max_tokens 200, cut after 40 -> (140, 160)."""
+    return prompt_tokens + resumed, max(0, max_tokens - resumed)
+
+
 def decide(state: StreamResume, max_migrations: int, prompt_tokens: int, max_prompt: int | None) -> MigrationDecision:
-    """Continue ``state`` on another replica, or not.
+    """Continue ``state`` on another replica, or not: :func:`decide_resume` on its numbers.
 
     Args:
         state: the stream (its attempt just failed after relaying at least one byte).
         max_migrations: ``migration.max_migrations`` (>= 0).
         prompt_tokens: the original prompt's tokens (the router's count or estimate).
         max_prompt: the largest prompt any replica takes (tokens; None: unknown, not checked).
-
-    Returns:
-        in this order: ``complete`` when every token was sent or a ``finish_reason`` was relayed;
-        ``limit`` at ``max_migrations``; ``not-continuable`` without a continuation body;
-        ``context`` when prompt + tokens sent exceeds ``max_prompt``; else ``resume``.
     """
     left = remaining_tokens(state.body, state.tokens)
-    if state.finish_reason is not None or left == 0:
-        return MigrationDecision(False, "complete")
-    if state.migrations >= max_migrations:
-        return MigrationDecision(False, "limit")
-    if continuation_body(state.body, state) is None:
-        return MigrationDecision(False, "not-continuable")
-    if max_prompt is not None and prompt_tokens + state.tokens > max_prompt:
-        return MigrationDecision(False, "context")
-    return MigrationDecision(True, "resume")
+    finished = state.finish_reason is not None
+    complete = finished or left == 0  # the continuation body is built only when it can matter
+    return decide_resume(state.tokens, left, finished, state.migrations, max_migrations,
+                         complete or state.migrations >= max_migrations
+                         or continuation_body(state.body, state) is not None, prompt_tokens, max_prompt)
