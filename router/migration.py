@@ -33,11 +33,13 @@ The count of tokens sent is ``len(token_ids)`` per event when present, else the 
 entries when the client asked for logprobs, else one per event that carries a choice (one engine step
 of one sequence: one token without speculative decoding; an empty final event with a
 ``finish_reason`` is not counted, an empty event before it is: vLLM sends one for a token whose bytes
-end inside a UTF-8 character, and a cut right there loses those bytes from the text prompt). Greedy decoding (``temperature`` 0, or
+end inside a UTF-8 character; a text continuation cut right after such events regenerates them,
+:class:`StreamResume`). Greedy decoding (``temperature`` 0, or
 the simulated engine without ``seed``) continues exactly as an unbroken run; a seeded sampled
 request restarts its generator on the new replica, so the continuation is a valid sample given the
-text so far but not the unbroken run's. A ``stop`` string that would straddle the failure point is
-not seen (each attempt checks its own output).
+text so far but not the unbroken run's. A ``stop`` string that straddles the failure point is checked
+here on the joined text (:class:`StreamResume`). :func:`decide_resume` and :func:`continuation_sizes`
+are the decision on plain numbers, for the fleet simulation too (loadgen/fleet/sim.py).
 """
 
 from __future__ import annotations
