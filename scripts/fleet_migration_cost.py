@@ -1,7 +1,8 @@
-"""What a replica failure costs the fleet (issue 29 item 6): one rate, the fleet simulation run twice,
-without a fault and with one replica killed mid-window (kill -9 of engine and agent: its streams are
-continued elsewhere by the router's migration, their prompt + generated tokens re-prefilled there;
-loadgen/fleet/sim.py "Faults and migration").
+"""What a replica failure costs the fleet (issue 29 item 6): one rate, the fleet simulation run three
+times: without a fault, with one replica killed mid-window (kill -9 of engine and agent: its streams
+are continued elsewhere by the router's migration, their prompt + generated tokens re-prefilled there;
+loadgen/fleet/sim.py "Faults and migration"), and with the same kill but ``max_migrations`` 0 (the
+streams it cut fail: the old behaviour).
 
 Prints per run: SLO attainment (per request and per token), refused share, failed requests, the
 migrations by outcome and the added gap per migrated stream; writes the two rows (bench-fleet's
@@ -45,9 +46,11 @@ def main() -> int:
     setup = headline_setup(kept, native, a.replicas, a.profile, a.ttft_ms, a.tpot_ms, a.duration_s, a.drain_s,
                            a.warmup_s, load_engine_time_model(None, a.profile))  # fmt: skip
     rows = {}
-    for name, faults in (("no fault", ()), (f"r{a.kill_replica} killed at {a.kill_at_s:g} s",
-                                            ((a.kill_at_s * 1000.0, a.kill_replica),))):
-        row = run_point(dataclasses.replace(setup, faults=faults), a.policy, a.rate)
+    kill = ((a.kill_at_s * 1000.0, a.kill_replica),)
+    runs = (("no fault", (), 3), (f"r{a.kill_replica} killed at {a.kill_at_s:g} s", kill, 3),
+            (f"r{a.kill_replica} killed, no migration", kill, 0))
+    for name, faults, max_migrations in runs:
+        row = run_point(dataclasses.replace(setup, faults=faults, max_migrations=max_migrations), a.policy, a.rate)
         rows[name] = row
         print(f"{name:>24}: attainment {row['slo_attainment']:.4f} (tokens {row['token_slo_attainment']:.4f}), "
               f"refused {row['refused_share']:.4f}, failed {row['failed']}, migrations {row['migrations']}, "
