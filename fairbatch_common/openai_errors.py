@@ -36,11 +36,12 @@ def error_body(message: str, err_type: str = INVALID_REQUEST, code: str | None =
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
-def sse_error_event(message: str, code: int = 502) -> bytes:
+def sse_error_event(message: str, code: int = 502, err_type: str = "upstream_error") -> bytes:
     """The SSE events that end a stream whose upstream failed after its first byte: an error event in
-    OpenAI's shape (``type`` ``upstream_error``, ``param`` null, ``code`` the HTTP-like status), then
-    ``data: [DONE]`` (what vLLM's server sends when a stream fails, so clients stop reading)."""
-    payload = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
+    OpenAI's shape (``type`` ``err_type``, by default ``upstream_error``; ``replica_draining`` for a
+    draining agent's hand-over; ``param`` null, ``code`` the HTTP-like status), then ``data: [DONE]``
+    (what vLLM's server sends when a stream fails, so clients stop reading)."""
+    payload = {"error": {"message": message, "type": err_type, "param": None, "code": code}}
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\ndata: [DONE]\n\n"
 
 

@@ -49,7 +49,7 @@ class ClassBudget(_message.Message):
     def __init__(self, slo_class: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., horizon_ms: _Optional[float] = ..., pab_ms: _Optional[float] = ..., pab_tokens: _Optional[int] = ..., decode_reservation_ms: _Optional[float] = ..., inflight_reservation_ms: _Optional[float] = ..., kv_free_tokens: _Optional[int] = ..., kv_limited_tokens: _Optional[int] = ..., decode_iterations: _Optional[int] = ...) -> None: ...
 
 class BudgetSnapshot(_message.Message):
-    __slots__ = ("replica_id", "seq", "timestamp_ms", "ttl_ms", "coefficients", "classes", "healthy", "num_running", "num_waiting", "kv_usage", "kv_capacity_tokens", "active_leases", "max_prompt_tokens", "status_detail", "inflight_prefill_ms", "inflight_prefill_done_ms", "prefix_queries_tokens", "prefix_hits_tokens", "inline_admission")
+    __slots__ = ("replica_id", "seq", "timestamp_ms", "ttl_ms", "coefficients", "classes", "healthy", "num_running", "num_waiting", "kv_usage", "kv_capacity_tokens", "active_leases", "max_prompt_tokens", "status_detail", "inflight_prefill_ms", "inflight_prefill_done_ms", "prefix_queries_tokens", "prefix_hits_tokens", "inline_admission", "draining")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class BudgetSnapshot(_message.Message):
     PREFIX_QUERIES_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HITS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INLINE_ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     seq: int
     timestamp_ms: int
@@ -88,7 +89,8 @@ class BudgetSnapshot(_message.Message):
     prefix_queries_tokens: int
     prefix_hits_tokens: int
     inline_admission: bool
-    def __init__(self, replica_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., coefficients: _Optional[_Union[TimeModelCoefficients, _Mapping]] = ..., classes: _Optional[_Iterable[_Union[ClassBudget, _Mapping]]] = ..., healthy: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_capacity_tokens: _Optional[int] = ..., active_leases: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., status_detail: _Optional[str] = ..., inflight_prefill_ms: _Optional[_Iterable[float]] = ..., inflight_prefill_done_ms: _Optional[_Iterable[float]] = ..., prefix_queries_tokens: _Optional[int] = ..., prefix_hits_tokens: _Optional[int] = ..., inline_admission: _Optional[bool] = ...) -> None: ...
+    draining: bool
+    def __init__(self, replica_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., coefficients: _Optional[_Union[TimeModelCoefficients, _Mapping]] = ..., classes: _Optional[_Iterable[_Union[ClassBudget, _Mapping]]] = ..., healthy: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_capacity_tokens: _Optional[int] = ..., active_leases: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., status_detail: _Optional[str] = ..., inflight_prefill_ms: _Optional[_Iterable[float]] = ..., inflight_prefill_done_ms: _Optional[_Iterable[float]] = ..., prefix_queries_tokens: _Optional[int] = ..., prefix_hits_tokens: _Optional[int] = ..., inline_admission: _Optional[bool] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("slo_class", "prompt_tokens", "request_id", "router_id", "max_tokens", "waited_ms", "on_time_only")

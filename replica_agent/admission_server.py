@@ -73,6 +73,7 @@ def snapshot_pb(agent: Agent, view: BudgetView) -> admission_pb2.BudgetSnapshot:
         prefix_queries_tokens=view.prefix_queries_tokens,
         prefix_hits_tokens=view.prefix_hits_tokens,
         inline_admission=agent.config.proxy_tracking,
+        draining=view.draining,
     )
 
 

@@ -141,6 +141,7 @@ class BudgetView:
         prefix_queries_tokens, prefix_hits_tokens: the engine's prefix cache over the agent's recent
             window (:class:`~replica_agent.engine_metrics.PrefixHitWindow`): prompt tokens looked up
             and found cached (0, 0 = unknown).
+        draining: the agent is draining (:meth:`Agent.start_drain`): every class budget is zero.
     """
 
     now_ms: float
@@ -157,6 +158,7 @@ class BudgetView:
     inflight_prefill_done_ms: tuple[float, ...] = ()
     prefix_queries_tokens: int = 0
     prefix_hits_tokens: int = 0
+    draining: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +214,7 @@ class Agent:
         self.metrics = AgentMetrics()
         self.classes = {c.name: c for c in config.slo_classes}
         self.max_prompt_tokens = 0
+        self.draining = False  # told to drain (start_drain): zero budget, new work refused
         self._engine = _EngineView()
         self.prefix_window = PrefixHitWindow()  # the engine's recent prefix-cache hit ratio (snapshots)
         self._plugin = _PluginView()
@@ -263,6 +266,17 @@ class Agent:
         """Wake every waiter of the current change event."""
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def start_drain(self) -> bool:
+        """Stop taking new work (replica_agent/policy/drain.py): from now on every class budget is
+        zero, a Reserve is refused ``draining``, and a snapshot goes out at once with ``draining``
+        set. Returns False when the agent was draining already."""
+        if self.draining:
+            return False
+        self.draining = True
+        log.warning("agent %s draining: no new work; in-flight requests: %d", self.config.replica_id, len(self.tracker))
+        self.notify()
+        return True
 
     def next_seq(self) -> int:
         """Strictly increasing sequence number (snapshots and Reserve answers)."""
@@ -507,6 +521,8 @@ class Agent:
         if state is None:
             state = self.replica_state(now_ms)
         classes = compute_budgets(state, self.config.slo_classes)
+        if self.draining:  # no new prefill here: routers place elsewhere (the reservations stay as they are)
+            classes = {name: replace(b, pab_ms=0.0, pab_tokens=0) for name, b in classes.items()}
         lumps, done = self._inflight_schedule(state, now_ms)
         healthy, detail = self.health(now_ms)
         m = self._engine.metrics
@@ -539,6 +555,7 @@ class Agent:
             inflight_prefill_done_ms=done,
             prefix_queries_tokens=queried,
             prefix_hits_tokens=hit,
+            draining=self.draining,
         )
 
     def _inflight_schedule(self, state: ReplicaState, now_ms: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -602,6 +619,9 @@ class Agent:
         cls = self.classes.get(slo_class)
         if cls is None:
             reason = "unknown-class"
+        elif self.draining:
+            reason = "draining"
+            budget = self.compute_budget(now_ms).classes[slo_class]
         elif prompt_tokens < 0 or not waited_ms >= 0.0:  # negative or NaN
             reason = "bad-request"
         else:

@@ -5,7 +5,12 @@
 
 ``fairbatch-agent serve ...`` runs, in one asyncio process, the HTTP reverse proxy in front of the
 engine (aiohttp), the AdmissionService gRPC server (grpc.aio), the engine /metrics scraper and the
-lease-expiry task. SIGTERM/SIGINT stop it gracefully.
+lease-expiry task. SIGTERM/SIGINT drain it (replica_agent/drainer.py: no new work, the requests in
+flight finish for up to ``--drain-grace-s``, the rest are handed over to the routers' migration),
+then it exits 0; a second signal stops it at once.
+
+``fairbatch-agent drain [--url URL] [--wait]`` asks a running agent to drain (``POST /drain`` with
+``FAIRBATCH_AGENT_TOKEN``): the Helm chart's preStop hook.
 
 Plugin mode (``--plugin-export unix:PATH``, replica_agent/plugin_mode.py): the agent also binds the
 UNIX datagram socket PATH, which the vLLM scheduler plugin (``FAIRBATCH_PLUGIN_EXPORT=unix:PATH``)
@@ -215,7 +220,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the profile's coefficients count as this many steps in the online fit (ridge prior)")
     s.add_argument("--no-proxy-step-estimates", action="store_true",
                    help="proxy mode: do not learn step times from relayed token gaps (keep the profile's model)")
+    s.add_argument("--drain-grace-s", type=float, default=30.0,
+                   help="on SIGTERM or POST /drain: wall seconds the requests in flight may run on before they are "
+                        "handed over to another replica (routers continue the streams; default 30)")
+    s.add_argument("--drain-handover-s", type=float, default=5.0,
+                   help="wall seconds after the hand-over before the drain ends anyway (default 5)")
     s.add_argument("--log-level", default="INFO")
+    d = sub.add_parser(
+        "drain",
+        help="ask a running agent to drain (POST /drain; the Helm chart's preStop hook)",
+        description="POST /drain to an agent (the token from FAIRBATCH_AGENT_TOKEN). The agent stops taking new "
+        "work, lets its requests in flight run for its --drain-grace-s, hands the rest over to the routers, "
+        "then exits 0. With --wait this command returns when the drain is done. Exit status 0 when the agent "
+        "accepted (or was already gone with --wait), 1 otherwise.",
+    )
+    d.add_argument("--url", default="http://127.0.0.1:8001", help="the agent's HTTP address")
+    d.add_argument("--wait", action="store_true", help="return only when the drain is done")
+    d.add_argument("--timeout-s", type=float, default=600.0, help="give up waiting after this many wall seconds")
+    d.add_argument("--log-level", default="WARNING")
     c = sub.add_parser(
         "calibrate",
         help="fit a, b, c of the batch-time model from a per-step log",
@@ -340,7 +362,8 @@ async def serve(args: argparse.Namespace) -> None:
                             body_timeout_s=args.body_timeout_s, stall_timeout_s=args.stall_timeout_s,
                             class_stall_ms=tuple(load_stall_timeouts(args.config).items()) if args.config else (),
                             agent_token=os.environ.get(AGENT_TOKEN_ENV) or None,
-                            engine_api_key=os.environ.get(ENGINE_API_KEY_ENV) or None)
+                            engine_api_key=os.environ.get(ENGINE_API_KEY_ENV) or None,
+                            drain_grace_s=args.drain_grace_s, drain_handover_s=args.drain_handover_s)
     session = make_session(proxy_cfg)
     tracer = make_tracer("fairbatch-agent", args.otlp_endpoint, args.otlp_sample_ratio)
     proxy = Proxy(agent, proxy_cfg, session, tracer)
@@ -348,6 +371,7 @@ async def serve(args: argparse.Namespace) -> None:
         app = web.Application()
         app.router.add_get("/health", proxy.health)
         app.router.add_get("/metrics", proxy.metrics)
+        proxy.add_drain_routes(app)
     else:
         app = proxy.app()
     # handler cancellation: a client that leaves cancels its handler, which closes the upstream request,
@@ -373,8 +397,14 @@ async def serve(args: argparse.Namespace) -> None:
     ]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    drainer = proxy.drainer
+
+    def on_stop_signal() -> None:  # the first drains, a second stops at once
+        if not drainer.start():
+            stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_stop_signal)
     if args.config is not None:
         hup = asyncio.Event()
         loop.add_signal_handler(signal.SIGHUP, hup.set)
@@ -388,7 +418,14 @@ async def serve(args: argparse.Namespace) -> None:
         ", ".join(f"{c.name}({c.ttft_ms:g}/{c.tpot_ms:g} ms)" for c in agent.config.slo_classes),
     )
     try:
-        await stop.wait()
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(drainer.done.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if drainer.done.is_set():
+            await asyncio.sleep(_DRAIN_FLUSH_S)  # the hand-over events and a waiting POST /drain's answer go out
     finally:
         log.info("stopping")
         for t in tasks:
@@ -402,6 +439,36 @@ async def serve(args: argparse.Namespace) -> None:
         await session.close()
 
 
+_DRAIN_FLUSH_S = 0.2
+
+
+async def request_drain(url: str, token: str | None, wait: bool, timeout_s: float) -> int:
+    """``POST {url}/drain`` (``?wait=1`` with ``wait``): 0 when the agent accepted it (with ``wait``: the
+    drain finished, or the agent was already gone: connection refused), 1 on an error answer or a
+    timeout (the reason on stderr)."""
+    headers = {"x-fairbatch-token": token} if token else {}
+    target = url.rstrip("/") + "/drain" + ("?wait=1" if wait else "")
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+            async with session.post(target, headers=headers) as resp:
+                body = await resp.text()
+                if resp.status in (200, 202):
+                    print(body)
+                    return 0
+                print(f"fairbatch-agent drain: {target} answered {resp.status}: {body[:200]}", file=sys.stderr)
+                return 1
+    except aiohttp.ClientConnectorError:
+        if wait:  # nothing listens: the agent is gone (drained and exited)
+            return 0
+        print(f"fairbatch-agent drain: nothing answers at {url}", file=sys.stderr)
+        return 1
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        if wait and isinstance(e, aiohttp.ServerDisconnectedError):  # exited as it answered
+            return 0
+        print(f"fairbatch-agent drain: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; returns the exit status."""
     parser = build_parser()
@@ -413,6 +480,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, OSError) as e:
             parser.error(str(e))
         return 0
+    if args.command == "drain":
+        return run(request_drain(args.url, os.environ.get(AGENT_TOKEN_ENV) or None, args.wait, args.timeout_s))
     if args.command == "serve":
         try:
             config_from_args(args)  # fail fast with a readable message

@@ -51,6 +51,7 @@ from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from replica_agent.agent import Agent
+from replica_agent.drainer import Drainer
 from fairbatch_common.aio import FirstChunkStreamResponse
 from fairbatch_common.api_schema import ApiError, validate_request
 from fairbatch_common.http_guard import (
@@ -244,6 +245,9 @@ class ProxyConfig:
             ``SamplingParams.extra_args``: needed by the FairBatching scheduler plugin
             (replica_agent/vllm_plugin.py), since HTTP headers do not reach vLLM's scheduler. The
             body is then re-encoded; off by default, so the bytes go upstream unchanged.
+        drain_grace_s: wall seconds in-flight requests may run on after a drain began before they
+            are handed over (replica_agent/policy/drain.py).
+        drain_handover_s: wall seconds after the hand-over before a drain ends anyway.
     """
 
     engine_url: str
@@ -260,6 +264,30 @@ class ProxyConfig:
     class_stall_ms: tuple[tuple[str, float], ...] = ()
     agent_token: str | None = field(default=None, repr=False)
     engine_api_key: str | None = field(default=None, repr=False)
+    drain_grace_s: float = 30.0
+    drain_handover_s: float = 5.0
+
+
+HANDOVER_TYPE = "replica_draining"
+"""The ``error.type`` of the event that ends a stream a draining agent hands over (and of its 503
+answers): router/migration.py continues such a stream elsewhere, cause ``drain``."""
+HANDOVER_MESSAGE = "replica draining: stream handed over"
+DRAIN_RETRY_AFTER_S = 1
+"""``Retry-After`` of a draining agent's 503 (wall s): its replacement, or another replica, will answer."""
+
+
+class HandedOver(Exception):
+    """Raised into an open engine exchange when the draining agent hands its requests over."""
+
+
+def draining_response(request_id: str) -> web.Response:
+    """503 ``replica_draining`` with ``Retry-After``: a draining agent takes no new work, and a non-stream
+    request it hands over is answered so (the router re-issues it on another replica)."""
+    return web.json_response(
+        {"error": {"message": "replica draining: not taking new requests", "type": HANDOVER_TYPE, "param": None,
+                   "code": 503}},
+        status=503, headers={"Retry-After": str(DRAIN_RETRY_AFTER_S), "x-request-id": request_id},
+    )
 
 
 class EngineStalled(Exception):
@@ -436,6 +464,9 @@ class Proxy:
         self._tracer = tracer
         self._base = config.engine_url.rstrip("/")
         self._key_counter = 0
+        self._open: dict[str, Exchange] = {}  # tracker key -> its engine exchange (the drain's hand-over)
+        self._handed_over = False  # the hand-over ran: an exchange opened later is ended at once
+        self.drainer = Drainer(agent, self.hand_over, config.drain_grace_s, config.drain_handover_s)
 
     @property
     def pool(self) -> Http1Pool:
@@ -452,11 +483,47 @@ class Proxy:
         app.router.add_post("/detokenize", self.utility)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        self.add_drain_routes(app)
         app.on_cleanup.append(self._close_pool)
         return app
 
     async def _close_pool(self, app: web.Application) -> None:
         await self._pool.close()
+
+    # ---- drain (replica_agent/drainer.py) --------------------------------------------------
+    def add_drain_routes(self, app: web.Application) -> None:
+        """``POST /drain`` and ``GET /drain`` on ``app`` (also the ``--no-proxy`` app)."""
+        app.router.add_post("/drain", self.drain)
+        app.router.add_get("/drain", self.drain_status)
+
+    def _drain_state(self) -> dict[str, Any]:
+        return {"state": self.drainer.state, "in_flight": self.drainer.in_flight()}
+
+    async def drain(self, request: web.Request) -> web.Response:
+        """POST /drain: begin the drain (agent token required when one is set); 202 with the state, or
+        with ``?wait=1`` (a preStop hook), 200 once the drain is done."""
+        refused = self._token_refusal(request)
+        if refused is not None:
+            return refused
+        self.drainer.start()
+        if request.query.get("wait") not in (None, "", "0", "false"):
+            await self.drainer.done.wait()
+            return web.json_response(self._drain_state(), status=200)
+        return web.json_response(self._drain_state(), status=202)
+
+    async def drain_status(self, request: web.Request) -> web.Response:
+        """GET /drain: ``{"state": "serving" | "draining" | "drained", "in_flight": n}`` (open, like /health)."""
+        return web.json_response(self._drain_state())
+
+    def hand_over(self) -> int:
+        """End every open engine exchange now (the drain's hand-over): a stream ends with the hand-over
+        event (``replica_draining``), a request not answered yet with 503 ``replica_draining``; the engine
+        sees its connection closed and aborts. Returns how many were open."""
+        self._handed_over = True
+        open_now = list(self._open.values())
+        for ex in open_now:
+            ex.fail(HandedOver())
+        return len(open_now)
 
     # ---- simple endpoints ----------------------------------------------------------------
     def _token_refusal(self, request: web.Request) -> web.Response | None:
@@ -560,6 +627,8 @@ class Proxy:
         except ApiError as exc:
             return api_error_response(exc, {"x-request-id": request_id})
         body = valid.body
+        if self._agent.draining:
+            return self._draining_refusal(hdrs, request_id)
         try:
             queued_ms = max(0.0, float(hdrs.get("x-fairbatch-queued-ms", "0")))
         except ValueError:
@@ -645,12 +714,27 @@ class Proxy:
                 outcome = "client_disconnect"
                 raise
             finally:
+                self._open.pop(key, None)
                 done = agent.request_done(key, agent.clock.now_ms(), outcome)
                 if done is not None:  # the engine's usage when it reported one, else the relayed tokens
                     span.set_attribute("gen_ai.usage.input_tokens", done.request.prompt_tokens)
                     span.set_attribute("gen_ai.usage.output_tokens", done.request.tokens_out)
                 if done is not None and outcome != "ok":
                     log.info("request %s ended: %s", request_id, outcome)
+
+    @staticmethod
+    def _draining_refusal(hdrs: Mapping[str, str], request_id: str) -> web.Response:
+        """A request that arrives while the agent drains: with ``x-fairbatch-admit`` the inline
+        admission's 409 ``x-fairbatch-refused: draining`` with a zero budget (the router re-places it at
+        once), else 503 ``replica_draining`` with ``Retry-After``."""
+        if "x-fairbatch-admit" not in hdrs:
+            return draining_response(request_id)
+        return web.json_response(
+            {"error": {"message": "replica draining; place elsewhere", "type": "admission_refused", "param": None,
+                       "code": "draining"}},
+            status=409, headers={"x-fairbatch-refused": "draining", "x-request-id": request_id,
+                                 "x-fairbatch-pab-ms": "0", "x-fairbatch-pab-tokens": "0"},
+        )
 
     def _queue_cap_refusal(self, cap: str, prompt_tokens: int, request_id: str) -> web.Response | None:
         """``x-fairbatch-queue-cap: <tokens>`` (module docstring): None when the request is taken, else
@@ -704,7 +788,7 @@ class Proxy:
         )
 
     async def _open_upstream(
-        self, path: str, data: bytes, headers: dict[str, str], stall_s: float | None = None
+        self, path: str, data: bytes, headers: dict[str, str], stall_s: float | None = None, key: str | None = None,
     ) -> Exchange | web.Response:
         """POST to the engine and wait for its answer's head (at most ``stall_s`` wall seconds): the
         exchange, or the 502 to answer with. A request whose connection closed before any byte of the
@@ -716,6 +800,10 @@ class Proxy:
                 ex = self._pool.exchange("POST", self._base, path, headers, data)
             except ValueError:  # a forwarded header that cannot go on the wire (CR/LF): the client's
                 return error_json(400, "a request header cannot be forwarded", "invalid_request_error")
+            if key is not None:
+                self._open[key] = ex  # the drain's hand-over fails it (until the request ends)
+                if self._handed_over:
+                    ex.fail(HandedOver())
             try:
                 if stall_s is None:
                     await ex.start()
@@ -727,6 +815,9 @@ class Proxy:
                 except TimeoutError:
                     self._stalled(EngineStalled(stall_s))
                     return error_json(502, f"engine stalled: no response within {stall_s:g} s")
+            except HandedOver:
+                ex.close()
+                return draining_response(headers.get("x-request-id", ""))
             except UpstreamDisconnected as e:
                 if e.answered or resent >= self._cfg.stale_retries:
                     return self._unreachable(e)
@@ -763,10 +854,11 @@ class Proxy:
         self, request: web.Request, path: str, raw: bytes, headers: dict[str, str], key: str, request_id: str,
         stall_s: float, finished: list[str] | None = None,
     ) -> tuple[web.StreamResponse, str]:
-        up = await self._open_upstream(path, raw, headers, stall_s)
+        up = await self._open_upstream(path, raw, headers, stall_s, key)
         if isinstance(up, web.Response):
-            return up, "upstream_unreachable"
+            return up, "handed_over" if up.status == 503 else "upstream_unreachable"
         clean = False
+        handed = False
         watch: StallWatch | None = None
         try:
             if up.status != 200:
@@ -805,6 +897,9 @@ class Proxy:
             except EngineStalled as e:
                 self._stalled(e)
                 pipe.error = pipe.error or f"engine stalled: no byte for {e.timeout_s:g} s"
+            except HandedOver:
+                handed = True
+                pipe.error = HANDOVER_MESSAGE
             except UpstreamError as e:
                 pipe.error = pipe.error or f"engine stream failed: {type(e).__name__}"
             except (ConnectionError, aiohttp.ClientConnectionResetError, OSError):
@@ -815,6 +910,13 @@ class Proxy:
             if pipe.done and not pipe.error:
                 clean = True
                 return resp, "ok"
+            if handed:  # the drain's hand-over (module docstring of replica_agent/drainer.py): the router migrates it
+                try:
+                    await resp.write(sse_error_event(HANDOVER_MESSAGE, 503, HANDOVER_TYPE))
+                    await resp.write_eof()
+                except (ConnectionError, aiohttp.ClientConnectionResetError, OSError, RuntimeError):
+                    pass
+                return resp, "handed_over"
             if not pipe.done:
                 upstream_error = pipe.error or "engine stream ended without [DONE]"
                 try:
@@ -847,7 +949,7 @@ class Proxy:
         with 502 ``engine stalled`` before anything reached the client, and the router retries the
         request on another replica.
         """
-        exchange = asyncio.ensure_future(self._whole_exchange(path, raw, headers))
+        exchange = asyncio.ensure_future(self._whole_exchange(path, raw, headers, key))
         try:
             while True:
                 done, _ = await asyncio.wait({exchange}, timeout=_DISCONNECT_POLL_S)
@@ -885,18 +987,21 @@ class Proxy:
         return web.Response(status=200, body=body, headers=resp_headers), "ok"
 
     async def _whole_exchange(
-        self, path: str, raw: bytes, headers: dict[str, str]
+        self, path: str, raw: bytes, headers: dict[str, str], key: str | None = None,
     ) -> tuple[int, str, bytes] | tuple[web.Response, str]:
         """POST upstream and read the whole answer: (status, content type, body), or (a 502
-        response, outcome). Cancelled, it closes the upstream connection (the engine aborts)."""
-        up = await self._open_upstream(path, raw, headers)
+        response, outcome; 503 ``replica_draining`` when the drain handed it over). Cancelled, it
+        closes the upstream connection (the engine aborts)."""
+        up = await self._open_upstream(path, raw, headers, None, key)
         if isinstance(up, web.Response):
-            return up, "upstream_unreachable"
+            return up, "handed_over" if up.status == 503 else "upstream_unreachable"
         clean = False
         try:
             body = await up.read()
             clean = True
             return up.status, up.headers.get("content-type", "application/json"), body
+        except HandedOver:
+            return draining_response(headers.get("x-request-id", "")), "handed_over"
         except UpstreamError as e:
             log.warning("engine %s answer failed: %s: %s", self._base, type(e).__name__, e)
             return error_json(502, f"engine answer failed: {type(e).__name__}"), "upstream_error"

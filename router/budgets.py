@@ -54,6 +54,8 @@ class ReplicaBudget:
         inline_admission: the agent is on the request's HTTP path and decides
             ``x-fairbatch-admit`` on arrival (the snapshot's field; False for an agent run with
             ``--no-proxy`` or one that does not send it: router/admission.py ``use_inline``).
+        draining: the agent is draining (its snapshot's ``draining``): then ``healthy`` is False and
+            ``status_detail`` is ``draining``, so no placement policy picks it.
         view: the placement view last built from this state (:meth:`BudgetBook.views`), dropped on
             every change so that a decision never sees old figures.
     """
@@ -76,6 +78,7 @@ class ReplicaBudget:
     prefix_queries_tokens: int = 0
     prefix_hits_tokens: int = 0
     inline_admission: bool = False
+    draining: bool = False
     view: ReplicaView | None = None  # cached placement view; None after any change
 
 
@@ -141,9 +144,11 @@ class BudgetBook:
         budget.seq = seq
         ttl = float(snapshot.ttl_ms)  # type: ignore[attr-defined]
         budget.ttl_ms = ttl if ttl > 0 else DEFAULT_TTL_MS
-        budget.healthy = bool(snapshot.healthy)  # type: ignore[attr-defined]
+        budget.draining = bool(getattr(snapshot, "draining", False))
+        # a draining replica is not placeable (issue 29): to every placement policy it is unhealthy
+        budget.healthy = bool(snapshot.healthy) and not budget.draining  # type: ignore[attr-defined]
         budget.max_prompt_tokens = max(0, int(snapshot.max_prompt_tokens))  # type: ignore[attr-defined]
-        budget.status_detail = snapshot.status_detail  # type: ignore[attr-defined]
+        budget.status_detail = "draining" if budget.draining else snapshot.status_detail  # type: ignore[attr-defined]
         budget.num_running = max(0, int(getattr(snapshot, "num_running", 0)))
         budget.num_waiting = max(0, int(getattr(snapshot, "num_waiting", 0)))
         kv_usage = float(getattr(snapshot, "kv_usage", 0.0))

@@ -119,7 +119,7 @@ class RouterMetrics:
         self.migrations = Counter(
             "fairbatch_router_stream_migrations",
             "Streamed completions whose replica failed after the first byte (router/migration.py), by cause "
-            "(error_event, disconnect, silence, replica_removed) and outcome (resumed: continued elsewhere to its "
+            "(error_event, disconnect, silence, replica_removed, drain: the agent drained and handed it over) and outcome (resumed: continued elsewhere to its "
             "end; complete: every token was out; limit, not_continuable, context, no_replica, failed: ended with "
             "the SSE error event; client_gone)",
             ["cause", "outcome"], registry=r,

@@ -33,11 +33,13 @@ The count of tokens sent is ``len(token_ids)`` per event when present, else the 
 entries when the client asked for logprobs, else one per event that carries a choice (one engine step
 of one sequence: one token without speculative decoding; an empty final event with a
 ``finish_reason`` is not counted, an empty event before it is: vLLM sends one for a token whose bytes
-end inside a UTF-8 character, and a cut right there loses those bytes from the text prompt). Greedy decoding (``temperature`` 0, or
+end inside a UTF-8 character; a text continuation cut right after such events regenerates them,
+:class:`StreamResume`). Greedy decoding (``temperature`` 0, or
 the simulated engine without ``seed``) continues exactly as an unbroken run; a seeded sampled
 request restarts its generator on the new replica, so the continuation is a valid sample given the
-text so far but not the unbroken run's. A ``stop`` string that would straddle the failure point is
-not seen (each attempt checks its own output).
+text so far but not the unbroken run's. A ``stop`` string that straddles the failure point is checked
+here on the joined text (:class:`StreamResume`). :func:`decide_resume` and :func:`continuation_sizes`
+are the decision on plain numbers, for the fleet simulation too (loadgen/fleet/sim.py).
 """
 
 from __future__ import annotations
@@ -50,8 +52,13 @@ from typing import Any
 
 from fairbatch_common.openai_stream import fast_event_tokens, logprob_tokens
 
-CAUSES = ("error_event", "disconnect", "silence", "replica_removed")
-"""Why an attempt failed mid-stream (metric label ``cause``; router/relay.py ``RelayOutcome.cause``)."""
+CAUSES = ("error_event", "disconnect", "silence", "replica_removed", "drain")
+"""Why an attempt failed mid-stream (metric label ``cause``; router/relay.py ``RelayOutcome.cause``):
+``drain`` is the hand-over event of a draining agent (an error event of type :data:`HANDOVER_TYPE`)."""
+
+HANDOVER_TYPE = "replica_draining"
+"""``error.type`` of the event a draining agent ends a stream with when it hands it over
+(replica_agent/proxy.py ``HANDOVER_TYPE``, the same string: the agent imports nothing from the router)."""
 
 _DONE = b"[DONE]"
 _OPAQUE_DELTA = ("reasoning_content", "reasoning", "refusal", "tool_calls")
@@ -138,6 +145,37 @@ class StreamResume:
         last_out: the relay's output that ended with ``[DONE]`` (written with the end of the body).
         error_message: the held-back error event's message (at most 200 characters; the agent's, e.g.
             "engine stalled: no byte for 3 s"), for the router's own error event when not continued.
+        error_type: its ``type`` (``replica_draining``: a draining agent's hand-over).
+        replay: events of the current attempt still to come that regenerate tokens the client already
+            counted (a text continuation rolled back over the trailing empty-text events: below).
+        stop_tail: the last ``len(longest stop) - 1`` characters relayed before the current attempt
+            (a stop string that straddles the cut starts there; "" without ``stop``).
+        cut: the router ended the stream at a stop string that straddled the cut (upstream closed).
+        prompt_tokens: the original prompt's tokens as the router counted them (for the ``usage`` of a
+            stream the router ends itself; an estimate for a text prompt).
+
+    Cut inside a character. vLLM streams an empty ``text`` for a token whose bytes end inside a
+    UTF-8 character (its detokenizer holds the bytes until the character is whole). A text
+    continuation resumes from a string, which cannot hold those bytes, so it is rolled back over the
+    trailing run of such events: their tokens are not subtracted from ``max_tokens``, the
+    continuation regenerates them (greedy: the same tokens, now with the whole character), and its
+    first :attr:`replay` events (as many as were rolled back; the client already has one event per
+    token) are not relayed: their text is held and put in front of the next relayed event's. Worked:
+    " caf" + "" (a token ending in the first byte of "é") cut, max_tokens 5 -> prompt + " caf",
+    max_tokens 4 (not 3); the continuation regenerates that token (again "", held, not relayed), then
+    "é" goes out: the client's events " caf", "", "é", ... one per token, the text whole.
+
+    Stop strings across the cut. Each attempt's engine checks only its own output, so a ``stop`` that
+    starts in the text before the cut and ends in the continuation is checked here, on the joined
+    text: :attr:`stop_tail` + the continuation's text, while the latter is shorter than the longest
+    stop. The first stop completed (the earliest end, then list order) ends the stream as the
+    unbroken run would: the event's text is cut before the stop (after it with
+    ``include_stop_str_in_output``), ``finish_reason`` ``stop`` and ``stop_reason`` the string, a
+    ``usage`` event when the client asked for one, ``[DONE]``; the upstream is closed (:attr:`cut`).
+    Worked: stop "END", relayed "x E", the continuation sends "ND y" -> joined "x END y": "END" at 2,
+    inside the tail "x E" (3 characters, 2 of them kept as the tail "E" needs len("END") - 1 = 2) ->
+    the event's text "", finish "stop". An engine that holds back a possible stop prefix (vLLM v1,
+    the simulated engine) never relayed one, so there the continuation sees the whole stop itself.
     """
 
     body: Mapping[str, Any]
@@ -157,6 +195,15 @@ class StreamResume:
     opaque: bool = False
     last_out: bytes = b""
     error_message: str = ""
+    error_type: str = ""
+    replay: int = 0
+    stop_tail: str = ""
+    cut: bool = False
+    prompt_tokens: int = 0
+    _empty_run: int = 0  # trailing relayed token events with no text (module docstring: cut inside a character)
+    _empty_run_tokens: int = 0
+    _replay_text: list[str] = field(default_factory=list)
+    _cont_text: str = ""  # the current continuation's relayed text, while shorter than the longest stop
     _buf: bytes = b""
     _pending: list[bytes] = field(default_factory=list)
 
@@ -176,13 +223,35 @@ class StreamResume:
         previous attempt's error mark, event count and partial event are dropped."""
         self.error = False
         self.error_message = ""
+        self.error_type = ""
         self.attempt_events = 0
         self._buf = b""
 
+    def rolled_back(self) -> tuple[int, int]:
+        """(events, tokens) a continuation regenerates: the trailing run of relayed token events
+        with no text, for a text continuation (a token-id one resumes from the ids, exactly); (0, 0)
+        otherwise. The class docstring says why."""
+        if not self.chat and isinstance(prompt_of(self.body), list):
+            return 0, 0
+        return self._empty_run, self._empty_run_tokens
+
+    def resume_tokens(self) -> int:
+        """The tokens a continuation starts after (:attr:`tokens` minus :meth:`rolled_back`'s)."""
+        return self.tokens - self.rolled_back()[1]
+
     def next_attempt(self) -> None:
-        """A continuation is placed: the tokens so far are its base; the attempt's state resets."""
+        """A continuation is placed: the tokens so far (less the rolled-back ones) are its base; the
+        attempt's state resets; the stop-string tail is taken."""
+        events, tokens = self.rolled_back()
         self.migrations += 1
+        self.tokens -= tokens
         self.base_tokens = self.tokens
+        self.replay = events
+        self._replay_text = []
+        self._empty_run = self._empty_run_tokens = 0
+        longest = max((len(x) for x in stop_strings(self.body)), default=0)
+        self.stop_tail = self.text()[-(longest - 1):] if longest > 1 else ""
+        self._cont_text = ""
         self.new_attempt()
 
     def feed(self, chunk: bytes) -> bytes:
@@ -210,6 +279,11 @@ class StreamResume:
                 piece = fast_token_text(data, self.chat)
                 if piece is not None:  # a plain token event of the first attempt: no JSON parse
                     self._pending.append(piece)
+                    if piece:
+                        self._empty_run = self._empty_run_tokens = 0
+                    else:
+                        self._empty_run += 1
+                        self._empty_run_tokens += 1
                     self.token_ids = None
                     self.tokens += 1
                     self.events += 1
@@ -237,14 +311,21 @@ class StreamResume:
             err = obj["error"]
             message = err.get("message") if isinstance(err, dict) else err
             self.error_message = message[:200] if isinstance(message, str) else ""
+            kind = err.get("type") if isinstance(err, dict) else None
+            self.error_type = kind[:64] if isinstance(kind, str) else ""
             return b""
         if self.chat and self.migrations > 0 and _role_only(obj):
             return b""  # the continuation's {"role": "assistant", "content": ""}: the client has one
+        if self.migrations > 0 and (self.replay or self._replay_text) and not self._replayed(obj):
+            return b""  # a regenerated token the client already counted: its text held for the next event
         self._account(obj)
+        if self.migrations == 0:
+            self.events += 1
+            self.attempt_events += 1
+            return raw  # the first attempt: the engine's bytes unchanged
+        tail = self._straddling_stop(obj) if self.stop_tail else None
         self.events += 1
         self.attempt_events += 1
-        if self.migrations == 0:
-            return raw  # the first attempt: the engine's bytes unchanged
         if self.response_id is not None and "id" in obj:
             obj["id"] = self.response_id
         if self.created is not None and "created" in obj:
@@ -252,7 +333,106 @@ class StreamResume:
         usage = obj.get("usage")
         if isinstance(usage, dict):
             obj["usage"] = client_usage(usage, self.base_tokens)
-        return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+        out = b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+        if tail is not None:  # a stop string straddled the cut: the stream ends here
+            self.cut = self.done = True
+            out += tail + b"data: [DONE]\n\n"
+        return out
+
+    def _choice(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The event's one choice (a dict), or None."""
+        choices = obj.get("choices")
+        if isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict):
+            return choices[0]
+        return None
+
+    def _get_text(self, choice: Mapping[str, Any]) -> str:
+        if self.chat:
+            delta = choice.get("delta")
+            text = delta.get("content") if isinstance(delta, dict) else None
+        else:
+            text = choice.get("text")
+        return text if isinstance(text, str) else ""
+
+    def _set_text(self, choice: dict[str, Any], text: str) -> None:
+        if self.chat:
+            delta = choice.get("delta")
+            delta = dict(delta) if isinstance(delta, dict) else {}
+            delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text
+
+    def _replayed(self, obj: dict[str, Any]) -> bool:
+        """A continuation event while tokens are replayed (class docstring): returns False when the
+        event is swallowed (counted, its text held), True when it goes on to be relayed, with the
+        held text put in front of its own (the replay then ends)."""
+        choice = self._choice(obj)
+        if choice is None:
+            return True
+        if self.replay and choice.get("finish_reason") is None and not isinstance(obj.get("usage"), dict):
+            self.replay -= 1
+            self._replay_text.append(self._get_text(choice))
+            self.tokens += self._count(choice)  # the client counted it before the cut (the base stays: the
+            return False  # continuation's usage counts it among its own completion tokens)
+        self.replay = 0
+        held = "".join(self._replay_text)
+        self._replay_text = []
+        if held:
+            self._set_text(choice, held + self._get_text(choice))
+        return True
+
+    def _count(self, choice: Mapping[str, Any]) -> int:
+        """Tokens one choice event carries (token ids, else logprobs entries, else 1)."""
+        ids = choice.get("token_ids")
+        if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
+            return len(ids)
+        return logprob_tokens(choice.get("logprobs")) or 1
+
+    def _straddling_stop(self, obj: dict[str, Any]) -> bytes | None:
+        """Check a continuation event's text against the stop strings on the joined text (class
+        docstring): None when none straddles the cut; else the event is rewritten to end the stream
+        (text cut, ``finish_reason`` ``stop``, ``stop_reason``) and the bytes to send after it are
+        returned (a ``usage`` event when the client asked for one, else nothing)."""
+        choice = self._choice(obj)
+        if choice is None:
+            return None
+        text = self._get_text(choice)
+        stops = stop_strings(self.body)
+        start = len(self.stop_tail) + len(self._cont_text)
+        joined = self.stop_tail + self._cont_text + text
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
+        for stop in stops:  # a match from here on ends after the cut; one that starts before it straddles
+            at = joined.find(stop, max(0, len(self.stop_tail) - len(stop) + 1))
+            if 0 <= at < len(self.stop_tail) and (best is None or at + len(stop) < best[0]):
+                best = (at + len(stop), at, stop)
+        longest = max((len(x) for x in stops), default=0)
+        self._cont_text = (self._cont_text + text)[: max(0, longest - 1)]
+        if best is None:
+            if len(self._cont_text) >= longest - 1:
+                self.stop_tail = ""  # the continuation's text is as long as any stop: none can straddle now
+            return None
+        end, at, stop = best
+        keep_to = end if self.body.get("include_stop_str_in_output") else at
+        kept = joined[start:keep_to] if keep_to > start else ""
+        self._set_text(choice, kept)
+        if text and self.texts and self.texts[-1] == text:  # what _account kept of this event: the cut text
+            if kept:
+                self.texts[-1] = kept
+            else:
+                self.texts.pop()
+        choice["finish_reason"] = "stop"
+        if not self.chat or "stop_reason" in choice:
+            choice["stop_reason"] = stop
+        self.finish_reason = "stop"
+        opts = self.body.get("stream_options")
+        if not (isinstance(opts, Mapping) and opts.get("include_usage")):
+            return b""
+        usage = {"id": obj.get("id"), "object": obj.get("object"), "created": obj.get("created"),
+                 "model": obj.get("model"), "choices": [],
+                 "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
+                           "total_tokens": self.prompt_tokens + self.tokens}}
+        return b"data: " + json.dumps(usage, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
     def _account(self, obj: dict[str, Any]) -> None:
         if self.response_id is None and isinstance(obj.get("id"), str):
@@ -276,6 +456,7 @@ class StreamResume:
                 text = choice.get("text")
                 text = text if isinstance(text, str) else ""
             ids = choice.get("token_ids")
+            before = self.tokens
             if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
                 self.tokens += len(ids)
                 if self.token_ids is not None:
@@ -287,6 +468,11 @@ class StreamResume:
                     self.tokens += counted
                 elif text or finish is None:
                     self.tokens += 1
+            if text:
+                self._empty_run = self._empty_run_tokens = 0
+            elif self.tokens > before:
+                self._empty_run += 1
+                self._empty_run_tokens += self.tokens - before
             if text:
                 self._decode_pending()
                 self.texts.append(text)
@@ -332,6 +518,17 @@ def client_usage(usage: Mapping[str, Any], base_tokens: int) -> dict[str, Any]:
         out["completion_tokens"] = completion + base_tokens
         out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
     return out
+
+
+def stop_strings(body: Mapping[str, Any]) -> tuple[str, ...]:
+    """The request's ``stop`` strings (a string or a list of strings; empty ones and other shapes
+    dropped)."""
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        return (stop,) if stop else ()
+    if isinstance(stop, list):
+        return tuple(x for x in stop if isinstance(x, str) and x)
+    return ()
 
 
 def _limit_key(body: Mapping[str, Any]) -> str | None:
@@ -392,7 +589,7 @@ def continuation_body(body: Mapping[str, Any], state: StreamResume) -> dict[str,
         out["messages"] = messages
         out["continue_final_message"] = True  # vLLM: render the last turn open, no generation prompt
         out["add_generation_prompt"] = False
-        return _reduce(out, body, state.tokens)
+        return _reduce(out, body, state.resume_tokens())
     prompt = prompt_of(body)
     if prompt is None:
         return None
@@ -404,7 +601,7 @@ def continuation_body(body: Mapping[str, Any], state: StreamResume) -> dict[str,
     else:
         out["prompt"] = prompt + state.text()
     out.pop("echo", None)
-    return _reduce(out, body, state.tokens)
+    return _reduce(out, body, state.resume_tokens())
 
 
 def _reduce(out: dict[str, Any], body: Mapping[str, Any], sent: int) -> dict[str, Any]:
@@ -417,27 +614,57 @@ def _reduce(out: dict[str, Any], body: Mapping[str, Any], sent: int) -> dict[str
     return out
 
 
+def decide_resume(sent: int, left: int | None, finished: bool, migrations: int, max_migrations: int,
+                  continuable: bool, prompt_tokens: int, max_prompt: int | None) -> MigrationDecision:
+    """Continue a stream whose replica failed mid-stream, or not: the rule on plain numbers (the
+    router calls it through :func:`decide`; the fleet simulation, loadgen/fleet/sim.py, calls it
+    directly).
+
+    Args:
+        sent: completion tokens relayed to the client so far.
+        left: ``max_tokens`` left after them (:func:`remaining_tokens`; None: no limit given).
+        finished: a ``finish_reason`` was relayed.
+        migrations: continuations placed so far.
+        max_migrations: ``migration.max_migrations`` (>= 0).
+        continuable: a continuation request can be built (:func:`continuation_body` not None).
+        prompt_tokens: the original prompt's tokens (the router's count or estimate).
+        max_prompt: the largest prompt any replica takes (tokens; None: unknown, not checked).
+
+    Returns:
+        in this order: ``complete`` when ``finished`` or nothing is left; ``limit`` at
+        ``max_migrations``; ``not-continuable``; ``context`` when prompt + ``sent`` exceeds
+        ``max_prompt``; else ``resume``.
+    """
+    if finished or left == 0:
+        return MigrationDecision(False, "complete")
+    if migrations >= max_migrations:
+        return MigrationDecision(False, "limit")
+    if not continuable:
+        return MigrationDecision(False, "not-continuable")
+    if max_prompt is not None and prompt_tokens + sent > max_prompt:
+        return MigrationDecision(False, "context")
+    return MigrationDecision(True, "resume")
+
+
+def continuation_sizes(prompt_tokens: int, max_tokens: int, resumed: int) -> tuple[int, int]:
+    """(prompt tokens, max tokens) of a continuation as placement prices it: the prompt grows by the
+    ``resumed`` tokens it carries back, the output bound shrinks by them (>= 0). Worked: a 100-token
+    prompt, max_tokens 200, cut after 40 -> (140, 160)."""
+    return prompt_tokens + resumed, max(0, max_tokens - resumed)
+
+
 def decide(state: StreamResume, max_migrations: int, prompt_tokens: int, max_prompt: int | None) -> MigrationDecision:
-    """Continue ``state`` on another replica, or not.
+    """Continue ``state`` on another replica, or not: :func:`decide_resume` on its numbers.
 
     Args:
         state: the stream (its attempt just failed after relaying at least one byte).
         max_migrations: ``migration.max_migrations`` (>= 0).
         prompt_tokens: the original prompt's tokens (the router's count or estimate).
         max_prompt: the largest prompt any replica takes (tokens; None: unknown, not checked).
-
-    Returns:
-        in this order: ``complete`` when every token was sent or a ``finish_reason`` was relayed;
-        ``limit`` at ``max_migrations``; ``not-continuable`` without a continuation body;
-        ``context`` when prompt + tokens sent exceeds ``max_prompt``; else ``resume``.
     """
     left = remaining_tokens(state.body, state.tokens)
-    if state.finish_reason is not None or left == 0:
-        return MigrationDecision(False, "complete")
-    if state.migrations >= max_migrations:
-        return MigrationDecision(False, "limit")
-    if continuation_body(state.body, state) is None:
-        return MigrationDecision(False, "not-continuable")
-    if max_prompt is not None and prompt_tokens + state.tokens > max_prompt:
-        return MigrationDecision(False, "context")
-    return MigrationDecision(True, "resume")
+    finished = state.finish_reason is not None
+    complete = finished or left == 0  # the continuation body is built only when it can matter
+    return decide_resume(state.tokens, left, finished, state.migrations, max_migrations,
+                         complete or state.migrations >= max_migrations
+                         or continuation_body(state.body, state) is not None, prompt_tokens, max_prompt)

@@ -41,7 +41,7 @@ from aiohttp.http import HttpVersion11
 from fairbatch_common.aio import FirstChunkStreamResponse
 from fairbatch_common.openai_errors import sse_error_event
 from fairbatch_common.upstream import ClientSink, Exchange, Http1Pool, UpstreamError, UpstreamTimeout
-from router.migration import StreamResume
+from router.migration import HANDOVER_TYPE, StreamResume
 
 log = logging.getLogger(__name__)
 
@@ -433,6 +433,8 @@ class Relay:
                     resp.headers["Cache-Control"] = "no-cache"
                     await resp.prepare(request)
                 if state.done:
+                    if state.cut:  # the router ended the stream at a stop across the cut: the engine stops too
+                        upstream.close()
                     await resp.write_eof(out)
                     return RelayOutcome("ok", resp, status, events=state.events)
                 await resp.write(out)
@@ -442,6 +444,8 @@ class Relay:
                     break
                 cause, why = await self._pipe_resumable(request, upstream, state)
                 if cause == "ok":
+                    if state.cut:
+                        upstream.close()
                     await resp.write_eof(state.last_out)
                     return RelayOutcome("ok", resp, status, events=state.events)
                 if cause == "client_gone":
@@ -459,7 +463,9 @@ class Relay:
             log.exception("resumable relay failed")
             state.opaque = True  # router/migration.py decide: not-continuable -> the SSE error event
             cause, why = "disconnect", "relay error"
-        if cause == "error_event" and state.error_message:
+        if cause == "error_event" and state.error_type == HANDOVER_TYPE:
+            cause = "drain"  # a draining agent handed the stream over (replica_agent/drainer.py)
+        if cause in ("error_event", "drain") and state.error_message:
             why = state.error_message  # the agent's own words (engine stalled, engine stream failed, ...)
         detail = f"upstream failed mid-stream: {why or cause}"
         if resp is None or state.attempt_events == 0:

@@ -55,7 +55,7 @@ from router.config import RouterConfig, SloClassConfig
 from router.core import CoreRequest, Grant, Refused, tenant_shares
 from router.endpoints import AuxEndpoints, answer_response, metrics_http_errors, openai_error, openai_http_errors
 from router.ledger import CONCURRENCY_RETRY_MS, Refusal, TenantLimits
-from router.migration import StreamResume, continuation_body, decide, migratable, remaining_tokens
+from router.migration import StreamResume, continuation_body, continuation_sizes, decide, migratable, remaining_tokens
 from router.openai_surface import REFUSED_PATHS, RELAYED_PATHS, model_not_found
 from router.placement import largest_max_prompt
 from router.placement.predicted_latency import TPOT_SLO_HEADER, TTFT_SLO_HEADER, slo_header_ms
@@ -262,7 +262,7 @@ class Router(AuxEndpoints):
             return self._answer(tenant_over(quota.reason, principal.tenant, self.clock.to_wall_s(quota.retry_after_ms)))
         self.core.track_prefix(req)
         try:
-            resume = (StreamResume(body, chat) if self.config.migration.max_migrations > 0
+            resume = (StreamResume(body, chat, prompt_tokens=prompt_tokens) if self.config.migration.max_migrations > 0
                       and migratable(body, chat, valid.stream) else None)  # fmt: skip
             outcome, response = await self._serve_placed(request, principal, raw, req, valid.stream, resume)
             if quota_refunded(outcome, response.prepared):  # router/charges.py: nothing was generated
@@ -447,8 +447,8 @@ class Router(AuxEndpoints):
             left = remaining_tokens(state.body, state.tokens)
             # placed as a request arriving now (its queue bound and TTFT feasibility from now: the client
             # already has its first token; judged from the original arrival it would be shed or expired)
-            creq = dataclasses.replace(req, prompt_tokens=req.prompt_tokens + state.base_tokens,
-                                       max_tokens=req.max_tokens - state.base_tokens if left is None else left,
+            cprompt, cmax = continuation_sizes(req.prompt_tokens, req.max_tokens, state.base_tokens)
+            creq = dataclasses.replace(req, prompt_tokens=cprompt, max_tokens=cmax if left is None else left,
                                        arrival_ms=self.clock.now_ms())
             tries = core.attempts(1)
             tries.exclude = frozenset(exclude)

@@ -267,6 +267,8 @@ class Setup:
     max_bypass: int = 8
     replica_kinds: tuple[ReplicaKind, ...] = ()
     contention_keep_running: bool = True
+    faults: tuple[tuple[float, int], ...] = ()  # (ms, replica) killed (FleetConfig.faults)
+    max_migrations: int = 3  # FleetConfig.max_migrations
 
 
 def parse_fleet(spec: str, engine_time_spec: str | None = None) -> tuple[ReplicaKind, ...]:
@@ -349,6 +351,7 @@ def fleet_config(setup: Setup, policy: str) -> FleetConfig:
         prefix_caching=setup.prefix_caching, work_shed=setup.work_shed,
         contention_max_inflight=setup.contention_max_inflight, max_bypass=setup.max_bypass,
         replica_kinds=setup.replica_kinds, contention_keep_running=setup.contention_keep_running,
+        faults=setup.faults, max_migrations=setup.max_migrations,
     )  # fmt: skip
 
 
@@ -420,6 +423,9 @@ def run_point(setup: Setup, policy: str, rate_rps: float) -> dict[str, Any]:
         "max_load_ratio": _max_ratio(st.replica_busy_ms), "max_requests_ratio": _max_ratio(st.replica_requests),
         "preemptions": st.preemptions, "steps": st.steps, "dispatch_passes": st.dispatch_passes,
         "dispatch_stalled_ms": st.dispatch_stalled_ms,
+        "migrations": dict(sorted(st.migrations.items())),
+        "migration_added_ms_p50": _pct(st.migration_added_ms, 50),
+        "migration_added_ms_p99": _pct(st.migration_added_ms, 99),
         "sim_end_s": st.end_ms / 1000.0, "wall_s": round(res.wall_s, 2),
         **bounds,
     }  # fmt: skip

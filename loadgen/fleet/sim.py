@@ -62,6 +62,21 @@ arrival (the lease then counts in PAB's in-flight reservation); without leases (
 the request's arrival at the replica, checked with ``pab.admits`` (its age then: ``waited_ms =
 arrival at the replica - arrival at the router``) against the exact state then.
 
+Faults and migration (issue 29 item 6): ``FleetConfig.faults`` kills replicas at given times (kill -9 of
+engine and agent): the step in progress yields nothing, the replica takes no more work (a request
+forwarded to it fails one hop later: connection refused), and one hop later every router's budget
+stream from it breaks (``BudgetBook.mark_disconnected``) and each of its requests' connections
+does. The router then does what router/server.py does: a request with no token out yet is re-placed
+whole (the replica excluded; ``migrations["retries"]``); a stream with tokens out goes through
+router/migration.py ``decide_resume`` (the migration limit, the context) and, continued, is placed
+through the same core as a request arriving now whose prompt carries the tokens sent
+(``continuation_sizes``: the re-prefill of prompt + generated is priced and admitted by PAB like any
+prompt), the failed replicas excluded; the engine re-prefills it (its prefix cache helps only with
+the original prompt's blocks) and decodes the rest. The client's token times run on across the cut,
+so the gap counts in its TPOT and in SLO attainment; ``stats.migration_added_ms`` holds each gap. A
+continuation that no replica takes fails (``migration-no-replica``), as does one past the limit
+(``migration-limit``).
+
 Requests not finished by ``duration end + drain_ms`` count as failed (``unfinished``).
 Deterministic: one seeded ``random.Random``; virtual time only (wall time is measured only for
 the placement-decision figures).
@@ -102,6 +117,7 @@ from router.autoscale import FleetSignal, Stabilizer, pab_desired, waiting_desir
 from router.budget_client import ReserveResult
 from router.config import RouterConfig
 from router.core import CoreRequest, Grant, Placed, Queued, RouterCore
+from router.migration import continuation_sizes, decide_resume
 from router.placement import BASELINE_POLICIES, LLMD_STICKY_DEFAULTS
 from router.placement.sticky import peak_prefill_tokens_per_s
 from router.prefix_correction import PrefixCorrection
@@ -164,7 +180,8 @@ def placement_name(policy: str) -> str:
 
 SLO_CLASS = "interactive"
 
-_ARRIVE, _FORWARD, _STEP_END, _PUSH, _DELIVER, _SCRAPE, _DISPATCH, _REFUSED, _CHANGE_PUSH, _SCALE = range(10)
+(_ARRIVE, _FORWARD, _STEP_END, _PUSH, _DELIVER, _SCRAPE, _DISPATCH, _REFUSED, _CHANGE_PUSH, _SCALE, _KILL, _FAILED,
+ _WATCH_DOWN) = range(13)
 
 AUTOSCALE_SIGNALS = ("pab", "num-waiting")
 
@@ -319,6 +336,10 @@ class FleetConfig:
             KV cache, engine model and batch settings replace ``time_model``,
             ``kv_capacity_tokens``, ``engine_time``, ``max_num_batched_tokens`` and
             ``max_num_seqs`` for its replicas. Empty: every replica from those fields.
+        faults: ``(ms, replica index)`` pairs: that replica (engine and agent) is killed then, as by
+            kill -9 (module docstring, "Faults and migration"); it serves no more in this run.
+        max_migrations: the routers' ``migration.max_migrations`` (continuations per request; 0: a
+            request cut mid-stream fails).
     """
 
     policy: str
@@ -364,6 +385,8 @@ class FleetConfig:
     max_bypass: int = 8
     replica_kinds: tuple[ReplicaKind, ...] = ()
     contention_keep_running: bool = True
+    faults: tuple[tuple[float, int], ...] = ()
+    max_migrations: int = 3
 
     def __post_init__(self) -> None:
         if self.replica_kinds and sum(k.count for k in self.replica_kinds) != self.replicas:
@@ -379,6 +402,8 @@ class FleetConfig:
             raise ValueError(f"lease_mode must be 'reserve' or 'inline', got {self.lease_mode!r}")
         if self.min_push_interval_ms is not None and self.min_push_interval_ms < 0:
             raise ValueError("min_push_interval_ms must be >= 0")
+        if any(not 0 <= ri < self.replicas or t < 0 for t, ri in self.faults):
+            raise ValueError("faults need a time >= 0 and a replica index in [0, replicas)")
         if self.queue_kind != "fair":
             raise ValueError(f"queue_kind must be 'fair' (the router's weighted fair queue), got {self.queue_kind!r}")
         a = self.autoscale
@@ -421,6 +446,11 @@ class FleetStats:
             caches and found there, all replicas (``vllm:prefix_cache_queries`` / ``_hits``).
         replica_busy_ms: per replica, the sum of its step times (ms): its load.
         replica_requests: per replica, requests it was given.
+        migrations: outcome -> count of the streams cut by a fault after their first token
+            (router/migration.py ``decide_resume``: ``resume`` continued elsewhere, else the reason
+            it was not); ``retries`` counts those cut before their first token (re-placed whole).
+        migration_added_ms: per continuation placed, simulated ms from the failure seen at the
+            router to the continuation's first token there (the stream's added gap).
     """
 
     grants: int = 0
@@ -446,6 +476,8 @@ class FleetStats:
     prefix_cache_hits: int = 0
     replica_busy_ms: list[float] = field(default_factory=list)
     replica_requests: list[int] = field(default_factory=list)
+    migrations: dict[str, int] = field(default_factory=dict)
+    migration_added_ms: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -626,6 +658,7 @@ class _Replica:
     allocated: bool = True  # holds a GPU (serving, starting or draining)
     ready_ms: float = 0.0  # serves from then on (autoscale: decision + startup)
     draining: bool = False  # removed: takes no new work, released when idle
+    dead: bool = False  # killed (FleetConfig.faults): its events are void, its requests cut
     busy_ms: float = 0.0
     requests: int = 0
     prefix_window: PrefixHitWindow = field(default_factory=PrefixHitWindow)  # the agent's, fed at each push
@@ -642,6 +675,12 @@ class _ReqState:
     admit_tokens: int = 0  # inline: the prompt tokens the agent is asked to admit (uncached)
     attempts: RelayAttempts | None = None  # inline refusals so far (router/admission.py), from the first one
     grant: Grant | None = None  # pab routers: the core's grant, until the request ends
+    resumed: int = 0  # tokens the current attempt's prompt carries back (a continuation's base)
+    migrations: int = 0  # continuations placed
+    exclude: frozenset[str] = frozenset()  # replicas that failed this request
+    attempt_tokens: int = 0  # tokens of the current attempt (its first: the prefill done)
+    resume_arrival_ms: float | None = None  # a continuation's arrival at the router (placed as arriving now)
+    failed_at_ms: float | None = None  # when the router saw the failure (the added time's start)
 
 
 def _drive(coro: Any) -> Any:
@@ -706,10 +745,15 @@ class _Router:
     # ------------------------------------------------------------ pab path
 
     def core_request(self, idx: int) -> CoreRequest:
-        """Request ``idx`` as the core sees it (its output length is its ``max_tokens``)."""
+        """Request ``idx`` as the core sees it (its output length is its ``max_tokens``); a
+        continuation as router/server.py ``_migrate`` builds it: prompt + the tokens it carries back,
+        the output bound less them (router/migration.py ``continuation_sizes``), arriving now."""
         req = self.sim.requests[idx]
+        st = self.sim.states[idx]
         keys = self.sim.router_keys(idx) if self.prefix is not None else ()
-        return CoreRequest(str(idx), req.tenant, SLO_CLASS, req.prompt_tokens, req.output_tokens, req.arrival_ms, keys)
+        prompt, max_tokens = continuation_sizes(req.prompt_tokens, req.output_tokens, st.resumed)
+        arrival = req.arrival_ms if st.resume_arrival_ms is None else st.resume_arrival_ms
+        return CoreRequest(str(idx), req.tenant, SLO_CLASS, prompt, max_tokens, arrival, keys)
 
     def _schedule_pass(self, at: float) -> None:
         """Make sure a dispatcher pass happens at ``at`` or earlier (an earlier one supersedes a later)."""
@@ -769,14 +813,14 @@ class _Router:
         if predictor is not None and predictor.refit_due(now):
             predictor.fit(now)
         # work-aware admission under contention (router/work_shed.py), once per new request (never a baseline's)
-        if not avoid and st.attempts is None and core.refuse_by_work(creq, self.book.views(now)):
+        if not avoid and st.attempts is None and not st.exclude and core.refuse_by_work(creq, self.book.views(now)):
             sim.reject(idx, WORK_SHED_REASON)
             return
         core.track_prefix(creq)
         # a baseline router does not pick a replica with no pod, starting or draining (autoscale); pab routers
         # see such a replica's agent report unhealthy
         exclude = sim.not_serving(now) if self.kind != "pab" else frozenset()
-        got = _drive(core.acquire(creq, exclude, avoid))  # router/core.py: placed, queued or refused
+        got = _drive(core.acquire(creq, exclude | st.exclude, avoid))  # router/core.py: placed, queued or refused
         if isinstance(got, Placed):
             self._granted(idx, got.grant)
         elif isinstance(got, Queued):
@@ -808,8 +852,10 @@ class _Router:
         self.arrive(idx, st.attempts.refused_on)
 
     def _granted(self, idx: int, grant: Grant) -> None:
-        """The core granted request ``idx`` (at once or from the queue): charge it, forward it."""
-        self.core.charge_dispatch(self.core_request(idx))
+        """The core granted request ``idx`` (at once or from the queue): charge it (a continuation is
+        not: the tenant pays once, as router/server.py ``_migrate``), forward it."""
+        if self.sim.states[idx].migrations == 0:
+            self.core.charge_dispatch(self.core_request(idx))
         self.sim.states[idx].grant = grant
         self.sim.forward_granted(idx, grant, self.clock.t, self.reserve_port.refusals.pop(str(idx), 0))
 
@@ -829,6 +875,44 @@ class _Router:
             self.core.lease_done(st.grant)
             st.grant = None
         self.core.forget_prefix(str(idx))
+
+    def failed(self, idx: int, ri: int) -> None:
+        """Request ``idx``'s replica ``ri`` died under it (the connection lost, seen now): the core's
+        rule after the attempt (its lease settled or released), then as router/server.py: nothing
+        reached the client yet -> re-placed whole, the replica excluded (a retry); else
+        router/migration.py ``decide_resume`` -> a continuation placed as a request arriving now with
+        prompt + the tokens sent (``continuation_sizes``), the failed replicas excluded, or the
+        stream ends failed (``migration-<reason>``)."""
+        sim = self.sim
+        st = sim.states[idx]
+        if st.outcome:
+            return
+        req = sim.requests[idx]
+        sent = len(st.token_times)
+        grant, st.grant = st.grant, None
+        if grant is not None:
+            tries = self.core.attempts(1)
+            tries.next_try()
+            self.core.after_attempt(tries, self.core_request(idx), grant,
+                                    "upstream_error" if st.attempt_tokens else "retryable")  # fmt: skip
+        rid = sim.replicas[ri].rid
+        st.exclude = st.exclude | {rid}
+        counts = sim.stats.migrations
+        if sent == 0:
+            counts["retries"] = counts.get("retries", 0) + 1
+            self.arrive(idx, frozenset({rid}))
+            return
+        decision = decide_resume(sent, max(0, req.output_tokens - sent), False, st.migrations,
+                                 sim.cfg.max_migrations, True, req.prompt_tokens, sim.cfg.max_model_len)  # fmt: skip
+        counts[decision.reason] = counts.get(decision.reason, 0) + 1
+        if not decision.go:
+            self.core.forget_prefix(str(idx))
+            st.outcome, st.reason = FAILED, f"migration-{decision.reason}"
+            return
+        st.migrations += 1
+        st.resumed = sent
+        st.resume_arrival_ms = st.failed_at_ms = self.clock.t
+        self.arrive(idx, frozenset({rid}))
 
     def redirect(self, idx: int) -> Grant | None:
         """Request ``idx``'s replica refused it (static-queue-cap): the core's next candidate (router/core.py
@@ -980,6 +1064,9 @@ class FleetSim:
         st = self.states[idx]
         ri = cands[0]
         rep = self.replicas[ri]
+        if rep.dead:  # connection refused: the router knows one hop later
+            self.push_event(t + self.cfg.net_delay_ms, _FAILED, idx, ri)
+            return
         kind = POLICIES[self.cfg.policy][0]
         router = self.routers[st.router]
         if kind == "queue-cap" and over_queue_cap(self._queued_tokens(rep.engine), req.prompt_tokens,
@@ -1010,8 +1097,11 @@ class FleetSim:
                 self._admission_check(rep, req.prompt_tokens, t, max(0.0, t - req.arrival_ms))
         rep.seq += 1
         rep.requests += 1
-        rep.engine.add_request(str(idx), req.prompt_tokens, req.output_tokens, req.arrival_ms,
-                               self.cfg.ttft_ms, self.cfg.tpot_ms, self.engine_hashes(idx))  # fmt: skip
+        prompt, output = continuation_sizes(req.prompt_tokens, req.output_tokens, st.resumed)
+        arrival = req.arrival_ms if st.resume_arrival_ms is None else st.resume_arrival_ms
+        st.attempt_tokens = 0
+        rep.engine.add_request(str(idx), prompt, output, arrival, self.cfg.ttft_ms, self.cfg.tpot_ms,
+                               self.engine_hashes(idx))  # fmt: skip
         st.replica = ri
         self.changed(ri, t)
         self._start_step(ri, t)
@@ -1035,6 +1125,8 @@ class FleetSim:
 
     def _on_step_end(self, t: float, ri: int) -> None:
         rep = self.replicas[ri]
+        if rep.dead:  # killed mid-step: nothing of it comes out
+            return
         result = rep.result
         assert result is not None
         rep.stepping = False
@@ -1050,14 +1142,20 @@ class FleetSim:
             idx = int(out.request_id)
             st = self.states[idx]
             st.token_times.append(t + d)
-            if out.finished or len(st.token_times) == 1:  # a decode joins or leaves: the budget changed
+            st.attempt_tokens += 1
+            first = st.attempt_tokens == 1  # this attempt's first token (a continuation's too)
+            if out.finished or first:  # a decode joins or leaves: the budget changed
                 self.changed(ri, t)
             router = self.routers[st.router]
             if router.core.has_held():  # a request held at the router (dynamo-kv) may start now, at this time
                 router.clock.t = t
-            if len(st.token_times) == 1:  # the first token reaches its router
+            if first:  # the attempt's first token reaches its router: its prefill is done
                 if st.grant is not None:
                     router.core.prefill_done(st.grant)
+                if st.failed_at_ms is not None:
+                    self.stats.migration_added_ms.append(t + d - st.failed_at_ms)
+                    st.failed_at_ms = None
+            if len(st.token_times) == 1:
                 router.core.latency_first_token(str(idx))
             if out.finished:
                 st.outcome = OK
@@ -1069,6 +1167,8 @@ class FleetSim:
         cfg = self.cfg
         if not periodic:
             rep.change_push_at = None
+        if rep.dead:  # no agent any more: no pushes
+            return
         if not rep.allocated or t < rep.ready_ms:  # no pod, or still loading its model: no agent yet
             if periodic:
                 self.push_event(t + cfg.push_period_ms, _PUSH, ri, 0)
@@ -1101,6 +1201,8 @@ class FleetSim:
                          num_running=eng.num_running, num_waiting=eng.num_waiting, kv_usage=eng.kv_usage)
 
     def _on_scrape(self, t: float, ri: int) -> None:
+        if self.replicas[ri].dead:
+            return
         rid = self.replicas[ri].rid
         snap = self.metrics_snapshot(rid)
         for r in self.routers:  # the scrape reaches every router at once (the baselines' scrape period)
@@ -1111,10 +1213,10 @@ class FleetSim:
     # ------------------------------------------------------------ autoscaling
 
     def not_serving(self, t: float) -> frozenset[str]:
-        """Replicas a direct router must not pick at ``t`` (autoscale: no pod, starting, draining)."""
+        """Replicas a direct router must not pick at ``t`` (killed; autoscale: no pod, starting, draining)."""
         if self.cfg.autoscale is None:
-            return frozenset()
-        return frozenset(r.rid for r in self.replicas if not r.allocated or r.draining or t < r.ready_ms)
+            return frozenset(r.rid for r in self.replicas if r.dead) if self.cfg.faults else frozenset()
+        return frozenset(r.rid for r in self.replicas if r.dead or not r.allocated or r.draining or t < r.ready_ms)
 
     def _allocated(self) -> int:
         return sum(1 for r in self.replicas if r.allocated)
@@ -1180,10 +1282,29 @@ class FleetSim:
                 self.stats.scale_ins += 1
         self.push_event(t + a.eval_period_ms, _SCALE, 0, 0)
 
+    def kill(self, t: float, ri: int) -> None:
+        """Replica ``ri`` dies now (kill -9 of its engine and agent): whatever it was computing is
+        lost; every router sees its budget stream and each of its requests' connections break one
+        hop later (:meth:`_Router.failed`)."""
+        rep = self.replicas[ri]
+        if rep.dead:
+            return
+        rep.dead = True
+        self._set_allocated(rep, False, t)
+        d = self.cfg.net_delay_ms
+        for r in self.routers:
+            self.push_event(t + d, _WATCH_DOWN, r.index, ri)
+        for rid in sorted(rep.engine.requests, key=int):
+            self.push_event(t + d, _FAILED, int(rid), ri)
+
     def reject(self, idx: int, reason: str) -> None:
         if reason in ("slo-infeasible", "queue-full", "queue-timeout"):
             self._refused += 1
         st = self.states[idx]
+        if st.migrations:  # a continuation no replica took: the stream ends with the error event (router/server.py)
+            self.stats.migrations["no_replica"] = self.stats.migrations.get("no_replica", 0) + 1
+            st.outcome, st.reason = FAILED, "migration-no-replica"
+            return
         st.outcome = REJECTED
         st.reason = reason
         gate = self.routers[st.router].work_shed
@@ -1202,6 +1323,8 @@ class FleetSim:
         stop_ms = last_arrival + cfg.drain_ms
         if cfg.autoscale is not None:
             self.push_event(cfg.autoscale.eval_period_ms, _SCALE, 0, 0)
+        for at_ms, ri in cfg.faults:
+            self.push_event(at_ms, _KILL, ri, 0)
         for ri in range(cfg.replicas):
             if kind == "pab":
                 self.push_event(self.rng.uniform(0.0, cfg.push_period_ms), _PUSH, ri, 0)
@@ -1240,8 +1363,18 @@ class FleetSim:
                 router.refused(a, *b)
             elif ev == _CHANGE_PUSH:
                 self._on_push(t, a, periodic=False)
+            elif ev == _KILL:
+                self.kill(t, a)
+            elif ev == _FAILED:
+                router = self.routers[self.states[a].router]
+                router.clock.t = t
+                router.failed(a, b)
+            elif ev == _WATCH_DOWN:
+                router = self.routers[a]
+                router.clock.t = t
+                router.book.mark_disconnected(self.replicas[b].rid)
             elif ev in (_PUSH, _SCRAPE, _SCALE):
-                if pending == 0 and not any(r.engine.has_work() for r in self.replicas) and not any(
+                if pending == 0 and not any(r.engine.has_work() for r in self.replicas if not r.dead) and not any(
                     (kind == "pab" and len(r.queue)) or r.core.has_held()
                     for r in self.routers
                 ):

@@ -28,6 +28,16 @@ class Fleet:
     agent_urls: list[str] = field(default_factory=list)
     grpc_targets: list[str] = field(default_factory=list)
     children: dict[str, object] = field(default_factory=dict)
+    argv: dict[str, list[str]] = field(default_factory=dict)  # each child's command line (to restart it)
+
+    def restart(self, names_urls: list[tuple[str, str]]) -> None:
+        """Start each child ``name`` again with its command line (the old one must have exited), all at
+        once, then wait until each one's ``health_url`` answers 200."""
+        for name, _ in names_urls:
+            restarts = sum(1 for c in self.group.children if c.name.split(".", 1)[0] == name)
+            self.children[name] = self.group.start(f"{name}.{restarts}", self.argv[name])  # its own log file
+        for name, url in names_urls:
+            self.group.wait_http_ok(self.children[name], url)
 
 
 def write_config(path: Path, replicas: list[dict[str, str]], api_keys: dict[str, str], **overrides: object) -> None:
@@ -87,16 +97,18 @@ def start_fleet(tmp: Path, n: int, *, time_scale: float = 1.0, ttl_ms: int = 100
     write_config(fleet.config_path, replicas, api_keys, **config_overrides)
     try:
         for i, (eport, hport, gport) in enumerate(ports):
-            e = group.start(f"engine{i}", script("fairbatch-loadgen") + [
-                "sim-engine", "--port", str(eport), "--time-scale", ts, *(engine_args or [])])
+            argv = fleet.argv[f"engine{i}"] = script("fairbatch-loadgen") + [
+                "sim-engine", "--port", str(eport), "--time-scale", ts, *(engine_args or [])]
+            e = group.start(f"engine{i}", argv)
             fleet.engine_urls.append(f"http://127.0.0.1:{eport}")
             fleet.children[f"engine{i}"] = e
         for i, (eport, hport, gport) in enumerate(ports):
             group.wait_http_ok(fleet.children[f"engine{i}"], f"http://127.0.0.1:{eport}/health")
-            a = group.start(f"agent{i}", script("fairbatch-agent") + [
+            argv = fleet.argv[f"agent{i}"] = script("fairbatch-agent") + [
                 "serve", "--engine-url", f"http://127.0.0.1:{eport}", "--http-port", str(hport), "--grpc-port", str(gport),
                 "--replica-id", f"r{i}", "--profile", "llama-3-8b-a100", "--config", str(fleet.config_path),
-                "--time-scale", ts, "--ttl-ms", str(ttl_ms), *(agent_args or [])])
+                "--time-scale", ts, "--ttl-ms", str(ttl_ms), *(agent_args or [])]
+            a = group.start(f"agent{i}", argv)
             fleet.agent_urls.append(f"http://127.0.0.1:{hport}")
             fleet.grpc_targets.append(f"127.0.0.1:{gport}")
             fleet.children[f"agent{i}"] = a
