@@ -94,7 +94,7 @@ class BudgetBook:
     def __init__(self, clock: Clock, replica_ids: Iterable[str]) -> None:
         self._clock = clock
         self._budgets: dict[str, ReplicaBudget] = {rid: ReplicaBudget(rid) for rid in replica_ids}
-        self._changed = asyncio.Event()
+        self._changed: asyncio.Event | None = None  # made by the first waiter of wait_changed
         self._listeners: list[Callable[[], None]] = []
         self.version = 0
         self.drain = DrainEstimator()
@@ -250,13 +250,17 @@ class BudgetBook:
     def notify(self) -> None:
         """Wake every waiter of :meth:`wait_changed` (also called on lease releases)."""
         self.version += 1
-        self._changed.set()
-        self._changed = asyncio.Event()
+        changed = self._changed
+        if changed is not None:  # made by the first waiter: a release with nobody waiting makes none
+            self._changed = None
+            changed.set()
         for callback in self._listeners:
             callback()
 
     async def wait_changed(self, timeout_s: float | None = None) -> bool:
         """Wait for the next change (wall seconds timeout); True when woken by a change."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
         return await wait_event(self._changed, timeout_s)
 
     # -------------------------------------------------------------- reads

@@ -31,10 +31,15 @@ One ext_proc stream is one HTTP request in the gateway:
 3. ``response_headers`` (with ``x-gateway-destination-endpoint-served`` in the ``envoy.lb``
    metadata) tell the outcome, by the HTTP relay's rule (router/epp_protocol.py
    ``response_outcome``); an agent's 409 refusal of the inline admission is replaced by the HTTP
-   router's 503 ``no-budget`` answer. The lease is settled (router/core.py ``after_attempt``: kept,
-   refunded or released) at the stream's end: ``response_trailers``, a response message with
-   ``end_of_stream``, or the stream's close, whichever comes first; a stream that closes (or is
-   cancelled) before any response releases the lease; a fallback that served releases the primary's.
+   router's 503 ``no-budget`` answer. Their arrival is the upstream's first byte (the agent sends
+   its response headers with the first chunk, replica_agent/proxy.py ``FirstChunkStreamResponse``,
+   and vLLM's stream starts with the first token): the moment the HTTP router's ``prepare`` hook
+   takes for the first token, so the grant's prompt leaves the core's in-prefill load there
+   (router/core.py ``prefill_done``) as at the front door, with no body asked for. The lease is
+   settled (router/core.py ``after_attempt``: kept, refunded or released) at the stream's end:
+   ``response_trailers``, a response message with ``end_of_stream``, or the stream's close,
+   whichever comes first; a stream that closes (or is cancelled) before any response releases the
+   lease; a fallback that served releases the primary's.
    A stream silent for ``settle_timeout_s`` after the pick is settled as it stands.
 
 Other paths (``/v1/models``, ``/tokenize``...) are authenticated and sent to a usable replica without
@@ -241,6 +246,8 @@ class _Stream:
                 direct = self.grant.direct
                 self.settle()
                 return answer_response(queue_cap() if direct else no_budget(1))
+            # the upstream's first byte: its prefill is over (module docstring, step 3)
+            self.w.core.prefill_done(self.grant)
             rid = self.replica_by_endpoint.get(self.served or "", self.grant.replica_id)
             resp = continue_response(kind, {"x-fairbatch-replica": rid,
                                             "x-fairbatch-request-id": self.req.request_id if self.req else ""})
@@ -434,13 +441,17 @@ class _Stream:
         w.metrics.picks.labels(req.tenant, req.slo_class, outcome).inc()
 
     def give_quota_back(self, refund: bool) -> None:
-        """Release the concurrency slot of the quota ticket (and refund its rate buckets when ``refund``)."""
+        """Release the concurrency slot of the quota ticket (and refund its rate buckets when ``refund``):
+        at once where the ledger needs no I/O (``Ledger.settle_now``), else in the background."""
         ticket, w = self.ticket, self.w
         if ticket is None:
             return
         self.ticket = None
-        if refund and self.principal is not None:
-            w._spawn(w.ledger.refund(ticket, w.limits.get(self.principal.tenant, TenantLimits())))
+        limits = w.limits.get(ticket.tenant, TenantLimits()) if refund else None
+        if w.ledger.settle_now(ticket, limits):
+            return
+        if limits is not None:
+            w._spawn(w.ledger.refund(ticket, limits))
         w._spawn(w.ledger.release(ticket))
 
 
