@@ -530,7 +530,7 @@ async def test_watchdog_probes_each_band_head_as_the_dispatcher_may_place_it() -
     assert probed == [("a", Attempt(on_time_only=True)), ("c", Attempt(avoid=frozenset({"r1"})))]
 
 
-def test_wake_if_waiting_asks_for_a_pass_only_when_one_could_change_something() -> None:
+async def test_wake_if_waiting_asks_for_a_pass_only_when_one_could_change_something() -> None:
     # the core's budget-book listener (a release or a budget push): no entry, no hold, no stall -> no
     # pass; an entry waiting, or a hold or stall still recorded (a pass clears them) -> a pass
     q = FifoQueue(10, 1000)
