@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from fairbatch_common.aio import wait_event
 from fairbatch_common.clock import Clock
@@ -23,6 +23,12 @@ from router.drain import DrainEstimator
 from router.placement import ReplicaView
 
 DEFAULT_TTL_MS = 1000.0
+
+_CLASS_FIELDS = ("slo_class", "horizon_ms", "pab_ms", "pab_tokens", "kv_limited_tokens", "ttft_ms", "tpot_ms",
+                 "decode_reservation_ms", "inflight_reservation_ms", "kv_free_tokens", "decode_iterations")
+"""ClassBudget's fields in order, as :meth:`BudgetBook.take_local` passes them (a new field must be added there)."""
+if tuple(f.name for f in fields(ClassBudget)) != _CLASS_FIELDS:  # pragma: no cover - fails at import
+    raise ImportError("replica_agent.policy.pab.ClassBudget changed its fields: update BudgetBook.take_local")
 
 
 @dataclass(slots=True)
@@ -200,13 +206,11 @@ class BudgetBook:
         p = max(0, int(prompt_tokens))
         for name, cur in list(budget.classes.items()):
             cost = tm.prefill_ms(p) if name == slo_class else tm.b_ms_per_new_token * p
-            budget.classes[name] = replace(
-                cur,
-                pab_ms=max(0.0, cur.pab_ms - cost),
-                pab_tokens=max(0, cur.pab_tokens - p),
-                kv_limited_tokens=max(0, cur.kv_limited_tokens - p),
-                inflight_reservation_ms=cur.inflight_reservation_ms + cost,
-            )
+            # dataclasses.replace with these four fields, field by field (replace costs 5x: _CLASS_FIELDS)
+            budget.classes[name] = ClassBudget(
+                cur.slo_class, cur.horizon_ms, max(0.0, cur.pab_ms - cost), max(0, cur.pab_tokens - p),
+                max(0, cur.kv_limited_tokens - p), cur.ttft_ms, cur.tpot_ms, cur.decode_reservation_ms,
+                cur.inflight_reservation_ms + cost, cur.kv_free_tokens, cur.decode_iterations)
         self.drain.note_added(replica_id, tm.b_ms_per_new_token * p)
         lump = tm.b_ms_per_new_token * p
         lumps, done = budget.inflight_prefill_ms, budget.inflight_prefill_done_at_ms

@@ -151,6 +151,16 @@ class ExtProcPicker(ep_grpc.ExternalProcessorServicer):
         self.max_fallbacks = max(0, max_fallbacks)
         self.settle_timeout_s = settle_timeout_s
         self._rotate = 0
+        self._pick_counters: dict[tuple[str, str, str], Any] = {}
+
+    def count(self, tenant: str, slo_class: str, outcome: str) -> None:
+        """``fairbatch_router_ext_proc_requests_total{tenant,slo_class,outcome}`` += 1 (the labelled
+        child kept: tenants and classes are the config's, outcomes a fixed set)."""
+        key = (tenant, slo_class, outcome)
+        child = self._pick_counters.get(key)
+        if child is None:
+            child = self._pick_counters[key] = self.wiring.metrics.picks.labels(tenant, slo_class, outcome)
+        child.inc()
 
     async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         """One HTTP request's ext_proc stream (module docstring)."""
@@ -271,14 +281,14 @@ class _Stream:
     def refuse(self, answer: Answer) -> ep.ProcessingResponse:
         p = self.principal
         if p is not None:
-            self.w.metrics.picks.labels(p.tenant, p.slo_class, answer.outcome).inc()
+            self.picker.count(p.tenant, p.slo_class, answer.outcome)
             log.debug("ext_proc: %s/%s refused %s", p.tenant, p.slo_class, answer.code)
         return answer_response(answer)
 
     def client_error(self, status: int, message: str, code: str | None, param: str | None = None,
                      outcome: str = "bad_request") -> ep.ProcessingResponse:  # fmt: skip
         p = self.principal
-        self.w.metrics.picks.labels(p.tenant if p else "unknown", p.slo_class if p else "unknown", outcome).inc()
+        self.picker.count(p.tenant if p else "unknown", p.slo_class if p else "unknown", outcome)
         return openai_immediate(status, message, "invalid_request_error", code, param)
 
     async def pick(self, msg: ep.ProcessingRequest) -> ep.ProcessingResponse:
@@ -313,7 +323,7 @@ class _Stream:
         endpoints = self.picker.utility_endpoints()
         if not endpoints:
             return self.refuse(no_replica("no replica is known"))
-        self.w.metrics.picks.labels(principal.tenant, principal.slo_class, "utility").inc()
+        self.picker.count(principal.tenant, principal.slo_class, "utility")
         return pick_response(endpoints, self._upstream_headers(principal, new_request_id()),
                              ("authorization", *ADMISSION_HEADERS))
 
@@ -438,7 +448,7 @@ class _Stream:
         # no generation (an engine's 4xx, a 5xx before the first byte, the agents' refusals): the rate
         # buckets get the request back, as the front door gives them back (router/charges.py)
         self.give_quota_back(quota_refunded(outcome, False))
-        w.metrics.picks.labels(req.tenant, req.slo_class, outcome).inc()
+        self.picker.count(req.tenant, req.slo_class, outcome)
 
     def give_quota_back(self, refund: bool) -> None:
         """Release the concurrency slot of the quota ticket (and refund its rate buckets when ``refund``):
