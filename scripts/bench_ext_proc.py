@@ -146,9 +146,6 @@ async def one_pick(channel: grpc.aio.Channel, settle: bool) -> float:
     resp = await s.request_headers(headers())
     dt = time.perf_counter() - t0
     pick = parse_pick(resp)
-    if pick is None and os.environ.get("FB_EXP"):
-        await s.close()
-        return dt
     if pick is None:
         raise RuntimeError(f"refused: {resp}")
     if settle:
