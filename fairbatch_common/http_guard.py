@@ -25,8 +25,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -61,8 +61,9 @@ def client_request_id(value: str | None) -> str | None:
 
 
 def new_request_id() -> str:
-    """A fresh id (uuid4 hex, 32 characters)."""
-    return uuid.uuid4().hex
+    """A fresh id: 16 random bytes (``os.urandom``) as 32 lower-case hex characters, the length and
+    alphabet of a uuid4's hex (without its version bits, at a sixth of its cost)."""
+    return os.urandom(16).hex()
 
 
 async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:

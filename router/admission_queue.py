@@ -449,6 +449,13 @@ class Dispatcher(Generic[G]):
         """Ask for a dispatch pass soon (budget update, release, new entry)."""
         self._wake.set()
 
+    def wake_if_waiting(self) -> None:
+        """:meth:`wake` when a pass could change anything: an entry waits, or a hold or a stall is
+        still recorded (a pass clears them). A budget update or a lease release with an empty queue
+        needs no pass (the ext_proc picker's and the front door's every release notified one)."""
+        if len(self.queue) or self._hold is not None or self._stalled_since_ms is not None:
+            self._wake.set()
+
     async def run(self) -> None:
         """Dispatch until cancelled: after every wake-up (or ``idle_poll_s``, or the next queue
         deadline, or ``shed_recheck_ms`` after a pass that kept sheddable entries), one

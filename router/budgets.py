@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from fairbatch_common.aio import wait_event
 from fairbatch_common.clock import Clock
@@ -23,6 +23,12 @@ from router.drain import DrainEstimator
 from router.placement import ReplicaView
 
 DEFAULT_TTL_MS = 1000.0
+
+_CLASS_FIELDS = ("slo_class", "horizon_ms", "pab_ms", "pab_tokens", "kv_limited_tokens", "ttft_ms", "tpot_ms",
+                 "decode_reservation_ms", "inflight_reservation_ms", "kv_free_tokens", "decode_iterations")
+"""ClassBudget's fields in order, as :meth:`BudgetBook.take_local` passes them (a new field must be added there)."""
+if tuple(f.name for f in fields(ClassBudget)) != _CLASS_FIELDS:  # pragma: no cover - fails at import
+    raise ImportError("replica_agent.policy.pab.ClassBudget changed its fields: update BudgetBook.take_local")
 
 
 @dataclass(slots=True)
@@ -97,7 +103,7 @@ class BudgetBook:
     def __init__(self, clock: Clock, replica_ids: Iterable[str]) -> None:
         self._clock = clock
         self._budgets: dict[str, ReplicaBudget] = {rid: ReplicaBudget(rid) for rid in replica_ids}
-        self._changed = asyncio.Event()
+        self._changed: asyncio.Event | None = None  # made by the first waiter of wait_changed
         self._listeners: list[Callable[[], None]] = []
         self.version = 0
         self.drain = DrainEstimator()
@@ -205,13 +211,11 @@ class BudgetBook:
         p = max(0, int(prompt_tokens))
         for name, cur in list(budget.classes.items()):
             cost = tm.prefill_ms(p) if name == slo_class else tm.b_ms_per_new_token * p
-            budget.classes[name] = replace(
-                cur,
-                pab_ms=max(0.0, cur.pab_ms - cost),
-                pab_tokens=max(0, cur.pab_tokens - p),
-                kv_limited_tokens=max(0, cur.kv_limited_tokens - p),
-                inflight_reservation_ms=cur.inflight_reservation_ms + cost,
-            )
+            # dataclasses.replace with these four fields, field by field (replace costs 5x: _CLASS_FIELDS)
+            budget.classes[name] = ClassBudget(
+                cur.slo_class, cur.horizon_ms, max(0.0, cur.pab_ms - cost), max(0, cur.pab_tokens - p),
+                max(0, cur.kv_limited_tokens - p), cur.ttft_ms, cur.tpot_ms, cur.decode_reservation_ms,
+                cur.inflight_reservation_ms + cost, cur.kv_free_tokens, cur.decode_iterations)
         self.drain.note_added(replica_id, tm.b_ms_per_new_token * p)
         lump = tm.b_ms_per_new_token * p
         lumps, done = budget.inflight_prefill_ms, budget.inflight_prefill_done_at_ms
@@ -255,13 +259,17 @@ class BudgetBook:
     def notify(self) -> None:
         """Wake every waiter of :meth:`wait_changed` (also called on lease releases)."""
         self.version += 1
-        self._changed.set()
-        self._changed = asyncio.Event()
+        changed = self._changed
+        if changed is not None:  # made by the first waiter: a release with nobody waiting makes none
+            self._changed = None
+            changed.set()
         for callback in self._listeners:
             callback()
 
     async def wait_changed(self, timeout_s: float | None = None) -> bool:
         """Wait for the next change (wall seconds timeout); True when woken by a change."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
         return await wait_event(self._changed, timeout_s)
 
     # -------------------------------------------------------------- reads

@@ -353,7 +353,7 @@ class RouterCore:
             max_bypass=config.queue.max_bypass, hold_for=self._hold_for, skip_dominated=True, shed=self.shed,
             shed_recheck_ms=config.queue.shed_recheck_ms, probe=self.probe,
         )  # fmt: skip
-        self.book.add_listener(self.dispatcher.wake)
+        self.book.add_listener(self.dispatcher.wake_if_waiting)
         self._configure_held_queue()
         self.book.add_listener(self.dispatch_held)
 

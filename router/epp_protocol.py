@@ -218,6 +218,7 @@ def pick_class(headers: Mapping[str, str], trusted: bool, classes: Iterable[str]
     return None
 
 
+@lru_cache(maxsize=1024)  # one peer string per proxy connection, many streams each
 def peer_address(peer: str) -> str | None:
     """The IP address of a gRPC peer string (``ipv4:10.0.0.1:5000``, ``ipv6:[::1]:5000``, percent-
     escaped forms too); None for a Unix socket or anything else."""

@@ -31,10 +31,15 @@ One ext_proc stream is one HTTP request in the gateway:
 3. ``response_headers`` (with ``x-gateway-destination-endpoint-served`` in the ``envoy.lb``
    metadata) tell the outcome, by the HTTP relay's rule (router/epp_protocol.py
    ``response_outcome``); an agent's 409 refusal of the inline admission is replaced by the HTTP
-   router's 503 ``no-budget`` answer. The lease is settled (router/core.py ``after_attempt``: kept,
-   refunded or released) at the stream's end: ``response_trailers``, a response message with
-   ``end_of_stream``, or the stream's close, whichever comes first; a stream that closes (or is
-   cancelled) before any response releases the lease; a fallback that served releases the primary's.
+   router's 503 ``no-budget`` answer. Their arrival is the upstream's first byte (the agent sends
+   its response headers with the first chunk, replica_agent/proxy.py ``FirstChunkStreamResponse``,
+   and vLLM's stream starts with the first token): the moment the HTTP router's ``prepare`` hook
+   takes for the first token, so the grant's prompt leaves the core's in-prefill load there
+   (router/core.py ``prefill_done``) as at the front door, with no body asked for. The lease is
+   settled (router/core.py ``after_attempt``: kept, refunded or released) at the stream's end:
+   ``response_trailers``, a response message with ``end_of_stream``, or the stream's close,
+   whichever comes first; a stream that closes (or is cancelled) before any response releases the
+   lease; a fallback that served releases the primary's.
    A stream silent for ``settle_timeout_s`` after the pick is settled as it stands.
 
 Other paths (``/v1/models``, ``/tokenize``...) are authenticated and sent to a usable replica without
@@ -146,6 +151,16 @@ class ExtProcPicker(ep_grpc.ExternalProcessorServicer):
         self.max_fallbacks = max(0, max_fallbacks)
         self.settle_timeout_s = settle_timeout_s
         self._rotate = 0
+        self._pick_counters: dict[tuple[str, str, str], Any] = {}
+
+    def count(self, tenant: str, slo_class: str, outcome: str) -> None:
+        """``fairbatch_router_ext_proc_requests_total{tenant,slo_class,outcome}`` += 1 (the labelled
+        child kept: tenants and classes are the config's, outcomes a fixed set)."""
+        key = (tenant, slo_class, outcome)
+        child = self._pick_counters.get(key)
+        if child is None:
+            child = self._pick_counters[key] = self.wiring.metrics.picks.labels(tenant, slo_class, outcome)
+        child.inc()
 
     async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         """One HTTP request's ext_proc stream (module docstring)."""
@@ -241,6 +256,8 @@ class _Stream:
                 direct = self.grant.direct
                 self.settle()
                 return answer_response(queue_cap() if direct else no_budget(1))
+            # the upstream's first byte: its prefill is over (module docstring, step 3)
+            self.w.core.prefill_done(self.grant)
             rid = self.replica_by_endpoint.get(self.served or "", self.grant.replica_id)
             resp = continue_response(kind, {"x-fairbatch-replica": rid,
                                             "x-fairbatch-request-id": self.req.request_id if self.req else ""})
@@ -264,14 +281,14 @@ class _Stream:
     def refuse(self, answer: Answer) -> ep.ProcessingResponse:
         p = self.principal
         if p is not None:
-            self.w.metrics.picks.labels(p.tenant, p.slo_class, answer.outcome).inc()
+            self.picker.count(p.tenant, p.slo_class, answer.outcome)
             log.debug("ext_proc: %s/%s refused %s", p.tenant, p.slo_class, answer.code)
         return answer_response(answer)
 
     def client_error(self, status: int, message: str, code: str | None, param: str | None = None,
                      outcome: str = "bad_request") -> ep.ProcessingResponse:  # fmt: skip
         p = self.principal
-        self.w.metrics.picks.labels(p.tenant if p else "unknown", p.slo_class if p else "unknown", outcome).inc()
+        self.picker.count(p.tenant if p else "unknown", p.slo_class if p else "unknown", outcome)
         return openai_immediate(status, message, "invalid_request_error", code, param)
 
     async def pick(self, msg: ep.ProcessingRequest) -> ep.ProcessingResponse:
@@ -306,7 +323,7 @@ class _Stream:
         endpoints = self.picker.utility_endpoints()
         if not endpoints:
             return self.refuse(no_replica("no replica is known"))
-        self.w.metrics.picks.labels(principal.tenant, principal.slo_class, "utility").inc()
+        self.picker.count(principal.tenant, principal.slo_class, "utility")
         return pick_response(endpoints, self._upstream_headers(principal, new_request_id()),
                              ("authorization", *ADMISSION_HEADERS))
 
@@ -431,16 +448,20 @@ class _Stream:
         # no generation (an engine's 4xx, a 5xx before the first byte, the agents' refusals): the rate
         # buckets get the request back, as the front door gives them back (router/charges.py)
         self.give_quota_back(quota_refunded(outcome, False))
-        w.metrics.picks.labels(req.tenant, req.slo_class, outcome).inc()
+        self.picker.count(req.tenant, req.slo_class, outcome)
 
     def give_quota_back(self, refund: bool) -> None:
-        """Release the concurrency slot of the quota ticket (and refund its rate buckets when ``refund``)."""
+        """Release the concurrency slot of the quota ticket (and refund its rate buckets when ``refund``):
+        at once where the ledger needs no I/O (``Ledger.settle_now``), else in the background."""
         ticket, w = self.ticket, self.w
         if ticket is None:
             return
         self.ticket = None
-        if refund and self.principal is not None:
-            w._spawn(w.ledger.refund(ticket, w.limits.get(self.principal.tenant, TenantLimits())))
+        limits = w.limits.get(ticket.tenant, TenantLimits()) if refund else None
+        if w.ledger.settle_now(ticket, limits):
+            return
+        if limits is not None:
+            w._spawn(w.ledger.refund(ticket, limits))
         w._spawn(w.ledger.release(ticket))
 
 

@@ -215,6 +215,7 @@ class Ledger(Protocol):
     async def acquire(self, tenant: str, request_id: str, limits: TenantLimits, tokens: int) -> Ticket | Refusal: ...
     async def release(self, ticket: Ticket) -> None: ...
     async def refund(self, ticket: Ticket, limits: TenantLimits) -> None: ...
+    def settle_now(self, ticket: Ticket, limits: TenantLimits | None) -> bool: ...
     async def at_concurrency(self, tenant: str, limits: TenantLimits) -> bool: ...
     async def add_service(self, tenant: str, delta: float) -> None: ...
     async def lift(self, tenant: str, floor: float) -> None: ...
@@ -256,6 +257,14 @@ class InProcessLedger:
     async def refund(self, ticket: Ticket, limits: TenantLimits) -> None:
         """Give the ticket's request and tokens back to the buckets (:meth:`LocalLedger.refund`)."""
         self.local.refund(ticket.tenant, limits, ticket.tokens, self.clock.now_ms())
+
+    def settle_now(self, ticket: Ticket, limits: TenantLimits | None) -> bool:
+        """:meth:`refund` (when ``limits`` is given) then :meth:`release`, done here and now (no I/O);
+        always True. A caller that is not a coroutine (the ext_proc picker's settlement) saves a task."""
+        if limits is not None:
+            self.local.refund(ticket.tenant, limits, ticket.tokens, self.clock.now_ms())
+        self.local.release(ticket.tenant, ticket.request_id)
+        return True
 
     async def at_concurrency(self, tenant: str, limits: TenantLimits) -> bool:
         """True when the tenant holds ``max_concurrency`` slots now (a peek, before the body is read)."""
@@ -515,6 +524,14 @@ class RedisLedger:
             await self._call(self._client.zrem(self._key("conc", ticket.tenant), ticket.request_id))
         except self._errors as exc:
             self._fail(exc)
+
+    def settle_now(self, ticket: Ticket, limits: TenantLimits | None) -> bool:
+        """:meth:`refund` (when ``limits`` is given) and :meth:`release` without I/O where they need
+        none (a ticket of the local fallback, or nothing to do while degraded): True when done; False
+        when Redis must be called (the caller awaits :meth:`refund` and :meth:`release`)."""
+        if ticket.backend == "local":
+            return self.local.settle_now(ticket, limits)
+        return self.degraded
 
     async def refund(self, ticket: Ticket, limits: TenantLimits) -> None:
         """Give the ticket's request and tokens back where they were taken (a refund lost to a

@@ -52,6 +52,7 @@ from fairbatch_common.runtime import hold_grpc_aio  # noqa: E402
 from loadgen.envoy_ext_proc import EnvoyStream, parse_pick  # noqa: E402
 from loadgen.procs import ProcessGroup, free_port, script  # noqa: E402
 from proto import admission_pb2, admission_pb2_grpc  # noqa: E402
+from router.cli import GRPC_EXPERIMENTS_DEFAULT  # noqa: E402
 
 API_KEY = "sk-bench"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -225,12 +226,18 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     cmd = script("fairbatch-router")
     if args.profile:  # cProfile of the router process, written when it stops (SIGTERM drains and returns)
         cmd = [sys.executable, "-m", "cProfile", "-o", args.profile, "-m", "router.cli"]
+    # the router's gRPC core settings (router/cli.py GRPC_EXPERIMENTS_DEFAULT unless --grpc-experiments),
+    # the same for the floor server, so that its row is what the picker's stream pays
+    experiments = args.grpc_experiments
+    if experiments is None:
+        experiments = os.environ.get("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS_DEFAULT)
+    grpc_env = {"GRPC_EXPERIMENTS": experiments}
     router = group.start("router", cmd + [
         "--config", str(tmp / "fairbatch.yaml"), "--port", str(port), "--ext-proc-port", str(ext_port),
-        "--log-level", "WARNING"])
+        "--log-level", "WARNING"], env=grpc_env)
     floor_port = free_port()
     floor = group.start("grpc-floor", [sys.executable, str(Path(__file__).resolve()), "--floor-server",
-                                       str(floor_port)])
+                                       str(floor_port)], env=grpc_env)
     url = f"http://127.0.0.1:{port}"
     result: dict[str, Any] = {}
     try:
@@ -247,6 +254,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         loads = {"pick": lambda: one_pick(channel, False), "pick+settle": lambda: one_pick(channel, True),
                  "http": lambda: one_http(session, url), "grpc-floor": lambda: one_floor(floor_channel)}
         pid_of = {"pick": "router", "pick+settle": "router", "http": "router", "grpc-floor": "floor"}
+        loads = {k: v for k, v in loads.items() if k in args.loads}
         for name, fn in loads.items():  # warm-up
             await closed_loop(200, args.concurrency, fn)
         c0 = {k: cpu_s(p) for k, p in pids.items()}
@@ -270,9 +278,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 a["placement_s"] += p1[0] - p0[0]
                 a["placements"] += p1[1] - p0[1]
         # the picker's added latency: one stream at a time
-        _, lat = await closed_loop(args.latency_requests, 1, loads["pick"])
-        _, lat_http = await closed_loop(args.latency_requests, 1, loads["http"])
-        _, lat_floor = await closed_loop(args.latency_requests, 1, loads["grpc-floor"])
+        lat_loads = {"pick": lambda: one_pick(channel, False), "http": lambda: one_http(session, url),
+                     "grpc-floor": lambda: one_floor(floor_channel)}
+        lat = {k: (await closed_loop(args.latency_requests, 1, fn))[1] for k, fn in lat_loads.items()
+               if k in args.loads}
         await session.close()
         await channel.close()
         await floor_channel.close()
@@ -292,12 +301,14 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             xs = sorted(xs)
             return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000, 3)
 
-        result["latency_ms"] = {"pick_p50": pct(lat, 0.5), "pick_p99": pct(lat, 0.99),
-                                "http_request_p50": pct(lat_http, 0.5), "http_request_p99": pct(lat_http, 0.99),
-                                "grpc_floor_p50": pct(lat_floor, 0.5), "grpc_floor_p99": pct(lat_floor, 0.99),
-                                "requests": args.latency_requests}
+        result["latency_ms"] = {"requests": args.latency_requests}
+        for k, xs in lat.items():
+            key = k.replace("-", "_").replace("http", "http_request")
+            result["latency_ms"][f"{key}_p50"] = pct(xs, 0.5)
+            result["latency_ms"][f"{key}_p99"] = pct(xs, 0.99)
         result["idle_cpu_per_s"] = {k: round(v, 5) for k, v in idle.items()}
         result["load_average"] = os.getloadavg()
+        result["grpc_experiments"] = experiments
     finally:
         group.stop()
         for r in runners:
@@ -316,6 +327,10 @@ def main() -> int:
     p.add_argument("--idle-s", type=float, default=3.0)
     p.add_argument("--latency-requests", type=int, default=500)
     p.add_argument("--lease-mode", default="inline", choices=["inline", "reserve"])
+    p.add_argument("--loads", default="pick,pick+settle,http,grpc-floor",
+                   type=lambda s: [x for x in s.split(",") if x], help="the loads to run (comma-separated)")
+    p.add_argument("--grpc-experiments", default=None, metavar="LIST",
+                   help="GRPC_EXPERIMENTS for the router and the floor server (default: router/cli.py's; '' = gRPC's)")
     p.add_argument("--profile", default=None, metavar="PATH", help="cProfile the router process into PATH")
     p.add_argument("--floor-server", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="write the JSON here (e.g. docs/bench/ext_proc_pick.json)")
@@ -327,14 +342,12 @@ def main() -> int:
         return 0
     res = asyncio.run(bench(args))
     print(f"{'load':<13} {'requests':>8} {'CPU ms/req':>10} {'req/s/core':>10} {'req/s':>8} {'placement us':>12}")
-    for name in ("pick", "pick+settle", "http", "grpc-floor"):
+    for name in args.loads:
         r = res[name]
         print(f"{name:<13} {r['requests']:>8} {r['cpu_ms_per_request']:>10.3f} {r['requests_per_s_per_core']:>10} "
               f"{r['throughput_per_s']:>8} {r['placement_us_per_decision'] or '-':>12}")
     lat = res["latency_ms"]
-    print(f"added latency of a pick (one stream): p50 {lat['pick_p50']} ms, p99 {lat['pick_p99']} ms "
-          f"(the bare gRPC stream: p50 {lat['grpc_floor_p50']} ms; an HTTP front-door request to a fake agent: "
-          f"p50 {lat['http_request_p50']} ms)")
+    print("added latency (one stream, ms): " + ", ".join(f"{k} {v}" for k, v in lat.items() if k != "requests"))
     if args.out:
         doc = {"script": "scripts/bench_ext_proc.py", "args": vars(args), "machine": {
             "cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},

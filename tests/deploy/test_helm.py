@@ -139,7 +139,7 @@ def test_rendered_objects_validate_against_kubernetes_schemas(helm: Path, values
                 assert obj["spec"]["endpoints"] and obj["spec"]["selector"]["matchLabels"]
             elif obj["kind"] == "ScaledObject":
                 assert obj["spec"]["scaleTargetRef"]["name"] and obj["spec"]["triggers"]
-            elif obj["kind"] in ("InferencePool", "HTTPRoute"):  # tests/deploy/schemas (README there)
+            elif obj["kind"] in ("InferencePool", "HTTPRoute"):  # the upstream CRDs in tests/deploy/schemas
                 from gateway_schemas import schema_errors
 
                 errors += schema_errors(obj)

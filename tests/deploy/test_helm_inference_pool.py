@@ -1,7 +1,8 @@
 """The chart behind a Kubernetes inference gateway (issue 28 item 3): ``inferencePool.enabled`` renders an
 ``InferencePool`` (inference.networking.k8s.io/v1) of the vLLM pods whose endpoint picker is the router's
 ext_proc port, the picker's Service, the router's ``--ext-proc-port`` and an example ``HTTPRoute``; every
-object validates against tests/deploy/schemas (README there says what those schemas are)."""
+object validates against the upstream CRDs vendored in tests/deploy/schemas (README there: GIE v1.6.0's
+InferencePool, Gateway API v1.6.1's HTTPRoute), CEL rules included (tests/deploy/gateway_schemas.py)."""
 
 from __future__ import annotations
 
@@ -95,18 +96,38 @@ def test_mistakes_fail_with_a_readable_message(helm: Path, set_: tuple[str, ...]
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
 
 
-def test_the_schemas_refuse_what_the_api_refuses(helm: Path) -> None:
-    pool = one(render(helm, _ci(POOL_VALUES)), "InferencePool")
-    cases = {
-        "no target port": lambda p: p["spec"].update(targetPorts=[]),
-        "port out of range": lambda p: p["spec"]["targetPorts"][0].update(number=70000),
-        "unknown failure mode": lambda p: p["spec"]["endpointPickerRef"].update(failureMode="Retry"),
-        "service without port": lambda p: p["spec"]["endpointPickerRef"].pop("port"),
-        "empty selector": lambda p: p["spec"]["selector"].update(matchLabels={}),
-        "misspelt field": lambda p: p["spec"].update(targetPort=[{"number": 8001}]),
-        "no picker": lambda p: p["spec"].pop("endpointPickerRef"),
+def test_the_crds_refuse_what_the_api_server_refuses(helm: Path) -> None:
+    # each mutation of the rendered objects breaks one rule of the vendored CRDs (GIE v1.6.0's
+    # InferencePool, Gateway API v1.6.1's HTTPRoute): the schema, strict fields, or a CEL rule
+    objs = render(helm, _ci(POOL_VALUES))
+    pool, route = one(objs, "InferencePool"), one(objs, "HTTPRoute")
+    pool_cases = {
+        "no target port": (lambda p: p["spec"].update(targetPorts=[]), "spec.targetPorts: [] should be non-empty"),
+        "port out of range": (lambda p: p["spec"]["targetPorts"][0].update(number=70000), "70000 is greater than"),
+        "unknown failure mode": (lambda p: p["spec"]["endpointPickerRef"].update(failureMode="Retry"), "'Retry' is not one of"),
+        "empty selector": (lambda p: p["spec"]["selector"].update(matchLabels={}), "spec.selector.matchLabels: {} should be non-empty"),
+        "misspelt field": (lambda p: p["spec"].update(targetPort=[{"number": 8001}]), "'targetPort' was unexpected"),
+        "no selector": (lambda p: p["spec"].pop("selector"), "'selector' is a required property"),
+        # CEL (x-kubernetes-validations), over the defaulted object: kind defaults to Service
+        "service without port": (lambda p: p["spec"]["endpointPickerRef"].pop("port"),
+                                 "port is required when kind is 'Service' or unspecified"),
+        "same port twice": (lambda p: p["spec"].update(targetPorts=[{"number": 8001}, {"number": 8001}]),
+                            "port number must be unique"),
     }
-    for name, mutate in cases.items():
-        bad = copy.deepcopy(pool)
-        mutate(bad)
-        assert schema_errors(bad), name
+    route_cases = {
+        "a Service backend without port": (lambda r: r["spec"]["rules"][0]["backendRefs"][0].update(
+            group="", kind="Service"), "Must have port for Service reference"),
+        "backend timeout over the request's": (lambda r: r["spec"]["rules"][0]["timeouts"].update(
+            backendRequest="600s"), "backendRequest timeout cannot be longer than request timeout"),
+        "bad duration": (lambda r: r["spec"]["rules"][0]["timeouts"].update(request="5 minutes"), "does not match"),
+    }
+    for obj, cases in ((pool, pool_cases), (route, route_cases)):
+        for name, (mutate, message) in cases.items():
+            bad = copy.deepcopy(obj)
+            mutate(bad)
+            errors = schema_errors(bad)
+            assert any(message in e for e in errors), (name, errors)
+    # the rendered pool names the picker; the v1.6.0 API also takes a pool without one
+    nopicker = copy.deepcopy(pool)
+    nopicker["spec"].pop("endpointPickerRef")
+    assert schema_errors(nopicker) == []

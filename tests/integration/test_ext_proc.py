@@ -351,6 +351,24 @@ async def test_a_baseline_profile_pick_is_direct_with_its_next_candidates(fleet)
     await s.close()
 
 
+async def test_the_response_headers_end_the_prefill_and_the_stream_end_the_request(fleet) -> None:
+    # a direct (baseline-profile) grant counts its prompt in the core's in-prefill load until its first
+    # byte, as the HTTP router does (router/core.py prefill_done); through the gateway the first byte is
+    # the response headers (the agent sends them with the first chunk): content-length 400 at 4 bytes
+    # per token = 100 prompt tokens, no prefix map, so 100 uncached tokens
+    await fleet.start({"r0": 400.0}, placement={"profile": "round-robin", "seed": 1})
+    load = fleet.router.core.load
+    s = fleet.stream()
+    assert parse_pick(await s.request_headers(headers())) is not None
+    assert load.prefill_tokens.get("r0", 0) == 100 and load.prompt_tokens.get("r0", 0) == 100
+    await s.response_headers(200, {"content-type": "text/event-stream"}, served=fleet.endpoint("r0"))
+    assert load.prefill_tokens.get("r0", 0) == 0  # prefill over: only the decode is left
+    assert load.prompt_tokens.get("r0", 0) == 100 and fleet.router.replica_load("r0") == 1  # still running
+    await s.response_trailers()
+    await s.close()
+    assert load.prompt_tokens.get("r0", 0) == 0 and fleet.router.replica_load("r0") == 0
+
+
 # ---------------------------------------------------------------------- settlement
 
 

@@ -185,3 +185,32 @@ async def test_a_refund_gives_the_shared_buckets_back(redis_clean: RedisServer) 
     finally:
         await a.close()
         await b.close()
+
+
+async def test_settle_now_is_done_only_where_no_redis_call_is_needed(redis_clean: RedisServer) -> None:
+    # a Redis ticket needs the ZREM (False: the caller awaits release); degraded, release and refund
+    # do nothing for it and a fallback ticket is released locally (True)
+    led = make(redis_clean)
+    await led.start()
+    try:
+        lim = TenantLimits(max_concurrency=1)
+        ticket = await led.acquire("acme", "r1", lim, 1)
+        assert isinstance(ticket, Ticket) and ticket.backend != "local"
+        assert led.settle_now(ticket, lim) is False
+        refused = await led.acquire("acme", "r1b", lim, 1)  # nothing was released: the one slot is taken
+        assert isinstance(refused, Refusal) and refused.reason == "tenant-concurrency"
+        await led.release(ticket)
+        assert isinstance(await led.acquire("acme", "r1c", lim, 1), Ticket)
+    finally:
+        await led.close()
+    down = RedisLedger("redis://127.0.0.1:1/0", Clk(), timeout_ms=200, retry_initial_ms=50, retry_max_ms=100)
+    await down.start()
+    try:
+        assert down.degraded
+        local = await down.acquire("acme", "r2", TenantLimits(max_concurrency=1), 1)
+        assert isinstance(local, Ticket) and local.backend == "local"
+        assert await down.at_concurrency("acme", TenantLimits(max_concurrency=1))
+        assert down.settle_now(local, None) is True
+        assert not await down.at_concurrency("acme", TenantLimits(max_concurrency=1))
+    finally:
+        await down.close()

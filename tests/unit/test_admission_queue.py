@@ -535,3 +535,23 @@ async def test_watchdog_probes_each_band_head_as_the_dispatcher_may_place_it() -
     stats = await d.dispatch_chain()
     assert d.hold is not None and d.hold[0] is a and not stats.stalled
     assert probed == [("a", Attempt(on_time_only=True)), ("c", Attempt(avoid=frozenset({"r1"})))]
+
+
+async def test_wake_if_waiting_asks_for_a_pass_only_when_one_could_change_something() -> None:
+    # the core's budget-book listener (a release or a budget push): no entry, no hold, no stall -> no
+    # pass; an entry waiting, or a hold or stall still recorded (a pass clears them) -> a pass
+    q = FifoQueue(10, 1000)
+    d, _, _ = make_dispatcher(q, FakeClock(), fits=set())
+    d.wake_if_waiting()
+    assert not d._wake.is_set()  # noqa: SLF001 - the event run() waits on
+    e = entry("a")
+    q.push(e)
+    d.wake_if_waiting()
+    assert d._wake.is_set()  # noqa: SLF001
+    d._wake.clear()  # noqa: SLF001
+    assert q.remove(e) and len(q) == 0
+    d._stalled_since_ms = 5.0  # noqa: SLF001 - a stall recorded before the queue emptied
+    d.wake_if_waiting()
+    assert d._wake.is_set()  # noqa: SLF001
+    d.wake()  # the unconditional wake stays unconditional
+    assert d._wake.is_set()  # noqa: SLF001

@@ -148,3 +148,20 @@ def test_quota_refund_rule() -> None:
     assert quota_refunded("upstream_refused", True) and quota_refunded("queue_timeout", False)
     assert quota_refunded("upstream_error", False) and not quota_refunded("upstream_error", True)
     assert not quota_refunded("ok", True) and not quota_refunded("client_disconnect", False)
+
+
+async def test_settle_now_refunds_and_releases_at_once_in_process() -> None:
+    # max_concurrency 1, requests_per_minute 1 (one request back every 60,000 ms): a held ticket
+    # blocks the next request both ways; settle_now gives the slot (and, with the limits, the
+    # request) back before it returns: no task, no await
+    led = InProcessLedger(type("C", (), {"now_ms": lambda self: 0.0})())
+    lim = TenantLimits(max_concurrency=1, requests_per_minute=1)
+    t1 = await led.acquire("a", "r1", lim, 10)
+    assert isinstance(t1, Ticket) and await led.at_concurrency("a", lim)
+    assert led.settle_now(t1, lim) is True
+    assert not await led.at_concurrency("a", lim)
+    t2 = await led.acquire("a", "r2", lim, 10)  # passes: the refund gave the one request back
+    assert isinstance(t2, Ticket)
+    assert led.settle_now(t2, None) is True  # the slot only
+    assert led.local.in_flight("a") == 0
+    assert await led.acquire("a", "r3", lim, 10) == Refusal("tenant-rate", 60_000.0)  # r2's request stays spent
