@@ -317,7 +317,7 @@ PLACEMENT_PLUGINS: Mapping[str, frozenset[str]] = {
                            "llm-d-sticky", "llm-d-predicted-latency"}),
     "filters": frozenset({"exclude", "fits", "fresh", "healthy", "max-prompt", "on-time", "window", "dynamo-busy"}),
     "scorers": frozenset({"headroom", "kv-headroom", "least-outstanding", "least-outstanding-tokens", "engine-queue",
-                          "llm-d-queue", "kv-usage", "prefix-cache", "dynamo-kv-cost"}),
+                          "llm-d-queue", "kv-usage", "prefix-cache", "dynamo-kv-cost", "reserve-fit"}),
     "pickers": frozenset({"highest", "round-robin", "power-of-two", "softmax"}),
     "hooks": frozenset({"decision-count"}),
 }

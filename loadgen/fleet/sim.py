@@ -149,6 +149,7 @@ POLICIES: dict[str, tuple[str, str]] = {
     "pab-prefix": ("pab", "vllm-default"),
     "pab-prefix+fairbatching": ("pab", "fairbatching"),
     "pab-best-fit+fairbatching": ("pab", "fairbatching"),
+    "pab-reserve-fit+fairbatching": ("pab", "fairbatching"),
 }
 """Fleet policy name -> (router kind, replica batching policy). ``X+fairbatching`` for a baseline
 router X: the same placement in front of FairBatching replicas (what an operator who installed the
@@ -161,11 +162,14 @@ PREFIX_POLICIES = frozenset({"llm-d-prefix", "sglang-cache-aware", "vllm-router-
                              "llm-d-predicted-latency", "llm-d-predicted-latency+fairbatching"})  # fmt: skip
 """Fleet policies whose routers keep a prefix map (router/prefix_index.py) and place with it."""
 
-BEST_FIT_SCORERS = {"pab-best-fit+fairbatching": [{"name": "headroom", "weight": -1.0}]}
+BEST_FIT_SCORERS = {"pab-best-fit+fairbatching": [{"name": "headroom", "weight": -1.0}],
+                    "pab-reserve-fit+fairbatching": [{"name": "reserve-fit", "weight": 1.0}]}
 """Fleet policies whose ``pab`` routers place with a custom chain (router YAML ``placement.scorers``):
 ``pab-best-fit``: the default filters (the request fits, on time, inside the start window), then the
 replica with the *least* headroom left after this prefill (best fit; the default ``pab`` profile
-takes the most headroom plus KV headroom: worst fit), which keeps replicas with room for long prompts."""
+takes the most headroom plus KV headroom: worst fit), which keeps replicas with room for long prompts;
+``pab-reserve-fit``: best fit while 30 % of the horizon stays free, else worst fit
+(router/placement/scorers/reserve_fit.py)."""
 
 
 SCRAPED_POLICIES = frozenset({"power-of-two", "llm-d-scorer", "llm-d-prefix", "llm-d-flow-control", "dynamo-kv",
