@@ -111,10 +111,11 @@ def build_tokenizer(out_dir: Path) -> object:
 SIZES: dict[str, dict[str, int]] = {
     "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 4, "head_dim": 32, "max_position_embeddings": 2048},
-    # about 19 M parameters (76 MB in float32): on one core of the 2-core AVX2 CI machine a 2,048-token
-    # prefill step is BENCH_PREFILL_2048_MS and a decode step grows with the batch (docs/vllm.md
-    # "A CPU-sized workload"); grouped-query attention (8 query heads, 2 KV heads) as in Llama 3
-    "bench": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 6, "num_attention_heads": 8,
+    # about 7.0 M parameters (28 MB in float32), grouped-query attention (6 query heads, 2 KV heads) as in
+    # Llama 3: vLLM on one core of the 2-core AVX2 CI machine, with the machine shared (load average
+    # 9-12), took 2.0 s for a 2,048-token prefill step and 13 / 49 ms for a decode step of 1 / 32
+    # sequences; on a quiet core about a third of that (docs/vllm.md "A CPU-sized workload")
+    "bench": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 6,
               "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096},
 }
 """Model shapes by name (``LlamaConfig`` fields); ``tiny`` is the one the functional tests use."""

@@ -1,0 +1,109 @@
+"""The pure parts of ``make bench-vllm`` (loadgen/vllm_bench.py): workload scaling, step-log features,
+the fit, the SLO rule, rate windows and verdicts. The real-engine stages are run by the bench itself."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from loadgen.traces import TraceRequest
+from loadgen.vllm_bench import (
+    engine_ms,
+    fit_step_log,
+    scaled_trace,
+    slo_rule,
+    step_features,
+    verdict,
+    window,
+)
+
+
+def test_scaled_trace_scales_and_clips_to_the_context() -> None:
+    reqs = [TraceRequest(0.0, 1033, 134), TraceRequest(5.0, 14050, 1000), TraceRequest(9.0, 1, 1)]
+    out = scaled_trace(reqs, 0.25, 2048)
+    # 1033 * 0.25 = 258.25 -> 258, 134 * 0.25 = 33.5 -> 34 (round half to even)
+    assert (out[0].prompt_tokens, out[0].output_tokens) == (258, 34)
+    # output 250; prompt 3512.5 clipped to 2048 - 250 = 1798
+    assert (out[1].prompt_tokens, out[1].output_tokens) == (1798, 250)
+    assert (out[2].prompt_tokens, out[2].output_tokens) == (1, 1)  # at least one token each
+    assert [r.arrival_ms for r in out] == [0.0, 5.0, 9.0]
+    with pytest.raises(ValueError):
+        scaled_trace(reqs, 0.0)
+
+
+def _line(items: list[tuple[int, int]], ms: float) -> dict[str, float]:
+    """A step-log line as the plugin writes it for (chunk, prefix) items."""
+    return {"new_tokens": sum(c for c, _ in items), "context_tokens": sum(p for _, p in items),
+            "batch_size": len(items), "num_decodes": sum(1 for c, _ in items if c == 1),
+            "chunk_prefix_tokens": sum(c * p for c, p in items), "chunk_sq_tokens": sum(c * c for c, _ in items),
+            "measured_ms": ms}  # fmt: skip
+
+
+def test_step_features_and_kinds() -> None:
+    x, kind = step_features(_line([(1, 100), (1, 300)], 5.0))
+    assert kind == "decode" and x.tolist() == [1.0, 2.0, 400.0, 2.0, 400.0, 2.0]
+    x, kind = step_features(_line([(512, 1024)], 5.0))
+    assert kind == "prefill" and x.tolist() == [1.0, 512.0, 1024.0, 1.0, 512 * 1024.0, 512 * 512.0]
+    _, kind = step_features(_line([(1, 100), (64, 0)], 5.0))
+    assert kind == "mixed"
+
+
+TRUE = {"a_ms": 20.0, "b_ms": 0.4, "c_ms": 0.002, "d_ms": 0.5, "e_ms": 1e-5, "f_ms": 2e-5}
+
+
+def _grid() -> list[list[tuple[int, int]]]:
+    steps = [[(1, ctx)] * b for b in (1, 4, 16, 32) for ctx in (128, 512, 1024)]
+    steps += [[(n, 0)] for n in (128, 512, 1024, 2048)] + [[(512, 1024)], [(1024, 512)]]
+    steps += [[(1, 300)] * 8 + [(256, 0)], [(1, 700)] * 3 + [(1024, 0)]]
+    return steps
+
+
+def test_fit_recovers_the_coefficients_of_noise_free_steps() -> None:
+    lines = [_line(items, engine_ms(TRUE, items)) for items in _grid()]
+    fit = fit_step_log(lines)
+    for k, v in TRUE.items():
+        assert fit["engine"][k] == pytest.approx(v, rel=1e-4), k
+    assert fit["engine"]["noise_sigma"] == pytest.approx(0.0, abs=1e-6)
+    assert fit["error_by_kind"]["all"]["max_rel_err"] == pytest.approx(0.0, abs=1e-6)
+    assert fit["error_by_kind"]["decode"]["n"] == 12 and fit["error_by_kind"]["prefill"]["n"] == 6
+    assert fit["error_by_kind"]["mixed"]["n"] == 2
+    # the linear form misses e, f and d: some error left
+    assert fit["error_by_kind"]["all"]["linear_mean_rel_err"] > 0.005
+    with pytest.raises(ValueError):
+        fit_step_log(lines[:5])
+
+
+def test_fit_of_noisy_steps_reports_the_noise() -> None:
+    rng = np.random.default_rng(7)
+    lines = [_line(items, engine_ms(TRUE, items) * math.exp(rng.normal(0, 0.05))) for items in _grid() * 20]
+    fit = fit_step_log(lines)
+    # sigma of ln(measured / fitted) ~ the 0.05 drawn (the fit absorbs a little of it)
+    assert 0.04 < fit["engine"]["noise_sigma"] < 0.06
+    assert fit["engine"]["b_ms"] == pytest.approx(0.4, rel=0.05)
+
+
+def test_slo_rule_by_hand() -> None:
+    engine = {"a_ms": 10.0, "b_ms": 1.0, "c_ms": 0.01, "d_ms": 0.0, "e_ms": 0.0, "f_ms": 0.0}
+    reqs = [TraceRequest(0.0, p, o) for p, o in ((50, 10), (100, 20), (300, 40))]
+    slo = slo_rule(engine, reqs)
+    # prefill of 100 tokens: 10 + 100 = 110 ms -> TTFT 4 x 110 = 440 ms
+    assert slo["ttft_ms"] == 440.0
+    # 16 decodes at context 100 + 20 // 2 = 110: 10 + 16 + 0.01 * 16 * 110 = 43.6 ms -> 2 x = 87.2 -> 90 ms
+    assert slo["tpot_ms"] == 90.0
+    assert slo["median_prompt"] == 100 and slo["median_output"] == 20
+
+
+def test_window_is_bench_policies_rate_scaling() -> None:
+    trace = [TraceRequest(t, 10, 5) for t in (0.0, 1000.0, 2000.0, 3000.0, 4000.0)]
+    # native 1 rps, rate 2 rps: arrivals halved; 1.5 s window keeps 0, 500, 1000 ms
+    out = window(trace, 1.0, 2.0, 1.5)
+    assert [r.arrival_ms for r in out] == [0.0, 500.0, 1000.0]
+
+
+def test_verdict() -> None:
+    assert verdict(1.1, 1.0) == "gain"
+    assert verdict(0.9, 1.0) == "loss"
+    assert verdict(1.03, 1.0) == "no gain"
+    assert verdict(0.5, 0.0) == "gain" and verdict(0.0, 0.0) == "no gain"
