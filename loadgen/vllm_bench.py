@@ -68,6 +68,10 @@ PROFILE = "bench-llama-cpu"
 MAX_MODEL_LEN = 2560
 LENGTH_SCALE = 0.25
 """azure-conv lengths x 0.25: its median prompt 1,033 -> 258 tokens, p90 4,076 -> 1,019; outputs 134 -> 34."""
+TRACE_START_S = 600.0
+"""The slice starts 600 s into azure-conv: its first minutes are sparse (191 requests in the first minute
+against 337 on average), its 600-900 s run near the mean (about 5 rps); rates are bench-policies'
+(arrivals / (rate / native rate of the whole trace)), and each row also reports the offered rate."""
 LOADED_BATCH = 16
 """Sequences of the "loaded decode step" of the TPOT rule."""
 TTFT_FACTOR = 4.0
@@ -102,7 +106,7 @@ class Mode:
 
 QUICK = Mode((1, 8, 32), (128, 1024), 12, (128, 512, 2048), ((1024, 512),), 20.0, (0.8, 1.2))
 FULL = Mode((1, 4, 16, 32, 48), (128, 768), 24, (128, 256, 512, 1024, 2048, 2048),
-            ((512, 512), (1024, 512), (1024, 1024), (1536, 384)), 75.0, (0.7, 1.0, 1.3))  # fmt: skip
+            ((512, 512), (1024, 512), (1024, 1024), (1536, 384)), 60.0, (0.7, 1.0, 1.3))  # fmt: skip
 
 
 # ---- pure parts -------------------------------------------------------------------------------------
@@ -482,7 +486,7 @@ def _sweep(target: str, engine_urls: list[str], trace: list[TraceRequest], nativ
     for rate in rates:
         reqs = window(trace, native, rate, mode.duration_s)
         la = loadavg()
-        row = {"rate_rps": round(rate, 4), "loadavg_before": la,
+        row = {"rate_rps": round(rate, 4), "offered_rps": round(len(reqs) / mode.duration_s, 3), "loadavg_before": la,
                **_replay(target, reqs, slo, keys, timeout_s=max(60.0, 20 * slo["ttft_ms"] / 1000.0))}  # fmt: skip
         row["loadavg_after"] = loadavg()
         if after is not None:
@@ -646,6 +650,55 @@ def comparison(measured: dict[str, Any], simulated: dict[str, Any]) -> list[dict
     return out
 
 
+def _f(v: Any, fmt: str = ".3f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def markdown_table(doc: dict[str, Any]) -> str:
+    """The docs/vllm.md tables of a result JSON: capacity per setup and policy, measured and simulated,
+    attainment per rate, verdicts, the agents' time model and the fit."""
+    lines = []
+    slo = doc.get("slo", {})
+    lines.append(f"Mode `{doc.get('mode')}`; SLO TTFT {_f(slo.get('ttft_ms'), 'g')} ms, TPOT {_f(slo.get('tpot_ms'), 'g')} ms "
+                 f"({slo.get('rule', '')}); load average at start {doc.get('started_loadavg')}, at the end "
+                 f"{doc.get('finished_loadavg')}; {doc.get('wall_s')} s in all.")
+    lines += ["", "| setup | policy | rate (offered) rps | attainment measured | attainment simulated | capacity measured (rps) "
+              "| capacity simulated (rps) | sim / measured |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    sim = doc.get("simulated", {})
+    for setup in ("single", "pair"):
+        for pol, m in doc.get(setup, {}).items():
+            s = sim.get(setup, {}).get(pol, {})
+            rates = " / ".join(f"{r['rate_rps']:.2f} ({r.get('offered_rps', 0):.2f})" for r in m["rows"])
+            att = " / ".join(_f(r["slo_attainment"], ".2f") for r in m["rows"])
+            satt = " / ".join(_f(r["slo_attainment"], ".2f") for r in s.get("rows", []))
+            bound = {"at-least": ">= ", "below-sweep": "< "}
+            mc = bound.get(m["capacity_bound"], "") + _f(m["capacity_rps"], ".2f")
+            sc = bound.get(s.get("capacity_bound", ""), "") + _f(s.get("capacity_rps"), ".2f") if s else "-"
+            ratio = _f(s["capacity_rps"] / m["capacity_rps"], ".2f") if s and m["capacity_rps"] > 0 else "-"
+            name = "1 replica" if setup == "single" else "2 replicas"
+            lines.append(f"| {name} | {pol} | {rates} | {att} | {satt or '-'} | {mc} | {sc} | {ratio} |")
+    if doc.get("verdicts"):
+        lines += ["", "Verdicts (capacity at attainment >= 0.9, 5 % either way = no gain): "
+                  + "; ".join(f"{k}: **{v}**" for k, v in doc["verdicts"].items()) + "."]
+    tm = [(r["rate_rps"], rid, t) for r in doc.get("pair", {}).get("pab+fairbatching", {}).get("rows", [])
+          for rid, t in (r.get("time_model") or {}).items()]  # fmt: skip
+    if tm:
+        lines += ["", "| rate (rps) | replica | steps learned | one-step-ahead mean abs error | p90 residual | margin "
+                  "| late steps |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for rate, rid, t in tm:
+            lines.append(f"| {rate:.2f} | {rid} | {t['steps']:.0f} | {_f(t['mean_abs_error_ratio'])} | "
+                         f"{_f(t['residual_ratio'].get('0.9'))} | {_f(t['margin_ratio'])} | {_f(t['late_share'])} |")
+    fit = doc.get("fit")
+    if fit:
+        e = fit["engine"]
+        lines += ["", f"Fit ({fit['steps']} steps, load average {fit['loadavg_before']} -> {fit['loadavg_after']}): "
+                  + ", ".join(f"{k} {v:g}" for k, v in e.items())
+                  + "; mean / max relative error " + ", ".join(f"{k} {v['mean_rel_err']:.3f} / {v['max_rel_err']:.3f}"
+                                                             for k, v in fit["error_by_kind"].items())
+                  + "; measured " + ", ".join(f"{k} {v['median_ms']:.0f} ms" for k, v in fit["measured_spots"].items()) + "."]
+    return "\n".join(lines)
+
+
 def _run_stages(args: argparse.Namespace, mode: Mode, doc: dict[str, Any], work: Path, et_out: Path,
                 holder: list[StockReplica | None], say: Callable[[str], None]) -> None:
     """The stages of ``args.stages`` in order, results into ``doc``; ``holder[0]``: the live stock replica."""
@@ -672,12 +725,14 @@ def _run_stages(args: argparse.Namespace, mode: Mode, doc: dict[str, Any], work:
     coef = (lin["a_ms"], lin["b_ms"], lin["c_ms"])
     full = load_trace(resolve_trace("azure-conv"))
     native = len(full) / max(1e-9, (full[-1].arrival_ms - full[0].arrival_ms) / 1000.0)
-    trace = scaled_trace(full)
+    trace = [TraceRequest(r.arrival_ms - TRACE_START_S * 1000.0, r.prompt_tokens, r.output_tokens)
+             for r in scaled_trace(full) if r.arrival_ms >= TRACE_START_S * 1000.0]  # fmt: skip
     slo = slo_rule(engine, trace)
     guess = sim_capacity_guess(trace, native, mode, slo, engine_time)
     rates = sorted(args.rates) if args.rates else [round(f * guess, 3) for f in mode.rate_factors]
     pair_rates = [round(2 * r, 3) for r in rates]
-    doc.update({"workload": {"trace": "azure-conv", "length_scale": LENGTH_SCALE, "max_model_len": MAX_MODEL_LEN,
+    doc.update({"workload": {"trace": "azure-conv", "trace_start_s": TRACE_START_S, "length_scale": LENGTH_SCALE,
+                             "max_model_len": MAX_MODEL_LEN,
                              "native_rps": round(native, 4), "duration_s": mode.duration_s},
                 "slo": slo, "engine_time_file": str(et_path.relative_to(REPO_ROOT)) if et_path.is_relative_to(REPO_ROOT) else str(et_path),
                 "planning_coefficients_ms": coef, "simulated_capacity_guess_rps": guess,
@@ -704,7 +759,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "full mode, out/ with --quick)")  # fmt: skip
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="one-replica rates (rps; default: the "
                     "mode's factors x the simulated vllm-default capacity); two replicas run at twice these")
+    ap.add_argument("--table", metavar="JSON", default=None, help="only print the markdown tables of a result JSON")
     args = ap.parse_args(argv)
+    if args.table:
+        print(markdown_table(json.loads(Path(args.table).read_text())))
+        return 0
     mode = QUICK if args.quick else FULL
     out = Path(args.out or (REPO_ROOT / "out" / "vllm-ab-quick.json" if args.quick else DEFAULT_OUT))
     et_out = Path(args.engine_time_out or (REPO_ROOT / "out" / f"{PROFILE}-quick.json" if args.quick else ENGINE_TIME_FILE))
@@ -740,6 +799,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             doc["comparison"] = comparison(measured, doc["simulated"])
         out.write_text(json.dumps(doc, indent=1, default=list) + "\n")
         say(f"written {out} ({doc['wall_s']:.0f} s); work dir {work}")
+        try:
+            print(markdown_table(doc))
+        except (KeyError, TypeError, ZeroDivisionError) as e:  # a partial run: the JSON is what counts
+            say(f"no table for this partial result ({e!r})")
     return 0
 
 

@@ -107,3 +107,36 @@ def test_verdict() -> None:
     assert verdict(0.9, 1.0) == "loss"
     assert verdict(1.03, 1.0) == "no gain"
     assert verdict(0.5, 0.0) == "gain" and verdict(0.0, 0.0) == "no gain"
+
+
+def test_write_profile_row_replaces_only_its_row(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from loadgen.vllm_bench import write_profile_row
+
+    path = tmp_path / "derived.csv"
+    header = ("model,gpu,tp,variant,a_ms,b_ms_per_new_token,c_ms_per_context_token,d_ms_per_request,"
+              "e_ms_per_chunk_token_sq,r2,max_rel_err,mean_rel_err,n_batches,kv_bytes_per_token,kv_capacity_tokens_90pct")
+    other = "Llama-3-8B,H100,1,all_batches,7.05154,0.0251028,4.87136e-05,,,0.925217,0.329745,0.0878887,0,131072,467291"
+    path.write_text(f"{header}\n{other}\nbench-llama,CPU,1,all_batches,1,1,1,,,1,1,1,1,4096,1\n")
+    fit = {"linear": {"a_ms": 9.5, "b_ms": 0.7, "c_ms": 0.004, "r2": 0.8, "max_rel_err": 0.7, "mean_rel_err": 0.2},
+           "steps": 107, "kv": {"num_gpu_blocks": 2048, "block_size": 128}}
+    write_profile_row(fit, path)
+    lines = path.read_text().splitlines()
+    assert lines[:2] == [header, other]
+    # 2048 blocks x 128 tokens = 262144 tokens; 4 layers x 2 x 2 KV heads x 64 x 4 bytes = 4096 bytes per token
+    assert lines[2:] == ["bench-llama,CPU,1,all_batches,9.5,0.7,0.004,,,0.8,0.7,0.2,107,4096,262144"]
+
+
+def test_markdown_table_by_hand() -> None:
+    from loadgen.vllm_bench import markdown_table
+
+    def rows(atts: list[float]) -> list[dict[str, float]]:
+        return [{"rate_rps": r, "offered_rps": r * 0.9, "slo_attainment": a} for r, a in zip((1.0, 2.0), atts, strict=True)]
+
+    doc = {"mode": "quick", "slo": {"ttft_ms": 650.0, "tpot_ms": 80.0, "rule": "r"},
+           "single": {"vllm-default": {"rows": rows([1.0, 0.8]), "capacity_rps": 1.5, "capacity_bound": "interpolated"}},
+           "simulated": {"single": {"vllm-default": {"rows": rows([1.0, 1.0]), "capacity_rps": 2.0,
+                                                     "capacity_bound": "at-least"}}},
+           "verdicts": {"fairbatching vs vllm-default": "no gain"}}
+    table = markdown_table(doc)
+    assert "| 1 replica | vllm-default | 1.00 (0.90) / 2.00 (1.80) | 1.00 / 0.80 | 1.00 / 1.00 | 1.50 | >= 2.00 | 1.33 |" in table
+    assert "fairbatching vs vllm-default: **no gain**" in table
