@@ -37,6 +37,7 @@ import json
 import os
 import random
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -207,6 +208,25 @@ def fit_step_log(lines: Sequence[dict[str, Any]]) -> dict[str, Any]:
     linear.update({"r2": round(float(1.0 - np.sum((lin_pred - y) ** 2) / np.sum((y - y.mean()) ** 2)), 4),
                    "max_rel_err": round(float(lin_rel.max()), 4), "mean_rel_err": round(float(lin_rel.mean()), 4)})
     return {"engine": engine, "linear": linear, "error_by_kind": by_kind}
+
+
+def step_time_drift(lines: Sequence[dict[str, Any]], engine: dict[str, float]) -> dict[str, Any]:
+    """How the steps of a run compare with the fitted engine model: quantiles of measured / predicted
+    over the step-log ``lines`` (:func:`step_features`); ``{"steps": 0}`` when there is none. A median
+    above 1 means the engine ran slower during the run than when it was fitted (CPU contention)."""
+    coef = np.array([engine[k] for k in ("a_ms", "b_ms", "c_ms", "d_ms", "e_ms", "f_ms")])
+    ratios = [float(r["measured_ms"]) / float(step_features(r)[0] @ coef) for r in lines if float(r["measured_ms"]) > 0]
+    if not ratios:
+        return {"steps": 0}
+    q = np.quantile(ratios, [0.1, 0.5, 0.9])
+    return {"steps": len(ratios), "p10_ratio": round(float(q[0]), 3), "median_ratio": round(float(q[1]), 3),
+            "p90_ratio": round(float(q[2]), 3), "mean_ratio": round(float(np.mean(ratios)), 3)}
+
+
+def _read_log(path: Path, skip: int = 0) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines()[skip:] if x.strip()]
 
 
 def engine_ms(engine: dict[str, float], items: Sequence[tuple[int, int]]) -> float:
@@ -507,17 +527,19 @@ def _capacity(rows: list[dict[str, Any]], target: float = 0.9) -> dict[str, Any]
 
 
 def stage_single(mode: Mode, work: Path, trace: list[TraceRequest], native: float, rates: list[float],
-                 slo: dict[str, Any], coef: Sequence[float], say: Callable[[str], None],
+                 slo: dict[str, Any], coef: Sequence[float], engine: dict[str, float], say: Callable[[str], None],
                  stock: StockReplica | None = None) -> dict[str, Any]:  # fmt: skip
     """Stage 2: one replica, vLLM's scheduler (``stock``, the stage-1 replica when given; stopped here)
     vs the FairBatching plugin, the same windows and rates."""
     out: dict[str, Any] = {}
     rep = stock or start_stock_replica(work, say)
+    skip = len(_read_log(rep.step_log))  # the grid's steps, when this is the stage-1 replica
     try:
         say("one replica, vllm-default")
         rows = _sweep(rep.url, [rep.url], trace, native, rates, mode, slo, None, say)
         out["vllm-default"] = {"rows": rows, **_capacity(rows), "startup_s": round(rep.startup_s, 1),
-                               "scheduler": "vLLM's Scheduler.schedule() (plugin class, FAIRBATCH_PLUGIN_DISABLE=1)"}
+                               "scheduler": "vLLM's Scheduler.schedule() (plugin class, FAIRBATCH_PLUGIN_DISABLE=1)",
+                               "step_time_vs_fit": step_time_drift(_read_log(rep.step_log, skip), engine)}
     finally:
         rep.group.stop(grace_s=10.0)
     group = ProcessGroup(work / "logs-single-fairbatching")
@@ -532,7 +554,8 @@ def stage_single(mode: Mode, work: Path, trace: list[TraceRequest], native: floa
     finally:
         group.stop(grace_s=10.0)
     out["fairbatching"] = {"rows": rows, **_capacity(rows), "startup_s": round(startup, 1),
-                           "scheduler": f"FairBatching plugin ({SCHEDULER_CLS})"}
+                           "scheduler": f"FairBatching plugin ({SCHEDULER_CLS})",
+                           "step_time_vs_fit": step_time_drift(_read_log(work / "single-fairbatching-steps.jsonl"), engine)}
     return out
 
 
@@ -550,7 +573,8 @@ def _agent_time_model(agent_url: str) -> dict[str, Any]:
 
 
 def stage_pair(mode: Mode, work: Path, trace: list[TraceRequest], native: float, rates: list[float],
-               slo: dict[str, Any], coef: Sequence[float], say: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+               slo: dict[str, Any], coef: Sequence[float], engine: dict[str, float],
+               say: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
     """Stage 3: two replicas (cores 0 and 1) behind agents and the router: pab + fairbatching (plugin,
     agents in plugin mode) vs least-outstanding (stock vLLM, agents in proxy mode)."""
     from loadgen.vllm_fleet import start_vllm_fleet
@@ -587,6 +611,11 @@ def stage_pair(mode: Mode, work: Path, trace: list[TraceRequest], native: float,
             out[name] = {"rows": rows, **_capacity(rows), "startup_s": round(fleet.startup_s, 1)}
         finally:
             fleet.stop()
+        if plugin:
+            out[name]["step_time_vs_fit"] = {
+                r.replica_id: step_time_drift(_read_log(work / f"pair-{name}-{r.replica_id}-steps.jsonl"), engine)
+                for r in fleet.replicas}  # fmt: skip
+    shutil.rmtree(sock_dir, ignore_errors=True)
     return out
 
 
@@ -680,6 +709,17 @@ def markdown_table(doc: dict[str, Any]) -> str:
     if doc.get("verdicts"):
         lines += ["", "Verdicts (capacity at attainment >= 0.9, 5 % either way = no gain): "
                   + "; ".join(f"{k}: **{v}**" for k, v in doc["verdicts"].items()) + "."]
+    drift = []
+    for setup in ("single", "pair"):
+        for pol, m in doc.get(setup, {}).items():
+            d = m.get("step_time_vs_fit")
+            for rid, v in ((None, d),) if d and "steps" in d else (d or {}).items():
+                if v and v.get("steps"):
+                    drift.append(f"{setup} {pol}{' ' + rid if rid else ''}: {v['median_ratio']:.2f} "
+                                 f"(p10 {v['p10_ratio']:.2f}, p90 {v['p90_ratio']:.2f}, {v['steps']} steps)")
+    if drift:
+        lines += ["", "Engine steps during the runs against the fitted model (median measured / predicted): "
+                  + "; ".join(drift) + "."]
     tm = [(r["rate_rps"], rid, t) for r in doc.get("pair", {}).get("pab+fairbatching", {}).get("rows", [])
           for rid, t in (r.get("time_model") or {}).items()]  # fmt: skip
     if tm:
@@ -740,9 +780,9 @@ def _run_stages(args: argparse.Namespace, mode: Mode, doc: dict[str, Any], work:
     say(f"SLO: {slo['rule']} -> TTFT {slo['ttft_ms']:g} ms, TPOT {slo['tpot_ms']:g} ms; rates {rates} (x2 for two replicas)")
     if "single" in args.stages:
         rep, holder[0] = holder[0], None
-        doc["single"] = stage_single(mode, work, trace, native, rates, slo, coef, say, rep)
+        doc["single"] = stage_single(mode, work, trace, native, rates, slo, coef, engine, say, rep)
     if "pair" in args.stages:
-        doc["pair"] = stage_pair(mode, work, trace, native, pair_rates, slo, coef, say)
+        doc["pair"] = stage_pair(mode, work, trace, native, pair_rates, slo, coef, engine, say)
     if "sim" in args.stages:
         doc["simulated"] = stage_sim(trace, native, rates, pair_rates, mode, slo, engine_time)
 

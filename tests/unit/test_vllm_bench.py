@@ -140,3 +140,16 @@ def test_markdown_table_by_hand() -> None:
     table = markdown_table(doc)
     assert "| 1 replica | vllm-default | 1.00 (0.90) / 2.00 (1.80) | 1.00 / 0.80 | 1.00 / 1.00 | 1.50 | >= 2.00 | 1.33 |" in table
     assert "fairbatching vs vllm-default: **no gain**" in table
+
+
+def test_step_time_drift_is_measured_over_predicted() -> None:
+    from loadgen.vllm_bench import step_time_drift
+
+    items = _grid()
+    # every step twice as slow as the model, one step 4x: median 2, p90 2, mean (2 * (n - 1) + 4) / n
+    lines = [_line(it, 2.0 * engine_ms(TRUE, it)) for it in items[:-1]] + [_line(items[-1], 4.0 * engine_ms(TRUE, items[-1]))]
+    d = step_time_drift(lines, TRUE)
+    n = len(items)
+    assert d["steps"] == n and d["median_ratio"] == 2.0 and d["p90_ratio"] == 2.0
+    assert d["mean_ratio"] == pytest.approx((2.0 * (n - 1) + 4.0) / n, abs=1e-3)
+    assert step_time_drift([], TRUE) == {"steps": 0}
