@@ -560,13 +560,15 @@ def stage_single(mode: Mode, work: Path, trace: list[TraceRequest], native: floa
 
 
 def _agent_time_model(agent_url: str) -> dict[str, Any]:
-    """The agent's online time-model metrics (replica_agent/metrics.py)."""
+    """The agent's online time-model metrics (replica_agent/metrics.py), summed over the step sources (a
+    plugin-mode agent learns from the plugin's step records, a proxy-mode one from relayed token gaps)."""
     s = parse_prometheus(http_get_text(agent_url + "/metrics"))
-    steps = metric_value(s, "fairbatch_agent_time_model_steps_total", source="plugin") or 0.0
-    late = metric_value(s, "fairbatch_agent_time_model_late_steps_total", source="plugin") or 0.0
+    steps = metric_value(s, "fairbatch_agent_time_model_steps_total") or 0.0
+    late = metric_value(s, "fairbatch_agent_time_model_late_steps_total") or 0.0
+    sources = sorted({lab["source"] for lab, _ in s.get("fairbatch_agent_time_model_steps_total", [])})
     coef = {lab["term"]: v for lab, v in s.get("fairbatch_agent_time_model_coefficient", [])}
     resid = {lab["level"]: v for lab, v in s.get("fairbatch_agent_time_model_residual_ratio", [])}
-    return {"steps": steps, "late_steps": late, "late_share": late / steps if steps else None,
+    return {"sources": sources, "steps": steps, "late_steps": late, "late_share": late / steps if steps else None,
             "mean_abs_error_ratio": metric_value(s, "fairbatch_agent_time_model_mean_abs_error_ratio"),
             "margin_ratio": metric_value(s, "fairbatch_agent_time_model_margin_ratio"),
             "residual_ratio": resid, "coefficients": coef}  # fmt: skip
