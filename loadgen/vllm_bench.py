@@ -80,6 +80,9 @@ TPOT_FACTOR = 2.0
 SCHEDULER_CLS = "replica_agent.vllm_plugin.FairBatchingScheduler"
 ENGINE_TIME_FILE = REPO_ROOT / "loadgen" / "data" / "engine_time" / f"{PROFILE}.json"
 DEFAULT_OUT = REPO_ROOT / "docs" / "bench" / "vllm-ab.json"
+PAIR_BASELINES = ("least-outstanding",)
+"""Baselines of the two-replica stage by default (``--pair-baselines`` adds others, e.g. issue 27's
+``static-queue-cap``: about 5 more minutes each)."""
 TENANTS = (("t0", 0.4), ("t1", 0.3), ("t2", 0.2), ("t3", 0.1))
 """bench-fleet's tenant mix (loadgen/fleet/bench.py)."""
 
@@ -271,6 +274,33 @@ def verdict(a: float, b: float, tol: float = 0.05) -> str:
         return "gain" if a > 0 else "no gain"
     r = a / b
     return "gain" if r > 1 + tol else "loss" if r < 1 - tol else "no gain"
+
+
+def decide(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """The verdict of policy ``a`` against ``b`` (each ``{"capacity_rps", "capacity_bound", "rows"}``):
+    by capacity (:func:`verdict`) when both were bracketed by the sweep ("interpolated"), else by the
+    mean attainment over the rates both ran (``gain`` / ``loss`` beyond 0.05 either way)."""
+    if a["capacity_bound"] == b["capacity_bound"] == "interpolated":
+        return {"verdict": verdict(a["capacity_rps"], b["capacity_rps"]), "by": "capacity",
+                "a": a["capacity_rps"], "b": b["capacity_rps"]}  # fmt: skip
+    n = min(len(a["rows"]), len(b["rows"]))
+    ma = float(np.mean([r["slo_attainment"] or 0.0 for r in a["rows"][:n]])) if n else 0.0
+    mb = float(np.mean([r["slo_attainment"] or 0.0 for r in b["rows"][:n]])) if n else 0.0
+    v = "gain" if ma > mb + 0.05 else "loss" if ma < mb - 0.05 else "no gain"
+    return {"verdict": v, "by": "mean attainment over the sweep (a capacity outside it)", "a": round(ma, 3), "b": round(mb, 3)}
+
+
+def verdicts(doc: dict[str, Any]) -> dict[str, Any]:
+    """:func:`decide` for each measured pair: fairbatching vs vllm-default, pab+fairbatching vs each baseline."""
+    out: dict[str, Any] = {}
+    s = doc.get("single", {})
+    if "fairbatching" in s and "vllm-default" in s:
+        out["fairbatching vs vllm-default"] = decide(s["fairbatching"], s["vllm-default"])
+    p = doc.get("pair", {})
+    for b in (k for k in p if k != "pab+fairbatching"):
+        if "pab+fairbatching" in p:
+            out[f"pab+fairbatching vs {b}"] = decide(p["pab+fairbatching"], p[b])
+    return out
 
 
 def loadavg() -> list[float]:
@@ -576,9 +606,10 @@ def _agent_time_model(agent_url: str) -> dict[str, Any]:
 
 def stage_pair(mode: Mode, work: Path, trace: list[TraceRequest], native: float, rates: list[float],
                slo: dict[str, Any], coef: Sequence[float], engine: dict[str, float],
-               say: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+               say: Callable[[str], None], baselines: Sequence[str] = PAIR_BASELINES) -> dict[str, Any]:  # fmt: skip
     """Stage 3: two replicas (cores 0 and 1) behind agents and the router: pab + fairbatching (plugin,
-    agents in plugin mode) vs least-outstanding (stock vLLM, agents in proxy mode)."""
+    agents in plugin mode) vs each of ``baselines`` (router placement profiles, router/placement/baselines.py;
+    stock vLLM, agents in proxy mode)."""
     from loadgen.vllm_fleet import start_vllm_fleet
 
     keys = {n: f"fb-{n}-{secrets.token_urlsafe(12)}" for n, _ in TENANTS}
@@ -587,7 +618,7 @@ def stage_pair(mode: Mode, work: Path, trace: list[TraceRequest], native: float,
     tenants = {n: {"weight": w, "slo_class": "interactive"} for n, w in TENANTS}
     out: dict[str, Any] = {}
     sock_dir = Path(tempfile.mkdtemp(prefix="fb-ab-", dir="/tmp"))
-    for name, plugin, placement in (("pab+fairbatching", True, "pab"), ("least-outstanding", False, "least-outstanding")):
+    for name, plugin, placement in (("pab+fairbatching", True, "pab"), *((b, False, b) for b in baselines)):
         overrides = {"slo_classes": slo_class, "tenants": tenants, "placement": {"profile": placement}}
 
         def env_of(r: Any, plugin: bool = plugin, name: str = name) -> dict[str, str]:
@@ -624,7 +655,7 @@ def stage_pair(mode: Mode, work: Path, trace: list[TraceRequest], native: float,
 # ---- the simulator on the same workload -------------------------------------------------------------
 
 def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair_rates: list[float], mode: Mode,
-              slo: dict[str, Any], engine_time: Any) -> dict[str, Any]:  # fmt: skip
+              slo: dict[str, Any], engine_time: Any, baselines: Sequence[str] = PAIR_BASELINES) -> dict[str, Any]:  # fmt: skip
     """Stage 4: bench-policies (one replica) and bench-fleet (two replicas) at the measured rates."""
     from loadgen.bench_policies import BenchSetup
     from loadgen.bench_policies import run_point as policies_point
@@ -644,7 +675,7 @@ def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair
                    batch.max_num_batched_tokens, batch.max_num_seqs, 0.0, engine_time, 0.0, 0.0, "reserve", None, 1,
                    True)  # fmt: skip
     pair = {}
-    for p in ("pab+fairbatching", "least-outstanding"):
+    for p in ("pab+fairbatching", *baselines):
         rows = [fleet_point(fsetup, p, r) for r in pair_rates]
         pair[p] = {"rows": [{k: row[k] for k in ("rate_rps", "requests", "slo_attainment", "ttft_p99_ms", "tpot_p99_ms",
                                                  "late_step_frac", "refused_share")} for row in rows], **_capacity(rows)}  # fmt: skip
@@ -708,9 +739,12 @@ def markdown_table(doc: dict[str, Any]) -> str:
             ratio = _f(s["capacity_rps"] / m["capacity_rps"], ".2f") if s and m["capacity_rps"] > 0 else "-"
             name = "1 replica" if setup == "single" else "2 replicas"
             lines.append(f"| {name} | {pol} | {rates} | {att} | {satt or '-'} | {mc} | {sc} | {ratio} |")
-    if doc.get("verdicts"):
-        lines += ["", "Verdicts (capacity at attainment >= 0.9, 5 % either way = no gain): "
-                  + "; ".join(f"{k}: **{v}**" for k, v in doc["verdicts"].items()) + "."]
+    doc = {**doc, "verdicts": verdicts(doc)}
+    if doc["verdicts"]:
+        lines += ["", "Verdicts (by capacity at attainment >= 0.9, 5 % either way = no gain, when the sweep brackets "
+                  "both; else by mean attainment, 0.05 either way): "
+                  + "; ".join(f"{k}: **{v['verdict']}** ({v['a']} vs {v['b']}, {v['by']})" for k, v in doc["verdicts"].items())
+                  + "."]
     drift = []
     for setup in ("single", "pair"):
         for pol, m in doc.get(setup, {}).items():
@@ -784,9 +818,9 @@ def _run_stages(args: argparse.Namespace, mode: Mode, doc: dict[str, Any], work:
         rep, holder[0] = holder[0], None
         doc["single"] = stage_single(mode, work, trace, native, rates, slo, coef, engine, say, rep)
     if "pair" in args.stages:
-        doc["pair"] = stage_pair(mode, work, trace, native, pair_rates, slo, coef, engine, say)
+        doc["pair"] = stage_pair(mode, work, trace, native, pair_rates, slo, coef, engine, say, args.pair_baselines)
     if "sim" in args.stages:
-        doc["simulated"] = stage_sim(trace, native, rates, pair_rates, mode, slo, engine_time)
+        doc["simulated"] = stage_sim(trace, native, rates, pair_rates, mode, slo, engine_time, args.pair_baselines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -801,6 +835,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "full mode, out/ with --quick)")  # fmt: skip
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="one-replica rates (rps; default: the "
                     "mode's factors x the simulated vllm-default capacity); two replicas run at twice these")
+    ap.add_argument("--pair-baselines", nargs="+", default=list(PAIR_BASELINES), metavar="PROFILE",
+                    help="router placement profiles the two-replica stage compares with pab+fairbatching (default: "
+                         "least-outstanding; e.g. also static-queue-cap)")  # fmt: skip
     ap.add_argument("--table", metavar="JSON", default=None, help="only print the markdown tables of a result JSON")
     args = ap.parse_args(argv)
     if args.table:
@@ -829,14 +866,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc["wall_s"] = round(time.monotonic() - t0, 1)
         doc["finished_loadavg"] = loadavg()
         measured = {k: doc[k] for k in ("single", "pair") if k in doc}
-        doc["verdicts"] = {}
-        if "single" in measured and len(measured["single"]) == 2:
-            s = measured["single"]
-            doc["verdicts"]["fairbatching vs vllm-default"] = verdict(s["fairbatching"]["capacity_rps"], s["vllm-default"]["capacity_rps"])
-        if "pair" in measured and len(measured["pair"]) == 2:
-            p = measured["pair"]
-            doc["verdicts"]["pab+fairbatching vs least-outstanding"] = verdict(
-                p["pab+fairbatching"]["capacity_rps"], p["least-outstanding"]["capacity_rps"])
+        doc["verdicts"] = verdicts(doc)
         if "simulated" in doc:
             doc["comparison"] = comparison(measured, doc["simulated"])
         out.write_text(json.dumps(doc, indent=1, default=list) + "\n")

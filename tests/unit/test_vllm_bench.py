@@ -133,13 +133,16 @@ def test_markdown_table_by_hand() -> None:
         return [{"rate_rps": r, "offered_rps": r * 0.9, "slo_attainment": a} for r, a in zip((1.0, 2.0), atts, strict=True)]
 
     doc = {"mode": "quick", "slo": {"ttft_ms": 650.0, "tpot_ms": 80.0, "rule": "r"},
-           "single": {"vllm-default": {"rows": rows([1.0, 0.8]), "capacity_rps": 1.5, "capacity_bound": "interpolated"}},
+           "single": {"vllm-default": {"rows": rows([1.0, 0.8]), "capacity_rps": 1.5, "capacity_bound": "interpolated"},
+                      "fairbatching": {"rows": rows([1.0, 0.85]), "capacity_rps": 1.52, "capacity_bound": "interpolated"}},
            "simulated": {"single": {"vllm-default": {"rows": rows([1.0, 1.0]), "capacity_rps": 2.0,
                                                      "capacity_bound": "at-least"}}},
-           "verdicts": {"fairbatching vs vllm-default": "no gain"}}
+           }
     table = markdown_table(doc)
     assert "| 1 replica | vllm-default | 1.00 (0.90) / 2.00 (1.80) | 1.00 / 0.80 | 1.00 / 1.00 | 1.50 | >= 2.00 | 1.33 |" in table
-    assert "fairbatching vs vllm-default: **no gain**" in table
+    # 1.52 / 1.5 = 1.013: within 5 %
+    assert "fairbatching vs vllm-default: **no gain** (1.52 vs 1.5, capacity)" in table
+    assert "| 1 replica | fairbatching | 1.00 (0.90) / 2.00 (1.80) | 1.00 / 0.85 | - | 1.52 | - | - |" in table
 
 
 def test_step_time_drift_is_measured_over_predicted() -> None:
@@ -153,3 +156,16 @@ def test_step_time_drift_is_measured_over_predicted() -> None:
     assert d["steps"] == n and d["median_ratio"] == 2.0 and d["p90_ratio"] == 2.0
     assert d["mean_ratio"] == pytest.approx((2.0 * (n - 1) + 4.0) / n, abs=1e-3)
     assert step_time_drift([], TRUE) == {"steps": 0}
+
+
+def test_decide_by_capacity_or_by_attainment() -> None:
+    from loadgen.vllm_bench import decide
+
+    def pol(cap: float, bound: str, atts: list[float]) -> dict:  # type: ignore[type-arg]
+        return {"capacity_rps": cap, "capacity_bound": bound, "rows": [{"slo_attainment": a} for a in atts]}
+
+    assert decide(pol(2.2, "interpolated", [1, 0.8]), pol(2.0, "interpolated", [1, 0.7]))["verdict"] == "gain"
+    # both below the sweep: mean attainment 0.75 vs 0.85 -> loss
+    d = decide(pol(0.0, "below-sweep", [0.8, 0.7]), pol(0.0, "below-sweep", [0.9, 0.8]))
+    assert d["verdict"] == "loss" and d["a"] == 0.75 and d["b"] == 0.85
+    assert decide(pol(3.0, "at-least", [1.0, 0.95]), pol(3.0, "at-least", [1.0, 0.93]))["verdict"] == "no gain"
