@@ -11,8 +11,9 @@ in real time on the 2-core machine, four stages (each writes its part of ``docs/
    log is fitted to the simulated engine's form (loadgen/sim/engine_time.py) with the relative-error
    least squares of scripts/fit_engine_time_model.py (:func:`fit_step_log`), and to the policies' linear
    form ``a + b new + c context``.
-2. ``single``: one replica, vLLM's default scheduler vs the FairBatching plugin (``--scheduler-cls``),
-   replayed straight to vLLM by loadgen/replay.py at :func:`rates` around the simulator's capacity.
+2. ``single``: one replica each, vLLM's default scheduler (core 0) vs the FairBatching plugin
+   (``--scheduler-cls``, core 1), side by side: every rate's window is replayed straight to both vLLMs at
+   once by loadgen/replay.py (a paired A/B), at rates around the simulator's capacity.
 3. ``pair``: two replicas (one core each), pab + fairbatching (plugin, agents in plugin mode) vs
    least-outstanding (stock vLLM), through the real router and agents; the agents' online time-model
    metrics (one-step-ahead error, margin, late steps) are scraped at the end of each rate.
@@ -55,6 +56,7 @@ from loadgen.vllm_fleet import (
     REPO_ROOT,
     http_get_text,
     metric_value,
+    omp_core,
     parse_prometheus,
     vllm_cache_root,
     vllm_env,
@@ -110,7 +112,7 @@ class Mode:
 
 QUICK = Mode((1, 8, 32), (128, 1024), 12, (128, 512, 2048), ((1024, 512),), 20.0, (0.8, 1.2))
 FULL = Mode((1, 4, 16, 32, 48), (128, 768), 24, (128, 256, 512, 1024, 2048, 2048),
-            ((512, 512), (1024, 512), (1024, 1024), (1536, 384)), 60.0, (0.7, 1.0, 1.3))  # fmt: skip
+            ((512, 512), (1024, 512), (1024, 1024), (1536, 384)), 75.0, (0.7, 1.0, 1.3))  # fmt: skip
 
 
 # ---- pure parts -------------------------------------------------------------------------------------
@@ -493,30 +495,38 @@ BENCH_KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4
 """The bench model's KV bytes per token: 4 layers x (K, V) x 2 KV heads x 64 x 4 bytes (float32)."""
 
 
-def _replay(target: str, reqs: list[TraceRequest], slo: dict[str, Any], keys: dict[str, str] | None,
-            timeout_s: float) -> dict[str, Any]:  # fmt: skip
-    """Replay ``reqs`` at ``target`` (loadgen/replay.py) and return the figures (loadgen/stats.py)."""
+def _replay(targets: Sequence[str], reqs: list[TraceRequest], slo: dict[str, Any], keys: dict[str, str] | None,
+            timeout_s: float) -> list[dict[str, Any]]:  # fmt: skip
+    """Replay ``reqs`` at every one of ``targets`` at once (loadgen/replay.py, one event loop) and return
+    the figures of each (loadgen/stats.py), in order."""
     from loadgen.replay import ReplayConfig, TenantSpec, replay
     from loadgen.stats import Slo, figures
 
     tenants = [TenantSpec(n, w, (keys or {}).get(n)) for n, w in TENANTS]
-    cfg = ReplayConfig(target=target, tenants=tenants, model=SERVED, time_scale=1.0, request_timeout_s=timeout_s,
-                       max_wall_s=timeout_s + reqs[-1].arrival_ms / 1000.0 + 30.0, progress=False)  # fmt: skip
-    res = asyncio.run(replay(reqs, cfg))
+
+    async def run_all() -> list[Any]:
+        cfgs = [ReplayConfig(target=t, tenants=tenants, model=SERVED, time_scale=1.0, request_timeout_s=timeout_s,
+                             max_wall_s=timeout_s + reqs[-1].arrival_ms / 1000.0 + 30.0, progress=False)
+                for t in targets]  # fmt: skip
+        return list(await asyncio.gather(*(replay(reqs, c) for c in cfgs)))
+
     s = Slo(slo["ttft_ms"], slo["tpot_ms"])
     dur = max(1e-9, reqs[-1].arrival_ms / 1000.0)
-    f = figures(res.records, {n: s for n, _ in TENANTS}, dur)
-    n = max(1, f.requests_total)
-    ok = [r for r in res.records if r.outcome == "ok"]
-    return {
-        "requests": f.requests_total, "ok": f.completed, "rejected": f.rejected, "failed": f.failed,
-        "slo_attainment": f.slo_attainment,
-        "ttft_miss_frac": sum(1 for r in ok if (r.ttft_ms or 0) > s.ttft_ms) / n,
-        "tpot_miss_frac": sum(1 for r in ok if (t := r.tpot_ms) is not None and t > s.tpot_ms) / n,
-        "ttft_p50_ms": f.ttft_ms.p50, "ttft_p99_ms": f.ttft_ms.p99, "tpot_p50_ms": f.tpot_ms.p50,
-        "tpot_p99_ms": f.tpot_ms.p99, "goodput_rps": f.goodput_rps, "per_replica": f.per_replica_requests,
-        "wall_s": round(res.wall_s, 1),
-    }
+    out = []
+    for res in asyncio.run(run_all()):
+        f = figures(res.records, {n: s for n, _ in TENANTS}, dur)
+        n = max(1, f.requests_total)
+        ok = [r for r in res.records if r.outcome == "ok"]
+        out.append({
+            "requests": f.requests_total, "ok": f.completed, "rejected": f.rejected, "failed": f.failed,
+            "slo_attainment": f.slo_attainment,
+            "ttft_miss_frac": sum(1 for r in ok if (r.ttft_ms or 0) > s.ttft_ms) / n,
+            "tpot_miss_frac": sum(1 for r in ok if (t := r.tpot_ms) is not None and t > s.tpot_ms) / n,
+            "ttft_p50_ms": f.ttft_ms.p50, "ttft_p99_ms": f.ttft_ms.p99, "tpot_p50_ms": f.tpot_ms.p50,
+            "tpot_p99_ms": f.tpot_ms.p99, "goodput_rps": f.goodput_rps, "per_replica": f.per_replica_requests,
+            "wall_s": round(res.wall_s, 1),
+        })  # fmt: skip
+    return out
 
 
 def _wait_idle(url: str, timeout_s: float = 120.0) -> None:
@@ -529,23 +539,28 @@ def _wait_idle(url: str, timeout_s: float = 120.0) -> None:
         time.sleep(1.0)
 
 
-def _sweep(target: str, engine_urls: list[str], trace: list[TraceRequest], native: float, rates: list[float],
-           mode: Mode, slo: dict[str, Any], keys: dict[str, str] | None, say: Callable[[str], None],
-           after: Callable[[], dict[str, Any]] | None = None) -> list[dict[str, Any]]:  # fmt: skip
-    rows = []
+def _sweep(targets: dict[str, str], engine_urls: list[str], trace: list[TraceRequest], native: float,
+           rates: list[float], mode: Mode, slo: dict[str, Any], keys: dict[str, str] | None, say: Callable[[str], None],
+           after: Callable[[], dict[str, Any]] | None = None) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
+    """Each rate's window replayed at every target at once (name -> URL); then wait until every engine of
+    ``engine_urls`` is idle. Returns name -> rows."""
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
     for rate in rates:
         reqs = window(trace, native, rate, mode.duration_s)
         la = loadavg()
-        row = {"rate_rps": round(rate, 4), "offered_rps": round(len(reqs) / mode.duration_s, 3), "loadavg_before": la,
-               **_replay(target, reqs, slo, keys, timeout_s=max(60.0, 20 * slo["ttft_ms"] / 1000.0))}  # fmt: skip
-        row["loadavg_after"] = loadavg()
-        if after is not None:
-            row["time_model"] = after()
+        results = _replay(list(targets.values()), reqs, slo, keys, timeout_s=max(60.0, 20 * slo["ttft_ms"] / 1000.0))
+        la_after = loadavg()
+        extra = after() if after is not None else None
         for u in engine_urls:
             _wait_idle(u)
-        say(f"  rate {rate:.3f} rps: {row['requests']} requests, attainment {row['slo_attainment']:.3f}, "
-            f"TTFT p99 {row['ttft_p99_ms']}, TPOT p99 {row['tpot_p99_ms']} (load {la})")
-        rows.append(row)
+        for name, res in zip(targets, results, strict=True):
+            row = {"rate_rps": round(rate, 4), "offered_rps": round(len(reqs) / mode.duration_s, 3), "loadavg_before": la,
+                   **res, "loadavg_after": la_after}  # fmt: skip
+            if extra is not None:
+                row["time_model"] = extra
+            say(f"  {name} at {rate:.3f} rps: {row['requests']} requests, attainment {row['slo_attainment']:.3f}, "
+                f"TTFT p99 {_f(row['ttft_p99_ms'], '.0f')} ms, TPOT p99 {_f(row['tpot_p99_ms'], '.0f')} ms (load {la})")
+            rows[name].append(row)
     return rows
 
 
@@ -559,34 +574,35 @@ def _capacity(rows: list[dict[str, Any]], target: float = 0.9) -> dict[str, Any]
 def stage_single(mode: Mode, work: Path, trace: list[TraceRequest], native: float, rates: list[float],
                  slo: dict[str, Any], coef: Sequence[float], engine: dict[str, float], say: Callable[[str], None],
                  stock: StockReplica | None = None) -> dict[str, Any]:  # fmt: skip
-    """Stage 2: one replica, vLLM's scheduler (``stock``, the stage-1 replica when given; stopped here)
-    vs the FairBatching plugin, the same windows and rates."""
-    out: dict[str, Any] = {}
+    """Stage 2: one replica each, at the same time on their own core: vLLM's scheduler (``stock``, the
+    stage-1 replica on core 0 when given) and the FairBatching plugin (core 1); every rate's window is
+    replayed at both at once, so both see the same machine (a paired A/B: on a shared machine the load
+    of the minute moves both). Both replicas are stopped here."""
     rep = stock or start_stock_replica(work, say)
     skip = len(_read_log(rep.step_log))  # the grid's steps, when this is the stage-1 replica
-    try:
-        say("one replica, vllm-default")
-        rows = _sweep(rep.url, [rep.url], trace, native, rates, mode, slo, None, say)
-        out["vllm-default"] = {"rows": rows, **_capacity(rows), "startup_s": round(rep.startup_s, 1),
-                               "scheduler": "vLLM's Scheduler.schedule() (plugin class, FAIRBATCH_PLUGIN_DISABLE=1)",
-                               "step_time_vs_fit": step_time_drift(_read_log(rep.step_log, skip), engine)}
-    finally:
-        rep.group.stop(grace_s=10.0)
     group = ProcessGroup(work / "logs-single-fairbatching")
-    port = free_port()
+    fb_log = work / "single-fairbatching-steps.jsonl"
     try:
-        env = {**vllm_env(0, vllm_cache_root()), **plugin_env(coef, slo, step_log=work / "single-fairbatching-steps.jsonl")}
+        port = free_port()
+        env = {**vllm_env(omp_core(1), vllm_cache_root()), **plugin_env(coef, slo, step_log=fb_log)}
         child = group.start("vllm-fairbatching", engine_argv(port, True), env=env)
         url = f"http://127.0.0.1:{port}"
         startup = wait_vllm_ready(group, child, url)
-        say(f"one replica, fairbatching: up in {startup:.0f} s")
-        rows = _sweep(url, [url], trace, native, rates, mode, slo, None, say)
+        say(f"one replica each: vllm-default on core 0, fairbatching on core {omp_core(1)} (up in {startup:.0f} s)")
+        rows = _sweep({"vllm-default": rep.url, "fairbatching": url}, [rep.url, url], trace, native, rates, mode, slo,
+                      None, say)  # fmt: skip
     finally:
         group.stop(grace_s=10.0)
-    out["fairbatching"] = {"rows": rows, **_capacity(rows), "startup_s": round(startup, 1),
-                           "scheduler": f"FairBatching plugin ({SCHEDULER_CLS})",
-                           "step_time_vs_fit": step_time_drift(_read_log(work / "single-fairbatching-steps.jsonl"), engine)}
-    return out
+        rep.group.stop(grace_s=10.0)
+    return {
+        "vllm-default": {"rows": rows["vllm-default"], **_capacity(rows["vllm-default"]), "core": 0,
+                         "startup_s": round(rep.startup_s, 1),
+                         "scheduler": "vLLM's Scheduler.schedule() (plugin class, FAIRBATCH_PLUGIN_DISABLE=1)",
+                         "step_time_vs_fit": step_time_drift(_read_log(rep.step_log, skip), engine)},
+        "fairbatching": {"rows": rows["fairbatching"], **_capacity(rows["fairbatching"]), "core": omp_core(1),
+                         "startup_s": round(startup, 1), "scheduler": f"FairBatching plugin ({SCHEDULER_CLS})",
+                         "step_time_vs_fit": step_time_drift(_read_log(fb_log), engine)},
+    }
 
 
 def _agent_time_model(agent_url: str) -> dict[str, Any]:
@@ -640,7 +656,7 @@ def stage_pair(mode: Mode, work: Path, trace: list[TraceRequest], native: float,
         try:
             urls = [r.engine_url for r in fleet.replicas]
             after = (lambda f=fleet: {r.replica_id: _agent_time_model(r.agent_url) for r in f.replicas})
-            rows = _sweep(fleet.router_url, urls, trace, native, rates, mode, slo, keys, say, after)
+            rows = _sweep({name: fleet.router_url}, urls, trace, native, rates, mode, slo, keys, say, after)[name]
             out[name] = {"rows": rows, **_capacity(rows), "startup_s": round(fleet.startup_s, 1)}
         finally:
             fleet.stop()
