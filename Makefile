@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast test-vllm vllm-env proto clean
+.PHONY: demo test test-fast test-vllm vllm-env bench-vllm bench-vllm-quick proto clean
 
 # pip's own steps are summarised by scripts/pip_progress.py (one line per package; errors pass through);
 # PYTHONWARNINGS=ignore keeps setuptools' editable-install banner away from the user
@@ -40,6 +40,14 @@ vllm-env:
 ## make test-vllm: only the tests that start real vLLM processes (skipped without .venv-vllm)
 test-vllm: $(STAMP)
 	$(PY) -m pytest -q -rfEs -m vllm tests/vllm
+
+## make bench-vllm: real vLLM (CPU) A/B in real time: default scheduler vs FairBatching, least-outstanding vs
+## pab+fairbatching, the simulator checked against it (docs/vllm.md "make bench-vllm"; ~20 min; after make vllm-env)
+bench-vllm: $(STAMP)
+	$(PY) -m loadgen.vllm_bench
+
+bench-vllm-quick: $(STAMP)
+	$(PY) -m loadgen.vllm_bench --quick
 
 ## make proto: regenerate the committed gRPC stubs from proto/admission.proto
 proto: $(STAMP)

@@ -4,6 +4,11 @@ Run with the vLLM venv's interpreter (it has ``transformers``, ``tokenizers``, `
 venv does not)::
 
     .venv-vllm/bin/python -m loadgen.tiny_model .cache/tiny-llama
+    .venv-vllm/bin/python -m loadgen.tiny_model .cache/bench-llama --size bench
+
+Sizes (:data:`SIZES`): ``tiny`` (the default, for functional tests: a step is almost all vLLM overhead)
+and ``bench`` (for ``make bench-vllm``: big enough that batch formation matters on one CPU core, see
+:data:`SIZES`).
 
 The result (about 2 MB) loads in vLLM as ``LlamaForCausalLM``: a byte-level BPE tokenizer trained on a
 few sentences (vocab about 900, specials ``<s> </s> <unk> <pad>``, a template that prepends ``<s>``, a
@@ -103,8 +108,31 @@ def build_tokenizer(out_dir: Path) -> object:
     return fast
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write tokenizer + config + random float32 weights (safetensors) to ``out_dir``; return it."""
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 4, "head_dim": 32, "max_position_embeddings": 2048},
+    # about 7.0 M parameters (28 MB in float32), grouped-query attention (6 query heads, 2 KV heads) as in
+    # Llama 3: vLLM on one core of the 2-core AVX2 CI machine, with the machine shared (load average
+    # 9-12), took 2.0 s for a 2,048-token prefill step and 13 / 49 ms for a decode step of 1 / 32
+    # sequences; on a quiet core about a third of that (docs/vllm.md "A CPU-sized workload")
+    "bench": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 6,
+              "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096},
+}
+"""Model shapes by name (``LlamaConfig`` fields); ``tiny`` is the one the functional tests use."""
+
+
+def build_tiny_model(out_dir: str | Path, seed: int = 0, size: str = "tiny") -> Path:
+    """Write tokenizer + config + random float32 weights (safetensors) to ``out_dir``; return it.
+
+    Args:
+        out_dir: folder (created).
+        seed: torch seed of the weights (the tokenizer is deterministic).
+        size: a key of :data:`SIZES`.
+
+    Raises:
+        KeyError: unknown ``size``.
+    """
+    shape = SIZES[size]
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -115,13 +143,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=32,
-        max_position_embeddings=2048,
+        **shape,
         bos_token_id=tok.bos_token_id,  # type: ignore[attr-defined]
         eos_token_id=tok.eos_token_id,  # type: ignore[attr-defined]
         pad_token_id=tok.pad_token_id,  # type: ignore[attr-defined]
@@ -134,16 +156,18 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     # A generation config that does not stop on EOS early is not needed (vLLM ignores it unless asked),
     # but keep it minimal and explicit.
     (out / "fairbatch-tiny-model.json").write_text(
-        json.dumps({"builder": "loadgen.tiny_model", "seed": seed, "vocab_size": vocab_size}, indent=2) + "\n"
+        json.dumps({"builder": "loadgen.tiny_model", "seed": seed, "size": size, "vocab_size": vocab_size,
+                    "parameters": sum(p.numel() for p in model.parameters())}, indent=2) + "\n"
     )
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m loadgen.tiny_model DIR [--seed N]``."""
+    """``python -m loadgen.tiny_model DIR [--seed N] [--size tiny|bench]``."""
     p = argparse.ArgumentParser(prog="python -m loadgen.tiny_model", description=__doc__.splitlines()[0])
     p.add_argument("out_dir", help="folder to write the model into (created)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model shape (default: tiny)")
     args = p.parse_args(argv)
     try:
         import transformers  # noqa: F401
@@ -151,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         print("loadgen.tiny_model needs transformers/tokenizers/torch: run it with .venv-vllm/bin/python "
               "(make vllm-env)", file=sys.stderr)
         return 2
-    out = build_tiny_model(args.out_dir, seed=args.seed)
+    out = build_tiny_model(args.out_dir, seed=args.seed, size=args.size)
     files = sorted(f.name for f in out.iterdir())
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"tiny model written to {out} ({size / 1e6:.1f} MB): {', '.join(files)}")

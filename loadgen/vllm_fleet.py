@@ -226,10 +226,11 @@ def fleet_config(
     tpot_ms: float = SLO_TPOT_MS,
     tenants: Sequence[tuple[str, int]] = (("acme", 3), ("beta", 1)),
     max_queue_ms: float = 20000.0,
+    model: str = SERVED_MODEL_NAME,
 ) -> dict[str, Any]:
-    """Router YAML (docs/architecture.md) for a vLLM fleet: class ``interactive``, model ``tiny-llama``."""
+    """Router YAML (docs/architecture.md) for a vLLM fleet: class ``interactive``, model ``model``."""
     return {
-        "model": SERVED_MODEL_NAME,
+        "model": model,
         "slo_classes": {
             "interactive": {
                 "ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "priority": 0, "sheddable": True, "max_queue_ms": max_queue_ms,
@@ -245,10 +246,12 @@ def fleet_config(
     }
 
 
-def agent_argv(r: VllmReplica, config_path: Path, extra_args: Sequence[str] = ()) -> list[str]:
+def agent_argv(r: VllmReplica, config_path: Path, extra_args: Sequence[str] = (),
+               coefficients: Sequence[float] = CPU_TINY_COEFFICIENTS) -> list[str]:
     """argv of the agent in front of ``r``'s engine; no ``--kv-capacity-tokens``: it reads
-    ``vllm:cache_config_info`` (num_gpu_blocks * block_size)."""
-    a, b, c = CPU_TINY_COEFFICIENTS
+    ``vllm:cache_config_info`` (num_gpu_blocks * block_size). ``coefficients``: its time model's
+    prior (a ms, b ms/new token, c ms/context token)."""
+    a, b, c = coefficients
     return script("fairbatch-agent") + [
         "serve", "--engine-url", r.engine_url, "--host", "127.0.0.1",
         "--http-port", str(r.agent_http_port), "--grpc-port", str(r.agent_grpc_port),
@@ -269,6 +272,13 @@ def start_vllm_fleet(
     router_args: Sequence[str] = (),
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
     log: Any = None,
+    model_dir: Path | None = None,
+    served_model_name: str = SERVED_MODEL_NAME,
+    max_model_len: int = MAX_MODEL_LEN,
+    engine_args: Sequence[str] = (),
+    engine_env: Any = None,
+    per_replica_agent_args: Any = None,
+    coefficients: Sequence[float] = CPU_TINY_COEFFICIENTS,
 ) -> VllmFleet:
     """Start ``len(blocks)`` vLLM replicas (``blocks[i]``: ``--num-gpu-blocks-override`` or None),
     one agent each and the router; wait for every /health. The engines start at once (each binds
@@ -283,6 +293,11 @@ def start_vllm_fleet(
         agent_args, router_args: extra CLI flags.
         startup_timeout_s: bound of the engines' start-up.
         log: callable(str) for progress lines (default: print to stderr).
+        model_dir, served_model_name, max_model_len: the engines' model (default: the tiny model).
+        engine_args: extra ``vllm serve`` flags of every engine (e.g. ``--scheduler-cls ...``).
+        engine_env: callable(VllmReplica) -> dict of extra environment of that engine (None: none).
+        per_replica_agent_args: callable(VllmReplica) -> extra agent flags of that replica (None: none).
+        coefficients: the agents' time-model prior (a, b, c in ms).
 
     Raises:
         RuntimeError: vLLM env missing, or a child did not become healthy (all children stopped).
@@ -304,10 +319,12 @@ def start_vllm_fleet(
         for r in replicas:
             r.engine = group.start(
                 f"vllm-{r.replica_id}",
-                vllm_serve_argv(r.engine_port, num_gpu_blocks_override=r.num_gpu_blocks_override),
-                env=vllm_env(r.core, cache_root),
+                vllm_serve_argv(r.engine_port, model_dir=model_dir, served_model_name=served_model_name,
+                                max_model_len=max_model_len, num_gpu_blocks_override=r.num_gpu_blocks_override,
+                                extra_args=engine_args),
+                env={**vllm_env(r.core, cache_root), **(engine_env(r) if engine_env else {})},
             )
-        say(f"starting {len(replicas)} vLLM replica(s) (tiny-llama, CPU, --enforce-eager); this takes 1-2 min")
+        say(f"starting {len(replicas)} vLLM replica(s) ({served_model_name}, CPU, --enforce-eager); this takes 1-2 min")
         for r in replicas:
             assert r.engine is not None
             wait_vllm_ready(group, r.engine, r.engine_url, max(10.0, startup_timeout_s - (time.monotonic() - t0)))
@@ -317,11 +334,12 @@ def start_vllm_fleet(
         # (ZMQ, torch.distributed), and a port picked earlier may be taken by then.
         for r in replicas:
             r.agent_http_port, r.agent_grpc_port = free_port(), free_port()
-        cfg = fleet_config(replicas, keys)
+        cfg = fleet_config(replicas, keys, model=served_model_name)
         cfg.update(config_overrides or {})
         config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         for r in replicas:
-            r.agent = group.start(f"agent-{r.replica_id}", agent_argv(r, config_path, agent_args))
+            extra = [*agent_args, *(per_replica_agent_args(r) if per_replica_agent_args else ())]
+            r.agent = group.start(f"agent-{r.replica_id}", agent_argv(r, config_path, extra, coefficients))
         for r in replicas:
             assert r.agent is not None
             group.wait_http_ok(r.agent, r.agent_url + "/health", 60.0)

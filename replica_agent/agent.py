@@ -449,12 +449,15 @@ class Agent:
     def observe_step(self, features: StepFeatures, measured_ms: float, source: str, weight: float = 1.0) -> None:
         """Teach the online time model one executed step (``source``: ``plugin`` or ``proxy``)."""
         before = self.calibrator.margin()
-        if self.calibrator.observe(features, measured_ms, weight) is None:
+        ratio = self.calibrator.observe(features, measured_ms, weight)
+        if ratio is None:
             return
         counter = self._step_counters.get(source)  # labels() per token: a lock and a label check each
         if counter is None:
             counter = self._step_counters[source] = self.metrics.time_model_steps.labels(source)
         counter.inc()  # the model's gauges are set at each scrape
+        if ratio > before:  # measured > point prediction x the margin planned with before the step: late
+            self.metrics.time_model_late_steps.labels(source).inc()
         if abs(self.calibrator.margin() - before) >= 0.01:
             self.notify()
 

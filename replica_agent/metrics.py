@@ -96,6 +96,12 @@ class AgentMetrics:
             "fairbatch_agent_time_model_steps", "steps the online time model learned from, by source (plugin, proxy)",
             ["source"], registry=r,
         )
+        self.time_model_late_steps = Counter(
+            "fairbatch_agent_time_model_late_steps",
+            "steps the online time model learned from that took longer than the model PAB planned with "
+            "predicted before they ran (point fit x learned margin), by source; share of late steps = this / "
+            "fairbatch_agent_time_model_steps_total", ["source"], registry=r,
+        )
         self.budget_snapshots = Counter(
             "fairbatch_agent_budget_snapshots",
             "budget snapshots computed for WatchBudget streams: each stream's first, then the shared feed's "

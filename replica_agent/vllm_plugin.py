@@ -374,6 +374,11 @@ class FairBatchingScheduler(Scheduler):
                     self.fb_export.send(rec)
                 if self.fb_step_log is not None:
                     line = {k: v for k, v in rec.items() if k not in ("v", "kind")}
+                    # the all-items sums too (a decode is a chunk of 1 at its context): the features of the
+                    # simulated engine's time model (loadgen/sim/engine_time.py), fitted from this log by
+                    # loadgen/vllm_bench.py
+                    line["chunk_prefix_tokens"] = f.chunk_prefix_tokens
+                    line["chunk_sq_tokens"] = f.chunk_sq_tokens
                     try:
                         self.fb_step_log.write(json.dumps(line, separators=(",", ":")) + "\n")
                     except OSError:

@@ -85,15 +85,18 @@ def vllm_serve_batch_defaults(gpu: str) -> ServeBatchDefaults:
     Mirrors vLLM 0.32.0 ``EngineArgs.get_batch_defaults`` for the OpenAI API server context
     (vllm/engine/arg_utils.py): >= 160 GiB -> 16384 / 1024; >= 70 GiB and not an A100 -> 8192 /
     1024 (H100, H200); otherwise, A100-80GB included ("large max_num_batched_tokens for A100
-    reduces throughput", vLLM PR #17885) -> 2048 / 256.
+    reduces throughput", vLLM PR #17885) -> 2048 / 256; ``CPU`` (vLLM's CPU platform, one worker)
+    -> 2048 / 128.
 
     Args:
-        gpu: GPU model, case-insensitive (``A100``, ``H100``, ``H200``, ``B200``).
+        gpu: GPU model, case-insensitive (``A100``, ``H100``, ``H200``, ``B200``, or ``CPU``).
 
     Raises:
         KeyError: for a GPU model not in :data:`GPU_MEMORY_BYTES`.
     """
     key = gpu.upper()
+    if key == "CPU":  # vLLM's CPU platform (the same function's CPU branch), OpenAI API server
+        return ServeBatchDefaults(2048, 128)
     if key not in GPU_MEMORY_BYTES:
         raise KeyError(f"unknown GPU {gpu!r}; known: {', '.join(sorted(GPU_MEMORY_BYTES))}")
     mem = GPU_MEMORY_BYTES[key]

@@ -56,6 +56,7 @@ def exposition(component: str) -> str:
     a.time_model_coefficient.labels("a").set(9.8)
     a.time_model_residual_quantile.labels("0.9").set(0.05)
     a.time_model_steps.labels("proxy").inc()
+    a.time_model_late_steps.labels("proxy").inc()
     return generate_latest(a.registry).decode()
 
 

@@ -189,6 +189,9 @@ def test_agent_learned_margin_and_consume_leases() -> None:
     assert agent.calibrator.margin() == 1.0
     assert _coefs(agent.time_model()) == pytest.approx(_coefs(TM), abs=1e-9)
     assert agent.metrics.time_model_steps.labels("plugin")._value.get() == 9.0
+    # late = measured over the plan made before the step: only the first (42 ms against 21 x margin 1.0);
+    # the 21 ms steps come at ratio 1.0 against margins 2.0 .. 1.0, never over
+    assert agent.metrics.time_model_late_steps.labels("plugin")._value.get() == 1.0
     # a lease counts until its request shows up in the engine's record (--no-proxy)
     res = agent.reserve("interactive", 100, None, "W", 20.0)
     assert res.granted and len(agent.leases) == 1

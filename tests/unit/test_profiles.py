@@ -27,6 +27,8 @@ def test_vllm_serve_defaults_follow_vllm_0_32_get_batch_defaults() -> None:
     assert vllm_serve_batch_defaults("h100") == ServeBatchDefaults(8192, 1024)
     assert vllm_serve_batch_defaults("H200") == ServeBatchDefaults(8192, 1024)
     assert vllm_serve_batch_defaults("B200") == ServeBatchDefaults(16384, 1024)
+    # the CPU branch of the same function (world size 1): 2048 * 1 tokens, 128 * 1 sequences
+    assert vllm_serve_batch_defaults("cpu") == ServeBatchDefaults(2048, 128)
     with pytest.raises(KeyError, match="unknown GPU"):
         vllm_serve_batch_defaults("MI300X")
 

@@ -1,0 +1,171 @@
+"""The pure parts of ``make bench-vllm`` (loadgen/vllm_bench.py): workload scaling, step-log features,
+the fit, the SLO rule, rate windows and verdicts. The real-engine stages are run by the bench itself."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from loadgen.traces import TraceRequest
+from loadgen.vllm_bench import (
+    engine_ms,
+    fit_step_log,
+    scaled_trace,
+    slo_rule,
+    step_features,
+    verdict,
+    window,
+)
+
+
+def test_scaled_trace_scales_and_clips_to_the_context() -> None:
+    reqs = [TraceRequest(0.0, 1033, 134), TraceRequest(5.0, 14050, 1000), TraceRequest(9.0, 1, 1)]
+    out = scaled_trace(reqs, 0.25, 2048)
+    # 1033 * 0.25 = 258.25 -> 258, 134 * 0.25 = 33.5 -> 34 (round half to even)
+    assert (out[0].prompt_tokens, out[0].output_tokens) == (258, 34)
+    # output 250; prompt 3512.5 clipped to 2048 - 250 = 1798
+    assert (out[1].prompt_tokens, out[1].output_tokens) == (1798, 250)
+    assert (out[2].prompt_tokens, out[2].output_tokens) == (1, 1)  # at least one token each
+    assert [r.arrival_ms for r in out] == [0.0, 5.0, 9.0]
+    with pytest.raises(ValueError):
+        scaled_trace(reqs, 0.0)
+
+
+def _line(items: list[tuple[int, int]], ms: float) -> dict[str, float]:
+    """A step-log line as the plugin writes it for (chunk, prefix) items."""
+    return {"new_tokens": sum(c for c, _ in items), "context_tokens": sum(p for _, p in items),
+            "batch_size": len(items), "num_decodes": sum(1 for c, _ in items if c == 1),
+            "chunk_prefix_tokens": sum(c * p for c, p in items), "chunk_sq_tokens": sum(c * c for c, _ in items),
+            "measured_ms": ms}  # fmt: skip
+
+
+def test_step_features_and_kinds() -> None:
+    x, kind = step_features(_line([(1, 100), (1, 300)], 5.0))
+    assert kind == "decode" and x.tolist() == [1.0, 2.0, 400.0, 2.0, 400.0, 2.0]
+    x, kind = step_features(_line([(512, 1024)], 5.0))
+    assert kind == "prefill" and x.tolist() == [1.0, 512.0, 1024.0, 1.0, 512 * 1024.0, 512 * 512.0]
+    _, kind = step_features(_line([(1, 100), (64, 0)], 5.0))
+    assert kind == "mixed"
+
+
+TRUE = {"a_ms": 20.0, "b_ms": 0.4, "c_ms": 0.002, "d_ms": 0.5, "e_ms": 1e-5, "f_ms": 2e-5}
+
+
+def _grid() -> list[list[tuple[int, int]]]:
+    steps = [[(1, ctx)] * b for b in (1, 4, 16, 32) for ctx in (128, 512, 1024)]
+    steps += [[(n, 0)] for n in (128, 512, 1024, 2048)] + [[(512, 1024)], [(1024, 512)]]
+    steps += [[(1, 300)] * 8 + [(256, 0)], [(1, 700)] * 3 + [(1024, 0)]]
+    return steps
+
+
+def test_fit_recovers_the_coefficients_of_noise_free_steps() -> None:
+    lines = [_line(items, engine_ms(TRUE, items)) for items in _grid()]
+    fit = fit_step_log(lines)
+    for k, v in TRUE.items():
+        assert fit["engine"][k] == pytest.approx(v, rel=1e-4), k
+    assert fit["engine"]["noise_sigma"] == pytest.approx(0.0, abs=1e-6)
+    assert fit["error_by_kind"]["all"]["max_rel_err"] == pytest.approx(0.0, abs=1e-6)
+    assert fit["error_by_kind"]["decode"]["n"] == 12 and fit["error_by_kind"]["prefill"]["n"] == 6
+    assert fit["error_by_kind"]["mixed"]["n"] == 2
+    # the linear form misses e, f and d: some error left
+    assert fit["error_by_kind"]["all"]["linear_mean_rel_err"] > 0.005
+    with pytest.raises(ValueError):
+        fit_step_log(lines[:5])
+
+
+def test_fit_of_noisy_steps_reports_the_noise() -> None:
+    rng = np.random.default_rng(7)
+    lines = [_line(items, engine_ms(TRUE, items) * math.exp(rng.normal(0, 0.05))) for items in _grid() * 20]
+    fit = fit_step_log(lines)
+    # sigma of ln(measured / fitted) ~ the 0.05 drawn (the fit absorbs a little of it)
+    assert 0.04 < fit["engine"]["noise_sigma"] < 0.06
+    assert fit["engine"]["b_ms"] == pytest.approx(0.4, rel=0.05)
+
+
+def test_slo_rule_by_hand() -> None:
+    engine = {"a_ms": 10.0, "b_ms": 1.0, "c_ms": 0.01, "d_ms": 0.0, "e_ms": 0.0, "f_ms": 0.0}
+    reqs = [TraceRequest(0.0, p, o) for p, o in ((50, 10), (100, 20), (300, 40))]
+    slo = slo_rule(engine, reqs)
+    # prefill of 100 tokens: 10 + 100 = 110 ms -> TTFT 4 x 110 = 440 ms
+    assert slo["ttft_ms"] == 440.0
+    # 16 decodes at context 100 + 20 // 2 = 110: 10 + 16 + 0.01 * 16 * 110 = 43.6 ms -> 2 x = 87.2 -> 90 ms
+    assert slo["tpot_ms"] == 90.0
+    assert slo["median_prompt"] == 100 and slo["median_output"] == 20
+
+
+def test_window_is_bench_policies_rate_scaling() -> None:
+    trace = [TraceRequest(t, 10, 5) for t in (0.0, 1000.0, 2000.0, 3000.0, 4000.0)]
+    # native 1 rps, rate 2 rps: arrivals halved; 1.5 s window keeps 0, 500, 1000 ms
+    out = window(trace, 1.0, 2.0, 1.5)
+    assert [r.arrival_ms for r in out] == [0.0, 500.0, 1000.0]
+
+
+def test_verdict() -> None:
+    assert verdict(1.1, 1.0) == "gain"
+    assert verdict(0.9, 1.0) == "loss"
+    assert verdict(1.03, 1.0) == "no gain"
+    assert verdict(0.5, 0.0) == "gain" and verdict(0.0, 0.0) == "no gain"
+
+
+def test_write_profile_row_replaces_only_its_row(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from loadgen.vllm_bench import write_profile_row
+
+    path = tmp_path / "derived.csv"
+    header = ("model,gpu,tp,variant,a_ms,b_ms_per_new_token,c_ms_per_context_token,d_ms_per_request,"
+              "e_ms_per_chunk_token_sq,r2,max_rel_err,mean_rel_err,n_batches,kv_bytes_per_token,kv_capacity_tokens_90pct")
+    other = "Llama-3-8B,H100,1,all_batches,7.05154,0.0251028,4.87136e-05,,,0.925217,0.329745,0.0878887,0,131072,467291"
+    path.write_text(f"{header}\n{other}\nbench-llama,CPU,1,all_batches,1,1,1,,,1,1,1,1,4096,1\n")
+    fit = {"linear": {"a_ms": 9.5, "b_ms": 0.7, "c_ms": 0.004, "r2": 0.8, "max_rel_err": 0.7, "mean_rel_err": 0.2},
+           "steps": 107, "kv": {"num_gpu_blocks": 2048, "block_size": 128}}
+    write_profile_row(fit, path)
+    lines = path.read_text().splitlines()
+    assert lines[:2] == [header, other]
+    # 2048 blocks x 128 tokens = 262144 tokens; 4 layers x 2 x 2 KV heads x 64 x 4 bytes = 4096 bytes per token
+    assert lines[2:] == ["bench-llama,CPU,1,all_batches,9.5,0.7,0.004,,,0.8,0.7,0.2,107,4096,262144"]
+
+
+def test_markdown_table_by_hand() -> None:
+    from loadgen.vllm_bench import markdown_table
+
+    def rows(atts: list[float]) -> list[dict[str, float]]:
+        return [{"rate_rps": r, "offered_rps": r * 0.9, "slo_attainment": a} for r, a in zip((1.0, 2.0), atts, strict=True)]
+
+    doc = {"mode": "quick", "slo": {"ttft_ms": 650.0, "tpot_ms": 80.0, "rule": "r"},
+           "single": {"vllm-default": {"rows": rows([1.0, 0.8]), "capacity_rps": 1.5, "capacity_bound": "interpolated"},
+                      "fairbatching": {"rows": rows([1.0, 0.85]), "capacity_rps": 1.52, "capacity_bound": "interpolated"}},
+           "simulated": {"single": {"vllm-default": {"rows": rows([1.0, 1.0]), "capacity_rps": 2.0,
+                                                     "capacity_bound": "at-least"}}},
+           }
+    table = markdown_table(doc)
+    assert "| 1 replica | vllm-default | 1.00 (0.90) / 2.00 (1.80) | 1.00 / 0.80 | 1.00 / 1.00 | 1.50 | >= 2.00 | 1.33 |" in table
+    # 1.52 / 1.5 = 1.013: within 5 %
+    assert "fairbatching vs vllm-default: **no gain** (1.52 vs 1.5, capacity)" in table
+    assert "| 1 replica | fairbatching | 1.00 (0.90) / 2.00 (1.80) | 1.00 / 0.85 | - | 1.52 | - | - |" in table
+
+
+def test_step_time_drift_is_measured_over_predicted() -> None:
+    from loadgen.vllm_bench import step_time_drift
+
+    items = _grid()
+    # every step twice as slow as the model, one step 4x: median 2, p90 2, mean (2 * (n - 1) + 4) / n
+    lines = [_line(it, 2.0 * engine_ms(TRUE, it)) for it in items[:-1]] + [_line(items[-1], 4.0 * engine_ms(TRUE, items[-1]))]
+    d = step_time_drift(lines, TRUE)
+    n = len(items)
+    assert d["steps"] == n and d["median_ratio"] == 2.0 and d["p90_ratio"] == 2.0
+    assert d["mean_ratio"] == pytest.approx((2.0 * (n - 1) + 4.0) / n, abs=1e-3)
+    assert step_time_drift([], TRUE) == {"steps": 0}
+
+
+def test_decide_by_capacity_or_by_attainment() -> None:
+    from loadgen.vllm_bench import decide
+
+    def pol(cap: float, bound: str, atts: list[float]) -> dict:  # type: ignore[type-arg]
+        return {"capacity_rps": cap, "capacity_bound": bound, "rows": [{"slo_attainment": a} for a in atts]}
+
+    assert decide(pol(2.2, "interpolated", [1, 0.8]), pol(2.0, "interpolated", [1, 0.7]))["verdict"] == "gain"
+    # both below the sweep: mean attainment 0.75 vs 0.85 -> loss
+    d = decide(pol(0.0, "below-sweep", [0.8, 0.7]), pol(0.0, "below-sweep", [0.9, 0.8]))
+    assert d["verdict"] == "loss" and d["a"] == 0.75 and d["b"] == 0.85
+    assert decide(pol(3.0, "at-least", [1.0, 0.95]), pol(3.0, "at-least", [1.0, 0.93]))["verdict"] == "no gain"
