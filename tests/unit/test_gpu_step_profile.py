@@ -1,4 +1,4 @@
-"""scripts/gpu_step_profile.py's grid and features (pure; the timed run is tests/vllm/test_gpu_step_profile.py)."""
+"""scripts/gpu_step_profile.py's grid and features (pure; the timed run is tests/vllm/test_gpu_step_profile_torch.py)."""
 
 from __future__ import annotations
 
