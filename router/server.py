@@ -376,7 +376,7 @@ class Router(AuxEndpoints):
                 if resume is not None:  # a migratable stream (router/migration.py): events parsed, failure kept open
                     outcome = await self.relay.forward_resumable(
                         request, replica.http_url, request.path, raw, headers, response_headers, resume, resp, abort,
-                        self.silence_s(principal.slo), on_first,
+                        self.silence_s(principal.slo), on_first, self.client_stall_s(principal.slo),
                     )
                 else:
                     outcome = await self.relay.forward(
@@ -384,6 +384,7 @@ class Router(AuxEndpoints):
                         # a stream only: a non-stream answer is silent until the end, the agent watching its engine
                         # by /metrics meanwhile (a long one may take minutes)
                         self.silence_s(principal.slo) if stream else None,
+                        self.client_stall_s(principal.slo) if stream else None,
                     )
             except asyncio.CancelledError:
                 self._release(grant, "client-disconnect")
@@ -488,6 +489,13 @@ class Router(AuxEndpoints):
             cause = outcome.cause or "disconnect"
             detail = outcome.detail or detail
             failed_at = loop.time()
+
+    def client_stall_s(self, slo: SloClassConfig) -> float:
+        """Wall seconds a streaming client of class ``slo`` may read nothing (its send buffer full,
+        the relay paused) before it is cut and its engine request aborted: the class's stall timeout
+        (``stall_timeout_ms``, else fairbatch_common/stall.py ``default_stall_ms``; issue 30: 50
+        clients that stopped reading held both engines of a fleet for 125 s)."""
+        return self.clock.to_wall_s(slo.stall_timeout_ms or default_stall_ms(slo.ttft_ms, slo.tpot_ms))
 
     def silence_s(self, slo: SloClassConfig) -> float:
         """Wall seconds an agent may send nothing on a streamed generation request of class ``slo``
