@@ -751,10 +751,10 @@ class Proxy:
         )
 
     async def _open_upstream(
-        self, path: str, data: bytes, headers: dict[str, str], stall_s: float | None = None
+        self, path: str, data: bytes, headers: dict[str, str], stall_s: float | None = None, grace_s: float = 0.0
     ) -> Exchange | web.Response:
-        """POST to the engine and wait for its answer's head (at most ``stall_s`` wall seconds): the
-        exchange, or the 502 to answer with. A request whose connection closed before any byte of the
+        """POST to the engine and wait for its answer's head (at most ``grace_s + stall_s`` wall seconds:
+        the request's predicted prefill, then the stall timeout): the exchange, or the 502 to answer with. A request whose connection closed before any byte of the
         answer came (the engine closed a kept-alive connection as the request went out) is sent again,
         at most ``stale_retries`` times."""
         resent = 0
@@ -768,12 +768,13 @@ class Proxy:
                     await ex.start()
                     return ex
                 try:
-                    async with asyncio.timeout(stall_s):  # in this task: no task of its own per request
+                    async with asyncio.timeout(grace_s + stall_s):  # in this task: no task of its own per request
                         await ex.start()
                     return ex
                 except TimeoutError:
-                    self._stalled(EngineStalled(stall_s))
-                    return error_json(502, f"engine stalled: no response within {stall_s:g} s")
+                    self._stalled(EngineStalled(grace_s + stall_s))
+                    after = f" after its predicted prefill of {grace_s:.3g} s" if grace_s >= 0.001 else ""
+                    return error_json(502, f"engine stalled: no response within {stall_s:g} s{after}")
             except UpstreamDisconnected as e:
                 if e.answered or resent >= self._cfg.stale_retries:
                     return self._unreachable(e)
@@ -821,7 +822,7 @@ class Proxy:
         (the predicted rest of this request's prefill, wall s) plus ``stall_s`` before its first byte,
         then ``stall_s`` between chunks; a client (the router) that reads nothing for twice
         ``stall_s`` is cut (its own limit, the class's stall timeout, comes first)."""
-        up = await self._open_upstream(path, raw, headers, stall_s + prefill_s)
+        up = await self._open_upstream(path, raw, headers, stall_s, prefill_s)
         if isinstance(up, web.Response):
             return up, "upstream_unreachable"
         clean = False

@@ -52,7 +52,7 @@ from router.admission import prompt_decision
 from router.answers import Answer, no_budget, queue_full, tenant_over, work_shed
 from router.arrival import queue_full_before_body
 from router.auth import Principal
-from router.charges import decode_correction, quota_refunded
+from router.charges import decode_correction, quota_refunded, quota_refunded_on_disconnect
 from router.config import RouterConfig, SloClassConfig
 from router.core import CoreRequest, Grant, Refused, tenant_shares
 from router.endpoints import AuxEndpoints, answer_response, metrics_http_errors, openai_error, openai_http_errors
@@ -272,6 +272,10 @@ class Router(AuxEndpoints):
             if quota_refunded(outcome, response.prepared):  # router/charges.py: nothing was generated
                 self._spawn(self.ledger.refund(quota, limits))
             return outcome, response
+        except asyncio.CancelledError:  # the client left; queued (never sent to a replica): nothing ran
+            if quota_refunded_on_disconnect(GRANT in request):
+                self._spawn(self.ledger.refund(quota, limits))
+            raise
         finally:
             self.core.forget_prefix(request_id)
             self._spawn(self.ledger.release(quota))

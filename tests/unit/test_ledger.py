@@ -148,3 +148,10 @@ def test_quota_refund_rule() -> None:
     assert quota_refunded("upstream_refused", True) and quota_refunded("queue_timeout", False)
     assert quota_refunded("upstream_error", False) and not quota_refunded("upstream_error", True)
     assert not quota_refunded("ok", True) and not quota_refunded("client_disconnect", False)
+
+
+def test_quota_refund_rule_on_a_client_disconnect() -> None:
+    from router.charges import quota_refunded_on_disconnect
+
+    assert quota_refunded_on_disconnect(sent_to_replica=False)  # left while queued: no engine worked on it
+    assert not quota_refunded_on_disconnect(sent_to_replica=True)  # relayed: the engine may have prefilled it
