@@ -2,10 +2,12 @@
 
 Two parts, each printed as a table and written to ``--out`` as JSON:
 
-1. ``checks``: wall ms of the router's per-request body checks on the loop, in this process: decode and
-   validate the body (fairbatch_common/api_schema.py ``validate_request``), then count its prompt
-   (router/tokens.py ``estimate_prompt_tokens`` + ``prompt_is_exact``), best of ``--repeat``, for
-   token-id prompts of 10,000 / 30,000 / 200,000 ids and a 1 MB text prompt.
+1. ``checks``: wall ms of the router's per-request body checks, in this process: decode and validate
+   the body and count its prompt (router/server.py ``price_body`` where it exists, else what the router
+   did before: fairbatch_common/api_schema.py ``validate_request`` then router/tokens.py
+   ``estimate_prompt_tokens`` + ``prompt_is_exact``), best of ``--repeat``, for token-id prompts of
+   10,000 / 30,000 / 200,000 ids and a 1 MB text prompt; ``on_loop`` says whether the router runs them
+   on its event loop (before) or in a worker thread for bodies of 64 KiB and more (after).
 2. ``fleet``: a simulated engine + agent + router started as processes on loopback; for each case a
    request is sent ``--repeat`` times while a prober asks the router's ``/health`` back to back; per case
    the request's status and latency (ms, client side) and the ``/health`` latencies meanwhile (max, p99).
@@ -60,16 +62,28 @@ def _bodies() -> dict[str, bytes]:
 
 def bench_checks(bodies: dict[str, bytes], repeat: int) -> list[dict[str, Any]]:
     """Best-of-``repeat`` wall ms of validate + count, per body."""
+    try:
+        from router.server import price_body
+    except ImportError:  # before: validate on the loop, then count
+        price_body = None
+    try:
+        from fairbatch_common.http_guard import OFF_LOOP_BYTES
+    except ImportError:
+        OFF_LOOP_BYTES = None
     rows = []
     for name, raw in bodies.items():
         best = float("inf")
         for _ in range(repeat):
             t0 = time.perf_counter()
-            valid = validate_request(raw, False, 32_768)
-            estimate_prompt_tokens(valid.body, False, 4.0)
-            prompt_is_exact(valid.body, False)
+            if price_body is not None:
+                price_body(raw, False, 32_768, 4.0, 0)
+            else:
+                valid = validate_request(raw, False, 32_768)
+                estimate_prompt_tokens(valid.body, False, 4.0)
+                prompt_is_exact(valid.body, False)
             best = min(best, time.perf_counter() - t0)
-        rows.append({"body": name, "bytes": len(raw), "checks_ms": round(best * 1000, 2)})
+        rows.append({"body": name, "bytes": len(raw), "checks_ms": round(best * 1000, 2),
+                     "on_loop": OFF_LOOP_BYTES is None or len(raw) < OFF_LOOP_BYTES})
     return rows
 
 
@@ -160,11 +174,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    load = os.getloadavg()
     bodies = _bodies()
     checks = bench_checks(bodies, args.repeat)
-    print(f"{'body':<12} {'bytes':>9} {'checks ms':>10}")
+    print(f"{'body':<12} {'bytes':>9} {'checks ms':>10} {'on loop':>8}")
     for row in checks:
-        print(f"{row['body']:<12} {row['bytes']:>9} {row['checks_ms']:>10.2f}")
+        print(f"{row['body']:<12} {row['bytes']:>9} {row['checks_ms']:>10.2f} {str(row['on_loop']):>8}")
     with tempfile.TemporaryDirectory() as tmp:
         group, url = _start_fleet(Path(tmp))
         try:
@@ -175,7 +190,8 @@ def main() -> None:
     for row in fleet:
         print(f"{row['case']:<20} {','.join(map(str, row['status'])):>8} {row['request_ms_median']:>10.1f} "
               f"{row['request_ms_max']:>10.1f} {row['health_ms_p99']:>11.1f} {row['health_ms_max']:>11.1f}")
-    result = {"python": platform.python_version(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
+    result = {"python": platform.python_version(), "cpus": os.cpu_count(), "load_avg_before": load,
+              "load_avg_after": os.getloadavg(),
               "repeat": args.repeat, "checks": checks, "fleet": fleet}
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
