@@ -40,6 +40,7 @@ import socket
 import ssl as ssl_module
 import struct
 from collections.abc import Callable, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
@@ -97,6 +98,27 @@ def reset(transport: asyncio.BaseTransport) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     except (OSError, AttributeError, TypeError):
         pass
+
+
+async def end_stream(resp: Any, transport: asyncio.BaseTransport | None, data: bytes, limit_s: float | None) -> None:
+    """``await resp.write_eof(data)`` (an aiohttp stream response), waiting at most ``limit_s`` wall
+    seconds for a client that reads nothing to take it (aiohttp's drain waits for ever); then the
+    client's connection is reset and :class:`ClientStalled` raised. ``limit_s`` None: no bound.
+
+    Raises:
+        ClientStalled: the end of the body did not go out within ``limit_s``.
+    """
+    if limit_s is None:
+        await resp.write_eof(data)
+        return
+    try:
+        async with asyncio.timeout(limit_s):
+            await resp.write_eof(data)
+    except TimeoutError:
+        if transport is not None:
+            reset(transport)
+            transport.abort()  # type: ignore[attr-defined]
+        raise ClientStalled(f"the client read nothing for {limit_s:g} s") from None
 
 
 def frame_chunk(chunk: bytes, chunked: bool = True) -> bytes:

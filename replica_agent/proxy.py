@@ -83,6 +83,7 @@ from fairbatch_common.upstream import (
     Http1Pool,
     UpstreamDisconnected,
     UpstreamError,
+    end_stream,
 )
 
 log = logging.getLogger(__name__)
@@ -861,8 +862,8 @@ class Proxy:
                     await up.pipe(pipe.on_chunk, pipe.client.flush)  # every further chunk written from the engine socket's read
                     if pipe.gone:
                         return resp, "client_disconnect"
-                    if pipe.last is not None:
-                        await resp.write_eof(pipe.last)  # the last event and the end of the body: one write
+                    if pipe.last is not None:  # the last event and the end of the body: one write
+                        await end_stream(resp, transport, pipe.last, 2.0 * stall_s)
             except ClientStalled:  # the router read nothing for 2 x stall_s: cut; the engine's request is dropped
                 log.info("request %s: the router read nothing for %g s; stream cut", request_id, 2.0 * stall_s)
                 return resp, "client_disconnect"

@@ -43,7 +43,15 @@ from aiohttp.http import HttpVersion11
 
 from fairbatch_common.aio import FirstChunkStreamResponse
 from fairbatch_common.openai_errors import sse_error_event
-from fairbatch_common.upstream import ClientSink, ClientStalled, Exchange, Http1Pool, UpstreamError, UpstreamTimeout
+from fairbatch_common.upstream import (
+    ClientSink,
+    ClientStalled,
+    Exchange,
+    Http1Pool,
+    UpstreamError,
+    UpstreamTimeout,
+    end_stream,
+)
 from router.migration import StreamResume
 
 log = logging.getLogger(__name__)
@@ -451,7 +459,11 @@ class Relay:
                     break
                 cause, why = await self._pipe_resumable(request, upstream, state, client_stall_s)
                 if cause == "ok":
-                    await resp.write_eof(state.last_out)
+                    try:
+                        await end_stream(resp, request.transport, state.last_out, client_stall_s)
+                    except ClientStalled:
+                        return RelayOutcome("client_gone", resp, status, "client stopped reading",
+                                            events=state.events)
                     return RelayOutcome("ok", resp, status, events=state.events)
                 if cause == "client_gone":
                     upstream.close()
@@ -668,8 +680,8 @@ class Relay:
             return RelayOutcome("client_gone", resp, status, "client disconnected")
         try:
             # the stream is complete at [DONE]: a client that closes now is done, not gone
-            await (resp.write_eof(pipe.last) if pipe.last is not None else resp.write_eof())
-        except (ConnectionError, RuntimeError):
+            await end_stream(resp, transport, pipe.last or b"", client_stall_s)
+        except (ConnectionError, RuntimeError, ClientStalled):
             upstream.close()
             return RelayOutcome("client_gone", resp, status, "client disconnected")
         return _stream_end(pipe, resp, status, pipe.events - (pipe.last is not None))

@@ -270,7 +270,9 @@ class Router(AuxEndpoints):
                       and migratable(body, chat, valid.stream) else None)  # fmt: skip
             outcome, response = await self._serve_placed(request, principal, raw, req, valid.stream, resume)
             if quota_refunded(outcome, response.prepared):  # router/charges.py: nothing was generated
-                self._spawn(self.ledger.refund(quota, limits))
+                # before the answer goes out: a client that retries at once must find its quota back (one
+                # Redis round trip, bounded by ledger.timeout_ms; shielded from the client leaving meanwhile)
+                await asyncio.shield(self.ledger.refund(quota, limits))
             return outcome, response
         except asyncio.CancelledError:  # the client left; queued (never sent to a replica): nothing ran
             if quota_refunded_on_disconnect(GRANT in request):

@@ -29,13 +29,14 @@ PARTIAL_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
 
 async def _slow_headers(url: str, n: int) -> list[tuple[float, bytes]]:
     """Open ``n`` connections to ``url``, send each the partial head, and return per connection
-    (seconds from its send to the server's close, the bytes it answered)."""
+    (seconds from the start of its connect to the server's close, the bytes it answered)."""
     parts = urlsplit(url)
     conns = []
     for _ in range(n):
+        began = time.monotonic()  # before the connect: the server's timer starts at its accept, later
         reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
         writer.write(PARTIAL_HEAD)
-        conns.append((reader, writer, time.monotonic()))
+        conns.append((reader, writer, began))
 
     async def until_closed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sent: float
                            ) -> tuple[float, bytes]:
