@@ -35,7 +35,7 @@ from aiohttp import web
 from opentelemetry import trace
 
 from fairbatch_common.clock import Clock
-from fairbatch_common.api_schema import ApiError, validate_request
+from fairbatch_common.api_schema import ApiError, ValidRequest, validate_request
 from fairbatch_common.http_guard import (
     REQUEST_ID,
     api_error_response,
@@ -265,6 +265,7 @@ class Router(AuxEndpoints):
         if isinstance(quota, Refusal):
             return self._answer(tenant_over(quota.reason, principal.tenant, self.clock.to_wall_s(quota.retry_after_ms)))
         self.core.track_prefix(req)
+        refunded = False
         try:
             resume = (StreamResume(body, chat) if self.config.migration.max_migrations > 0
                       and migratable(body, chat, valid.stream) else None)  # fmt: skip
@@ -272,10 +273,11 @@ class Router(AuxEndpoints):
             if quota_refunded(outcome, response.prepared):  # router/charges.py: nothing was generated
                 # before the answer goes out: a client that retries at once must find its quota back (one
                 # Redis round trip, bounded by ledger.timeout_ms; shielded from the client leaving meanwhile)
+                refunded = True
                 await asyncio.shield(self.ledger.refund(quota, limits))
             return outcome, response
         except asyncio.CancelledError:  # the client left; queued (never sent to a replica): nothing ran
-            if quota_refunded_on_disconnect(GRANT in request):
+            if not refunded and quota_refunded_on_disconnect(GRANT in request):
                 self._spawn(self.ledger.refund(quota, limits))
             raise
         finally:
@@ -537,7 +539,7 @@ class PricedBody:
         block_keys: the prompt's prefix-map keys (router/prefix_index.py), () unless asked for.
     """
 
-    valid: Any
+    valid: ValidRequest
     prompt_tokens: int
     prompt_error: str
     block_keys: Sequence[int]
