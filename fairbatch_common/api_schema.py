@@ -22,9 +22,10 @@ Every bound is a module constant; the refusal names the field (``param``) as Ope
 (``messages[0].content``).
 
 Cost (issue 30, item 8): a token-id prompt is checked with C-level passes over the list (the set of
-its element types, ``min``/``max``, in slices of :data:`_SLICE` ids so that a worker thread running
-the check gives the GIL back between slices), never per element in Python or pydantic: 200,000 ids
-were 274-460 ms before on the router's loop. Bodies over a size are checked off the loop
+its element types, ``min``/``max``, in slices of :data:`_SLICE` ids, a ``time.sleep(0)`` after each so
+that a worker thread running the check hands the GIL to the waiting event loop at once instead of after
+the 5 ms switch interval), never per element in Python or pydantic: 200,000 ids were 274-460 ms before
+on the router's loop. The module stays pure: ``sleep(0)`` only yields the GIL. Bodies over a size are checked off the loop
 (fairbatch_common/http_guard.py ``parse_request``).
 """
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -128,7 +130,7 @@ class _Reparse(Exception):
 
 _BIG = float(2**63)
 _LEAF_TYPES = frozenset({int, float, bool, str, type(None)})
-_SLICE = 32_768  # list elements per C-level pass (a thread checking a long list gives the GIL back between passes)
+_SLICE = 32_768  # list elements per C-level pass (~2 ms idle); a long list's check gives the GIL back between passes
 
 
 def _kinds(value: list[Any]) -> set[type]:
@@ -138,6 +140,7 @@ def _kinds(value: list[Any]) -> set[type]:
     out: set[type] = set()
     for i in range(0, len(value), _SLICE):
         out.update(map(type, value[i:i + _SLICE]))
+        time.sleep(0)  # hand the GIL over now: the event loop waiting for it runs at once, not after 5 ms
     return out
 
 
@@ -250,10 +253,13 @@ def is_token_ids(value: list[Any], memo: dict[int, set[type]] | None = None) -> 
 
 
 def _ids_in_range(ids: list[int]) -> bool:
+    if len(ids) <= _SLICE:
+        return min(ids) >= 0 and max(ids) <= UINT32_MAX
     for i in range(0, len(ids), _SLICE):
-        part = ids[i:i + _SLICE] if len(ids) > _SLICE else ids
+        part = ids[i:i + _SLICE]
         if min(part) < 0 or max(part) > UINT32_MAX:
             return False
+        time.sleep(0)  # as in _kinds
     return True
 
 
@@ -270,15 +276,17 @@ class _PromptInvalid(ValueError):
     pass
 
 
-def check_prompt(prompt: Any, memo: dict[int, set[type]] | None = None) -> int | None:
+def check_prompt(prompt: Any, memo: dict[int, set[type]] | None = None, max_context: int = 0) -> int | None:
     """Check a ``/v1/completions`` ``prompt``: a string, a list of strings, a non-empty list of token
     ids or a list whose items are strings or non-empty token-id lists (ids in ``[0, 2**32 - 1]``).
+
+    ``memo``: the element types of the body's long lists (:func:`_decode`). ``max_context`` > 0: a
+    prompt of token ids only that is longer than this is not range-checked (its exact count already
+    says it cannot be served: the caller refuses it, 400 ``context_length_exceeded``).
 
     Returns:
         the exact prompt tokens when the prompt is token ids only (``[1, 2]`` or ``[[1, 2], [3]]``),
         else None (text: the caller estimates it).
-
-    ``memo``: the element types of the body's long lists (:func:`_decode`).
 
     Raises:
         ApiError: 400 ``invalid_value`` (``param: "prompt"``), as pydantic's refusal read before.
@@ -288,19 +296,24 @@ def check_prompt(prompt: Any, memo: dict[int, set[type]] | None = None) -> int |
             return None
         if isinstance(prompt, list) and prompt:
             if is_token_ids(prompt, memo):
-                _check_ids(prompt, "prompt")
+                if not 0 < max_context < len(prompt):
+                    _check_ids(prompt, "prompt")
                 return len(prompt)
             exact = 0
+            id_lists: list[tuple[int, list[int]]] = []
             for i, item in enumerate(prompt):
                 if isinstance(item, str):
                     exact = -1
                     continue
                 if isinstance(item, list) and item and is_token_ids(item, memo):
-                    _check_ids(item, f"prompt[{i}]")
+                    id_lists.append((i, item))
                     if exact >= 0:
                         exact += len(item)
                     continue
                 raise _PromptInvalid(_PROMPT_SHAPES)
+            if exact < 0 or not 0 < max_context < exact:
+                for i, item in id_lists:
+                    _check_ids(item, f"prompt[{i}]")
             return exact if exact >= 0 else None
         raise _PromptInvalid(_PROMPT_SHAPES)
     except _PromptInvalid as exc:
@@ -387,7 +400,7 @@ def validate_body(body: dict[str, Any], chat: bool, max_context: int = 0,
         req = model.model_validate(body)
     except ValidationError as exc:
         raise _first_error(exc) from None
-    prompt_ids = None if chat else check_prompt(body["prompt"], _memo)  # pydantic's field order: prompt was last
+    prompt_ids = None if chat else check_prompt(body["prompt"], _memo, max_context)  # pydantic's field order: prompt was last
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is not None and max_context > 0 and max_tokens > max_context:
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

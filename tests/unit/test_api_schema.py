@@ -132,6 +132,9 @@ def test_long_token_id_lists_are_checked_whole() -> None:
     bad[70_000] = -1
     err = refusal(json.dumps({"model": "m", "prompt": [[1], bad]}))
     assert "token id prompt[1][70000] is outside" in err.message
+    # longer than a known context: counted, not range-checked (the caller refuses it by its count)
+    assert validate_request(json.dumps({"model": "m", "prompt": [[1], bad]}).encode(), False, 32_768).prompt_ids \
+        == 100_001
     bad[70_000] = True  # a JSON true is not a token id
     err = refusal(json.dumps({"model": "m", "prompt": bad}))
     assert err.param == "prompt" and "must be a string, a list of strings, a list of token ids" in err.message
