@@ -3,7 +3,8 @@
 One place decides what a request may hold before any of our code uses it; everything it refuses
 is the client's error and becomes a 4xx in OpenAI's error format (:class:`ApiError`):
 
-- the body: a JSON object (``json.loads`` of the raw bytes: UTF-8, or UTF-16/32 by BOM), no
+- the body: a JSON object (orjson, else ``json.loads`` of the raw bytes for UTF-16/32 by BOM and
+  for the exact message of a refusal; :func:`decode_json_object`), no
   ``NaN``/``Infinity``, numbers finite, nested at most :data:`MAX_JSON_DEPTH` containers deep
   (deeper nesting, which makes ``json.loads`` raise ``RecursionError``, is refused as well), every
   string and key valid Unicode that encodes to UTF-8 (a JSON ``"\\ud800"`` escape decodes to a lone
@@ -19,16 +20,25 @@ is the client's error and becomes a 4xx in OpenAI's error format (:class:`ApiErr
 
 Every bound is a module constant; the refusal names the field (``param``) as OpenAI does
 (``messages[0].content``).
+
+Cost (issue 30, item 8): a token-id prompt is checked with C-level passes over the list (the set of
+its element types, ``min``/``max``, in slices of :data:`_SLICE` ids, a ``time.sleep(0)`` after each so
+that a worker thread running the check hands the GIL to the waiting event loop at once instead of after
+the 5 ms switch interval), never per element in Python or pydantic: 200,000 ids were 274-460 ms before
+on the router's loop. The module stays pure: ``sleep(0)`` only yields the GIL. Bodies over a size are checked off the loop
+(fairbatch_common/http_guard.py ``parse_request``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 MAX_JSON_DEPTH = 32          # nested objects/arrays; OpenAI bodies need 5 (messages -> content -> part -> ...)
 MAX_N = 128                  # choices per request (n, best_of)
@@ -114,8 +124,70 @@ def _check_text(text: str, path: list[str | int]) -> None:
                             "\\ud800).", _param(path), "invalid_json") from None
 
 
+class _Reparse(Exception):
+    """orjson's value differs from what ``json.loads`` would give (an integer beyond 64 bits read as a float)."""
+
+
+_BIG = float(2**63)
+_LEAF_TYPES = frozenset({int, float, bool, str, type(None)})
+_SLICE = 32_768  # list elements per C-level pass (~2 ms idle); a long list's check gives the GIL back between passes
+
+
+def _kinds(value: list[Any]) -> set[type]:
+    """The set of element types of ``value``, in passes of :data:`_SLICE` elements."""
+    if len(value) <= _SLICE:
+        return set(map(type, value))
+    out: set[type] = set()
+    for i in range(0, len(value), _SLICE):
+        out.update(map(type, value[i:i + _SLICE]))
+        time.sleep(0)  # hand the GIL over now: the event loop waiting for it runs at once, not after 5 ms
+    return out
+
+
+def _check_fast_tree(obj: Any, memo: dict[int, set[type]], max_depth: int = MAX_JSON_DEPTH) -> None:
+    """:func:`check_tree` for a value orjson decoded (its strings are valid UTF-8 already): depth only,
+    and no list is walked element by element unless it holds containers. The element types of the
+    lists longer than 16 go into ``memo`` (by ``id``), so the prompt check does not take them again.
+
+    Raises:
+        ApiError: 400 ``invalid_json`` (too deep).
+        _Reparse: a float that may be an integer beyond 64 bits (orjson reads those as floats).
+    """
+    stack: list[tuple[Any, int, list[str | int]]] = [(obj, 0, [])]
+    while stack:
+        value, depth, path = stack.pop()
+        if depth >= max_depth:
+            raise ApiError(400, f"The JSON body is nested more than {max_depth} levels deep.", _param(path),
+                           "invalid_json")
+        if isinstance(value, dict):
+            items: Any = value.items()
+        else:
+            kinds = _kinds(value)
+            if len(value) > 16:
+                memo[id(value)] = kinds
+            if float in kinds and any(type(x) is float and abs(x) >= _BIG for x in value):
+                raise _Reparse
+            if kinds <= _LEAF_TYPES:
+                continue
+            items = enumerate(value)
+        for key, child in items:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1, [*path, key] if len(path) < 8 else path))
+            elif type(child) is float and abs(child) >= _BIG:
+                raise _Reparse
+
+
 def decode_json_object(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a request body, checked by :func:`check_tree`.
+    """The JSON object of a request body, checked by :func:`check_tree` (:func:`_decode`)."""
+    return _decode(raw, {})
+
+
+def _decode(raw: bytes, memo: dict[int, set[type]]) -> dict[str, Any]:
+    """The JSON object of a request body, checked by :func:`check_tree`; ``memo`` gets the element
+    types of its long lists when orjson decoded it (:func:`_check_fast_tree`).
+
+    orjson decodes it when it can (UTF-8, valid JSON, integers within 64 bits); otherwise, and for the
+    refusal's message, ``json.loads`` decides, so the answer is the same either way.
 
     Args:
         raw: the body bytes (any size the caller accepted).
@@ -125,6 +197,18 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
             not an object, ``NaN``/``Infinity``/out-of-range numbers, too many digits in an integer,
             nesting deeper than :data:`MAX_JSON_DEPTH` or a string that is not valid Unicode.
     """
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass  # json.loads below: UTF-16/32 bodies, and the message of a refusal
+    else:
+        if not isinstance(body, dict):
+            raise ApiError(400, "The JSON body must be an object.", None, "invalid_json")
+        try:
+            _check_fast_tree(body, memo)
+            return body
+        except _Reparse:
+            memo.clear()
     try:
         body = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
     except RecursionError:
@@ -159,39 +243,88 @@ class _Body(BaseModel):
     stream_options: dict[str, Any] | None = None
 
 
-def _is_ids(value: list[Any]) -> bool:
-    return all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+def is_token_ids(value: list[Any], memo: dict[int, set[type]] | None = None) -> bool:
+    """Every element of ``value`` is a JSON integer (``int``, not ``bool``); True for ``[]``. C-level
+    passes (:func:`_kinds`), not a Python loop per element; ``memo``: element types already taken."""
+    if len(value) <= 16:
+        return all(type(x) is int for x in value)
+    kinds = memo.get(id(value)) if memo else None
+    return (kinds if kinds is not None else _kinds(value)) == {int}
 
 
-class CompletionRequest(_Body):
-    """``POST /v1/completions``: ``prompt`` is a string, strings, token ids or token-id lists."""
+def _ids_in_range(ids: list[int]) -> bool:
+    if len(ids) <= _SLICE:
+        return min(ids) >= 0 and max(ids) <= UINT32_MAX
+    for i in range(0, len(ids), _SLICE):
+        part = ids[i:i + _SLICE]
+        if min(part) < 0 or max(part) > UINT32_MAX:
+            return False
+        time.sleep(0)  # as in _kinds
+    return True
 
-    prompt: Any
 
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            return v
-        if isinstance(v, list) and v:
-            if _is_ids(v):
-                _check_ids(v, "prompt")
-                return v
-            for i, item in enumerate(v):
-                if isinstance(item, str):
-                    continue
-                if isinstance(item, list) and item and _is_ids(item):
-                    _check_ids(item, f"prompt[{i}]")
-                    continue
-                raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
-            return v
-        raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
+_PROMPT_SHAPES = "must be a string, a list of strings, a list of token ids or a list of token-id lists"
 
 
 def _check_ids(ids: list[int], where: str) -> None:
-    for j, t in enumerate(ids):
-        if not 0 <= t <= UINT32_MAX:
-            raise ValueError(f"token id {where}[{j}] is outside [0, {UINT32_MAX}]")
+    if ids and not _ids_in_range(ids):
+        j = next(j for j, t in enumerate(ids) if not 0 <= t <= UINT32_MAX)
+        raise _PromptInvalid(f"token id {where}[{j}] is outside [0, {UINT32_MAX}]")
+
+
+class _PromptInvalid(ValueError):
+    pass
+
+
+def check_prompt(prompt: Any, memo: dict[int, set[type]] | None = None, max_context: int = 0) -> int | None:
+    """Check a ``/v1/completions`` ``prompt``: a string, a list of strings, a non-empty list of token
+    ids or a list whose items are strings or non-empty token-id lists (ids in ``[0, 2**32 - 1]``).
+
+    ``memo``: the element types of the body's long lists (:func:`_decode`). ``max_context`` > 0: a
+    prompt of token ids only that is longer than this is not range-checked (its exact count already
+    says it cannot be served: the caller refuses it, 400 ``context_length_exceeded``).
+
+    Returns:
+        the exact prompt tokens when the prompt is token ids only (``[1, 2]`` or ``[[1, 2], [3]]``),
+        else None (text: the caller estimates it).
+
+    Raises:
+        ApiError: 400 ``invalid_value`` (``param: "prompt"``), as pydantic's refusal read before.
+    """
+    try:
+        if isinstance(prompt, str):
+            return None
+        if isinstance(prompt, list) and prompt:
+            if is_token_ids(prompt, memo):
+                if not 0 < max_context < len(prompt):
+                    _check_ids(prompt, "prompt")
+                return len(prompt)
+            exact = 0
+            id_lists: list[tuple[int, list[int]]] = []
+            for i, item in enumerate(prompt):
+                if isinstance(item, str):
+                    exact = -1
+                    continue
+                if isinstance(item, list) and item and is_token_ids(item, memo):
+                    id_lists.append((i, item))
+                    if exact >= 0:
+                        exact += len(item)
+                    continue
+                raise _PromptInvalid(_PROMPT_SHAPES)
+            if exact < 0 or not 0 < max_context < exact:
+                for i, item in id_lists:
+                    _check_ids(item, f"prompt[{i}]")
+            return exact if exact >= 0 else None
+        raise _PromptInvalid(_PROMPT_SHAPES)
+    except _PromptInvalid as exc:
+        raise ApiError(400, f"'prompt' {exc}.", "prompt", "invalid_value") from None
+
+
+class CompletionRequest(_Body):
+    """``POST /v1/completions``: ``prompt`` is a string, strings, token ids or token-id lists (checked by
+    :func:`check_prompt` after the model, without a per-element pass in pydantic)."""
+
+    prompt: Any
 
 
 class ChatMessage(BaseModel):
@@ -219,6 +352,8 @@ class ValidRequest:
         stream: ``stream`` (False when absent).
         max_tokens: ``max_completion_tokens``, else ``max_tokens``; None when neither is given.
         n: ``n`` (1 when absent).
+        prompt_ids: a completion prompt of token ids only: its exact token count; None for text, chat
+            or a mix (:func:`check_prompt`).
     """
 
     body: dict[str, Any]
@@ -226,6 +361,7 @@ class ValidRequest:
     stream: bool
     max_tokens: int | None
     n: int
+    prompt_ids: int | None = None
 
 
 def _first_error(exc: ValidationError) -> ApiError:
@@ -246,7 +382,8 @@ _FIELD_NAMES = frozenset(
 )
 
 
-def validate_body(body: dict[str, Any], chat: bool, max_context: int = 0) -> ValidRequest:
+def validate_body(body: dict[str, Any], chat: bool, max_context: int = 0,
+                  _memo: dict[int, set[type]] | None = None) -> ValidRequest:
     """Validate a decoded body against its endpoint's model.
 
     Args:
@@ -263,12 +400,13 @@ def validate_body(body: dict[str, Any], chat: bool, max_context: int = 0) -> Val
         req = model.model_validate(body)
     except ValidationError as exc:
         raise _first_error(exc) from None
+    prompt_ids = None if chat else check_prompt(body["prompt"], _memo, max_context)  # pydantic's field order: prompt was last
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is not None and max_context > 0 and max_tokens > max_context:
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         raise ApiError(400, f"'{field}' ({max_tokens}) is larger than the model's context length ({max_context} "
                             "tokens).", field, "invalid_value")
-    return ValidRequest(body, req.model, bool(req.stream), max_tokens, req.n or 1)
+    return ValidRequest(body, req.model, bool(req.stream), max_tokens, req.n or 1, prompt_ids)
 
 
 def validate_request(raw: bytes, chat: bool, max_context: int = 0) -> ValidRequest:
@@ -277,4 +415,5 @@ def validate_request(raw: bytes, chat: bool, max_context: int = 0) -> ValidReque
     Raises:
         ApiError: the first problem found (400).
     """
-    return validate_body(decode_json_object(raw), chat, max_context)
+    memo: dict[int, set[type]] = {}
+    return validate_body(_decode(raw, memo), chat, max_context, memo)

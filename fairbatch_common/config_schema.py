@@ -24,7 +24,7 @@ Schema (docs/architecture.md, section "Router"; docs/design.md section 6)::
                 start_window_steps: 4, step_tokens: 2048, lease_mode: inline,
                 work_shed: {enabled: false, gain: 4.0, max_share: 0.25, window: 2000, horizon: 100,
                             min_samples: 200}}
-    http: {max_body_bytes: 4194304, body_timeout_s: 10}
+    http: {max_body_bytes: 4194304, body_timeout_s: 10, header_timeout_s: 10}
     placement: {seed: null,            # tie-break RNG seed; null = random per process
                 profile: pab,          # or a baseline router to A/B against: least-outstanding, ...
                 prefix_cache: {enabled: false, chunk_chars: 64, capacity_tokens: 500000}}
@@ -393,6 +393,10 @@ class HttpConfig(_Strict):
         max_body_bytes: largest request body (bytes, >= 1024); a larger ``Content-Length`` is refused
             with 413 before the body is read, a chunked body when it grows past it.
         body_timeout_s: wall seconds a request body may take to arrive (> 0), else 408.
+        header_timeout_s: wall seconds a client has to send a request's head (request line and headers;
+            > 0): from the connection's start, or from the first byte of a next request on a kept-alive
+            connection; else 408 and the connection closed (fairbatch_common/http_guard.py
+            ``HeaderTimeoutHandler``). Read at start (a restart applies a change).
         metrics_port: when set, ``/metrics`` and the detailed ``/health`` (replica ids) are served only on
             this port (for Prometheus and operators); the public port then has no ``/metrics`` and its
             ``/health`` says only ``status``. None = both on the public port (a restart applies a change).
@@ -400,6 +404,7 @@ class HttpConfig(_Strict):
 
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     body_timeout_s: float = Field(default=10.0, gt=0)
+    header_timeout_s: float = Field(default=10.0, gt=0)
     metrics_port: int | None = Field(default=None, ge=1, le=65535)
 
 

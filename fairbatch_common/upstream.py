@@ -38,11 +38,14 @@ import asyncio
 import collections
 import socket
 import ssl as ssl_module
+import struct
 from collections.abc import Callable, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
 
+MAX_DRAIN_POLL_S = 0.05  # longest interval between two checks of a paused client's send buffer (wall s)
 EOF_WAIT_S = 1.0  # how long a released exchange waits for its body's end before dropping the connection
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 
@@ -78,6 +81,46 @@ class UpstreamProtocolError(UpstreamError):
     """The answer was not valid HTTP/1.x, or its body exceeded ``max_body_bytes``."""
 
 
+class ClientStalled(Exception):
+    """The client of a relayed stream read nothing for ``max_pause_s`` (its send buffer stayed full):
+    :class:`ClientSink` aborted its connection and failed the upstream exchange with this, so the
+    upstream sees its request abandoned. Not an :class:`UpstreamError`: the upstream did nothing wrong."""
+
+
+def reset(transport: asyncio.BaseTransport) -> None:
+    """Make the next close of ``transport``'s TCP socket a reset (``SO_LINGER`` 0): the kernel drops
+    the bytes it still holds for the peer instead of trickling them to a client that does not read
+    (a loopback socket buffers up to ``net.ipv4.tcp_wmem``'s 4 MiB). No-op for other transports."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
+async def end_stream(resp: Any, transport: asyncio.BaseTransport | None, data: bytes, limit_s: float | None) -> None:
+    """``await resp.write_eof(data)`` (an aiohttp stream response), waiting at most ``limit_s`` wall
+    seconds for a client that reads nothing to take it (aiohttp's drain waits for ever); then the
+    client's connection is reset and :class:`ClientStalled` raised. ``limit_s`` None: no bound.
+
+    Raises:
+        ClientStalled: the end of the body did not go out within ``limit_s``.
+    """
+    if limit_s is None:
+        await resp.write_eof(data)
+        return
+    try:
+        async with asyncio.timeout(limit_s):
+            await resp.write_eof(data)
+    except TimeoutError:
+        if transport is not None:
+            reset(transport)
+            transport.abort()  # type: ignore[attr-defined]
+        raise ClientStalled(f"the client read nothing for {limit_s:g} s") from None
+
+
 def frame_chunk(chunk: bytes, chunked: bool = True) -> bytes:
     """``chunk`` as it goes on the wire of a response body: one HTTP/1.1 chunk (``chunked``: aiohttp's
     choice for an HTTP/1.1 stream without a Content-Length), else as is (an HTTP/1.0 client gets raw
@@ -94,27 +137,38 @@ class ClientSink:
     writes what is queued in one ``send`` call, so several of a stream's chunks that arrived in one
     read cost one system call. While the client's send buffer holds more than
     ``high_water`` bytes, the upstream exchange stops reading (:meth:`Exchange.pause_reading`) and a
-    timer checks every ``poll_s`` wall seconds for it to drain below ``low_water`` (a slow client slows
-    its upstream down instead of growing the relay's memory).
+    timer checks for it to drain below ``low_water``, every ``poll_s`` wall seconds at first, the
+    interval doubling up to :data:`MAX_DRAIN_POLL_S` (a slow client slows its upstream down instead of
+    growing the relay's memory: the relay buffers at most ``high_water`` plus one read per stream).
+    A client that stays above ``low_water`` for ``max_pause_s`` wall seconds has stopped reading: its
+    connection is aborted and the exchange failed with :class:`ClientStalled` (the upstream request is
+    dropped, so the engine aborts it and frees its slot; issue 30: 50 such clients held both engines
+    of a fleet for 125 s).
 
     Args:
         transport: the client's transport (``request.transport``).
         exchange: the upstream exchange whose body is relayed.
         chunked: the response uses chunked transfer coding (``request.version >= HttpVersion11``).
+        max_pause_s: wall seconds a full send buffer may stay full; None = no limit.
     """
 
-    __slots__ = ("transport", "exchange", "chunked", "high_water", "low_water", "poll_s", "_paused", "_out")
+    __slots__ = ("transport", "exchange", "chunked", "high_water", "low_water", "poll_s", "max_pause_s", "_paused",
+                 "_out", "_paused_at", "_poll")
 
     def __init__(self, transport: asyncio.BaseTransport, exchange: Exchange, chunked: bool,
-                 high_water: int = 256 * 1024, low_water: int = 64 * 1024, poll_s: float = 0.005) -> None:
+                 high_water: int = 256 * 1024, low_water: int = 64 * 1024, poll_s: float = 0.005,
+                 max_pause_s: float | None = None) -> None:
         self.transport = transport
         self.exchange = exchange
         self.chunked = chunked
         self.high_water = high_water
         self.low_water = low_water
         self.poll_s = poll_s
+        self.max_pause_s = max_pause_s
         self._paused = False
         self._out: list[bytes] = []
+        self._paused_at = 0.0
+        self._poll = poll_s
 
     def send(self, chunk: bytes) -> bool:
         """Queue ``chunk`` (not empty) for :meth:`flush`; False when the client's connection is closed."""
@@ -138,15 +192,31 @@ class ClientSink:
         if not self._paused and transport.get_write_buffer_size() > self.high_water:  # type: ignore[attr-defined]
             self._paused = True
             self.exchange.pause_reading()
-            asyncio.get_running_loop().call_later(self.poll_s, self._check_drain)
+            loop = asyncio.get_running_loop()
+            self._paused_at = loop.time()
+            self._poll = self.poll_s
+            loop.call_later(self._poll, self._check_drain)
+
+    @property
+    def paused(self) -> bool:
+        """The client's send buffer is full: the upstream is not being read."""
+        return self._paused
 
     def _check_drain(self) -> None:
         transport = self.transport
         if transport.is_closing() or transport.get_write_buffer_size() <= self.low_water:  # type: ignore[attr-defined]
             self._paused = False  # drained (or the client left: the next send sees it)
             self.exchange.resume_reading()
-        else:
-            asyncio.get_running_loop().call_later(self.poll_s, self._check_drain)
+            return
+        loop = asyncio.get_running_loop()
+        if self.max_pause_s is not None and loop.time() - self._paused_at >= self.max_pause_s:
+            self._paused = False
+            reset(transport)
+            transport.abort()  # type: ignore[attr-defined]  # its unsent bytes are dropped: it was not reading them
+            self.exchange.fail(ClientStalled(f"the client read nothing for {self.max_pause_s:g} s"))
+            return
+        self._poll = min(2.0 * self._poll, MAX_DRAIN_POLL_S)
+        loop.call_later(self._poll, self._check_drain)
 
 
 class _Origin:
@@ -364,6 +434,11 @@ class Exchange:
             self._sink = None
             fut.set_result(False)
         return fut
+
+    @property
+    def paused(self) -> bool:
+        """Reading is paused (:meth:`pause_reading`): the consumer is slow, not the upstream."""
+        return self._paused
 
     def pause_reading(self) -> None:
         """Stop reading the upstream socket (the consumer's buffer is full)."""

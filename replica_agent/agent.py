@@ -33,7 +33,7 @@ from replica_agent.policy.leases import Lease, LeaseTable, LeaseTableFull
 from replica_agent.plugin_mode import PLUGIN, STALE, export_mode, lease_matches, parse_record, record_kind
 from replica_agent.plugin_mode import replica_state_from_record
 from replica_agent.policy.pab import ClassBudget, PendingPrefill, ReplicaState, SloClass, compute_budgets
-from replica_agent.policy.prefill_eta import inflight_schedule
+from replica_agent.policy.prefill_eta import inflight_schedule, prefill_completions_ms
 from replica_agent.policy.reserve import reserve_decision
 from replica_agent.policy.preemption import account_preempted
 from replica_agent.policy.calibration import TERMS, CalibratorConfig, OnlineTimeModel
@@ -574,6 +574,23 @@ class Agent:
             return inflight_schedule(state, int(rec.get("token_cap") or step_tokens), 0.0)
         since = self.tracker.prefill_head_since_ms
         return inflight_schedule(state, step_tokens, 0.0 if since is None else max(0.0, now_ms - since))
+
+    def predicted_prefill_ms(self, key: str, now_ms: float) -> float:
+        """Simulated ms from ``now_ms`` until the prefill of tracked request ``key`` is predicted to end
+        (its first token): replica_agent/policy/prefill_eta.py ``prefill_completions_ms`` on the
+        replica's state, the request at its place among the in-flight prefills (arrival order); 0 when
+        it is not in prefill. The proxy starts the request's stall timer there (issue 30)."""
+        rec = self.tracker.get(key)
+        if rec is None or rec.phase is not Phase.PREFILL:
+            return 0.0
+        state = self.replica_state(now_ms)
+        if not state.prefills:
+            return 0.0
+        place = sum(1 for _ in itertools.takewhile(lambda k: k != key, self.tracker.prefill_keys()))
+        step_tokens = self.config.max_num_batched_tokens
+        since = self.tracker.prefill_head_since_ms
+        done = prefill_completions_ms(state, step_tokens, 0.0 if since is None else max(0.0, now_ms - since))
+        return done[min(place, len(done) - 1)] if done else 0.0
 
     def refresh_gauges(self, now_ms: float) -> BudgetView:
         """Set the Prometheus gauges from a fresh computation (called by GET /metrics)."""

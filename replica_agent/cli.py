@@ -48,7 +48,12 @@ from replica_agent.policy.calibration import CalibratorConfig
 from replica_agent.policy.time_model import TimeModel
 from replica_agent.policy.profiles import DEFAULT_PROFILE, DEFAULT_VARIANT, load_profile, vllm_serve_batch_defaults
 from replica_agent.proxy import Proxy, ProxyConfig, make_session
-from fairbatch_common.http_guard import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, make_runner
+from fairbatch_common.http_guard import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    make_runner,
+)
 from fairbatch_common.runtime import hold_grpc_aio, run, setup_logging
 from fairbatch_common.telemetry import make_tracer
 from fairbatch_common.config_schema import ConfigError, load_agent_section
@@ -188,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body in bytes (default 4 MiB); a larger Content-Length is refused with 413")
     s.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
                    help="wall seconds a request body may take to arrive (default 10), else 408")
+    s.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="wall seconds a client has to send a request's head (from the connection's start, or the "
+                        "first byte of a next request on a kept-alive connection; default 10), else 408 and the "
+                        "connection closed")
     s.add_argument("--stall-timeout-s", type=float, default=None,
                    help="wall seconds without a byte from the engine before a request is given up as stalled "
                         "(default: per SLO class, max(1 s, 4 x ttft + 20 x tpot) in simulated time)")
@@ -376,7 +385,7 @@ async def serve(args: argparse.Namespace) -> None:
         app = proxy.app()
     # handler cancellation: a client that leaves cancels its handler, which closes the upstream request,
     # so the engine aborts it at once (in prefill too)
-    runner = make_runner(app)
+    runner = make_runner(app, header_timeout_s=args.header_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.http_port)
     await site.start()

@@ -53,7 +53,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from replica_agent.agent import Agent
 from replica_agent.drainer import Drainer
 from fairbatch_common.aio import FirstChunkStreamResponse
-from fairbatch_common.api_schema import ApiError, validate_request
+from fairbatch_common.api_schema import ApiError, is_token_ids, validate_request
 from fairbatch_common.http_guard import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -62,6 +62,7 @@ from fairbatch_common.http_guard import (
     client_request_id,
     error_middleware,
     new_request_id,
+    off_loop,
     read_body,
 )
 from fairbatch_common.openai_errors import map_engine_error, sse_error_event
@@ -76,7 +77,15 @@ from fairbatch_common.stall import default_stall_ms
 from fairbatch_common.telemetry import extract_context, genai_request_attributes, inject_context, set_http_status
 from replica_agent.policy.queue_cap import QUEUE_CAP_REASON, over_queue_cap, queued_prompt_tokens
 from replica_agent.tracker import TrackerFull
-from fairbatch_common.upstream import ClientSink, Exchange, Http1Pool, UpstreamDisconnected, UpstreamError
+from fairbatch_common.upstream import (
+    ClientSink,
+    ClientStalled,
+    Exchange,
+    Http1Pool,
+    UpstreamDisconnected,
+    UpstreamError,
+    end_stream,
+)
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +135,7 @@ def estimate_prompt_tokens(body: Mapping[str, Any], chat: bool) -> int:
     if isinstance(prompt, str):
         return _ceil_bytes_tokens(prompt)
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) for t in prompt):
+        if is_token_ids(prompt):
             return len(prompt)
         total = 0
         for p in prompt:
@@ -290,6 +299,16 @@ def draining_response(request_id: str) -> web.Response:
     )
 
 
+def engine_wide_stall(silent_s: float | None, stall_s: float) -> bool:
+    """Whether a request's stall (``stall_s`` wall seconds without a byte) says the engine itself stopped:
+    its /metrics has not answered for ``silent_s`` wall seconds (None: never answered yet) >= half the
+    stall timeout. A live engine answers the scrape every 50 ms, so a request silent that long while the
+    scrapes answer is that request's problem (a prefill longer than predicted, a stuck sequence), not
+    the replica's; marking the replica unhealthy for it turned one long prompt into a replica outage.
+    A SIGSTOPped or hung engine stops answering both, and is marked."""
+    return silent_s is None or silent_s >= 0.5 * stall_s
+
+
 class EngineStalled(Exception):
     """No byte from the engine within the stall timeout.
 
@@ -314,25 +333,44 @@ class StallWatch:
     to the silence, and calls ``on_stall(EngineStalled(stall_s))`` once the silence reaches
     ``stall_s`` (the proxy fails the pending upstream read with it). :meth:`close` stops it.
 
+    Two things are not the engine's silence: the ``grace_s`` before the first chunk (the predicted
+    rest of the request's prefill: a long prompt sends nothing until its prefill ends, issue 30), and
+    any time while ``held()`` is True (the client is not reading, so the relay stopped reading the
+    engine: the engine is waiting on us).
+
     Args:
         stall_s: wall seconds of silence, while the agent runs, that make a stall.
         on_stall: called once, from the loop, with the :class:`EngineStalled` to raise.
+        grace_s: wall seconds from now before silence starts counting (>= 0), ended early by a chunk.
+        held: returns True while the relay itself holds the engine back (None: never).
     """
 
-    __slots__ = ("_loop", "_slice", "_stall_s", "_on_stall", "_silent", "_mark", "_last", "_handle")
+    __slots__ = ("_loop", "_slice", "_stall_s", "_on_stall", "_silent", "_mark", "_last", "_handle", "_held",
+                 "_grace")
 
-    def __init__(self, stall_s: float, on_stall: Callable[[EngineStalled], None]) -> None:
+    def __init__(self, stall_s: float, on_stall: Callable[[EngineStalled], None], grace_s: float = 0.0,
+                 held: Callable[[], bool] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self._slice = stall_s / 4.0
         self._stall_s = stall_s
         self._on_stall = on_stall
+        self._held = held
         self._silent = 0.0
-        self._mark = self._last = self._loop.time()  # start of the slice being timed; last chunk seen
+        now = self._loop.time()
+        self._grace = grace_s > 0
+        self._mark = now + max(0.0, grace_s)  # start of the slice being timed
+        self._last = now  # last chunk seen
         self._handle: asyncio.TimerHandle | None = self._loop.call_at(self._mark + self._slice, self._check)
 
     def saw_chunk(self) -> None:
-        """A chunk arrived: the silence restarts now."""
-        self._last = self._loop.time()
+        """A chunk arrived: the silence restarts now (a grace still running ends)."""
+        now = self._last = self._loop.time()
+        if self._grace:
+            self._grace = False
+            if self._mark > now and self._handle is not None:
+                self._handle.cancel()
+                self._mark = now
+                self._handle = self._loop.call_at(now + self._slice, self._check)
 
     def close(self) -> None:
         """Stop watching (the stream ended, either way)."""
@@ -342,7 +380,10 @@ class StallWatch:
 
     def _check(self) -> None:
         now = self._loop.time()
-        if self._last > self._mark:  # a chunk within this slice: time a new slice from it
+        self._grace = False
+        if self._held is not None and self._held():  # the relay holds the engine back: not its silence
+            self._silent, self._mark = 0.0, now
+        elif self._last > self._mark:  # a chunk within this slice: time a new slice from it
             self._silent, self._mark = 0.0, self._last
         else:
             self._silent += min(now - self._mark, 2.0 * self._slice)
@@ -623,7 +664,8 @@ class Proxy:
             return refused
         try:
             raw = await read_body(request, self._cfg.max_body_bytes, self._cfg.body_timeout_s)
-            valid = validate_request(raw, chat, self._agent.max_prompt_tokens)
+            # in a worker thread when large: a 200,000-id prompt must not hold the loop (issue 30 item 8)
+            valid = await off_loop(len(raw), validate_request, raw, chat, self._agent.max_prompt_tokens)
         except ApiError as exc:
             return api_error_response(exc, {"x-request-id": request_id})
         body = valid.body
@@ -650,7 +692,7 @@ class Proxy:
             inject_context(up_headers)
             lease_id = hdrs.get("x-fairbatch-lease", "")
             admit = hdrs.get("x-fairbatch-admit")
-            prompt_estimate = estimate_prompt_tokens(body, chat)
+            prompt_estimate = valid.prompt_ids if valid.prompt_ids is not None else estimate_prompt_tokens(body, chat)
             cap = hdrs.get("x-fairbatch-queue-cap")
             if cap is not None and (capped := self._queue_cap_refusal(cap, prompt_estimate, request_id)) is not None:
                 return capped
@@ -689,7 +731,10 @@ class Proxy:
                 span.set_attribute("fairbatch.tenant", hdrs["x-fairbatch-tenant"])
             if self._cfg.slo_in_body:
                 body = with_slo_xargs(body, tracked.envelope.ttft_ms, tracked.envelope.tpot_ms)
-                raw = json.dumps(body).encode()
+                try:
+                    raw = orjson.dumps(body)  # a 200,000-id prompt: ~2 ms, json.dumps ~20 ms
+                except (orjson.JSONEncodeError, TypeError):  # an integer beyond 64 bits (decoded by json.loads)
+                    raw = json.dumps(body).encode()
             stall_s = self._cfg.stall_timeout_s or agent.clock.to_wall_s(
                 dict(self._cfg.class_stall_ms).get(tracked.slo_class)
                 or default_stall_ms(tracked.envelope.ttft_ms, tracked.envelope.tpot_ms))
@@ -697,8 +742,11 @@ class Proxy:
             finished: list[str] = []  # finish_reason of each choice, as the engine reported them
             try:
                 if stream:
+                    # the stall timer starts where this request's prefill is predicted to end (issue 30: a
+                    # 60,000-token prompt was ended by the 3 s timer during its prefill)
+                    prefill_s = agent.clock.to_wall_s(agent.predicted_prefill_ms(key, agent.clock.now_ms()))
                     resp, outcome = await self._relay_stream(request, path, raw, up_headers, key, request_id, stall_s,
-                                                             finished)
+                                                             finished, prefill_s)
                 else:
                     resp, outcome = await self._relay_whole(request, path, raw, up_headers, key, request_id, stall_s,
                                                             finished)
@@ -789,9 +837,10 @@ class Proxy:
 
     async def _open_upstream(
         self, path: str, data: bytes, headers: dict[str, str], stall_s: float | None = None, key: str | None = None,
+        grace_s: float = 0.0,
     ) -> Exchange | web.Response:
-        """POST to the engine and wait for its answer's head (at most ``stall_s`` wall seconds): the
-        exchange, or the 502 to answer with. A request whose connection closed before any byte of the
+        """POST to the engine and wait for its answer's head (at most ``grace_s + stall_s`` wall seconds:
+        the request's predicted prefill, then the stall timeout): the exchange, or the 502 to answer with. A request whose connection closed before any byte of the
         answer came (the engine closed a kept-alive connection as the request went out) is sent again,
         at most ``stale_retries`` times."""
         resent = 0
@@ -809,12 +858,13 @@ class Proxy:
                     await ex.start()
                     return ex
                 try:
-                    async with asyncio.timeout(stall_s):  # in this task: no task of its own per request
+                    async with asyncio.timeout(grace_s + stall_s):  # in this task: no task of its own per request
                         await ex.start()
                     return ex
                 except TimeoutError:
-                    self._stalled(EngineStalled(stall_s))
-                    return error_json(502, f"engine stalled: no response within {stall_s:g} s")
+                    self._stalled(EngineStalled(grace_s + stall_s))
+                    after = f" after its predicted prefill of {grace_s:.3g} s" if grace_s >= 0.001 else ""
+                    return error_json(502, f"engine stalled: no response within {stall_s:g} s{after}")
             except HandedOver:
                 ex.close()
                 return draining_response(headers.get("x-request-id", ""))
@@ -828,7 +878,14 @@ class Proxy:
                 return self._unreachable(e)
 
     def _stalled(self, e: EngineStalled) -> None:
-        """Mark the engine unhealthy (until its /metrics answers again) and log the stall."""
+        """Log a request's stall; mark the engine unhealthy (until its /metrics answers again) only when
+        the engine itself stopped answering (:func:`engine_wide_stall`): one request's silence while the
+        engine answers its scrapes ends that request alone (issue 30)."""
+        silent_ms = self._agent.engine_silent_ms()
+        silent_s = None if silent_ms is None else self._agent.clock.to_wall_s(silent_ms)
+        if not engine_wide_stall(silent_s, e.timeout_s):
+            log.warning("engine %s: a request stalled (%s) while the engine answers; request ended", self._base, e)
+            return
         log.warning("engine %s stalled: %s; agent unhealthy until the engine answers again", self._base, e)
         self._agent.engine_stalled(str(e))
 
@@ -852,9 +909,13 @@ class Proxy:
 
     async def _relay_stream(
         self, request: web.Request, path: str, raw: bytes, headers: dict[str, str], key: str, request_id: str,
-        stall_s: float, finished: list[str] | None = None,
+        stall_s: float, finished: list[str] | None = None, prefill_s: float = 0.0,
     ) -> tuple[web.StreamResponse, str]:
-        up = await self._open_upstream(path, raw, headers, stall_s, key)
+        """Relay a streamed request (module docstring). The engine may stay silent for ``prefill_s``
+        (the predicted rest of this request's prefill, wall s) plus ``stall_s`` before its first byte,
+        then ``stall_s`` between chunks; a client (the router) that reads nothing for twice
+        ``stall_s`` is cut (its own limit, the class's stall timeout, comes first)."""
+        up = await self._open_upstream(path, raw, headers, stall_s, key, prefill_s)
         if isinstance(up, web.Response):
             return up, "handed_over" if up.status == 503 else "upstream_unreachable"
         clean = False
@@ -873,7 +934,9 @@ class Proxy:
                 },
             )
             await resp.prepare(request)
-            watch = StallWatch(stall_s, up.fail)  # a stall fails the exchange with EngineStalled
+            # a stall fails the exchange with EngineStalled; the prefill's predicted time is not silence, nor is
+            # a pause while the router does not read (the engine waits on us then)
+            watch = StallWatch(stall_s, up.fail, prefill_s, lambda: up.paused)
             pipe = _EnginePipe(self._agent, key, finished, watch)
             try:
                 first = await up.readany()  # the first token: the headers go out with it
@@ -888,12 +951,15 @@ class Proxy:
                     transport = request.transport
                     if transport is None or transport.is_closing():
                         return resp, "client_disconnect"
-                    pipe.client = ClientSink(transport, up, request.version >= HttpVersion11)
+                    pipe.client = ClientSink(transport, up, request.version >= HttpVersion11, max_pause_s=2.0 * stall_s)
                     await up.pipe(pipe.on_chunk, pipe.client.flush)  # every further chunk written from the engine socket's read
                     if pipe.gone:
                         return resp, "client_disconnect"
-                    if pipe.last is not None:
-                        await resp.write_eof(pipe.last)  # the last event and the end of the body: one write
+                    if pipe.last is not None:  # the last event and the end of the body: one write
+                        await end_stream(resp, transport, pipe.last, 2.0 * stall_s)
+            except ClientStalled:  # the router read nothing for 2 x stall_s: cut; the engine's request is dropped
+                log.info("request %s: the router read nothing for %g s; stream cut", request_id, 2.0 * stall_s)
+                return resp, "client_disconnect"
             except EngineStalled as e:
                 self._stalled(e)
                 pipe.error = pipe.error or f"engine stalled: no byte for {e.timeout_s:g} s"

@@ -13,6 +13,7 @@ and completion counts (:meth:`Tracker.on_usage`).
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from replica_agent.policy.engine_state import next_token_deadline
@@ -284,6 +285,10 @@ class Tracker:
         result = tuple(out)
         self._decodes_cache = (self._decodes_gen, result)
         return result
+
+    def prefill_keys(self) -> Iterator[str]:
+        """Keys of the requests in prefill, in arrival order (the order of :meth:`prefills`)."""
+        return (k for k, r in self._requests.items() if r.phase is Phase.PREFILL)
 
     def prefills(self) -> tuple[PendingPrefill, ...]:
         """In-flight prefills (arrived, no token yet) as PAB inputs, in arrival order; kept between

@@ -10,7 +10,8 @@ chunks, so a streamed request keeps the estimate; a non-stream answer is buffere
 The tenant's rate buckets (router/ledger.py: requests and tokens per minute) are given back for a
 request that got nothing: refused by the router after its quota was taken, refused by the engine
 (4xx), or failed before its first byte was sent (:func:`quota_refunded`; issue 30: a tenant of
-5,000 tokens per minute got 429 on its next 8-token request after the engine refused one).
+5,000 tokens per minute got 429 on its next 8-token request after the engine refused one), and for
+one whose client left before it was sent to any replica (queued: :func:`quota_refunded_on_disconnect`).
 """
 
 from __future__ import annotations
@@ -47,3 +48,10 @@ def quota_refunded(outcome: str, response_started: bool) -> bool:
     :data:`REFUNDED_OUTCOMES`, or ``upstream_error`` before any byte of the answer went out (every
     replica failed before its first byte, or agents refused its admission too often)."""
     return outcome in REFUNDED_OUTCOMES or (outcome == "upstream_error" and not response_started)
+
+
+def quota_refunded_on_disconnect(sent_to_replica: bool) -> bool:
+    """Whether the rate-bucket charge of a request whose client disconnected goes back: yes when the
+    request was never sent to a replica (it left while queued, or before its placement), since no
+    engine did any work for it; no once an attempt was relayed (the engine may have prefilled it)."""
+    return not sent_to_replica

@@ -134,13 +134,13 @@ async def serve(
     fallbacks) of the endpoint picker (router/ext_proc.py), drained first on shutdown."""
     router = Router(config, clock, router_id, otlp_endpoint=otlp_endpoint, **secrets_from_env(os.environ))
     app = router.build_app()
-    runner = make_runner(app, shutdown_timeout=drain_s)
+    runner = make_runner(app, shutdown_timeout=drain_s, header_timeout_s=config.http.header_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()
     metrics_runner = None
     if config.http.metrics_port is not None:
-        metrics_runner = make_runner(router.build_metrics_app())
+        metrics_runner = make_runner(router.build_metrics_app(), header_timeout_s=config.http.header_timeout_s)
         await metrics_runner.setup()
         await web.TCPSite(metrics_runner, host, config.http.metrics_port).start()
         log.info("metrics and detailed health on http://%s:%d", host, config.http.metrics_port)

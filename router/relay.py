@@ -14,7 +14,10 @@ Generation requests go over one :class:`~fairbatch_common.upstream.Http1Pool` fo
   with one SSE error event and ``data: [DONE]``.
 - non-stream: status and body relayed.
 - client disconnect (write fails, or the handler is cancelled): the upstream response is closed
-  at once, which makes the agent abort the engine request; the caller releases the lease.
+  at once, which makes the agent abort the engine request; the caller releases the lease. A client
+  that stops reading its stream is one too: once its send buffer stays full for ``client_stall_s``
+  (the class's stall timeout) its connection is aborted and the upstream closed
+  (fairbatch_common/upstream.py ``ClientSink``; outcome ``client_gone``, never a migration).
 
 Statuses 502/503/504 from the agent, connection errors before the first byte, and a stream whose
 first event is an SSE error event (no token was produced) are retryable. A 409 carrying
@@ -40,7 +43,15 @@ from aiohttp.http import HttpVersion11
 
 from fairbatch_common.aio import FirstChunkStreamResponse
 from fairbatch_common.openai_errors import sse_error_event
-from fairbatch_common.upstream import ClientSink, Exchange, Http1Pool, UpstreamError, UpstreamTimeout
+from fairbatch_common.upstream import (
+    ClientSink,
+    ClientStalled,
+    Exchange,
+    Http1Pool,
+    UpstreamError,
+    UpstreamTimeout,
+    end_stream,
+)
 from router.migration import HANDOVER_TYPE, StreamResume
 
 log = logging.getLogger(__name__)
@@ -295,6 +306,7 @@ class Relay:
         response_headers: Mapping[str, str],
         abort: UpstreamAbort | None = None,
         silence_s: float | None = None,
+        client_stall_s: float | None = None,
     ) -> RelayOutcome:
         """POST ``body`` to ``base_url + path`` and relay the answer to ``request``'s client.
 
@@ -310,6 +322,8 @@ class Relay:
                 (None: the pool's ``read_timeout_s``); before the first byte a retryable failure,
                 after it an ``upstream_error`` with an error event (router/server.py
                 ``Router.silence_s``: a frozen agent does not hold the client for ``read_timeout_s``).
+            client_stall_s: wall seconds a streaming client may read nothing (its send buffer full)
+                before it is cut and the upstream closed (None: no limit).
 
         Raises:
             asyncio.CancelledError: the handler was cancelled (client gone); upstream is closed first.
@@ -326,7 +340,7 @@ class Relay:
         if upstream is None:
             return RelayOutcome("retryable", detail=f"aborted: {abort.reason if abort else ''}")
         try:
-            return await self._relay(request, upstream, response_headers)
+            return await self._relay(request, upstream, response_headers, client_stall_s)
         finally:
             upstream.release()  # back to the pool once its body is complete (no-op when closed)
 
@@ -343,6 +357,7 @@ class Relay:
         abort: UpstreamAbort | None = None,
         silence_s: float | None = None,
         on_first: Callable[[], None] | None = None,
+        client_stall_s: float | None = None,
     ) -> RelayOutcome:
         """One attempt of a migratable stream (router/migration.py): like :meth:`forward`, but every
         SSE event goes through ``state.feed`` (the agent's error event held back, a continuation's
@@ -389,13 +404,15 @@ class Relay:
                     return RelayOutcome(kind, resp, out.status, out.detail or "continuation not streamed",
                                         cause="error_event")
                 return out
-            return await self._resume_stream(request, upstream, ctype, response_headers, state, resp, on_first)
+            return await self._resume_stream(request, upstream, ctype, response_headers, state, resp, on_first,
+                                             client_stall_s)
         finally:
             upstream.release()
 
     async def _resume_stream(
         self, request: web.Request, upstream: Exchange, ctype: str, response_headers: Mapping[str, str],
         state: StreamResume, resp: web.StreamResponse | None, on_first: Callable[[], None] | None,
+        client_stall_s: float | None = None,
     ) -> RelayOutcome:
         """Read until this attempt relays its first event (the client's response prepared then on a
         first attempt), then pipe the rest from the upstream socket's read callback
@@ -442,11 +459,15 @@ class Relay:
                     upstream.close()
                     cause = "error_event"
                     break
-                cause, why = await self._pipe_resumable(request, upstream, state)
+                cause, why = await self._pipe_resumable(request, upstream, state, client_stall_s)
                 if cause == "ok":
                     if state.cut:
                         upstream.close()
-                    await resp.write_eof(state.last_out)
+                    try:
+                        await end_stream(resp, request.transport, state.last_out, client_stall_s)
+                    except ClientStalled:
+                        return RelayOutcome("client_gone", resp, status, "client stopped reading",
+                                            events=state.events)
                     return RelayOutcome("ok", resp, status, events=state.events)
                 if cause == "client_gone":
                     upstream.close()
@@ -475,14 +496,15 @@ class Relay:
         return RelayOutcome("upstream_error", resp, status, detail, events=state.events, cause=cause)
 
     @staticmethod
-    async def _pipe_resumable(request: web.Request, upstream: Exchange, state: StreamResume) -> tuple[str, str]:
+    async def _pipe_resumable(request: web.Request, upstream: Exchange, state: StreamResume,
+                              client_stall_s: float | None = None) -> tuple[str, str]:
         """The rest of an attempt after its first relayed event, from the read callback: returns
         (``ok`` | ``client_gone`` | a migration cause, detail). On ``ok`` the output that ends with
         ``[DONE]`` is left in ``state.last_out`` for ``write_eof``; the upstream is closed on failures."""
         transport = request.transport
         if transport is None or transport.is_closing():
             return "client_gone", ""
-        client = ClientSink(transport, upstream, request.version >= HttpVersion11)
+        client = ClientSink(transport, upstream, request.version >= HttpVersion11, max_pause_s=client_stall_s)
         gone = False
 
         def on_chunk(chunk: bytes) -> bool:
@@ -498,6 +520,9 @@ class Relay:
 
         try:
             await upstream.pipe(on_chunk, client.flush)
+        except ClientStalled:  # the client stopped reading: cut (not a failure of the replica)
+            upstream.close()
+            return "client_gone", ""
         except UpstreamError as exc:
             upstream.close()
             return _cause(exc), _why(exc)
@@ -550,7 +575,8 @@ class Relay:
         return upstream
 
     async def _relay(
-        self, request: web.Request, upstream: Exchange, response_headers: Mapping[str, str]
+        self, request: web.Request, upstream: Exchange, response_headers: Mapping[str, str],
+        client_stall_s: float | None = None,
     ) -> RelayOutcome:
         status = upstream.status
         ctype = upstream.headers.get("content-type", "application/json")
@@ -578,7 +604,7 @@ class Relay:
             kind = "refused" if status >= 400 else "ok"
             detail = f"upstream status {status}" if status >= 400 else ""
             return RelayOutcome(kind, web.Response(status=status, body=payload, headers=headers), status, detail)
-        return await self._relay_stream(request, upstream, ctype, response_headers)
+        return await self._relay_stream(request, upstream, ctype, response_headers, client_stall_s)
 
     async def _relay_stream(
         self,
@@ -586,6 +612,7 @@ class Relay:
         upstream: Exchange,
         ctype: str,
         response_headers: Mapping[str, str],
+        client_stall_s: float | None = None,
     ) -> RelayOutcome:
         status = upstream.status
         try:
@@ -630,12 +657,17 @@ class Relay:
             upstream.close()
             return RelayOutcome("client_gone", resp, status, "client disconnected")
         # every further chunk is written from the upstream socket's read callback, up to [DONE]
-        client = pipe.client = ClientSink(transport, upstream, request.version >= HttpVersion11)
+        client = pipe.client = ClientSink(transport, upstream, request.version >= HttpVersion11,
+                                          max_pause_s=client_stall_s)
         try:
             await upstream.pipe(pipe.on_chunk, client.flush)
         except asyncio.CancelledError:
             upstream.close()
             raise
+        except ClientStalled:  # the client stopped reading: its connection is aborted, the upstream closed
+            upstream.close()
+            log.info("client of a stream read nothing for %g s: cut", client_stall_s)
+            return RelayOutcome("client_gone", resp, status, "client stopped reading")
         except Exception as exc:  # noqa: BLE001 - an upstream failure (or a bug in the pipe): end the stream
             upstream.close()
             if not isinstance(exc, UpstreamError):
@@ -654,8 +686,8 @@ class Relay:
             return RelayOutcome("client_gone", resp, status, "client disconnected")
         try:
             # the stream is complete at [DONE]: a client that closes now is done, not gone
-            await (resp.write_eof(pipe.last) if pipe.last is not None else resp.write_eof())
-        except (ConnectionError, RuntimeError):
+            await end_stream(resp, transport, pipe.last or b"", client_stall_s)
+        except (ConnectionError, RuntimeError, ClientStalled):
             upstream.close()
             return RelayOutcome("client_gone", resp, status, "client disconnected")
         return _stream_end(pipe, resp, status, pipe.events - (pipe.last is not None))

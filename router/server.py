@@ -28,19 +28,21 @@ import asyncio
 import dataclasses
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
 from opentelemetry import trace
 
 from fairbatch_common.clock import Clock
-from fairbatch_common.api_schema import ApiError, validate_request
+from fairbatch_common.api_schema import ApiError, ValidRequest, validate_request
 from fairbatch_common.http_guard import (
     REQUEST_ID,
     api_error_response,
     bounded_expect_handler,
     client_request_id,
     new_request_id,
+    off_loop,
     read_body,
 )
 from fairbatch_common.openai_stream import requested_choices
@@ -50,7 +52,7 @@ from router.admission import prompt_decision
 from router.answers import Answer, no_budget, queue_full, tenant_over, work_shed
 from router.arrival import queue_full_before_body
 from router.auth import Principal
-from router.charges import decode_correction, quota_refunded
+from router.charges import decode_correction, quota_refunded, quota_refunded_on_disconnect
 from router.config import RouterConfig, SloClassConfig
 from router.core import CoreRequest, Grant, Refused, tenant_shares
 from router.endpoints import AuxEndpoints, answer_response, metrics_http_errors, openai_error, openai_http_errors
@@ -61,7 +63,7 @@ from router.placement import largest_max_prompt
 from router.placement.predicted_latency import TPOT_SLO_HEADER, TTFT_SLO_HEADER, slo_header_ms
 from router.prefix_index import text_block_keys
 from router.relay import RelayOutcome, UpstreamAbort
-from router.tokens import PromptError, estimate_prompt_tokens, prompt_is_exact, prompt_text
+from router.tokens import PromptError, estimate_prompt_tokens, prompt_text
 from router.wiring import RouterWiring, tenant_limits
 from router.work_shed import BUDGET_REASONS
 
@@ -223,33 +225,35 @@ class Router(AuxEndpoints):
         http = self.config.http
         raw = await read_body(request, http.max_body_bytes, http.body_timeout_s)
         views = self.book.views()
-        valid = validate_request(raw, chat, largest_max_prompt(views))
+        adm = self.config.admission
+        chunk = self.config.placement.prefix_cache.chunk_chars if self.core.prefix is not None else 0
+        # decode, validate and price the body; in a worker thread when it is large (issue 30 item 8)
+        priced = await off_loop(len(raw), price_body, raw, chat, largest_max_prompt(views), adm.bytes_per_token,
+                                chunk)  # fmt: skip
+        valid = priced.valid
         body = valid.body
         if not isinstance(body.get("model"), str) or not body["model"]:
             return "bad_request", openai_error(400, "'model' is required.", param="model")
         served = await self.catalog.served_for(body["model"])  # before any quota or lease; no fetch on the hot path
         if served is not None and body["model"] not in served:
             return "bad_request", model_not_found(body["model"], served)
-        try:
-            prompt_tokens = estimate_prompt_tokens(body, chat, self.config.admission.bytes_per_token)
-        except PromptError as exc:
-            return "bad_request", openai_error(400, str(exc), param="messages" if chat else "prompt")
+        if priced.prompt_error:
+            return "bad_request", openai_error(400, priced.prompt_error, param="messages" if chat else "prompt")
+        prompt_tokens = priced.prompt_tokens
         if valid.stream:  # for the TPOT metric (:meth:`_observe`)
             opts = body.get("stream_options")
             with_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
             request[STREAM_SHAPE] = (requested_choices(body), with_usage)
         genai_request_attributes(trace.get_current_span(), chat, body, valid.max_tokens)
         max_tokens = (valid.max_tokens or 0) * requested_choices(body)  # n > 1: n sequences decode, each up to max_tokens
-        adm = self.config.admission
-        cap = prompt_decision(prompt_tokens, prompt_is_exact(body, chat), views, adm.bytes_per_token,
+        cap = prompt_decision(prompt_tokens, valid.prompt_ids is not None, views, adm.bytes_per_token,
                               adm.estimate_refuse_factor)  # fmt: skip
         if cap.refusal is not None:
             return "bad_request", openai_error(400, cap.refusal, param="messages" if chat else "prompt",
                                                code="context_length_exceeded")  # fmt: skip
         prompt_tokens = cap.tokens
         req = CoreRequest(request_id, principal.tenant, principal.slo_class, prompt_tokens, max_tokens, arrival_ms,
-                          text_block_keys(prompt_text(body, chat), self.config.placement.prefix_cache.chunk_chars)
-                          if self.core.prefix is not None else (),
+                          priced.block_keys if self.core.prefix is not None else (),
                           slo_header_ms(request.headers.get(TTFT_SLO_HEADER)),
                           slo_header_ms(request.headers.get(TPOT_SLO_HEADER)))  # fmt: skip
         if self.core.refuse_by_work(req, views):
@@ -261,13 +265,21 @@ class Router(AuxEndpoints):
         if isinstance(quota, Refusal):
             return self._answer(tenant_over(quota.reason, principal.tenant, self.clock.to_wall_s(quota.retry_after_ms)))
         self.core.track_prefix(req)
+        refunded = False
         try:
             resume = (StreamResume(body, chat, prompt_tokens=prompt_tokens) if self.config.migration.max_migrations > 0
                       and migratable(body, chat, valid.stream) else None)  # fmt: skip
             outcome, response = await self._serve_placed(request, principal, raw, req, valid.stream, resume)
             if quota_refunded(outcome, response.prepared):  # router/charges.py: nothing was generated
-                self._spawn(self.ledger.refund(quota, limits))
+                # before the answer goes out: a client that retries at once must find its quota back (one
+                # Redis round trip, bounded by ledger.timeout_ms; shielded from the client leaving meanwhile)
+                refunded = True
+                await asyncio.shield(self.ledger.refund(quota, limits))
             return outcome, response
+        except asyncio.CancelledError:  # the client left; queued (never sent to a replica): nothing ran
+            if not refunded and quota_refunded_on_disconnect(GRANT in request):
+                self._spawn(self.ledger.refund(quota, limits))
+            raise
         finally:
             self.core.forget_prefix(request_id)
             self._spawn(self.ledger.release(quota))
@@ -372,7 +384,7 @@ class Router(AuxEndpoints):
                 if resume is not None:  # a migratable stream (router/migration.py): events parsed, failure kept open
                     outcome = await self.relay.forward_resumable(
                         request, replica.http_url, request.path, raw, headers, response_headers, resume, resp, abort,
-                        self.silence_s(principal.slo), on_first,
+                        self.silence_s(principal.slo), on_first, self.client_stall_s(principal.slo),
                     )
                 else:
                     outcome = await self.relay.forward(
@@ -380,6 +392,7 @@ class Router(AuxEndpoints):
                         # a stream only: a non-stream answer is silent until the end, the agent watching its engine
                         # by /metrics meanwhile (a long one may take minutes)
                         self.silence_s(principal.slo) if stream else None,
+                        self.client_stall_s(principal.slo) if stream else None,
                     )
             except asyncio.CancelledError:
                 self._release(grant, "client-disconnect")
@@ -485,6 +498,13 @@ class Router(AuxEndpoints):
             detail = outcome.detail or detail
             failed_at = loop.time()
 
+    def client_stall_s(self, slo: SloClassConfig) -> float:
+        """Wall seconds a streaming client of class ``slo`` may read nothing (its send buffer full,
+        the relay paused) before it is cut and its engine request aborted: the class's stall timeout
+        (``stall_timeout_ms``, else fairbatch_common/stall.py ``default_stall_ms``; issue 30: 50
+        clients that stopped reading held both engines of a fleet for 125 s)."""
+        return self.clock.to_wall_s(slo.stall_timeout_ms or default_stall_ms(slo.ttft_ms, slo.tpot_ms))
+
     def silence_s(self, slo: SloClassConfig) -> float:
         """Wall seconds an agent may send nothing on a streamed generation request of class ``slo``
         before the router gives the attempt up: twice the class's stall timeout plus
@@ -505,3 +525,41 @@ def build_app(
     """Build a :class:`Router` and its aiohttp application (started by the app's startup hook)."""
     router = Router(config, clock, router_id, **kwargs)
     return router.build_app(), router
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PricedBody:
+    """A generation request's body, checked and priced (:func:`price_body`).
+
+    Attributes:
+        valid: the validated request (fairbatch_common/api_schema.py).
+        prompt_tokens: its prompt tokens: exact for token ids (``valid.prompt_ids``), else the estimate
+            at ``bytes_per_token`` (router/tokens.py); 0 when ``prompt_error`` is set.
+        prompt_error: why the prompt cannot be priced (router/tokens.py ``PromptError``), else "".
+        block_keys: the prompt's prefix-map keys (router/prefix_index.py), () unless asked for.
+    """
+
+    valid: ValidRequest
+    prompt_tokens: int
+    prompt_error: str
+    block_keys: Sequence[int]
+
+
+def price_body(raw: bytes, chat: bool, max_context: int, bytes_per_token: float, chunk_chars: int) -> PricedBody:
+    """Decode, validate and price one body (pure: the router runs it in a worker thread for a large
+    body, fairbatch_common/http_guard.py ``off_loop``). ``chunk_chars`` > 0: also the prefix-map keys
+    of its text in chunks of that many characters.
+
+    Raises:
+        ApiError: the body is not a valid request (400).
+    """
+    valid = validate_request(raw, chat, max_context)
+    if valid.prompt_ids is not None:
+        tokens, error = valid.prompt_ids, ""
+    else:
+        try:
+            tokens, error = estimate_prompt_tokens(valid.body, chat, bytes_per_token), ""
+        except PromptError as exc:
+            tokens, error = 0, str(exc)
+    keys = text_block_keys(prompt_text(valid.body, chat), chunk_chars) if chunk_chars > 0 and not error else ()
+    return PricedBody(valid, tokens, error, keys)

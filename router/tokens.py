@@ -14,6 +14,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from fairbatch_common.api_schema import is_token_ids
+
 CHAT_TOKENS_PER_MESSAGE = 4
 
 
@@ -33,7 +35,12 @@ def text_tokens(text: str, bytes_per_token: float) -> int:
 
 
 def _is_token_ids(value: list[Any]) -> bool:
-    return all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+    return is_token_ids(value)  # C-level passes (fairbatch_common/api_schema.py), not a loop per id
+
+
+def _ids_text(ids: list[int]) -> str:
+    """Token ids as decimal numbers, one space after each (``"1 2 "``)."""
+    return " ".join(map(str, ids)) + " " if ids else ""
 
 
 def completion_prompt_tokens(prompt: Any, bytes_per_token: float) -> int:
@@ -140,7 +147,7 @@ def prompt_text(body: Mapping[str, Any], chat: bool) -> str:
         return prompt
     if isinstance(prompt, list):
         if _is_token_ids(prompt):
-            return "".join(f"{t} " for t in prompt)
-        return "".join(p if isinstance(p, str) else "".join(f"{t} " for t in p) if isinstance(p, list) else ""
+            return _ids_text(prompt)
+        return "".join(p if isinstance(p, str) else _ids_text(p) if isinstance(p, list) else ""
                        for p in prompt)  # fmt: skip
     return ""

@@ -113,3 +113,49 @@ def test_not_an_acceptable_json_object(raw: bytes) -> None:
         decode_json_object(raw)
     assert info.value.status == 400 and info.value.code == "invalid_json"
     assert set(info.value.to_json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_long_token_id_lists_are_checked_whole() -> None:
+    """Issue 30 item 8: long id lists are checked in C-level slices of 32,768 ids; a bad id anywhere is
+    still found and named, and the exact count comes back as ``prompt_ids``."""
+    ids = list(range(100_000))  # > 3 slices
+    v = validate_request(json.dumps({"model": "m", "prompt": ids}).encode(), False)
+    assert v.prompt_ids == 100_000
+    v = validate_request(json.dumps({"model": "m", "prompt": [ids, [7, 8], ids[:40]]}).encode(), False)
+    assert v.prompt_ids == 100_000 + 2 + 40
+    assert validate_request(json.dumps({"model": "m", "prompt": ["a", ids]}).encode(), False).prompt_ids is None
+    assert validate_request(b'{"model": "m", "prompt": "text"}', False).prompt_ids is None
+    bad = list(ids)
+    bad[70_000] = UINT32_MAX + 1  # in the third slice
+    err = refusal(json.dumps({"model": "m", "prompt": bad}))
+    assert err.param == "prompt" and f"token id prompt[70000] is outside [0, {UINT32_MAX}]" in err.message
+    bad[70_000] = -1
+    err = refusal(json.dumps({"model": "m", "prompt": [[1], bad]}))
+    assert "token id prompt[1][70000] is outside" in err.message
+    # longer than a known context: counted, not range-checked (the caller refuses it by its count)
+    assert validate_request(json.dumps({"model": "m", "prompt": [[1], bad]}).encode(), False, 32_768).prompt_ids \
+        == 100_001
+    bad[70_000] = True  # a JSON true is not a token id
+    err = refusal(json.dumps({"model": "m", "prompt": bad}))
+    assert err.param == "prompt" and "must be a string, a list of strings, a list of token ids" in err.message
+
+
+@pytest.mark.parametrize("raw", [
+    json.dumps({"model": "m", "prompt": "x", "seed": 2**70}).encode(),  # beyond 64 bits: orjson reads a float
+    json.dumps({"model": "m", "prompt": list(range(40)) + [2**65]}).encode(),
+    json.dumps({"model": "m", "prompt": "x", "temperature": 1e300, "logit_bias": {"5": -1.5}}).encode(),
+    json.dumps({"model": "m", "prompt": "h\u00e9llo \u2603", "n": 2}, ensure_ascii=False).encode("utf-16"),  # BOM
+    json.dumps({"model": "m", "prompt": [[1] * 20, ["a"] * 20]}).encode(),
+])
+def test_decoding_gives_what_json_loads_gives(raw: bytes) -> None:
+    """The orjson path and its json.loads fallback decode every body as json.loads does (types kept:
+    an integer beyond 64 bits stays an int)."""
+    body = decode_json_object(raw)
+    expected = json.loads(raw)
+    assert body == expected
+    assert [type(v) for v in body.values()] == [type(v) for v in expected.values()]
+
+
+def test_an_integer_beyond_64_bits_is_refused_as_before() -> None:
+    err = refusal(json.dumps({"model": "m", "prompt": [1, 2**65]}))
+    assert "token id prompt[1] is outside" in err.message  # an int out of range, not "not an id" (a float)

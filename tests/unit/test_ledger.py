@@ -165,3 +165,10 @@ async def test_settle_now_refunds_and_releases_at_once_in_process() -> None:
     assert led.settle_now(t2, None) is True  # the slot only
     assert led.local.in_flight("a") == 0
     assert await led.acquire("a", "r3", lim, 10) == Refusal("tenant-rate", 60_000.0)  # r2's request stays spent
+
+
+def test_quota_refund_rule_on_a_client_disconnect() -> None:
+    from router.charges import quota_refunded_on_disconnect
+
+    assert quota_refunded_on_disconnect(sent_to_replica=False)  # left while queued: no engine worked on it
+    assert not quota_refunded_on_disconnect(sent_to_replica=True)  # relayed: the engine may have prefilled it

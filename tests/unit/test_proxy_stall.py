@@ -80,3 +80,57 @@ async def test_close_stops_the_watch() -> None:
     watch.close()
     await asyncio.sleep(0.5)
     assert rec.calls == []
+
+
+async def _wait_calls(rec: _Recorder, limit_s: float = 10.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not rec.calls and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+
+
+async def test_the_predicted_prefill_is_not_silence() -> None:
+    """Issue 30: the timer starts ``grace_s`` (the predicted prefill) from now: no stall before
+    grace + stall (0.6 + 0.2 s; a timer never fires early, a loaded machine only later), then one."""
+    rec = _Recorder()
+    t0 = time.monotonic()
+    watch = StallWatch(0.2, rec, grace_s=0.6)
+    await _wait_calls(rec)
+    watch.close()
+    assert len(rec.calls) == 1 and rec.calls[0][0] - t0 >= 0.8 - 0.01
+
+
+async def test_a_chunk_during_the_grace_ends_it() -> None:
+    """A first chunk before the predicted end of the prefill: from then on the usual rule (stall 0.2 s
+    after it), not grace + stall from the start (10.2 s)."""
+    rec = _Recorder()
+    watch = StallWatch(0.2, rec, grace_s=10.0)
+    await asyncio.sleep(0.05)
+    watch.saw_chunk()
+    chunk_at = time.monotonic()
+    await _wait_calls(rec, 8.0)
+    watch.close()
+    assert len(rec.calls) == 1 and rec.calls[0][0] - chunk_at >= 0.2 - 0.01
+
+
+async def test_a_held_relay_is_not_a_stalled_engine() -> None:
+    """While ``held()`` (the client does not read, so the relay does not read the engine) the silence
+    does not count: no stall in 1 s held with a 0.2 s rule; after the hold, a stall 0.2 s later."""
+    rec = _Recorder()
+    held = [True]
+    watch = StallWatch(0.2, rec, held=lambda: held[0])
+    await asyncio.sleep(1.0)
+    assert rec.calls == []
+    held[0] = False
+    released = time.monotonic()
+    await _wait_calls(rec)
+    watch.close()
+    assert len(rec.calls) == 1 and rec.calls[0][0] - released >= 0.2 - 0.06  # the slice of 0.05 s in progress
+
+
+def test_a_request_stall_marks_the_engine_only_when_the_engine_is_silent_too() -> None:
+    from replica_agent.proxy import engine_wide_stall
+
+    assert not engine_wide_stall(0.05, 3.0)  # the scrape answered 50 ms ago: that request alone
+    assert not engine_wide_stall(1.49, 3.0)
+    assert engine_wide_stall(1.5, 3.0)  # silent for half the stall timeout: the engine stopped
+    assert engine_wide_stall(None, 3.0)  # never answered
