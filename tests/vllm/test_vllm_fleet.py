@@ -38,6 +38,8 @@ if _REASON:
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 MODEL = SERVED_MODEL_NAME
+STREAM_TOKENS = 990
+"""Tokens of each stream the kill test cuts: 20 + 990 fit the tiny model's 1,024-token context."""
 ENGINE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 ENGINE_COUNTERS = (
     "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
@@ -468,12 +470,13 @@ def _group_pids(pgid: int) -> list[int]:
     return pids
 
 
-async def test_killed_replica_reroutes_and_ends_streams_cleanly(vllm_fleet: VllmFleet) -> None:
-    """Kill one vLLM replica mid-run: its streaming requests end with an SSE error event + [DONE];
-    requests not yet streaming are re-routed to the other replica. Runs last (the replica stays dead).
+async def test_killed_replica_streams_continue_and_requests_reroute(vllm_fleet: VllmFleet) -> None:
+    """Kill one vLLM replica mid-run: its streams are continued on the other replica (issue 29), and
+    requests not yet streaming are re-routed to it. Runs last (the replica stays dead).
 
     Three kinds of request meet the dead replica:
-    - streams that already produced tokens: must end with one SSE error event, then ``[DONE]``;
+    - streams that already produced tokens: continued on the survivor in the same client stream, with
+      every token (990) and finish_reason ``length``, no error event;
     - requests vLLM accepted (it answers 200 headers at once) but had not produced a token for, because
       its engine core was stalled: nothing reached the client yet, so they should be re-routed;
     - requests sent while the whole replica hung (no answer at all): re-routed (agent answers 502).
@@ -493,9 +496,13 @@ async def test_killed_replica_reroutes_and_ends_streams_cleanly(vllm_fleet: Vllm
         assert core_pids, "no EngineCore/worker process found in the replica's process group"
 
         async def open_stream(i: int) -> tuple[aiohttp.ClientResponse, str, bytearray]:
-            """A 990-token stream, read until it produced tokens."""
-            body = {"model": MODEL, "prompt": make_prompt(20, i), "max_tokens": 990, "ignore_eos": True,
-                    "stream": True}
+            """A 990-token stream of a 20-id prompt, read until it produced tokens. Token ids both ways (a
+            token-id prompt, ``return_token_ids``): a continuation is then prompt + the engine's own ids,
+            exact, where a text one re-tokenizes random-weight text (more ids than were generated can
+            overflow the 1,024-token context)."""
+            body = {"model": MODEL, "prompt": [100 + (37 * i + 11 * k) % 700 for k in range(20)],
+                    "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True, "return_token_ids": True,
+                    "stream_options": {"include_usage": True}}
             resp = await s.post(url + "/v1/completions", json=body, headers=auth(fleet))
             assert resp.status == 200, await resp.text()
             buf = bytearray()
@@ -612,28 +619,34 @@ async def test_killed_replica_reroutes_and_ends_streams_cleanly(vllm_fleet: Vllm
         await wait_usable(lambda u: survivor_id in u, f"{survivor_id}'s agent back")
         os.killpg(api_pid, signal.SIGKILL)
         t_kill = time.monotonic()
-        # streaming requests on the victim: clean SSE error event, then [DONE], stream closed normally
-        # (one that happened to finish before the kill on a slow, shared machine ends with "length");
-        # the survivor's streams are closed at once (no error so far) to make room for the late requests
-        cut = 0
+        # streaming requests on the victim (issue 29): each one is continued on the survivor, in the same
+        # stream: no error event, one response id, finish_reason "length" and every one of its 990 tokens
+        # (counted from vLLM's own token ids, return_token_ids), the usage of the original request; the
+        # survivor's streams are closed at once (no error so far) to make room for the late requests
         for resp, rid, buf in streams:
             if rid != victim_id:
                 buf += await resp.content.readany()
                 resp.close()
                 assert b'"error"' not in buf, bytes(buf[-300:])
                 continue
-            events = sse_events(bytes(buf) + await asyncio.wait_for(resp.read(), 60))
+            events = sse_events(bytes(buf) + await asyncio.wait_for(resp.read(), 120))
+            resp.close()
             assert events[-1] == "[DONE]", events[-3:]
             errors = [e for e in events[:-1] if isinstance(e, dict) and "error" in e]
-            if errors:
-                cut += 1
-                assert len(errors) == 1, events[-3:]
-                assert errors[0]["error"]["message"], errors
-                assert events[-2] is errors[0], "the error event must be the last data event before [DONE]"
-            else:
-                assert events[-2]["choices"][0]["finish_reason"] == "length", events[-3:]
-            resp.close()
-        assert cut >= 1, "no stream was cut by the kill"
+            assert errors == [], errors
+            assert len({e["id"] for e in events[:-1]}) == 1, "a continuation must keep the stream's id"
+            choices = [c for e in events[:-1] for c in e["choices"]]
+            assert sum(len(c.get("token_ids") or []) for c in choices) == STREAM_TOKENS, \
+                [c.get("token_ids") for c in choices][-5:]
+            assert [c["finish_reason"] for c in choices if c.get("finish_reason")] == ["length"], events[-3:]
+            usage = [e["usage"] for e in events[:-1] if e.get("usage")]
+            assert usage and usage[-1]["completion_tokens"] == STREAM_TOKENS, usage[-1:]
+        rm = parse_prometheus(await (await s.get(url + "/metrics")).text())
+        resumed = metric_value(rm, "fairbatch_router_stream_migrations_total", outcome="resumed") or 0.0
+        gave_up = sum(metric_value(rm, "fairbatch_router_stream_migrations_total", outcome=o) or 0.0
+                      for o in ("limit", "not_continuable", "context", "no_replica", "failed"))
+        assert gave_up == 0.0, rm.get("fairbatch_router_stream_migrations_total")
+        assert resumed >= 1, "no stream was cut by the kill and continued"
         late_accepted = await asyncio.wait_for(asyncio.gather(*accepted), 120)
         late_unanswered = await asyncio.wait_for(asyncio.gather(*unanswered), 120)
         print(f"\nkilled {victim_id}; its streams ended {time.monotonic() - t_kill:.1f} s later; final replica of "
