@@ -27,9 +27,12 @@ demo: $(STAMP)
 	$(PY) -m loadgen.cli demo --out out/demo-report.json
 
 ## make test: every test (unit, integration over loopback); 3 pytest-xdist workers (most tests wait on
-## loopback I/O and child processes, so 3 workers on 2 cores: 492 s against 970 s in one, same load)
+## loopback I/O and child processes, so 3 workers on 2 cores: 492 s against 970 s in one, same load);
+## then the real-vLLM tests on their own, as make test-vllm (skipped without .venv-vllm): beside three
+## workers their replicas starve, and xdist would start one vLLM fleet per worker
 test: $(STAMP)
-	$(PY) -m pytest -q -rfEs -n 3
+	$(PY) -m pytest -q -rfEs -n 3 -m "not vllm"
+	$(PY) -m pytest -q -rfEs -m vllm tests/vllm
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit

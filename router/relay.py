@@ -48,6 +48,7 @@ from fairbatch_common.upstream import (
     ClientStalled,
     Exchange,
     Http1Pool,
+    UpstreamDisconnected,
     UpstreamError,
     UpstreamTimeout,
     end_stream,
@@ -57,6 +58,8 @@ from router.migration import HANDOVER_TYPE, StreamResume
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
+STALE_RESENDS = 2
+"""Times :meth:`Relay.open` re-sends a POST whose kept-alive connection closed before any byte of the answer."""
 ADMIT_REFUSED_STATUS = 409  # with x-fairbatch-refused: the agent refused an inline admission
 _SSE_DONE = b"data: [DONE]\n\n"
 # an SSE event whose JSON payload starts with the key "error" (the agent's and vLLM's error event): at a
@@ -560,19 +563,34 @@ class Relay:
         """POST to the agent and wait for the answer's head: the exchange, or None when ``abort`` fired
         first (nothing relayed; the connection was dropped, so the agent sees the request abandoned).
 
+        A POST whose kept-alive connection closed before any byte of the answer (the agent closed an
+        idle connection just as the request went out: e.g. its idle timers fired late, after the agent
+        was paused) is sent again on a new connection, at most :data:`STALE_RESENDS` times, as the agent
+        does towards its engine (replica_agent/proxy.py ``stale_retries``): such a drop says nothing of
+        the replica, and counted as its failure it excluded the replica from the request (a
+        continuation then found no replica left: a real-vLLM CI run).
+
         Raises:
             ValueError: a header or the path cannot be sent (CR/LF).
             UpstreamError: the POST failed (connect, disconnect, timeout, not HTTP).
             asyncio.CancelledError: the caller was cancelled (the connection is dropped first).
         """
-        upstream = self.pool.exchange("POST", base_url, path, headers, body, silence_s)
-        if abort is not None:
-            abort.attach(upstream)
-        try:
-            await upstream.start()
-        except ReplicaGone:
-            return None
-        return upstream
+        resent = 0
+        while True:
+            upstream = self.pool.exchange("POST", base_url, path, headers, body, silence_s)
+            if abort is not None:
+                abort.attach(upstream)
+            try:
+                await upstream.start()
+            except ReplicaGone:
+                return None
+            except UpstreamDisconnected as exc:
+                if not exc.reused or exc.answered or resent >= STALE_RESENDS:
+                    raise
+                resent += 1
+                log.info("agent %s dropped a kept-alive connection before answering; re-sending", base_url)
+                continue
+            return upstream
 
     async def _relay(
         self, request: web.Request, upstream: Exchange, response_headers: Mapping[str, str],
