@@ -125,6 +125,14 @@ def test_agent_with_a_token_answers_401_in_openai_format_to_direct_requests(tmp_
             assert _get(url + "/v1/models", headers) == (401, refusal)
         status, doc = _post(url + "/v1/completions", completion, {"x-fairbatch-token": TOKEN})
         assert status == 200 and doc["usage"]["completion_tokens"] == 2
+        # the chart's preStop hook, with the same environment: the drain is accepted (the token read) and done;
+        # without the token it is refused
+        drain_cmd = script("fairbatch-agent") + ["drain", "--url", url, "--wait", "--timeout-s", "30"]
+        refused = subprocess.run(drain_cmd, capture_output=True, text=True, timeout=60, env=_env_without_token())
+        assert refused.returncode == 1 and "answered 401" in refused.stderr, refused.stderr
+        drain = subprocess.run(drain_cmd, capture_output=True, text=True, timeout=60, env={**_env_without_token(), **env})
+        assert drain.returncode == 0, drain.stderr
+        assert agent.popen.wait(timeout=30) == 0  # drained, then exited
         group.stop()
         log = agent.log_path.read_text()
     assert "agent r0: http 0.0.0.0" in log  # it started
