@@ -12,6 +12,11 @@ then it exits 0; a second signal stops it at once.
 ``fairbatch-agent drain [--url URL] [--wait]`` asks a running agent to drain (``POST /drain`` with
 ``FAIRBATCH_AGENT_TOKEN``): the Helm chart's preStop hook.
 
+Secrets come from the environment only: ``FAIRBATCH_AGENT_TOKEN`` (the routers' token) and
+``FAIRBATCH_ENGINE_API_KEY`` (sent to the engine), or from the files that ``FAIRBATCH_AGENT_TOKEN_FILE`` /
+``FAIRBATCH_ENGINE_API_KEY_FILE`` name (fairbatch_common/secrets.py; the Helm chart mounts its Secrets as
+files); an unreadable file exits with status 2, in ``serve`` and in ``drain``.
+
 Plugin mode (``--plugin-export unix:PATH``, replica_agent/plugin_mode.py): the agent also binds the
 UNIX datagram socket PATH, which the vLLM scheduler plugin (``FAIRBATCH_PLUGIN_EXPORT=unix:PATH``)
 feeds every step, and computes PAB from the engine state those records carry; their step times
@@ -55,6 +60,7 @@ from fairbatch_common.http_guard import (
     make_runner,
 )
 from fairbatch_common.runtime import hold_grpc_aio, run, setup_logging
+from fairbatch_common.secrets import SecretFileError, env_secret
 from fairbatch_common.telemetry import make_tracer
 from fairbatch_common.config_schema import ConfigError, load_agent_section
 
@@ -151,8 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--engine-url", required=True, help="engine base URL, e.g. http://127.0.0.1:8000")
     s.add_argument("--host", default="127.0.0.1",
-                   help=f"address to listen on (HTTP and gRPC); any but a loopback address needs {AGENT_TOKEN_ENV}, "
-                        "the token the routers send (else the agent refuses to start)")
+                   help=f"address to listen on (HTTP and gRPC); any but a loopback address needs {AGENT_TOKEN_ENV} "
+                        f"(or {AGENT_TOKEN_ENV}_FILE, a file holding it), the token the routers send (else the agent refuses to start)")
     s.add_argument("--http-port", type=int, default=8101, help="HTTP proxy port")
     s.add_argument("--grpc-port", type=int, default=9101, help="gRPC AdmissionService port")
     s.add_argument("--replica-id", default="r0", help="replica id reported in budget snapshots")
@@ -238,10 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser(
         "drain",
         help="ask a running agent to drain (POST /drain; the Helm chart's preStop hook)",
-        description="POST /drain to an agent (the token from FAIRBATCH_AGENT_TOKEN). The agent stops taking new "
+        description="POST /drain to an agent (the token from FAIRBATCH_AGENT_TOKEN or the file "
+        "FAIRBATCH_AGENT_TOKEN_FILE names). The agent stops taking new "
         "work, lets its requests in flight run for its --drain-grace-s, hands the rest over to the routers, "
         "then exits 0. With --wait this command returns when the drain is done. Exit status 0 when the agent "
-        "accepted (or was already gone with --wait), 1 otherwise.",
+        "accepted (or was already gone with --wait), 2 when the token file cannot be read, 1 otherwise.",
     )
     d.add_argument("--url", default="http://127.0.0.1:8001", help="the agent's HTTP address")
     d.add_argument("--wait", action="store_true", help="return only when the drain is done")
@@ -334,12 +341,15 @@ def is_loopback_host(host: str) -> bool:
 
 def token_refusal(host: str, environ: Mapping[str, str]) -> str | None:
     """The one-line error for an agent asked to listen on a non-loopback ``host`` without a router
-    token in ``environ`` (``FAIRBATCH_AGENT_TOKEN``), else None. Without a token the agent serves any
-    caller, including a forged ``x-fairbatch-admit`` that skips the router's admission and quotas."""
-    if environ.get(AGENT_TOKEN_ENV) or is_loopback_host(host):
+    token in ``environ`` (``FAIRBATCH_AGENT_TOKEN``, or the file ``FAIRBATCH_AGENT_TOKEN_FILE`` names),
+    else None. Without a token the agent serves any caller, including a forged ``x-fairbatch-admit``
+    that skips the router's admission and quotas. An unreadable token file raises
+    :class:`~fairbatch_common.secrets.SecretFileError` (on loopback too: a file named is meant to be read)."""
+    if env_secret(environ, AGENT_TOKEN_ENV) or is_loopback_host(host):
         return None
     return (f"fairbatch-agent: refusing to serve on --host {host or '(every interface)'} without a router token: "
-            f"set {AGENT_TOKEN_ENV} (the token the routers send), or listen on --host 127.0.0.1")
+            f"set {AGENT_TOKEN_ENV} (or {AGENT_TOKEN_ENV}_FILE), the token the routers send, "
+            "or listen on --host 127.0.0.1")
 
 
 async def _fetch_max_model_len(
@@ -370,8 +380,8 @@ async def serve(args: argparse.Namespace) -> None:
                             slo_in_body=args.slo_in_body, max_body_bytes=args.max_body_bytes,
                             body_timeout_s=args.body_timeout_s, stall_timeout_s=args.stall_timeout_s,
                             class_stall_ms=tuple(load_stall_timeouts(args.config).items()) if args.config else (),
-                            agent_token=os.environ.get(AGENT_TOKEN_ENV) or None,
-                            engine_api_key=os.environ.get(ENGINE_API_KEY_ENV) or None,
+                            agent_token=env_secret(os.environ, AGENT_TOKEN_ENV),
+                            engine_api_key=env_secret(os.environ, ENGINE_API_KEY_ENV),
                             drain_grace_s=args.drain_grace_s, drain_handover_s=args.drain_handover_s)
     session = make_session(proxy_cfg)
     tracer = make_tracer("fairbatch-agent", args.otlp_endpoint, args.otlp_sample_ratio)
@@ -490,7 +500,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(str(e))
         return 0
     if args.command == "drain":
-        return run(request_drain(args.url, os.environ.get(AGENT_TOKEN_ENV) or None, args.wait, args.timeout_s))
+        try:
+            token = env_secret(os.environ, AGENT_TOKEN_ENV)
+        except SecretFileError as e:  # names the variable and the path, never the content
+            print(f"fairbatch-agent drain: {e}", file=sys.stderr)
+            return 2
+        return run(request_drain(args.url, token, args.wait, args.timeout_s))
     if args.command == "serve":
         try:
             config_from_args(args)  # fail fast with a readable message
@@ -499,7 +514,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         except (ValueError, KeyError, OSError) as e:
             parser.error(str(e))
-        refused = token_refusal(args.host, os.environ)
+        try:
+            refused = token_refusal(args.host, os.environ)
+            env_secret(os.environ, ENGINE_API_KEY_ENV)  # serve() reads both again; fail here, before any port
+        except SecretFileError as e:  # names the variable and the path, never the content
+            print(f"fairbatch-agent: {e}", file=sys.stderr)
+            return 2
         if refused is not None:
             print(refused, file=sys.stderr)
             return 2

@@ -16,7 +16,9 @@ refused (logged, ``fairbatch_router_config_reloads_total{result="invalid"}``,
 ``fairbatch_router_config_last_reload_success`` 0) and the running configuration kept.
 
 Secrets come from the environment only: ``FAIRBATCH_AGENT_TOKEN`` (sent to the agents) and
-``FAIRBATCH_REDIS_PASSWORD`` (the password of ``redis_url``'s Redis).
+``FAIRBATCH_REDIS_PASSWORD`` (the password of ``redis_url``'s Redis), or from the files that
+``FAIRBATCH_AGENT_TOKEN_FILE`` / ``FAIRBATCH_REDIS_PASSWORD_FILE`` name (fairbatch_common/secrets.py; the
+Helm chart mounts its Secrets as files); an unreadable file exits with status 2.
 
 gRPC's C core reads ``GRPC_EXPERIMENTS`` once, when ``grpc`` is first imported: this module sets it,
 before any import of grpc, to :data:`GRPC_EXPERIMENTS_DEFAULT` unless the environment sets it.
@@ -49,6 +51,7 @@ from fairbatch_common.clock import Clock  # noqa: E402
 from fairbatch_common.aio import watch_file  # noqa: E402
 from fairbatch_common.http_guard import make_runner  # noqa: E402
 from fairbatch_common.runtime import hold_grpc_aio, run, setup_logging  # noqa: E402
+from fairbatch_common.secrets import SecretFileError, env_secret  # noqa: E402
 from router.config import ConfigError, RouterConfig, load_config  # noqa: E402
 from router.server import Router  # noqa: E402
 
@@ -61,9 +64,12 @@ REDIS_PASSWORD_ENV = "FAIRBATCH_REDIS_PASSWORD"  # password of redis_url's Redis
 def secrets_from_env(environ: Mapping[str, str]) -> dict[str, str | None]:
     """The :class:`~router.server.Router` keyword arguments that come from the environment, never from
     the YAML or a flag (neither is secret): ``agent_token`` (``FAIRBATCH_AGENT_TOKEN``) and
-    ``redis_password`` (``FAIRBATCH_REDIS_PASSWORD``); an empty variable counts as unset."""
-    return {"agent_token": environ.get(AGENT_TOKEN_ENV) or None,
-            "redis_password": environ.get(REDIS_PASSWORD_ENV) or None}
+    ``redis_password`` (``FAIRBATCH_REDIS_PASSWORD``); an empty variable counts as unset. Each may
+    instead be in the file that ``<NAME>_FILE`` names (:func:`~fairbatch_common.secrets.env_secret`:
+    one trailing newline stripped; the plain variable wins); an unreadable file raises
+    :class:`~fairbatch_common.secrets.SecretFileError`."""
+    return {"agent_token": env_secret(environ, AGENT_TOKEN_ENV),
+            "redis_password": env_secret(environ, REDIS_PASSWORD_ENV)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,12 +133,15 @@ async def watch_config(router: Router, path: str, poll_s: float, hup: asyncio.Ev
 async def serve(
     config: RouterConfig, host: str, port: int, clock: Clock, router_id: str, drain_s: float,
     config_path: str | None = None, reload_poll_s: float = 2.0, otlp_endpoint: str | None = None,
-    ext_proc: tuple[str, int, int, int] | None = None,
+    ext_proc: tuple[str, int, int, int] | None = None, secrets: Mapping[str, str | None] | None = None,
 ) -> None:
     """Run the router until SIGTERM/SIGINT, then drain (bounded by ``drain_s`` wall seconds);
     reload ``config_path`` on SIGHUP or when it changes. ``ext_proc``: (host, port, max streams,
-    fallbacks) of the endpoint picker (router/ext_proc.py), drained first on shutdown."""
-    router = Router(config, clock, router_id, otlp_endpoint=otlp_endpoint, **secrets_from_env(os.environ))
+    fallbacks) of the endpoint picker (router/ext_proc.py), drained first on shutdown. ``secrets``:
+    :func:`secrets_from_env`'s answer (None: read from ``os.environ`` here)."""
+    if secrets is None:
+        secrets = secrets_from_env(os.environ)
+    router = Router(config, clock, router_id, otlp_endpoint=otlp_endpoint, **secrets)
     app = router.build_app()
     runner = make_runner(app, shutdown_timeout=drain_s, header_timeout_s=config.http.header_timeout_s)
     await runner.setup()
@@ -202,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"fairbatch-router: {exc}", file=sys.stderr)
         return 2
+    try:
+        secrets = secrets_from_env(os.environ)
+    except SecretFileError as exc:  # names the variable and the path, never the content
+        print(f"fairbatch-router: {exc}", file=sys.stderr)
+        return 2
     router_id = args.router_id or f"router-{socket.gethostname()}-{os.getpid()}"
     hold_grpc_aio()
     ext_proc = None
@@ -209,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         ext_proc = (args.ext_proc_host or args.host, args.ext_proc_port, max(1, args.ext_proc_max_streams),
                     max(0, args.ext_proc_fallbacks))
     run(serve(config, args.host, args.port, clock, router_id, args.drain_s, args.config, args.reload_poll_s,
-              args.otlp_endpoint, ext_proc))
+              args.otlp_endpoint, ext_proc, secrets))
     return 0
 
 

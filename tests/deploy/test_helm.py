@@ -646,25 +646,25 @@ def test_replicas_take_connections_only_from_the_router_and_prometheus(helm: Pat
 def test_agent_token_and_engine_key_come_from_secrets(helm: Path) -> None:
     objs = render(helm, set_=("security.agentTokenSecret.name=agent-token",
                               "security.engineApiKeySecret.name=engine-key"))
-
-    def env(c: dict[str, Any]) -> dict[str, Any]:
-        return {e["name"]: e.get("valueFrom", e.get("value")) for e in c.get("env", [])}
-
-    router = container(one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"], "router")
-    assert env(router)["FAIRBATCH_AGENT_TOKEN"] == {"secretKeyRef": {"name": "agent-token", "key": "token"}}
+    router_pod = one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"]
+    assert _file_secrets(router_pod, "router") == {"FAIRBATCH_AGENT_TOKEN_FILE": ("agent-token", "token"),
+                                                   "FAIRBATCH_REDIS_PASSWORD_FILE": ("fb-fairbatch-redis-auth", "password")}
     pod = one(objs, "StatefulSet")["spec"]["template"]["spec"]
-    agent, vllm = env(container(pod, "agent")), env(container(pod, "vllm"))
-    assert agent["FAIRBATCH_AGENT_TOKEN"] == {"secretKeyRef": {"name": "agent-token", "key": "token"}}
-    assert agent["FAIRBATCH_ENGINE_API_KEY"] == {"secretKeyRef": {"name": "engine-key", "key": "api-key"}}
-    assert vllm["VLLM_API_KEY"] == {"secretKeyRef": {"name": "engine-key", "key": "api-key"}}
+    assert _file_secrets(pod, "agent") == {"FAIRBATCH_AGENT_TOKEN_FILE": ("agent-token", "token"),
+                                           "FAIRBATCH_ENGINE_API_KEY_FILE": ("engine-key", "api-key")}
+    assert _env(container(pod, "agent"))["FAIRBATCH_ENGINE_API_KEY_FILE"] == "/var/run/secrets/fairbatch/engine-api-key/api-key"
+    # vLLM reads its key from the environment only: a variable still (CKV_K8S_35 then fails on the StatefulSet)
+    assert _env(container(pod, "vllm"))["VLLM_API_KEY"] == {"secretKeyRef": {"name": "engine-key", "key": "api-key"}}
+    assert "volumeMounts" in container(pod, "vllm") and not [
+        m for m in container(pod, "vllm")["volumeMounts"] if m["mountPath"].startswith("/var/run/secrets/fairbatch")]
     assert "fb-fairbatch-agent-token" not in {s["metadata"]["name"] for s in by_kind(objs, "Secret")}  # yours only
-    plain = render(helm)  # no token Secret named: the chart's own (issue 30); no engine key: no variable
-    generated = {"secretKeyRef": {"name": "fb-fairbatch-agent-token", "key": "token"}}
-    router = container(one(plain, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"], "router")
-    assert env(router)["FAIRBATCH_AGENT_TOKEN"] == generated
+    plain = render(helm)  # no token Secret named: the chart's own (issue 30); no engine key: no variable, no volume
+    router_pod = one(plain, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"]
+    assert _file_secrets(router_pod, "router")["FAIRBATCH_AGENT_TOKEN_FILE"] == ("fb-fairbatch-agent-token", "token")
     pod = one(plain, "StatefulSet")["spec"]["template"]["spec"]
-    assert env(container(pod, "agent"))["FAIRBATCH_AGENT_TOKEN"] == generated
-    assert "VLLM_API_KEY" not in env(container(pod, "vllm"))
+    assert _file_secrets(pod, "agent") == {"FAIRBATCH_AGENT_TOKEN_FILE": ("fb-fairbatch-agent-token", "token")}
+    assert "VLLM_API_KEY" not in _env(container(pod, "vllm"))
+    assert "engine-api-key" not in {v["name"] for v in pod["volumes"]}
 
 
 
@@ -928,6 +928,28 @@ def _env(c: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("valueFrom", e.get("value")) for e in c.get("env", [])}
 
 
+def _file_secrets(pod: dict[str, Any], name: str) -> dict[str, tuple[str, str]]:
+    """Container ``name``'s ``*_FILE`` variables -> (Secret, key) of the file each names, followed through the
+    container's mount to the pod's Secret volume. Asserts the chart's form on the way: no Secret in any
+    variable of that container, each file under a read-only mount of a Secret volume of that one key, mode
+    0440, and a pod fsGroup (the non-root user reads the file through it)."""
+    c = container(pod, name)
+    assert not [e for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})] and "envFrom" not in c
+    assert pod["securityContext"]["fsGroup"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    out = {}
+    for var, path in _env(c).items():
+        if not var.endswith("_FILE"):
+            continue
+        mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+        assert mount["readOnly"] is True
+        secret = volumes[mount["name"]]["secret"]
+        key = path[len(mount["mountPath"]) + 1:]
+        assert secret["items"] == [{"key": key, "path": key}] and secret["defaultMode"] == 0o440
+        out[var] = (secret["secretName"], key)
+    return out
+
+
 def _secret_value(objs: list[dict[str, Any]], name: str, key: str) -> str:
     import base64
 
@@ -946,38 +968,102 @@ def test_default_values_generate_the_agent_token_and_the_redis_password(helm: Pa
     # the keep-on-upgrade pattern: the value of the Secret already in the cluster, else a new one
     helpers = (CHART / "templates" / "_helpers.tpl").read_text()
     assert 'lookup "v1" "Secret" .root.Release.Namespace .name' in helpers
-    # the routers and the agents read the same Secret; the Redis pod and the routers the same password
-    ref = {"secretKeyRef": {"name": "fb-fairbatch-agent-token", "key": "token"}}
-    router = container(one(first, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"], "router")
-    agent = container(one(first, "StatefulSet")["spec"]["template"]["spec"], "agent")
-    assert _env(router)["FAIRBATCH_AGENT_TOKEN"] == ref and _env(agent)["FAIRBATCH_AGENT_TOKEN"] == ref
+    # the routers and the agents read the same Secret; the Redis pod and the routers the same password; all of
+    # them as files (volumes), never as variables (checkov CKV_K8S_35)
+    router_pod = one(first, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"]
+    router = container(router_pod, "router")
+    assert _env(router) == {"FAIRBATCH_AGENT_TOKEN_FILE": "/var/run/secrets/fairbatch/agent-token/token",
+                            "FAIRBATCH_REDIS_PASSWORD_FILE": "/var/run/secrets/fairbatch/redis-password/password"}
+    assert router["volumeMounts"][-2:] == [
+        {"name": "agent-token", "mountPath": "/var/run/secrets/fairbatch/agent-token", "readOnly": True},
+        {"name": "redis-password", "mountPath": "/var/run/secrets/fairbatch/redis-password", "readOnly": True}]
+    assert router_pod["volumes"][-2:] == [
+        {"name": "agent-token", "secret": {"secretName": "fb-fairbatch-agent-token", "items": [{"key": "token", "path": "token"}],
+                                           "defaultMode": 288}},
+        {"name": "redis-password", "secret": {"secretName": "fb-fairbatch-redis-auth",
+                                              "items": [{"key": "password", "path": "password"}], "defaultMode": 288}}]  # fmt: skip
+    assert router_pod["securityContext"]["fsGroup"] == router_pod["securityContext"]["runAsUser"] == 10001
+    pod = one(first, "StatefulSet")["spec"]["template"]["spec"]
+    agent = container(pod, "agent")
+    assert _env(agent)["FAIRBATCH_AGENT_TOKEN_FILE"] == "/var/run/secrets/fairbatch/agent-token/token"
+    assert "FAIRBATCH_AGENT_TOKEN" not in _env(agent)
+    assert agent["volumeMounts"][-1] == {"name": "agent-token", "mountPath": "/var/run/secrets/fairbatch/agent-token",
+                                         "readOnly": True}
+    assert next(v for v in pod["volumes"] if v["name"] == "agent-token") == router_pod["volumes"][-2]
+    assert pod["securityContext"] == {"fsGroup": 10001, "fsGroupChangePolicy": "OnRootMismatch"}
+    assert agent["securityContext"]["runAsGroup"] == 10001
     assert agent["args"][agent["args"].index("--host") + 1] == "0.0.0.0"  # would not start without the token
-    pw_ref = {"secretKeyRef": {"name": "fb-fairbatch-redis-auth", "key": "password"}}
-    assert _env(router)["FAIRBATCH_REDIS_PASSWORD"] == pw_ref
-    redis = container(one(first, "Deployment", "fb-fairbatch-redis")["spec"]["template"]["spec"], "redis")
-    assert redis["args"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]  # kubelet expands it from the env
-    assert _env(redis) == {"REDIS_PASSWORD": pw_ref, "REDISCLI_AUTH": pw_ref}  # the probe's redis-cli too
+    # the preStop drain runs in the same container: the same variable and mount give it the token
+    assert agent["lifecycle"]["preStop"]["exec"]["command"][:2] == ["fairbatch-agent", "drain"]
+    assert not [m for m in container(pod, "vllm")["volumeMounts"] if m["name"] == "agent-token"]  # the agent's only
+    assert _file_secrets(router_pod, "router") == {"FAIRBATCH_AGENT_TOKEN_FILE": ("fb-fairbatch-agent-token", "token"),
+                                                   "FAIRBATCH_REDIS_PASSWORD_FILE": ("fb-fairbatch-redis-auth", "password")}
+    # Redis: the shell reads the file and becomes redis-server; the readiness probe's redis-cli reads it too
+    redis_pod = one(first, "Deployment", "fb-fairbatch-redis")["spec"]["template"]["spec"]
+    redis = container(redis_pod, "redis")
+    pw_file = "/var/run/secrets/fairbatch/redis-password/password"
+    assert "env" not in redis and "args" not in redis
+    assert redis["command"] == ["sh", "-c", (
+        f'pw="$(cat {pw_file})" && [ -n "$pw" ] || {{ echo "redis: no password in {pw_file}" >&2; exit 1; }}\n'
+        'exec redis-server --port 6379 --save "" --appendonly no --requirepass "$pw"\n')]
+    assert redis["readinessProbe"]["exec"]["command"] == [
+        "sh", "-c", f'[ "$(REDISCLI_AUTH="$(cat {pw_file})" redis-cli -p 6379 ping)" = PONG ]']
+    assert redis["volumeMounts"] == [
+        {"name": "data", "mountPath": "/data"},
+        {"name": "redis-password", "mountPath": "/var/run/secrets/fairbatch/redis-password", "readOnly": True}]
+    assert redis_pod["volumes"][-1] == router_pod["volumes"][-1]  # the same Secret, key, mode
+    assert redis_pod["securityContext"]["fsGroup"] == redis_pod["securityContext"]["runAsUser"] == 999
     # a key of your choice for the generated token
     custom = render(helm, set_=("security.agentTokenSecret.key=agent-token",))
     assert re.fullmatch(r"[A-Za-z0-9]{48}", _secret_value(custom, "fb-fairbatch-agent-token", "agent-token"))
+
+
+def _secret_variables(objs: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """(object, container, variable) of every Secret given as an environment variable (checkov CKV_K8S_35)."""
+    out = []
+    for o in objs:
+        spec = o.get("spec", {})
+        pod = spec["template"]["spec"] if "template" in spec else spec if o["kind"] == "Pod" else None
+        for c in (pod or {}).get("containers", []) + (pod or {}).get("initContainers", []):
+            out += [(o["metadata"]["name"], c["name"], e["name"]) for e in c.get("env", [])
+                    if "secretKeyRef" in e.get("valueFrom", {})]
+            out += [(o["metadata"]["name"], c["name"], "envFrom") for e in c.get("envFrom", []) if "secretRef" in e]
+    return out
+
+
+def test_the_default_render_gives_no_secret_as_a_variable(helm: Path) -> None:
+    assert _secret_variables(render(helm)) == []
+    assert _secret_variables(render(helm, set_=("redis.auth.existingSecret=my-redis",
+                                                "security.agentTokenSecret.name=my-token"))) == []
+    # vLLM reads its API key and HF token from the environment only: these two stay variables
+    named = render(helm, set_=("security.engineApiKeySecret.name=engine-key", "vllm.hfTokenSecret.name=hf"))
+    assert _secret_variables(named) == [("fb-fairbatch-vllm", "vllm", "VLLM_API_KEY"),
+                                        ("fb-fairbatch-vllm", "vllm", "HF_TOKEN")]
 
 
 def test_your_own_secrets_replace_the_generated_ones(helm: Path) -> None:
     objs = render(helm, set_=("security.agentTokenSecret.name=my-token", "redis.auth.existingSecret=my-redis",
                               "redis.auth.existingSecretKey=pw"))
     assert not by_kind(objs, "Secret")  # nothing generated
-    router = container(one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"], "router")
-    assert _env(router)["FAIRBATCH_AGENT_TOKEN"] == {"secretKeyRef": {"name": "my-token", "key": "token"}}
-    assert _env(router)["FAIRBATCH_REDIS_PASSWORD"] == {"secretKeyRef": {"name": "my-redis", "key": "pw"}}
-    redis = container(one(objs, "Deployment", "fb-fairbatch-redis")["spec"]["template"]["spec"], "redis")
-    assert _env(redis)["REDIS_PASSWORD"] == {"secretKeyRef": {"name": "my-redis", "key": "pw"}}
-    # auth off: no password anywhere
+    router_pod = one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"]
+    assert _file_secrets(router_pod, "router") == {"FAIRBATCH_AGENT_TOKEN_FILE": ("my-token", "token"),
+                                                   "FAIRBATCH_REDIS_PASSWORD_FILE": ("my-redis", "pw")}
+    assert _env(container(router_pod, "router"))["FAIRBATCH_REDIS_PASSWORD_FILE"] == "/var/run/secrets/fairbatch/redis-password/pw"
+    redis_pod = one(objs, "Deployment", "fb-fairbatch-redis")["spec"]["template"]["spec"]
+    assert redis_pod["volumes"][-1] == {"name": "redis-password", "secret": {
+        "secretName": "my-redis", "items": [{"key": "pw", "path": "pw"}], "defaultMode": 288}}
+    assert 'pw="$(cat /var/run/secrets/fairbatch/redis-password/pw)"' in container(redis_pod, "redis")["command"][2]
+    # auth off: no password anywhere, redis-server started by the image's entrypoint as before
     off = render(helm, set_=("redis.auth.enabled=false",))
     assert "fb-fairbatch-redis-auth" not in {s["metadata"]["name"] for s in by_kind(off, "Secret")}
-    router = container(one(off, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"], "router")
-    assert "FAIRBATCH_REDIS_PASSWORD" not in _env(router)
-    assert "--requirepass" not in container(one(off, "Deployment", "fb-fairbatch-redis")["spec"]["template"]["spec"],
-                                            "redis")["args"]  # fmt: skip
+    router_pod = one(off, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"]
+    assert "FAIRBATCH_REDIS_PASSWORD_FILE" not in _env(container(router_pod, "router"))
+    assert "redis-password" not in {v["name"] for v in router_pod["volumes"]}
+    redis_pod = one(off, "Deployment", "fb-fairbatch-redis")["spec"]["template"]["spec"]
+    redis = container(redis_pod, "redis")
+    assert "command" not in redis and redis["args"] == ["--port", "6379", "--save", "", "--appendonly", "no"]
+    assert redis["readinessProbe"]["exec"]["command"] == ["redis-cli", "-p", "6379", "ping"]
+    assert [v["name"] for v in redis_pod["volumes"]] == ["data"]
 
 
 def test_an_existing_redis_url_wins_over_the_charts_redis(helm: Path, tmp_path: Path) -> None:
@@ -985,10 +1071,10 @@ def test_an_existing_redis_url_wins_over_the_charts_redis(helm: Path, tmp_path: 
     assert not [o for o in objs if "redis" in o["metadata"]["name"]]  # no Deployment, Service, Secret, policy
     assert _loaded_config(objs, tmp_path).redis_url == "redis://r.shared:6379/2"
     router = container(one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"], "router")
-    assert "FAIRBATCH_REDIS_PASSWORD" not in _env(router)  # none named: the URL's own, if any
+    assert "FAIRBATCH_REDIS_PASSWORD_FILE" not in _env(router)  # none named: the URL's own, if any
     objs = render(helm, set_=("redis.existingUrl=redis://r.shared:6379/2", "redis.auth.existingSecret=shared-redis"))
-    router = container(one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"], "router")
-    assert _env(router)["FAIRBATCH_REDIS_PASSWORD"] == {"secretKeyRef": {"name": "shared-redis", "key": "password"}}
+    router_pod = one(objs, "Deployment", "fb-fairbatch-router")["spec"]["template"]["spec"]
+    assert _file_secrets(router_pod, "router")["FAIRBATCH_REDIS_PASSWORD_FILE"] == ("shared-redis", "password")
     # off: no Redis and no password; each router keeps its own counters
     off = render(helm, set_=("redis.enabled=false",))
     assert "redis_url" not in yaml.safe_load(router_config_text(off))

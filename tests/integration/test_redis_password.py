@@ -6,13 +6,17 @@
 - without it, or with a wrong one, Redis refuses (NOAUTH / WRONGPASS) and the ledger serves on its local
   fallback, reported as degraded;
 - a password inside the URL works too, and no log line carries it;
-- a router process started with ``FAIRBATCH_REDIS_PASSWORD`` keeps its tenant buckets in that Redis.
+- a router process started with ``FAIRBATCH_REDIS_PASSWORD``, or with ``FAIRBATCH_REDIS_PASSWORD_FILE``
+  naming a file that holds it (the chart's form), keeps its tenant buckets in that Redis; an unreadable
+  file stops the router (status 2, one line naming the variable and the path).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +25,7 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 
+from fairbatch_common.secrets import SecretFileError
 from loadgen.procs import ProcessGroup, free_port, script
 from router.cli import secrets_from_env
 from router.ledger import RedisLedger, Refusal, TenantLimits, Ticket, redact_url
@@ -133,6 +138,30 @@ def test_the_cli_reads_the_secrets_from_the_environment_only() -> None:
         "agent_token": "t", "redis_password": "p"}
 
 
+def test_the_cli_reads_the_secrets_from_the_files_the_environment_names(tmp_path: Path) -> None:
+    (tmp_path / "pw").write_text("p\n")
+    (tmp_path / "token").write_text("t\r\n")
+    files = {"FAIRBATCH_REDIS_PASSWORD_FILE": str(tmp_path / "pw"), "FAIRBATCH_AGENT_TOKEN_FILE": str(tmp_path / "token")}
+    assert secrets_from_env(files) == {"agent_token": "t", "redis_password": "p"}
+    assert secrets_from_env({**files, "FAIRBATCH_REDIS_PASSWORD": "p2"}) == {"agent_token": "t", "redis_password": "p2"}
+    missing = str(tmp_path / "missing")
+    with pytest.raises(SecretFileError, match=f"^FAIRBATCH_REDIS_PASSWORD_FILE={missing}: cannot read"):
+        secrets_from_env({"FAIRBATCH_REDIS_PASSWORD_FILE": missing})
+
+
+def test_a_router_with_an_unreadable_password_file_exits_2(tmp_path: Path) -> None:
+    cfg_path = tmp_path / "router.yaml"
+    cfg_path.write_text(yaml.safe_dump(config_dict([{"id": "r0", "http_url": "http://127.0.0.1:1", "grpc_target": "127.0.0.1:1"}], {})))
+    missing = str(tmp_path / "missing")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FAIRBATCH_REDIS_PASSWORD")}
+    proc = subprocess.run(script("fairbatch-router") + ["--config", str(cfg_path), "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=60,
+                          env={**env, "FAIRBATCH_REDIS_PASSWORD_FILE": missing})  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"fairbatch-router: FAIRBATCH_REDIS_PASSWORD_FILE={missing}: cannot read the secret file (No such file or directory)")
+
+
 async def test_a_router_process_with_the_password_keeps_its_buckets_in_redis(
     redis_auth_server: RedisServer, tmp_path: Path
 ) -> None:
@@ -146,7 +175,9 @@ async def test_a_router_process_with_the_password_keeps_its_buckets_in_redis(
         replica = await reps.add("r0", 400.0)
         tenants = {"acme": {"weight": 1, "slo_class": "interactive", "tokens_per_minute": 100_000}}
         urls = {}
-        for name, env in (("with", {"FAIRBATCH_REDIS_PASSWORD": pw}), ("without", {"FAIRBATCH_REDIS_PASSWORD": ""})):
+        (tmp_path / "pw").write_text(pw + "\n")  # the chart's form: the Secret mounted as a file
+        for name, env in (("with", {"FAIRBATCH_REDIS_PASSWORD": pw}), ("without", {"FAIRBATCH_REDIS_PASSWORD": ""}),
+                          ("file", {"FAIRBATCH_REDIS_PASSWORD": "", "FAIRBATCH_REDIS_PASSWORD_FILE": str(tmp_path / "pw")})):
             cfg_path = tmp_path / f"{name}.yaml"
             cfg_path.write_text(yaml.safe_dump(config_dict([replica], tenants, redis_url=redis_auth_server.url,
                                                            ledger={"key_prefix": name})))
@@ -164,8 +195,10 @@ async def test_a_router_process_with_the_password_keeps_its_buckets_in_redis(
                                   headers={"Authorization": f"Bearer {KEYS['acme']}"}) as r:
                     assert r.status == 200, await r.text()
             assert await metric_value(s, urls["with"], "fairbatch_router_ledger_degraded") == 0.0
+            assert await metric_value(s, urls["file"], "fairbatch_router_ledger_degraded") == 0.0
             assert await metric_value(s, urls["without"], "fairbatch_router_ledger_degraded") == 1.0
         assert await client.exists("with:tpm:acme") == 1  # the bucket the request spent is in Redis
+        assert await client.exists("file:tpm:acme") == 1
         assert await client.exists("without:tpm:acme") == 0  # that router spent its local one
         group.stop()
         for name in urls:

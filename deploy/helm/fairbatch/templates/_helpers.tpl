@@ -111,6 +111,35 @@ with redis.auth.enabled, or redis.auth.existingSecret for an existing Redis), el
 {{- end }}
 
 {{/*
+The pods get their Secrets as files, never as environment variables (checkov CKV_K8S_35): each Secret key is
+a read-only volume mounted at <secretsDir>/<volume>, the file <secretsDir>/<volume>/<key>, mode 0440 (owner
+root, group the pod's fsGroup: the containers' non-root user reads it through that group). The processes read
+it from the file that NAME_FILE names (fairbatch_common/secrets.py): FAIRBATCH_AGENT_TOKEN_FILE,
+FAIRBATCH_REDIS_PASSWORD_FILE, FAIRBATCH_ENGINE_API_KEY_FILE.
+*/}}
+{{- define "fairbatch.secretsDir" -}}/var/run/secrets/fairbatch{{- end }}
+
+{{/* The file of one Secret key: (dict "volume" VOLUME "key" KEY). */}}
+{{- define "fairbatch.secretFile" -}}
+{{- printf "/var/run/secrets/fairbatch/%s/%s" .volume .key }}
+{{- end }}
+
+{{/* The mount of one Secret volume (a volumeMounts item): (dict "volume" VOLUME). */}}
+{{- define "fairbatch.secretMount" -}}
+- {name: {{ .volume }}, mountPath: {{ printf "/var/run/secrets/fairbatch/%s" .volume }}, readOnly: true}
+{{- end }}
+
+{{/* One Secret volume with one key (a volumes item): (dict "volume" VOLUME "secret" NAME "key" KEY). */}}
+{{- define "fairbatch.secretVolume" -}}
+- name: {{ .volume }}
+  secret:
+    secretName: {{ .secret }}
+    items:
+      - {key: {{ .key }}, path: {{ .key }}}
+    defaultMode: 288  # 0440: root and the pod's fsGroup may read it
+{{- end }}
+
+{{/*
 data value (base64) for a generated Secret's key that survives upgrades: the value the Secret already holds
 in the cluster (lookup), else a new random one. Call with (dict "root" $ "name" NAME "key" KEY).
 Without cluster access (helm template) lookup finds nothing: a new value on every render.
