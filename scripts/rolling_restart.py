@@ -14,6 +14,12 @@ migration (``fairbatch_router_stream_migration_added_seconds`` sum / count), the
 each replica's restart time (SIGTERM to usable again).
 
     .venv/bin/python scripts/rolling_restart.py --replicas 4 --rate 20 --duration-s 60 --max-tokens 200
+
+``--fault`` picks another failure under the same load, at ``--start-s``, of the replica with the most open
+streams at that moment (issue 29's
+"done when"): ``kill-engine`` / ``kill-agent`` (SIGKILL to its process group; the replica stays dead, the
+other replicas carry the load), ``stop-engine`` (SIGSTOP for ``--stop-s``, past the class's stall
+timeout of 6 s, then SIGCONT). The default, ``drain``, is the rolling restart above.
 """
 
 from __future__ import annotations
@@ -64,14 +70,21 @@ def usable(router_url: str) -> list[str]:
         return []
 
 
+LIVE: dict[str, int] = {}
+"""Streams open now, by the replica the router first put them on (``--fault`` picks the busiest)."""
+
+
 async def one_stream(s: aiohttp.ClientSession, url: str, i: int, prompt_tokens: int, max_tokens: int) -> dict:
     body = {"model": MODEL, "prompt": f"{i:04d}" + make_prompt(prompt_tokens)[4:], "max_tokens": max_tokens,
             "stream": True, "stream_options": {"include_usage": True}}
-    out: dict = {"status": 0, "tokens": 0, "finish": [], "error": None, "done": False, "ids": 0, "text_ok": True}
+    out: dict = {"status": 0, "tokens": 0, "finish": [], "error": None, "done": False, "ids": 0, "text_ok": True,
+                 "replica": None, "t0": time.monotonic(), "t1": None}
     ids: set[str] = set()
     try:
         async with s.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as resp:
             out["status"] = resp.status
+            out["replica"] = rid = resp.headers.get("x-fairbatch-replica") or "-"
+            LIVE[rid] = LIVE.get(rid, 0) + 1
             if resp.status != 200:
                 out["error"] = (await resp.text())[:200]
                 return out
@@ -96,6 +109,9 @@ async def one_stream(s: aiohttp.ClientSession, url: str, i: int, prompt_tokens: 
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         out["error"] = f"{type(e).__name__}: {e}"
     out["ids"] = len(ids)
+    out["t1"] = time.monotonic()
+    if out["replica"] is not None:
+        LIVE[out["replica"]] -= 1
     return out
 
 
@@ -174,8 +190,25 @@ async def main_async(a: argparse.Namespace) -> dict:
                         await asyncio.sleep(0.05)
                     restart_s.append(round(time.monotonic() - t, 2))
 
+            async def fault() -> None:
+                """One failure of r0 (``--fault``), timed from the start of the load."""
+                await asyncio.sleep(a.start_s)
+                fault_at.append(time.monotonic())
+                # the replica with the most open streams (the placement can leave one idle at this load)
+                victim.append(max((f"r{i}" for i in range(a.replicas)), key=lambda r: LIVE.get(r, 0)))
+                idx = victim[0][1:]
+                pgid = children[f"agent{idx}" if a.fault == "kill-agent" else f"engine{idx}"].popen.pid
+                if a.fault in ("kill-engine", "kill-agent"):
+                    os.killpg(pgid, signal.SIGKILL)
+                else:
+                    os.killpg(pgid, signal.SIGSTOP)
+                    await asyncio.sleep(a.stop_s)
+                    os.killpg(pgid, signal.SIGCONT)
+
+            fault_at: list[float] = []
+            victim: list[str] = []
             t_load = time.monotonic()
-            await asyncio.gather(load(), roll())
+            await asyncio.gather(load(), roll() if a.fault == "drain" else fault())
             results = await asyncio.gather(*tasks)
             wall = time.monotonic() - t_load
             async with s.get(f"{router_url}/metrics") as r:
@@ -186,8 +219,14 @@ async def main_async(a: argparse.Namespace) -> dict:
         mig = metric_lines(metrics, "fairbatch_router_stream_migrations_total")
         added_sum = sum(metric_lines(metrics, "fairbatch_router_stream_migration_added_seconds_sum").values())
         added_n = sum(metric_lines(metrics, "fairbatch_router_stream_migration_added_seconds_count").values())
+        per_replica: dict[str, int] = {}
+        for r in results:
+            per_replica[str(r["replica"])] = per_replica.get(str(r["replica"]), 0) + 1
+        # streams the router had put on the victim and that were still open when the fault came (the ones it cut)
+        open_at_fault = sum(1 for r in results if victim and r["replica"] == victim[0] and r["t0"] < fault_at[0] < r["t1"])
         report = {
-            "replicas": a.replicas, "rate": a.rate, "duration_s": a.duration_s, "max_tokens": a.max_tokens,
+            "fault": a.fault, "requests_per_replica": dict(sorted(per_replica.items())),
+            "victim": victim[0] if victim else None, "open_on_victim_at_fault": open_at_fault if victim else None, "replicas": a.replicas, "rate": a.rate, "duration_s": a.duration_s, "max_tokens": a.max_tokens,
             "grace_s": a.grace_s, "requests": len(results), "failed": len(failed), "wrong_tokens_or_finish": len(wrong),
             "failed_examples": [str(r["error"])[:160] for r in failed[:3]],
             "migrations": {re.sub(r"[{}\"]", "", k): v for k, v in mig.items()},
@@ -208,6 +247,10 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--grace-s", type=float, default=1.0, help="the agents' --drain-grace-s")
     p.add_argument("--start-s", type=float, default=5.0, help="seconds into the load before the first restart")
+    p.add_argument("--fault", choices=("drain", "kill-engine", "kill-agent", "stop-engine"), default="drain",
+                   help="drain: restart every replica in turn (drain first); else one failure at --start-s of the "
+                        "replica with the most open streams")
+    p.add_argument("--stop-s", type=float, default=15.0, help="stop-engine: seconds the engine stays stopped")
     p.add_argument("--logs", default=None, help="folder for the logs and the YAML (default: a temp dir)")
     p.add_argument("--out", default=None, help="write the JSON report here")
     a = p.parse_args()
