@@ -478,9 +478,12 @@ class RedisLedger:
             await asyncio.sleep(delay)
             try:
                 # the pool's connections of before the outage are dead (a restarted Redis closed them):
-                # drop them all, so that the ping and every later call open fresh ones; otherwise the
-                # next calls meet them one by one and each falls back to the local ledger for a moment
-                await within(self._client.connection_pool.disconnect(), self.timeout_s)
+                # drop the idle ones, so that the ping and every later call open fresh ones; otherwise the
+                # next calls meet them one by one and each falls back to the local ledger for a moment.
+                # Not the ones in use: a call still in flight from before the fall-back (a slow Redis,
+                # not a dead one) had its writer torn away and raised AttributeError from redis-py, a 500
+                # to its client (seen with 12 concurrent acquires on a loaded machine); it ends by itself
+                await within(self._client.connection_pool.disconnect(inuse_connections=False), self.timeout_s)
                 await within(self._client.ping(), self.timeout_s)
             except self._errors:
                 delay = min(self.retry_max_s, delay * 2)

@@ -257,7 +257,11 @@ async def test_a_repeated_request_id_does_not_bypass_max_concurrency_in_redis(fl
                                                                               redis_clean: RedisServer) -> None:
     # the same through the shared ledger (the Lua acquire keys the slot by the router-made id)
     await fleet.start({"r0": 400.0}, {"acme": {"weight": 1, "slo_class": "interactive", "max_concurrency": 4}},
-                      modes={"r0": "slow"}, redis_url=redis_clean.url, ledger={"key_prefix": "hard"})
+                      modes={"r0": "slow"}, redis_url=redis_clean.url,
+                      # the ledger's 200 ms per call is a production setting; on a loaded test machine a
+                      # call can take longer and the router then rightly falls back to its local ledger,
+                      # which is not what this test checks
+                      ledger={"key_prefix": "hard", "timeout_ms": 10_000})
     router = fleet.router
     assert router is not None and not router.ledger.degraded
     client = redis.asyncio.Redis.from_url(redis_clean.url)

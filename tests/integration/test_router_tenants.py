@@ -167,12 +167,14 @@ async def test_slo_infeasible_fast_fail(fleet: InProcess) -> None:
     # and the dispatcher's pass sheds it (router/admission_queue.py ``shed``: it cannot start in time; ~20 ms
     # on an idle machine), not kept to its shed deadline 500 - 20 = 480 ms after arrival
     # (router/shedding.py). The bound: 0.2 s on an idle machine, wider as the loop is seen held up.
+    # On a loaded machine the replica's budget can be stale when it arrives (its pushes came late): it is
+    # then refused at arrival, never queued; either way it is refused at once, not at its shed deadline.
     async with LoopLag() as lag:
         t0 = loop.time()
         resp = await fleet.post("acme")
         waited = loop.time() - t0
     assert resp.status == 429 and resp.headers["x-fairbatch-reason"] == "slo-infeasible"
-    assert queued() == 1 and waited <= lag.bound_s(0.0, slack_s=0.2)
+    assert queued() in (0.0, 1.0) and waited <= lag.bound_s(0.0, slack_s=0.2)
     # a non-sheddable class waits its max_queue_ms, then queue-timeout (a lower bound: load only delays)
     t0 = loop.time()
     resp = await fleet.post("beta")

@@ -20,6 +20,7 @@ from loadgen.replay import ReplayConfig, TenantSpec, replay
 from loadgen.report import build_report
 from loadgen.stats import Slo
 from loadgen.traces import embedded_trace, load_trace, select
+from tests.timing import LoopLag
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -65,7 +66,8 @@ async def test_replayed_trace_ttft_histograms_match_the_loadgen_report(fleet_fac
     assert len(trace) >= 60
     cfg = ReplayConfig(target=fleet.router_url, tenants=[TenantSpec(t, 1, fleet.api_keys[t]) for t in TENANT_CLASS],
                        progress=False, max_wall_s=150)  # fmt: skip
-    result = await replay(trace, cfg)
+    async with LoopLag() as lag:  # the client's own lateness (it sends and reads in this loop)
+        result = await replay(trace, cfg)
     slos = {t: Slo(CLASSES[c]["ttft_ms"], CLASSES[c]["tpot_ms"]) for t, c in TENANT_CLASS.items()}
     doc = build_report(result, slos, {"trace": "azure-conv"})
 
@@ -101,7 +103,16 @@ async def test_replayed_trace_ttft_histograms_match_the_loadgen_report(fleet_fac
         n_judged = sum(s.value for s in judged.samples if s.name.endswith("_total") and s.labels == labels)
         assert n_judged == report["requests_total"]
         assert n_attained + n_missed == n_judged
-        assert report["slo_met"] - 1 <= n_attained <= report["slo_met"] + max(2, 0.1 * n_judged)
+        # the client's interval exceeds the router's by the loopback and the client's lateness on both ends
+        # (sending, reading), at most twice this loop's worst: recounted with that allowance, the client's
+        # verdicts bound the router's from above (on an idle machine about the plain count)
+        slack_ms = 2.0 * lag.worst_s * 1000.0 + 5.0
+        target = CLASSES[cls]
+        loose = sum(1 for r in result.records if r.tenant == tenant and r.outcome == "ok" and r.ttft_ms is not None
+                    and r.ttft_ms <= target["ttft_ms"] + slack_ms
+                    and (r.tpot_ms is None or r.tpot_ms <= target["tpot_ms"] + slack_ms / max(1, len(r.token_times_ms) - 1)))
+        assert report["slo_met"] - 1 <= n_attained <= max(loose, report["slo_met"] + max(2, 0.1 * n_judged)), (
+            n_attained, report["slo_met"], loose, lag.worst_s)
     # the agents saw the served streams end ok (both relays stop at [DONE]: a client closing then is not a disconnect)
     ok = 0.0
     for url in fleet.agent_urls:

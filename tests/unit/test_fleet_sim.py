@@ -188,6 +188,7 @@ def test_request_arriving_before_any_snapshot_waits_for_the_first_one() -> None:
     assert res.records[0].token_times_ms[0] < 1000.0
 
 
+@pytest.mark.timeout(600)  # three bench-fleet runs (each a steady-state bound over 10,108 prompts): ~40 s idle
 def test_bench_fleet_merge_joins_policies_and_rows(tmp_path) -> None:
     import json
 
