@@ -32,7 +32,8 @@ demo: $(STAMP)
 ## workers their replicas starve, and xdist would start one vLLM fleet per worker
 test: $(STAMP)
 	$(PY) -m pytest -q -rfEs -n 3 -m "not vllm"
-	$(PY) -m pytest -q -rfEs -m vllm tests/vllm
+	@# exit 5 = nothing collected: every real-vLLM module skipped itself (no .venv-vllm yet), which is fine here
+	$(PY) -m pytest -q -rfEs -m vllm tests/vllm || [ $$? -eq 5 ]
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit
