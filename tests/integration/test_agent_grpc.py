@@ -126,7 +126,9 @@ async def test_reserve_lowers_pab_and_release_restores(served):
     assert resp.pab_tokens == 3400
     assert resp.expires_ms > first.timestamp_ms
     assert resp.seq > first.seq
-    snap = await next_snapshot(stream, first.seq)
+    # the first snapshot that carries the grant (seq >= resp.seq): a periodic one made between `first` and the
+    # Reserve can still be in the stream on a loaded machine (it has no lease yet)
+    snap = await next_snapshot(stream, resp.seq - 1)
     assert snap.active_leases == 1
     assert interactive(snap).pab_ms == pytest.approx(before - 100.0)
     assert interactive(snap).inflight_reservation_ms == pytest.approx(100.0)

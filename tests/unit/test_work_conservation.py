@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, replace
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -153,6 +154,7 @@ async def run_to_fixpoint(replicas, entries, fair, max_bypass, max_scan):  # noq
     return clock, book, queue, d, granted, policy
 
 
+@pytest.mark.timeout(900)  # 300 examples, CPU-bound: ~20 s idle, past 120 s beside a parallel make test
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario())
 def test_no_queued_request_fits_a_replica_it_may_use(sc) -> None:  # noqa: ANN001
@@ -172,6 +174,7 @@ def test_no_queued_request_fits_a_replica_it_may_use(sc) -> None:  # noqa: ANN00
     assert all(rid not in by_id[q]["exclude"] for q, rid in granted.items())
 
 
+@pytest.mark.timeout(900)  # as above
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario())
 def test_a_single_entry_never_stops_the_others(sc) -> None:  # noqa: ANN001
