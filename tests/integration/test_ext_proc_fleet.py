@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loadgen.envoy_ext_proc import EnvoyStream, gateway_request, parse_pick, upstream_headers
 from loadgen.procs import free_port
 from loadgen.sim.tokenizer import make_prompt
+from tests.timing import LoopLag
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -89,7 +90,7 @@ async def test_the_fleet_serves_every_request_the_picker_places_holding_what_doe
     channel = await wait_serving(target)
     key = {"authorization": f"Bearer {fleet.api_keys['acme']}", "content-type": "application/json"}
     endpoints = {u.removeprefix("http://") for u in fleet.agent_urls}
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession() as session, LoopLag() as lag:
         results = await asyncio.gather(*(gateway_request(channel, session, "/v1/completions", key,
                                                          body_of(16_000, 8, i)) for i in range(8)))
     served = [r for r in results if r.status == 200]
@@ -109,7 +110,10 @@ async def test_the_fleet_serves_every_request_the_picker_places_holding_what_doe
     assert len(served) >= 6, outcome
     url = fleet.router_url
     assert metric(url, "fairbatch_router_ext_proc_requests_total", outcome="ok") == len(served)
-    assert metric(url, "fairbatch_router_queue_wait_seconds_count") >= 2
+    # at least the two that did not fit waited, when the eight came together; on a loaded machine this loop
+    # (which sends them) can send them so far apart that the first ones are done before the last arrive
+    waited = metric(url, "fairbatch_router_queue_wait_seconds_count")
+    assert waited >= 2 or lag.worst_s >= 0.1, (waited, lag.worst_s)
     assert {r.served for r in served} == endpoints, outcome  # both replicas took some
     assert metric(url, "fairbatch_router_replica_inflight_requests") == 0
     await channel.close()

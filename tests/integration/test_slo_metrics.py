@@ -88,8 +88,11 @@ async def test_replayed_trace_ttft_histograms_match_the_loadgen_report(fleet_fac
         assert {round(target_s * 0.9, 4), target_s, round(target_s * 1.1, 4)} <= set(edges)
         router_p99 = histogram_quantile(0.99, pairs)
         client_p99 = report["ttft_ms"]["p99"] / 1000.0
-        assert abs(bucket_index(router_p99, edges) - bucket_index(client_p99, edges)) <= 1, (
-            tenant, router_p99, client_p99, pairs)
+        # neighbouring buckets; or, on a loaded machine, apart by no more than the client's own lateness
+        # (sending and reading: twice this loop's worst) plus the loopback
+        assert (abs(bucket_index(router_p99, edges) - bucket_index(client_p99, edges)) <= 1
+                or abs(client_p99 - router_p99) <= 2.0 * lag.worst_s + 0.005), (
+            tenant, router_p99, client_p99, lag.worst_s, pairs)
         # the SLO verdicts: attained + misses = judged. The router's TTFT interval (arrival at the router ->
         # first byte written) lies inside the client's (send -> first token read), so the router can only
         # see a few more requests attained (TTFTs within the loopback and event-loop lag of a target), never
