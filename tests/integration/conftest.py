@@ -77,15 +77,36 @@ def wait_all_replicas_usable(router_url: str, n: int, timeout_s: float = 15.0) -
     raise RuntimeError(f"router at {router_url} never saw {n} usable replicas: {last}")
 
 
-def start_fleet(tmp: Path, n: int, *, time_scale: float = 1.0, ttl_ms: int = 1000, engine_args: list[str] | None = None,
-                agent_args: list[str] | None = None, router_args: list[str] | None = None,
-                **config_overrides: object) -> Fleet:
+PORT_TAKEN = "address already in use"
+"""In a child's start-up failure: a port :func:`free_port` gave was taken by another process before the
+child bound it (another test suite on the machine: seen with two `make test` runs side by side)."""
+
+
+def start_fleet(tmp: Path, n: int, **kw: object) -> Fleet:
     """Start ``n`` simulated engines + ``n`` agents + one router; wait for every /health.
+
+    Keywords as :func:`_start_fleet_once`. A start that fails because a chosen port was taken meanwhile
+    (:data:`PORT_TAKEN`) is tried again with new ports, twice at most, in a new folder under ``tmp``.
+    """
+    for attempt in range(3):
+        try:
+            return _start_fleet_once(tmp if attempt == 0 else tmp / f"retry{attempt}", n, **kw)  # type: ignore[arg-type]
+        except RuntimeError as exc:
+            if PORT_TAKEN not in str(exc).lower() or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_fleet_once(tmp: Path, n: int, *, time_scale: float = 1.0, ttl_ms: int = 1000,
+                      engine_args: list[str] | None = None, agent_args: list[str] | None = None,
+                      router_args: list[str] | None = None, **config_overrides: object) -> Fleet:
+    """One try of :func:`start_fleet`.
 
     ``engine_args`` / ``agent_args`` / ``router_args`` are appended to every engine's / agent's / the
     router's command line;
     ``config_overrides`` replace top-level keys of the router YAML (e.g. ``telemetry={...}``).
     """
+    tmp.mkdir(parents=True, exist_ok=True)
     group = ProcessGroup(tmp / "logs")
     api_keys = {"acme": "sk-test-acme", "beta": "sk-test-beta"}
     ts = str(time_scale)
