@@ -100,12 +100,21 @@ async def test_changes_coalesce_into_one_snapshot_per_min_interval(served):
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     leases = []
-    for i in range(20):  # 20 changes at once (the loop runs in between): 20 grants
+    for i in range(20):  # 20 changes (the loop runs in between): 20 grants
         leases.append(agent.reserve("interactive", 100, None, f"q{i}", agent.clock.now_ms()).lease_id)
         await asyncio.sleep(0)
-    snap = await asyncio.wait_for(stream.read(), 5.0)
-    assert loop.time() - t0 >= 0.29  # not before the interval since the first snapshot ended
-    assert snap.seq > first.seq and snap.active_leases == 20  # every change of the interval is in it
+    grants_s = loop.time() - t0
+    snaps = [await next_snapshot(stream, first.seq)]
+    while snaps[-1].active_leases < 20:  # every change is in a snapshot, the last one holds all 20
+        snaps.append(await next_snapshot(stream, snaps[-1].seq))
+    assert snaps[-1].active_leases == 20
+    assert [s.active_leases for s in snaps] == sorted(s.active_leases for s in snaps)
+    # change pushes are >= 300 ms apart (agent timestamps, so the reader's own lateness does not count;
+    # the first may follow the stream's first snapshot sooner when this reader was late to start)
+    gaps = [b.timestamp_ms - a.timestamp_ms for a, b in zip(snaps, snaps[1:])]
+    assert all(g >= 290 for g in gaps), gaps
+    # so 20 changes made within grants_s give at most one push per started interval, plus the first
+    assert len(snaps) <= 2 + int(grants_s / 0.29), (len(snaps), grants_s)
     # no change since: nothing more until the next change (or the 5 s period)
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(stream.read(), 0.6)
