@@ -57,11 +57,15 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
+def start_picker_fleet(fleet_factory, time_scale: float = 1.0):
+    port = free_port()
+    fleet = fleet_factory(2, time_scale=time_scale, router_args=["--ext-proc-port", str(port)])
+    return fleet, f"127.0.0.1:{port}"
+
+
 @pytest.fixture
 def picker_fleet(fleet_factory):
-    port = free_port()
-    fleet = fleet_factory(2, router_args=["--ext-proc-port", str(port)])
-    return fleet, f"127.0.0.1:{port}"
+    return start_picker_fleet(fleet_factory)
 
 
 async def wait_serving(target: str) -> grpc.aio.Channel:
@@ -85,8 +89,10 @@ def sse_tokens(payload: bytes) -> int:
     return sum(1 for e in events[:-1] if b'"text"' in e)
 
 
-async def test_the_fleet_serves_every_request_the_picker_places_holding_what_does_not_fit(picker_fleet) -> None:
-    fleet, target = picker_fleet
+async def test_the_fleet_serves_every_request_the_picker_places_holding_what_does_not_fit(fleet_factory) -> None:
+    # 4 wall seconds per simulated second: a prefill holds its budget 4x longer, so the eight overlap at
+    # the picker even when a loaded machine spreads their picks over a few hundred ms
+    fleet, target = start_picker_fleet(fleet_factory, time_scale=4.0)
     channel = await wait_serving(target)
     key = {"authorization": f"Bearer {fleet.api_keys['acme']}", "content-type": "application/json"}
     endpoints = {u.removeprefix("http://") for u in fleet.agent_urls}
@@ -110,10 +116,10 @@ async def test_the_fleet_serves_every_request_the_picker_places_holding_what_doe
     assert len(served) >= 6, outcome
     url = fleet.router_url
     assert metric(url, "fairbatch_router_ext_proc_requests_total", outcome="ok") == len(served)
-    # at least the two that did not fit waited, when the eight came together; on a loaded machine this loop
-    # (which sends them) can send them so far apart that the first ones are done before the last arrive
+    # at least the two that did not fit waited, when the eight came together (this loop late by 0.4 s or
+    # more could send them so far apart that the first prefills are done before the last arrive)
     waited = metric(url, "fairbatch_router_queue_wait_seconds_count")
-    assert waited >= 2 or lag.worst_s >= 0.1, (waited, lag.worst_s)
+    assert waited >= 2 or lag.worst_s >= 0.4, (waited, lag.worst_s)
     assert {r.served for r in served} == endpoints, outcome  # both replicas took some
     assert metric(url, "fairbatch_router_replica_inflight_requests") == 0
     await channel.close()
