@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from fairbatch_common.aio import wait_event
 from fairbatch_common.clock import Clock
@@ -86,6 +86,20 @@ class ReplicaBudget:
     inline_admission: bool = False
     draining: bool = False
     view: ReplicaView | None = None  # cached placement view; None after any change
+    awaiting: dict[str, AwaitingTake] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitingTake:
+    """A local take (:meth:`BudgetBook.take_local`) whose Reserve answer has not come back yet.
+
+    Attributes:
+        cost_ms: PAB (ms) it took per SLO class (the request's class a + b*P, the others b*P).
+        tokens: P, the prompt tokens it took from ``pab_tokens`` and ``kv_limited_tokens``.
+    """
+
+    cost_ms: dict[str, float]
+    tokens: int
 
 
 MAX_LOCAL_LUMPS = 16
@@ -147,6 +161,8 @@ class BudgetBook:
             )
             for c in snapshot.classes  # type: ignore[attr-defined]
         }
+        if budget.awaiting:  # the agent may not have seen them yet: counted until their answers come
+            self._deduct_awaiting(budget)
         budget.seq = seq
         ttl = float(snapshot.ttl_ms)  # type: ignore[attr-defined]
         budget.ttl_ms = ttl if ttl > 0 else DEFAULT_TTL_MS
@@ -176,46 +192,88 @@ class BudgetBook:
         self.notify()
         return True
 
-    def apply_reserve(self, replica_id: str, slo_class: str, pab_ms: float, pab_tokens: int) -> None:
-        """Apply the class budget a Reserve answer reported (granted or refused) at once."""
+    def apply_reserve(self, replica_id: str, slo_class: str, pab_ms: float, pab_tokens: int,
+                      awaiting_key: str | None = None) -> None:
+        """Apply the class budget a Reserve answer reported (granted or refused) at once.
+
+        ``awaiting_key``: the key the placement gave :meth:`take_local`; that take is answered now.
+        The other takes on this replica still awaiting their answers are deducted from the answer's
+        figures: the agent answered this Reserve before (or without) seeing them, and overwriting
+        the book with the answer alone would hand their budget out a second time (a replica whose
+        answers come back first would look richer than it is)."""
         budget = self._budgets.get(replica_id)
-        if budget is None or budget.classes is None:
+        if budget is None:
+            return
+        if awaiting_key is not None:
+            budget.awaiting.pop(awaiting_key, None)
+        if budget.classes is None:
             return
         cur = budget.classes.get(slo_class)
         if cur is None:
             return
         new_ms = max(0.0, float(pab_ms))
+        new_tokens = max(0, int(pab_tokens))
+        for take in budget.awaiting.values():
+            new_ms = max(0.0, new_ms - take.cost_ms.get(slo_class, 0.0))
+            new_tokens = max(0, new_tokens - take.tokens)
         # The budget a lease took counts as in-flight reservation until the next snapshot, so the
         # "nothing reserved" test of the fit rule (oversize prompts) sees it too.
         taken_ms = max(0.0, cur.pab_ms - new_ms)
         budget.classes[slo_class] = replace(
             cur,
             pab_ms=new_ms,
-            pab_tokens=max(0, int(pab_tokens)),
+            pab_tokens=new_tokens,
             inflight_reservation_ms=cur.inflight_reservation_ms + taken_ms,
         )
         budget.view = None
         self.notify()
 
-    def take_local(self, replica_id: str, slo_class: str, prompt_tokens: int) -> None:
+    def forget_take(self, replica_id: str, awaiting_key: str) -> None:
+        """The Reserve of a take awaiting its answer ended without one (error, cancellation)."""
+        budget = self._budgets.get(replica_id)
+        if budget is not None:
+            budget.awaiting.pop(awaiting_key, None)
+
+    @staticmethod
+    def _deduct_awaiting(budget: ReplicaBudget) -> None:
+        """Deduct every awaiting take from the book's class figures (after a snapshot: one the agent
+        computed after granting some of them counts those twice until their answers arrive, erring
+        towards less budget for at most a Reserve round trip)."""
+        assert budget.classes is not None
+        for take in budget.awaiting.values():
+            for name, cur in list(budget.classes.items()):
+                cost = take.cost_ms.get(name, 0.0)
+                budget.classes[name] = ClassBudget(
+                    cur.slo_class, cur.horizon_ms, max(0.0, cur.pab_ms - cost), max(0, cur.pab_tokens - take.tokens),
+                    max(0, cur.kv_limited_tokens - take.tokens), cur.ttft_ms, cur.tpot_ms,
+                    cur.decode_reservation_ms, cur.inflight_reservation_ms + cost, cur.kv_free_tokens,
+                    cur.decode_iterations)
+
+    def take_local(self, replica_id: str, slo_class: str, prompt_tokens: int,
+                   awaiting_key: str | None = None) -> None:
         """Deduct a prompt from the local view at once, before its Reserve answer arrives, so that
         concurrent placements spread instead of all choosing the same replica: the request's class
         loses its predicted prefill a + b*P ms, every other class b*P ms (the in-flight
         reservation's own term, pab.py), and every class P tokens of PAB_tokens and of
         kv_limited_tokens (the prompt's KV). The Reserve answer (:meth:`apply_reserve`) or the
-        next snapshot then sets the agent's figures."""
+        next snapshot then sets the agent's figures. With ``awaiting_key`` (a placement about to
+        send its Reserve) the take stays deducted from every snapshot and from other placements'
+        answers until :meth:`apply_reserve` with the same key (or :meth:`forget_take`) ends it."""
         budget = self._budgets.get(replica_id)
         if budget is None or budget.classes is None or budget.time_model is None:
             return
         tm = budget.time_model
         p = max(0, int(prompt_tokens))
+        costs: dict[str, float] = {}
         for name, cur in list(budget.classes.items()):
-            cost = tm.prefill_ms(p) if name == slo_class else tm.b_ms_per_new_token * p
+            cost = costs[name] = tm.prefill_ms(p) if name == slo_class else tm.b_ms_per_new_token * p
             # dataclasses.replace with these four fields, field by field (replace costs 5x: _CLASS_FIELDS)
             budget.classes[name] = ClassBudget(
                 cur.slo_class, cur.horizon_ms, max(0.0, cur.pab_ms - cost), max(0, cur.pab_tokens - p),
                 max(0, cur.kv_limited_tokens - p), cur.ttft_ms, cur.tpot_ms, cur.decode_reservation_ms,
                 cur.inflight_reservation_ms + cost, cur.kv_free_tokens, cur.decode_iterations)
+        if awaiting_key is not None:
+            budget.awaiting[awaiting_key] = AwaitingTake(costs, p)
         self.drain.note_added(replica_id, tm.b_ms_per_new_token * p)
         lump = tm.b_ms_per_new_token * p
         lumps, done = budget.inflight_prefill_ms, budget.inflight_prefill_done_at_ms

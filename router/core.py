@@ -695,7 +695,7 @@ class RouterCore:
         inline = bool(result.candidates) and use_inline(adm.lease_mode, self.book.inline_admission(result.candidates[0]))
         for replica_id in offer_replicas(result.candidates, inline, DEFAULT_MAX_CANDIDATES):
             uncached = lease_tokens(prompt_tokens, cached, replica_id)  # the prefill left to compute
-            self.book.take_local(replica_id, slo_class, uncached)
+            self.book.take_local(replica_id, slo_class, uncached, None if inline else request_id)
             if inline:
                 self._inline_seq += 1
                 grant = Grant(replica_id, f"inline-{self._inline_seq}", True, uncached, on_time_only,
@@ -703,8 +703,11 @@ class RouterCore:
             else:
                 t1 = time.perf_counter()
                 waited_ms = max(0.0, self.clock.now_ms() - arrival_ms)  # refused Reserves before took time
-                answer = await self.reserve.reserve(replica_id, slo_class, uncached, request_id, max_tokens, waited_ms,
-                                                    on_time_only)  # fmt: skip
+                try:
+                    answer = await self.reserve.reserve(replica_id, slo_class, uncached, request_id, max_tokens,
+                                                        waited_ms, on_time_only)  # fmt: skip
+                finally:
+                    self.book.forget_take(replica_id, request_id)  # answered below, or no answer
                 self.observe_reserve(time.perf_counter() - t1)
                 if answer.pab_ms >= 0:
                     self.book.apply_reserve(replica_id, slo_class, answer.pab_ms, answer.pab_tokens)

@@ -128,3 +128,37 @@ def test_inflight_lumps_come_from_the_snapshot_then_the_routers_own_placements()
     book.update("r0", bad)
     v = book.views()[0]
     assert (v.inflight_prefill_ms, v.inflight_prefill_done_at_ms) == ((40.0,), ())
+
+
+def test_an_answer_keeps_the_takes_still_awaiting_theirs() -> None:
+    # a = 10, b = 0.1 ms/token; PAB 300 ms / 2900 tokens. Placements A (1000 tokens, 110 ms) and C
+    # (500 tokens, 60 ms) both on r0 before A's answer: A's answer (the agent saw only A: 190 ms,
+    # 1900 tokens) must leave C deducted: 190 - 60 = 130 ms, 1900 - 500 = 1400 tokens
+    book = BudgetBook(FakeClock(1000.0), ["r0"])  # type: ignore[arg-type]
+    book.update("r0", snapshot(pab_ms=300))
+    book.take_local("r0", "interactive", 1000, awaiting_key="A")
+    book.take_local("r0", "interactive", 500, awaiting_key="C")
+    b = book.usable("r0", "interactive")
+    assert (b.pab_ms, b.pab_tokens) == (130.0, 1400)
+    book.apply_reserve("r0", "interactive", 190.0, 1900, awaiting_key="A")
+    b = book.usable("r0", "interactive")
+    assert (b.pab_ms, b.pab_tokens) == (pytest.approx(130.0), 1400)
+    # a snapshot (agent before C: PAB 250, 2400 tokens) is read minus C too: 190 ms, 1900 tokens
+    book.update("r0", snapshot(seq=2, pab_ms=250))
+    b = book.usable("r0", "interactive")
+    assert (b.pab_ms, b.pab_tokens) == (pytest.approx(190.0), 1900)
+    # C's answer (the agent saw both: 130 ms, 1400 tokens) ends it; nothing awaits any more
+    book.apply_reserve("r0", "interactive", 130.0, 1400, awaiting_key="C")
+    b = book.usable("r0", "interactive")
+    assert (b.pab_ms, b.pab_tokens) == (130.0, 1400)
+    book.update("r0", snapshot(seq=3, pab_ms=130))
+    assert book.usable("r0", "interactive").pab_ms == 130.0
+
+
+def test_a_reserve_without_answer_stops_being_deducted() -> None:
+    book = BudgetBook(FakeClock(1000.0), ["r0"])  # type: ignore[arg-type]
+    book.update("r0", snapshot(pab_ms=300))
+    book.take_local("r0", "interactive", 1000, awaiting_key="A")
+    book.forget_take("r0", "A")  # the Reserve failed: the next snapshot's figures stand alone
+    book.update("r0", snapshot(seq=2, pab_ms=300))
+    assert book.usable("r0", "interactive").pab_ms == 300.0
