@@ -86,6 +86,9 @@ class BenchSetup:
             profile; False: it keeps the profile's fixed model.
         prefix_caching: the engine's automatic prefix caching (vLLM's default); with it, a request's
             ``hash_ids`` give its prompt's block hashes (module docstring).
+        engine_front_ms: time between a request's arrival and the engine core seeing it (ms; the API
+            server's tokenization and hand-off, measured on real vLLM by ``make bench-vllm``,
+            docs/vllm.md); TTFT still counts from the arrival. 0: none (the default).
     """
 
     trace: tuple[TraceRequest, ...]
@@ -103,12 +106,14 @@ class BenchSetup:
     engine_time: EngineTimeModel | None = None
     online_time_model: bool = True
     prefix_caching: bool = True
+    engine_front_ms: float = 0.0
 
 
 def run_point(setup: BenchSetup, policy: str, rate_rps: float, tpot_from_first_token: bool = True) -> dict[str, Any]:
     """One policy at one rate: the per-rate row of bench.json."""
     scale = rate_rps / setup.native_rps
     window_ms = setup.duration_s * 1000.0
+    front = max(0.0, setup.engine_front_ms)  # the engine sees each request this long after its arrival
     reqs = []
     for i, r in enumerate(setup.trace):
         t = r.arrival_ms / scale
@@ -117,7 +122,7 @@ def run_point(setup: BenchSetup, policy: str, rate_rps: float, tpot_from_first_t
         prompt = max(1, r.prompt_tokens)
         hashes = (tuple(block_hashes_from_ids(r.hash_ids, PREFIX_BLOCK_TOKENS, setup.block_size, prompt))
                   if setup.prefix_caching and r.hash_ids else ())  # fmt: skip
-        reqs.append(VirtualRequest(str(i), t, prompt, max(1, r.output_tokens), setup.ttft_ms, setup.tpot_ms,
+        reqs.append(VirtualRequest(str(i), t + front, prompt, max(1, r.output_tokens), setup.ttft_ms, setup.tpot_ms,
                                    hashes))  # fmt: skip
     prof = load_profile(setup.profile, setup.variant)
     cfg = EngineConfig(
@@ -143,7 +148,7 @@ def run_point(setup: BenchSetup, policy: str, rate_rps: float, tpot_from_first_t
                 "envelope_attainment": 0.0, "error": str(e), "wall_s": round(time.perf_counter() - t0, 3)}  # fmt: skip
     wall_s = time.perf_counter() - t0
     records = [
-        RequestRecord("all", rec.request.arrival_ms, rec.request.prompt_tokens, len(rec.token_times_ms),
+        RequestRecord("all", rec.request.arrival_ms - front, rec.request.prompt_tokens, len(rec.token_times_ms),
                       rec.token_times_ms, OK if rec.rejected is None else REJECTED, rec.rejected,
                       expected_output_tokens=rec.request.output_tokens)  # fmt: skip
         for rec in run.records
@@ -152,7 +157,7 @@ def run_point(setup: BenchSetup, policy: str, rate_rps: float, tpot_from_first_t
     envelope_met = sum(
         1 for rec in run.records
         if rec.rejected is None and len(rec.token_times_ms) == rec.request.output_tokens
-        and Envelope(rec.request.arrival_ms, setup.ttft_ms, setup.tpot_ms).first_violation(rec.token_times_ms) is None
+        and Envelope(rec.request.arrival_ms - front, setup.ttft_ms, setup.tpot_ms).first_violation(rec.token_times_ms) is None
     )
     ttft_miss = sum(1 for r in records if r.ttft_ms is None or r.ttft_ms > setup.ttft_ms)
     tpot_miss = sum(1 for r in records if (t := r.tpot_ms) is not None and t > setup.tpot_ms)

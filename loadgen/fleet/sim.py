@@ -344,6 +344,9 @@ class FleetConfig:
             kill -9 (module docstring, "Faults and migration"); it serves no more in this run.
         max_migrations: the routers' ``migration.max_migrations`` (continuations per request; 0: a
             request cut mid-stream fails).
+        engine_front_ms: time from a request's arrival at the replica to its engine core (ms; vLLM's API
+            server: tokenization and hand-off), added to the forwarding hop; ``make bench-vllm``
+            measures it on real vLLM (docs/vllm.md). 0: none (the default).
     """
 
     policy: str
@@ -391,6 +394,7 @@ class FleetConfig:
     contention_keep_running: bool = True
     faults: tuple[tuple[float, int], ...] = ()
     max_migrations: int = 3
+    engine_front_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.replica_kinds and sum(k.count for k in self.replica_kinds) != self.replicas:
@@ -402,6 +406,8 @@ class FleetConfig:
             raise ValueError("replicas and routers must be >= 1")
         if self.push_period_ms <= 0 or self.net_delay_ms < 0 or self.scrape_period_ms <= 0:
             raise ValueError("push_period_ms and scrape_period_ms must be > 0, net_delay_ms >= 0")
+        if not self.engine_front_ms >= 0:
+            raise ValueError(f"engine_front_ms must be >= 0, got {self.engine_front_ms}")
         if self.lease_mode not in ("reserve", "inline"):
             raise ValueError(f"lease_mode must be 'reserve' or 'inline', got {self.lease_mode!r}")
         if self.min_push_interval_ms is not None and self.min_push_interval_ms < 0:
@@ -1025,7 +1031,7 @@ class FleetSim:
         """Send a granted request to its replica: one hop after a direct grant (a baseline's) or an
         inline admission, else after the Reserve round trips (``refusals`` refused ones first) and
         the hop."""
-        d = self.cfg.net_delay_ms
+        d = self.cfg.net_delay_ms + self.cfg.engine_front_ms  # the last hop ends in the engine core
         st = self.states[idx]
         st.lease_id = grant.lease_id
         ri = self.index_of[grant.replica_id]
@@ -1036,7 +1042,8 @@ class FleetSim:
             st.admit_tokens = grant.prompt_tokens
             self.push_event(now_ms + d, _FORWARD, idx, (ri,))
             return
-        self.push_event(now_ms + 3 * d + 2 * d * refusals, _FORWARD, idx, (ri,))
+        n = self.cfg.net_delay_ms
+        self.push_event(now_ms + 2 * n + 2 * n * refusals + d, _FORWARD, idx, (ri,))
 
     def changed(self, ri: int, t: float) -> None:
         """Replica ``ri``'s state changed: push a snapshot now, or at the end of the coalescing
@@ -1077,7 +1084,8 @@ class FleetSim:
                                                   self.cfg.queue_cap_tokens, rep.engine.has_work()):  # the agent's rule
             nxt = router.redirect(idx)  # the placement's next candidate (router/core.py), at most 3 in all
             if nxt is not None:  # 429 back to the router (d), next candidate (d)
-                self.push_event(t + 2 * self.cfg.net_delay_ms, _FORWARD, idx, (self.index_of[nxt.replica_id],))
+                self.push_event(t + 2 * self.cfg.net_delay_ms + self.cfg.engine_front_ms, _FORWARD, idx,
+                                (self.index_of[nxt.replica_id],))
             else:
                 router._rejected(idx, "queue-cap")
             return

@@ -70,3 +70,24 @@ def test_hash_ids_reach_the_engines_prefix_cache() -> None:
     assert run_point(replace(setup, prefix_caching=False), "vllm-default", 1.0)["prefix_hit_ratio"] == 0.0
     no_ids = replace(setup, trace=tuple(TraceRequest(r.arrival_ms, r.prompt_tokens, r.output_tokens) for r in trace))
     assert run_point(no_ids, "vllm-default", 1.0)["prefix_hit_ratio"] == 0.0
+
+
+def test_engine_front_delay_adds_to_the_ttft_of_a_lone_request() -> None:
+    from dataclasses import replace
+
+    import pytest
+
+    from loadgen.bench_policies import BenchSetup, run_point
+    from loadgen.traces import TraceRequest
+
+    # one request a minute: each alone on the engine, which sees it 50 ms after its arrival; TTFT counts from
+    # the arrival, so its p50 is 50 ms longer; a TTFT target between the two TTFTs turns the hit into a miss
+    trace = tuple(TraceRequest(i * 60_000.0, 512, 4) for i in range(3))
+    setup = BenchSetup(trace, 1.0, "llama-3-8b-a100", "all_batches", 1000.0, 100.0, 180.0, 2048, 64, 16, 32768, None)
+    base = run_point(setup, "vllm-default", 1.0)
+    late = run_point(replace(setup, engine_front_ms=50.0), "vllm-default", 1.0)
+    assert late["ttft_p50_ms"] - base["ttft_p50_ms"] == pytest.approx(50.0)
+    ttft = base["ttft_p50_ms"]
+    tight = replace(setup, ttft_ms=ttft + 25.0)
+    assert run_point(tight, "vllm-default", 1.0)["slo_attainment"] == 1.0
+    assert run_point(replace(tight, engine_front_ms=50.0), "vllm-default", 1.0)["slo_attainment"] == 0.0

@@ -390,3 +390,17 @@ def test_four_router_copies_serve_a_sheddable_burst_on_time() -> None:
     assert max(four) <= 500.0 and max(one) <= 500.0
     # the copies serve no more than one router does (they no longer serve late what one refuses)
     assert len(four) <= len(one) + 1 and len(four) >= len(one) - 2
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "pab"])
+def test_engine_front_delay_adds_to_every_ttft_on_an_idle_fleet(policy: str) -> None:
+    # far-apart requests, each alone on the fleet: the engine sees each one 40 ms later, so each TTFT is
+    # exactly 40 ms longer (the engine's steps and the hops unchanged)
+    reqs = [FleetRequest(i * 2000.0, 200 + 100 * i, 3) for i in range(4)]
+    base = run_fleet(cfg(policy), reqs)
+    late = run_fleet(cfg(policy, engine_front_ms=40.0), reqs)
+    for a, b in zip(base.records, late.records, strict=True):
+        assert a.outcome == b.outcome == "ok"
+        assert b.token_times_ms[0] - a.token_times_ms[0] == pytest.approx(40.0)
+    with pytest.raises(ValueError):
+        cfg(policy, engine_front_ms=-1.0)

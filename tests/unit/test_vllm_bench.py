@@ -12,6 +12,8 @@ from loadgen.traces import TraceRequest
 from loadgen.vllm_bench import (
     engine_ms,
     fit_step_log,
+    latency_breakdown,
+    measured_front_ms,
     scaled_trace,
     slo_rule,
     step_features,
@@ -88,11 +90,39 @@ def test_slo_rule_by_hand() -> None:
     engine = {"a_ms": 10.0, "b_ms": 1.0, "c_ms": 0.01, "d_ms": 0.0, "e_ms": 0.0, "f_ms": 0.0}
     reqs = [TraceRequest(0.0, p, o) for p, o in ((50, 10), (100, 20), (300, 40))]
     slo = slo_rule(engine, reqs)
-    # prefill of 100 tokens: 10 + 100 = 110 ms -> TTFT 4 x 110 = 440 ms
-    assert slo["ttft_ms"] == 440.0
+    # median prompt 100: prefill 10 + 100 = 110 ms -> 4 x = 440 ms; p99 prompt (linear: 100 + 0.98 x 200 =
+    # 296): prefill 306 ms -> 2 x = 612 -> 610 ms; the larger wins
+    assert slo["ttft_ms"] == 610.0 and slo["p99_prompt"] == 296
     # 16 decodes at context 100 + 20 // 2 = 110: 10 + 16 + 0.01 * 16 * 110 = 43.6 ms -> 2 x = 87.2 -> 90 ms
     assert slo["tpot_ms"] == 90.0
     assert slo["median_prompt"] == 100 and slo["median_output"] == 20
+    # all prompts alike: the median rule wins (4 x 110 = 440 > 2 x 110)
+    assert slo_rule(engine, [TraceRequest(0.0, 100, 20)] * 3)["ttft_ms"] == 440.0
+
+
+def test_latency_breakdown_by_hand() -> None:
+    # two engines; histogram sums in seconds. Engine 0: 2 new TTFTs summing 0.3 s, queue 0.04 s, prefill 0.2 s;
+    # engine 1: 2 new TTFTs summing 0.5 s, queue 0.06 s, prefill 0.2 s; ITL 10 samples, 0.2 s in all
+    z = {"ttft": (0.0, 0.0), "queue": (0.0, 0.0), "prefill": (0.0, 0.0), "itl": (0.0, 0.0)}
+    before = [z, {**z, "ttft": (1.0, 3.0)}]
+    after = [{"ttft": (0.3, 2.0), "queue": (0.04, 2.0), "prefill": (0.2, 2.0), "itl": (0.1, 5.0)},
+             {"ttft": (1.5, 5.0), "queue": (0.06, 2.0), "prefill": (0.2, 2.0), "itl": (0.1, 5.0)}]
+    b = latency_breakdown(before, after, client_ttft_mean_ms=250.0)
+    # TTFT (0.3 + 0.5) / 4 = 200 ms; queue 0.1 / 4 = 25 ms; prefill 0.4 / 4 = 100 ms; ITL 0.2 / 10 = 20 ms
+    assert b["ttft_mean_ms"] == 200.0 and b["queue_mean_ms"] == 25.0 and b["prefill_mean_ms"] == 100.0
+    assert b["itl_mean_ms"] == 20.0
+    assert b["front_ms"] == 125.0  # 250 - 25 - 100
+    none = latency_breakdown([z], [z], client_ttft_mean_ms=250.0)
+    assert none["ttft_mean_ms"] is None and none["front_ms"] is None
+    with pytest.raises(ValueError):
+        latency_breakdown([z], [z, z], None)
+
+
+def test_measured_front_is_the_median_over_the_setups_rows() -> None:
+    rows = lambda *fs: {"rows": [{"latency_breakdown": {"front_ms": f}} for f in fs]}  # noqa: E731
+    doc = {"single": {"a": rows(10.0, 30.0), "b": rows(20.0, None)}, "pair": {}}
+    assert measured_front_ms(doc, "single") == 20.0
+    assert measured_front_ms(doc, "pair") is None
 
 
 def test_window_is_bench_policies_rate_scaling() -> None:
@@ -137,12 +167,21 @@ def test_markdown_table_by_hand() -> None:
                       "fairbatching": {"rows": rows([1.0, 0.85]), "capacity_rps": 1.52, "capacity_bound": "interpolated"}},
            "simulated": {"single": {"vllm-default": {"rows": rows([1.0, 1.0]), "capacity_rps": 2.0,
                                                      "capacity_bound": "at-least"}}},
+           "simulated_front": {"single": {"vllm-default": {"rows": rows([1.0, 0.7]), "capacity_rps": 1.2,
+                                                           "capacity_bound": "interpolated"}}},
            }
+    doc["single"]["vllm-default"]["rows"][0].update(
+        ttft_mean_ms=250.0, not_ok_reasons={"failed:timeout": 2},
+        latency_breakdown={"ttft_mean_ms": 200.0, "queue_mean_ms": 25.0, "prefill_mean_ms": 100.0, "front_ms": 125.0,
+                           "itl_mean_ms": 20.0})  # fmt: skip
     table = markdown_table(doc)
-    assert "| 1 replica | vllm-default | 1.00 (0.90) / 2.00 (1.80) | 1.00 / 0.80 | 1.00 / 1.00 | 1.50 | >= 2.00 | 1.33 |" in table
+    # sim / measured 2.0 / 1.5 = 1.33; sim + front / measured 1.2 / 1.5 = 0.80
+    assert ("| 1 replica | vllm-default | 1.00 (0.90) / 2.00 (1.80) | 1.00 / 0.80 | 1.00 / 1.00 | 1.00 / 0.70 | 1.50 "
+            "| >= 2.00 | 1.33 | 0.80 |") in table
+    assert "| single | vllm-default | 1.00 | 250 | 200 | 25 | 100 | 125 | 20.0 | failed:timeout 2 |" in table
     # 1.52 / 1.5 = 1.013: within 5 %
     assert "fairbatching vs vllm-default: **no gain** (1.52 vs 1.5, capacity)" in table
-    assert "| 1 replica | fairbatching | 1.00 (0.90) / 2.00 (1.80) | 1.00 / 0.85 | - | 1.52 | - | - |" in table
+    assert "| 1 replica | fairbatching | 1.00 (0.90) / 2.00 (1.80) | 1.00 / 0.85 | - | - | 1.52 | - | - | - |" in table
 
 
 def test_step_time_drift_is_measured_over_predicted() -> None:
