@@ -848,8 +848,8 @@ def markdown_table(doc: dict[str, Any]) -> str:
         for setup, pol, r in bd:
             b = r["latency_breakdown"]
             lines.append(f"| {setup} | {pol} | {r['rate_rps']:.2f} | {_f(r.get('ttft_mean_ms'), '.0f')} | "
-                         f"{_f(b['ttft_mean_ms'], '.0f')} | {_f(b['queue_mean_ms'], '.0f')} | {_f(b['prefill_mean_ms'], '.0f')} | "
-                         f"{_f(b['front_ms'], '.0f')} | {_f(b['itl_mean_ms'], '.1f')} | "
+                         f"{_f(b.get('ttft_mean_ms'), '.0f')} | {_f(b.get('queue_mean_ms'), '.0f')} | "
+                         f"{_f(b.get('prefill_mean_ms'), '.0f')} | {_f(b.get('front_ms'), '.0f')} | {_f(b.get('itl_mean_ms'), '.1f')} | "
                          f"{', '.join(f'{k} {v}' for k, v in (r.get('not_ok_reasons') or {}).items()) or '-'} |")
     drift = []
     for setup in ("single", "pair"):
