@@ -461,6 +461,7 @@ class RedisLedger:
 
         if isinstance(exc, AuthenticationError):  # NOAUTH (no password given) or WRONGPASS
             log.warning("ledger: Redis at %s %s (%s: %s): give Redis's requirepass as FAIRBATCH_REDIS_PASSWORD "
+                        "(or a file named by FAIRBATCH_REDIS_PASSWORD_FILE) "
                         "or in redis_url; serving on the local ledger", self.url,
                         "refused the password given" if self._password_given else "requires a password, none given",
                         exc.__class__.__name__, exc)

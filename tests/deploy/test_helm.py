@@ -461,8 +461,13 @@ def test_agent_sidecar_patch_applies_to_a_vllm_statefulset(helm: Path) -> None:
     agent = container(pod, "fairbatch-agent")
     assert agent["args"][agent["args"].index("--engine-url") + 1] == "http://127.0.0.1:8000"
     # the chart's generated token Secret of a release "fairbatch" (the agent on 0.0.0.0 needs one to start)
-    token = next(e for e in agent["env"] if e["name"] == "FAIRBATCH_AGENT_TOKEN")
-    assert token["valueFrom"]["secretKeyRef"] == {"name": "fairbatch-agent-token", "key": "token"}
+    # as a file from the Secret's volume (issue 30: no secret in an env value)
+    assert all(e["name"] != "FAIRBATCH_AGENT_TOKEN" for e in agent["env"])
+    token = next(e for e in agent["env"] if e["name"] == "FAIRBATCH_AGENT_TOKEN_FILE")
+    assert token["value"] == "/var/run/secrets/fairbatch/agent-token/token"
+    vol = next(v for v in pod["volumes"] if v["name"] == "agent-token")
+    assert vol["secret"]["secretName"] == "fairbatch-agent-token" and vol["secret"]["items"] == [{"key": "token", "path": "token"}]
+    assert {"name": "agent-token", "mountPath": "/var/run/secrets/fairbatch/agent-token", "readOnly": True} in agent["volumeMounts"]
     proc = _run(helm, "template", "fairbatch", str(CHART), "-n", "inference",
                 "-f", str(_ci("existing-fleet-values.yaml")))
     assert proc.returncode == 0, proc.stderr

@@ -96,7 +96,8 @@ async def test_without_the_password_redis_refuses_and_the_ledger_falls_back(
     else:
         assert (f"Redis at {redis_auth_server.url} refused the password given (AuthenticationError: "
                 "invalid username-password pair") in text
-    assert "give Redis's requirepass as FAIRBATCH_REDIS_PASSWORD or in redis_url" in text
+    assert ("give Redis's requirepass as FAIRBATCH_REDIS_PASSWORD (or a file named by FAIRBATCH_REDIS_PASSWORD_FILE) "
+            "or in redis_url") in text
     if password:
         assert password not in text
 
