@@ -242,8 +242,13 @@ class RelayAttempts:
     ``max_tries`` attempts may fail before the first byte (each leaves its replica out of the
     request's later placements: ``exclude``); an inline admission refused on arrival is not a
     failure of the replica and does not count as an attempt, but leaves the refusing replica out of
-    the next immediate placement (``refused_on``), and the ``max_refusals``-th refusal gives up.
-    So a request makes at most ``max_tries + max_refusals - 1`` relay attempts.
+    the next immediate placement (``refused_on``), and the ``max_refusals``-th refusal since the
+    request last waited in the router's queue gives up (:meth:`waited`). So between two queue waits a
+    request makes at most ``max_tries + max_refusals - 1`` relay attempts, and every wait is bounded by
+    the request's queue deadline (from its arrival): the refusal bound stops a request bouncing between
+    agents on a view that does not change, not one that waits for budget to free and is refused again
+    because the router's view lagged the agents (a 200-request backlog on a loaded machine: 2 requests of
+    a non-sheddable class answered 503 ``no-budget`` while the queue still drained).
 
     Args:
         max_tries: attempts that may fail before the first byte (>= 1).
@@ -266,6 +271,11 @@ class RelayAttempts:
             return False
         self.tries += 1
         return True
+
+    def waited(self) -> None:
+        """The request waits in the router's queue (for a budget change): its refusals so far stop
+        counting towards ``max_refusals``."""
+        self.refusals = 0
 
     def after(self, kind: str, replica_id: str) -> RelayAction:
         """The attempt on ``replica_id`` ended with ``kind``: :func:`after_relay`'s action, with this

@@ -296,10 +296,14 @@ class Router(AuxEndpoints):
         tries = core.attempts(self.max_relay_tries)  # router/admission.py: bounds, exclusions
         slo = principal.slo
         grant: Grant | None = None
+
+        async def queued(_entry: object) -> None:
+            tries.waited()  # a wait for budget, bounded by the queue deadline: refusals count afresh
+
         while tries.next_try():
             # after an inline refusal: placed elsewhere at once when another replica fits, else
             # queued for any replica (the refusing one's answer already updated the view)
-            got = await self._acquire(req, tries.exclude, tries.refused_on, grant)
+            got = await self._acquire(req, tries.exclude, tries.refused_on, grant, on_queued=queued)
             if isinstance(got, Refused):
                 if got.reason == "no-replica":
                     break

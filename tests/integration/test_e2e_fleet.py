@@ -42,7 +42,8 @@ def prompt_of(n: int, unique: bool = True) -> str:
 
 async def complete(session: aiohttp.ClientSession, fleet, prompt_tokens: int, max_tokens: int, *, stream: bool = True,
                    tenant: str = "acme", unique: bool = True) -> dict:
-    """One completion through the router; returns status, headers, first/last token times (s) and token count.
+    """One completion through the router; returns status, headers, first/last token times (s), token count
+    and, for a stream that ended with an SSE error event, that event's ``error``.
     ``unique``: a prompt no other request shares (see :func:`prompt_of`)."""
     body = {"model": "llama-3-8b-a100", "prompt": prompt_of(prompt_tokens, unique), "max_tokens": max_tokens,
             "stream": stream, "ignore_eos": True}
@@ -59,6 +60,8 @@ async def complete(session: aiohttp.ClientSession, fleet, prompt_tokens: int, ma
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
             ev = json.loads(line[6:])
+            if ev.get("error"):  # the documented end of a stream cut mid-way (and not continued)
+                out["error"] = ev["error"]
             if ev.get("choices") and ev["choices"][0].get("text"):
                 out["tokens"] += 1
                 out["first"] = out["first"] or time.monotonic()

@@ -327,6 +327,8 @@ async def test_agent_refusing_the_inline_admission_becomes_503_no_budget(fleet) 
     s = fleet.stream()
     pick = parse_pick(await s.request_headers(headers()))
     assert pick is not None
+    # no periodic snapshot from here on (one would put r0's 400 ms back in the book before the check below)
+    fleet.admission["r0"].pushing = False
     resp = await s.response_headers(409, {"x-fairbatch-refused": "no-budget", "x-fairbatch-pab-ms": "5.000",
                                           "x-fairbatch-pab-tokens": "0"}, served=fleet.endpoint("r0"))
     im = immediate_of(resp)

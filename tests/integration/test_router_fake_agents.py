@@ -29,16 +29,17 @@ from tests.timing import LoopLag
 class Fleet(LoopbackFleet):
     """Fake replicas (tests/integration/fake_agents.py) + the router on a static replica list."""
 
-    async def add_replica(self, rid: str, pab_ms: float, mode: str = "ok") -> tuple[str, str]:
-        return await self.start_replica(FakeAdmission(rid, pab_ms), FakeUpstream(rid, mode))
+    async def add_replica(self, rid: str, pab_ms: float, mode: str = "ok", ttl_ms: int = 300) -> tuple[str, str]:
+        return await self.start_replica(FakeAdmission(rid, pab_ms, ttl_ms=ttl_ms), FakeUpstream(rid, mode))
 
     async def start(self, replicas: dict[str, float], modes: dict[str, str] | None = None,
                     max_queue_ms: float = 3000, queue_max_requests: int = 64, silence_s: float = 10.0,
-                    ttft_ms: float = 500, lease_mode: str = "reserve", max_migrations: int = 3) -> None:
+                    ttft_ms: float = 500, lease_mode: str = "reserve", max_migrations: int = 3,
+                    ttl_ms: int = 300) -> None:  # fmt: skip
         modes = modes or {}
         reps = []
         for rid, pab in replicas.items():
-            http_url, target = await self.add_replica(rid, pab, modes.get(rid, "ok"))
+            http_url, target = await self.add_replica(rid, pab, modes.get(rid, "ok"), ttl_ms)
             reps.append({"id": rid, "http_url": http_url, "grpc_target": target})
         config = RouterConfig.model_validate({
             "model": "sim-model",
@@ -442,7 +443,10 @@ async def test_migration_gives_up_when_no_replica_is_left(fleet: Fleet) -> None:
 async def test_migration_limit_holds(fleet: Fleet) -> None:
     """migration.max_migrations 1: r0 fails mid-stream, its continuation on r1 fails too; the limit
     stops there (r2, healthy, is never asked) and the stream ends with the SSE error event."""
-    await fleet.start({"r0": 400.0, "r1": 350.0, "r2": 300.0}, modes={"r0": "cut", "r1": "cut"}, max_migrations=1)
+    # budgets fresh for 10 s: on a loaded machine r1's pushes can come later than the usual 300 ms TTL, and a
+    # stale r1 (budget 0) sent the continuation to r2, which then served it whole
+    await fleet.start({"r0": 400.0, "r1": 350.0, "r2": 300.0}, modes={"r0": "cut", "r1": "cut"}, max_migrations=1,
+                      ttl_ms=10_000)
     resp = await fleet.post({**completion(stream=True), "max_tokens": 10})
     raw = await asyncio.wait_for(resp.read(), 10.0)
     events = [e for e in raw.decode().split("\n\n") if e]

@@ -104,7 +104,12 @@ async def test_replayed_trace_ttft_histograms_match_the_loadgen_report(fleet_fac
         n_missed = sum(s.value for s in misses.samples if s.name.endswith("_total")
                        and {k: s.labels[k] for k in labels} == labels)  # fmt: skip
         n_judged = sum(s.value for s in judged.samples if s.name.endswith("_total") and s.labels == labels)
-        assert n_judged == report["requests_total"]
+        # every request is judged once; a request the client gave up on its own side (its timeout or the
+        # replay's wall limit, on a loaded machine) may end at the router only after this read
+        client_side = sum(v for k, v in report["failed_reasons"].items()
+                          if k == "timeout" or k.startswith(("client-", "os-")))  # fmt: skip
+        assert report["requests_total"] - client_side <= n_judged <= report["requests_total"], (
+            n_judged, report["requests_total"], report["failed_reasons"])
         assert n_attained + n_missed == n_judged
         # the client's interval exceeds the router's by the loopback and the client's lateness on both ends
         # (sending, reading), at most twice this loop's worst: recounted with that allowance, the client's

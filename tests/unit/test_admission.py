@@ -171,6 +171,20 @@ def test_inline_refusals_do_not_count_as_tries_and_give_up_at_the_bound() -> Non
     assert attempts == 9 == MAX_RELAY_TRIES + MAX_ADMIT_REFUSALS - 1
 
 
+def test_a_queue_wait_lets_the_refusals_count_afresh() -> None:
+    t = RelayAttempts(2, 8)
+    for i in range(7):
+        assert t.next_try()
+        assert t.after("lease_refused", f"r{i % 2}").next == "replace"
+    t.waited()  # the 8th placement came from the queue, after a wait for budget
+    for i in range(7):  # seven more refusals: still placed again
+        assert t.next_try()
+        assert t.after("lease_refused", f"r{i % 2}").next == "replace"
+    assert t.refusals == 7 and t.tries == 0
+    assert t.next_try()
+    assert t.after("lease_refused", "r0").next == "give_up"  # the 8th since the wait
+
+
 def test_an_answer_ends_the_attempts_without_changing_them() -> None:
     t = RelayAttempts()
     assert (t.max_tries, t.max_refusals) == (MAX_RELAY_TRIES, MAX_ADMIT_REFUSALS) == (2, 8)
