@@ -101,7 +101,9 @@ async def test_virtual_and_real_time_engines_agree(engine: tuple[str, Path]) -> 
     assert [len(r.token_times_ms) for r in virtual.records] == [len(r.token_times_ms) for r in result.records]
     assert stretch <= MAX_STRETCH, stretch
     assert real_tpot >= v_tpot * 0.90, (real_tpot, v_tpot)
-    assert real_ttft == pytest.approx(v_ttft * stretch, rel=0.25), (real_ttft, v_ttft, stretch)
+    # the first token read late by this loop (at most lag.worst_s) lengthens a TTFT by as much
+    assert v_ttft * stretch * 0.75 <= real_ttft <= v_ttft * stretch * 1.25 + lag.worst_s * 1000.0, (
+        real_ttft, v_ttft, stretch, lag.worst_s)
     # the client reads each token in this test's loop: a token read late (at most lag.worst_s) lengthens its
     # request's TPOT = (last - first) / (n - 1) by at most worst / (n - 1), so the mean by at most
     # worst x mean(1 / (n - 1)) (0 on an idle machine); the server's own lateness is in the stretch

@@ -213,6 +213,8 @@ def test_bad_servegen_spec(tmp_path: Path) -> None:
         load_trace(spec)
 
 
+@pytest.mark.timeout(480)  # CPU-bound (a 2-replica simulation of a ServeGen hour's busiest window): beside a
+# parallel make test on 2 cores it ran past the default 120 s
 def test_bench_fleet_runs_on_servegen(tmp_path: Path) -> None:
     from loadgen.fleet.bench import main as bench_main, trace_rows
 
