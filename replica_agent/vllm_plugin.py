@@ -61,6 +61,9 @@ Configuration (environment of ``vllm serve``, inherited by the EngineCore proces
   executed step's measured time (end of ``schedule()`` to the start of ``update_from_output()``)
   teaches it, and the policy's time budget uses its conservative model (fit x learned margin);
   ``FAIRBATCH_ONLINE_TIME_MODEL=0`` keeps the prior fixed;
+- ``FAIRBATCH_POLICY``: ``fairbatching`` (default) or ``fairbatching-pd`` (its step budget may grow so
+  the most urgent waiting prefill meets its first-token deadline; replica_agent/policy/batching.py);
+  any other value stops the engine at start with the list;
 - ``FAIRBATCH_TTFT_MS`` / ``FAIRBATCH_TPOT_MS``: SLO of requests that carry none (default 1000 / 100);
   a request carries its own in ``vllm_xargs`` (``{"fairbatch_ttft_ms": X, "fairbatch_tpot_ms": Y}``
   in the OpenAI request body; vLLM 0.32.0 copies ``vllm_xargs`` into
@@ -107,7 +110,7 @@ from replica_agent.plugin_export import (
     step_record,
     time_model_from_env,
 )
-from replica_agent.policy.batching import Batch, FairBatchingPolicy, SchedRequest, SchedState
+from replica_agent.policy.batching import Batch, SchedRequest, SchedState, plugin_policy
 from replica_agent.policy.calibration import OnlineTimeModel
 from replica_agent.policy.time_model import StepFeatures, TimeModel
 
@@ -145,7 +148,7 @@ class FairBatchingScheduler(Scheduler):
                               if env.get("FAIRBATCH_ONLINE_TIME_MODEL", "1") != "0" else None)  # fmt: skip
         self.fb_default_ttft_ms = positive_float(env.get("FAIRBATCH_TTFT_MS")) or 1000.0
         self.fb_default_tpot_ms = positive_float(env.get("FAIRBATCH_TPOT_MS")) or 100.0
-        self.fb_policy = FairBatchingPolicy(self.fb_default_ttft_ms, self.fb_default_tpot_ms)
+        self.fb_policy = plugin_policy(env.get("FAIRBATCH_POLICY"), self.fb_default_ttft_ms, self.fb_default_tpot_ms)
         self.fb_block_size = int(self.cache_config.block_size)
         self.fb_prefix_lookup = bool(self.cache_config.enable_prefix_caching)
         export = env.get("FAIRBATCH_PLUGIN_EXPORT")

@@ -623,3 +623,23 @@ def make_policy(name: str, config: PolicyConfig | None = None) -> BatchingPolicy
     except KeyError:
         raise KeyError(f"unknown batching policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
     return cls.from_config(config if config is not None else PolicyConfig())
+
+
+PLUGIN_POLICIES = (FairBatchingPolicy.name, PrefillDeadlineFairBatchingPolicy.name)
+"""Policies the vLLM scheduler plugin runs (``FAIRBATCH_POLICY``; replica_agent/vllm_plugin.py): the
+deadline-driven ones (vLLM's own scheduler is the plugin switched off, ``FAIRBATCH_PLUGIN_DISABLE=1``)."""
+
+
+def plugin_policy(name: str | None, default_ttft_ms: float, default_tpot_ms: float) -> BatchingPolicy:
+    """The plugin's policy: ``name`` (``FAIRBATCH_POLICY``; None or blank -> ``fairbatching``) with the
+    plugin's default SLO.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`PLUGIN_POLICIES` (the message lists them), or the
+            default SLO is not > 0.
+    """
+    chosen = (name or "").strip() or FairBatchingPolicy.name
+    if chosen not in PLUGIN_POLICIES:
+        raise ValueError(f"FAIRBATCH_POLICY={chosen!r} is not a plugin policy; known: {', '.join(PLUGIN_POLICIES)}")
+    return make_policy(chosen, PolicyConfig(default_ttft_ms, default_tpot_ms))
+

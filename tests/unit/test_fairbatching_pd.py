@@ -58,3 +58,18 @@ def test_budget_grows_to_the_smallest_step_that_meets_the_prefill_deadline() -> 
 def test_budget_unchanged(slack: float, cap: int, why: str) -> None:
     assert prefill_deadline_budget(50.0, 8.125, 0.125, 2000, slack - 50.0, cap) == 50.0, why
     assert make_policy("fairbatching-pd").form_batch(scene(slack, cap)).items == [("D", 1), ("P", 335)], why
+
+
+def test_the_plugin_policy_by_name() -> None:
+    from replica_agent.policy.batching import FairBatchingPolicy, PrefillDeadlineFairBatchingPolicy, plugin_policy
+
+    default = plugin_policy(None, 870.0, 40.0)
+    assert type(default) is FairBatchingPolicy
+    assert (default.default_ttft_ms, default.default_tpot_ms) == (870.0, 40.0)
+    assert type(plugin_policy("  ", 1000.0, 100.0)) is FairBatchingPolicy
+    pd = plugin_policy("fairbatching-pd", 870.0, 40.0)
+    assert type(pd) is PrefillDeadlineFairBatchingPolicy and pd.raise_budget_for_prefills
+    with pytest.raises(ValueError, match="fairbatching, fairbatching-pd"):
+        plugin_policy("vllm-default", 1000.0, 100.0)  # vLLM's own scheduler is the plugin switched off
+    with pytest.raises(ValueError):
+        plugin_policy("fairbatching", 0.0, 100.0)

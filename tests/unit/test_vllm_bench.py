@@ -208,3 +208,12 @@ def test_decide_by_capacity_or_by_attainment() -> None:
     d = decide(pol(0.0, "below-sweep", [0.8, 0.7]), pol(0.0, "below-sweep", [0.9, 0.8]))
     assert d["verdict"] == "loss" and d["a"] == 0.75 and d["b"] == 0.85
     assert decide(pol(3.0, "at-least", [1.0, 0.95]), pol(3.0, "at-least", [1.0, 0.93]))["verdict"] == "no gain"
+
+
+def test_plugin_env_names_the_policy_only_when_asked() -> None:
+    from loadgen.vllm_bench import plugin_env
+
+    env = plugin_env((9.5, 0.25, 0.001), {"ttft_ms": 870.0, "tpot_ms": 40.0}, policy="fairbatching-pd")
+    assert env["FAIRBATCH_POLICY"] == "fairbatching-pd" and env["FAIRBATCH_COEFFICIENTS"] == "9.5,0.25,0.001"
+    assert (env["FAIRBATCH_TTFT_MS"], env["FAIRBATCH_TPOT_MS"]) == ("870.0", "40.0")
+    assert "FAIRBATCH_POLICY" not in plugin_env((9.5, 0.25, 0.001), None)
