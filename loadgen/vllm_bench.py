@@ -353,12 +353,16 @@ def engine_argv(port: int, plugin: bool, extra: Sequence[str] = ()) -> list[str]
 
 
 def plugin_env(coef: Sequence[float], slo: dict[str, Any] | None, *, disable: bool = False,
-               step_log: Path | None = None, export: str | None = None, policy: str | None = None) -> dict[str, str]:  # fmt: skip
+               step_log: Path | None = None, export: str | None = None, policy: str | None = None,
+               plan_model: str | None = None) -> dict[str, str]:  # fmt: skip
     """Environment of a replica running the plugin class (``disable``: stock schedule, step log only;
-    ``policy``: ``FAIRBATCH_POLICY``, None = the plugin's default, ``fairbatching``)."""
+    ``policy``: ``FAIRBATCH_POLICY``, ``plan_model``: ``FAIRBATCH_PLAN_MODEL``, None = the plugin's defaults,
+    ``fairbatching`` and ``conservative``)."""
     env = {"PYTHONPATH": str(REPO_ROOT), "FAIRBATCH_COEFFICIENTS": ",".join(f"{c:g}" for c in coef)}
     if policy:
         env["FAIRBATCH_POLICY"] = policy
+    if plan_model:
+        env["FAIRBATCH_PLAN_MODEL"] = plan_model
     if slo:
         env["FAIRBATCH_TTFT_MS"], env["FAIRBATCH_TPOT_MS"] = str(slo["ttft_ms"]), str(slo["tpot_ms"])
     if disable:
@@ -638,7 +642,8 @@ def _capacity(rows: list[dict[str, Any]], target: float = 0.9) -> dict[str, Any]
 
 def stage_single(mode: Mode, work: Path, trace: list[TraceRequest], native: float, rates: list[float],
                  slo: dict[str, Any], coef: Sequence[float], engine: dict[str, float], say: Callable[[str], None],
-                 stock: StockReplica | None = None, policy: str | None = None) -> dict[str, Any]:  # fmt: skip
+                 stock: StockReplica | None = None, policy: str | None = None,
+                 plan_model: str | None = None) -> dict[str, Any]:  # fmt: skip
     """Stage 2: one replica each, at the same time on their own core: vLLM's scheduler (``stock``, the
     stage-1 replica on core 0 when given) and the FairBatching plugin (core 1); every rate's window is
     replayed at both at once, so both see the same machine (a paired A/B: on a shared machine the load
@@ -649,7 +654,7 @@ def stage_single(mode: Mode, work: Path, trace: list[TraceRequest], native: floa
     fb_log = work / "single-fairbatching-steps.jsonl"
     try:
         port = free_port()
-        env = {**vllm_env(omp_core(1), vllm_cache_root()), **plugin_env(coef, slo, step_log=fb_log, policy=policy)}
+        env = {**vllm_env(omp_core(1), vllm_cache_root()), **plugin_env(coef, slo, step_log=fb_log, policy=policy, plan_model=plan_model)}
         child = group.start("vllm-fairbatching", engine_argv(port, True), env=env)
         url = f"http://127.0.0.1:{port}"
         startup = wait_vllm_ready(group, child, url)
@@ -688,7 +693,7 @@ def _agent_time_model(agent_url: str) -> dict[str, Any]:
 def stage_pair(mode: Mode, work: Path, trace: list[TraceRequest], native: float, rates: list[float],
                slo: dict[str, Any], coef: Sequence[float], engine: dict[str, float],
                say: Callable[[str], None], baselines: Sequence[str] = PAIR_BASELINES,
-               policy: str | None = None) -> dict[str, Any]:  # fmt: skip
+               policy: str | None = None, plan_model: str | None = None) -> dict[str, Any]:  # fmt: skip
     """Stage 3: two replicas (cores 0 and 1) behind agents and the router: pab + fairbatching (plugin,
     agents in plugin mode) vs each of ``baselines`` (router placement profiles, router/placement/baselines.py;
     stock vLLM, agents in proxy mode)."""
@@ -706,7 +711,7 @@ def stage_pair(mode: Mode, work: Path, trace: list[TraceRequest], native: float,
         def env_of(r: Any, plugin: bool = plugin, name: str = name) -> dict[str, str]:
             e: dict[str, str] = {}
             if plugin:
-                e.update(plugin_env(coef, slo, export=f"unix:{sock_dir}/{r.replica_id}.sock", policy=policy,
+                e.update(plugin_env(coef, slo, export=f"unix:{sock_dir}/{r.replica_id}.sock", policy=policy, plan_model=plan_model,
                                     step_log=work / f"pair-{name}-{r.replica_id}-steps.jsonl"))  # fmt: skip
             return e
 
@@ -926,10 +931,11 @@ def _run_stages(args: argparse.Namespace, mode: Mode, doc: dict[str, Any], work:
     say(f"SLO: {slo['rule']} -> TTFT {slo['ttft_ms']:g} ms, TPOT {slo['tpot_ms']:g} ms; rates {rates} (x2 for two replicas)")
     if "single" in args.stages:
         rep, holder[0] = holder[0], None
-        doc["single"] = stage_single(mode, work, trace, native, rates, slo, coef, engine, say, rep, args.plugin_policy)
+        doc["single"] = stage_single(mode, work, trace, native, rates, slo, coef, engine, say, rep, args.plugin_policy,
+                                     args.plugin_plan_model)  # fmt: skip
     if "pair" in args.stages:
         doc["pair"] = stage_pair(mode, work, trace, native, pair_rates, slo, coef, engine, say, args.pair_baselines,
-                                 args.plugin_policy)  # fmt: skip
+                                 args.plugin_policy, args.plugin_plan_model)  # fmt: skip
     if "sim" in args.stages:
         doc["simulated"] = stage_sim(trace, native, rates, pair_rates, mode, slo, engine_time, args.pair_baselines)
         fronts = (measured_front_ms(doc, "single"), measured_front_ms(doc, "pair"))
@@ -956,6 +962,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--plugin-policy", default=None, choices=["fairbatching", "fairbatching-pd"],
                     help="FAIRBATCH_POLICY of the plugin replicas (default: the plugin's, fairbatching); the rows "
                          "keep the name fairbatching and the JSON says which ran (plugin_policy)")  # fmt: skip
+    ap.add_argument("--plugin-plan-model", default=None, choices=["conservative", "point"],
+                    help="FAIRBATCH_PLAN_MODEL of the plugin replicas (default: the plugin's, conservative)")
     ap.add_argument("--table", metavar="JSON", default=None, help="only print the markdown tables of a result JSON")
     args = ap.parse_args(argv)
     if args.table:
@@ -972,7 +980,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.monotonic()
     doc: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
     doc.update({"mode": "quick" if args.quick else "full", "started_loadavg": loadavg(), "nproc": os.cpu_count(),
-                "plugin_policy": args.plugin_policy or "fairbatching"})  # fmt: skip
+                "plugin_policy": args.plugin_policy or "fairbatching",
+                "plugin_plan_model": args.plugin_plan_model or "conservative"})  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="fairbatch-vllm-ab-"))
     if {"fit", "single", "pair"} & set(args.stages):
         ensure_bench_model(say)

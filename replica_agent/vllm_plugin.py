@@ -64,6 +64,8 @@ Configuration (environment of ``vllm serve``, inherited by the EngineCore proces
 - ``FAIRBATCH_POLICY``: ``fairbatching`` (default) or ``fairbatching-pd`` (its step budget may grow so
   the most urgent waiting prefill meets its first-token deadline; replica_agent/policy/batching.py);
   any other value stops the engine at start with the list;
+- ``FAIRBATCH_PLAN_MODEL``: ``conservative`` (default: steps sized with the online fit x its learned
+  margin) or ``point`` (the fit alone; the margin then only reaches the agent's PAB through the export);
 - ``FAIRBATCH_TTFT_MS`` / ``FAIRBATCH_TPOT_MS``: SLO of requests that carry none (default 1000 / 100);
   a request carries its own in ``vllm_xargs`` (``{"fairbatch_ttft_ms": X, "fairbatch_tpot_ms": Y}``
   in the OpenAI request body; vLLM 0.32.0 copies ``vllm_xargs`` into
@@ -110,7 +112,7 @@ from replica_agent.plugin_export import (
     step_record,
     time_model_from_env,
 )
-from replica_agent.policy.batching import Batch, SchedRequest, SchedState, plugin_policy
+from replica_agent.policy.batching import Batch, SchedRequest, SchedState, plan_with_point_model, plugin_policy
 from replica_agent.policy.calibration import OnlineTimeModel
 from replica_agent.policy.time_model import StepFeatures, TimeModel
 
@@ -149,6 +151,7 @@ class FairBatchingScheduler(Scheduler):
         self.fb_default_ttft_ms = positive_float(env.get("FAIRBATCH_TTFT_MS")) or 1000.0
         self.fb_default_tpot_ms = positive_float(env.get("FAIRBATCH_TPOT_MS")) or 100.0
         self.fb_policy = plugin_policy(env.get("FAIRBATCH_POLICY"), self.fb_default_ttft_ms, self.fb_default_tpot_ms)
+        self.fb_plan_point = plan_with_point_model(env.get("FAIRBATCH_PLAN_MODEL"))
         self.fb_block_size = int(self.cache_config.block_size)
         self.fb_prefix_lookup = bool(self.cache_config.enable_prefix_caching)
         export = env.get("FAIRBATCH_PLUGIN_EXPORT")
@@ -235,8 +238,11 @@ class FairBatchingScheduler(Scheduler):
         return state, by_id
 
     def _fb_plan_model(self) -> TimeModel:
-        """The model the policy plans with: the online fit x its margin, or the fixed prior."""
-        return self.fb_time_model if self.fb_calibrator is None else self.fb_calibrator.conservative()
+        """The model the policy plans with: the online fit x its margin (``FAIRBATCH_PLAN_MODEL=point``: the
+        fit alone), or the fixed prior."""
+        if self.fb_calibrator is None:
+            return self.fb_time_model
+        return self.fb_calibrator.model() if self.fb_plan_point else self.fb_calibrator.conservative()
 
     # ---- schedule ---------------------------------------------------------------------------------
 

@@ -643,3 +643,16 @@ def plugin_policy(name: str | None, default_ttft_ms: float, default_tpot_ms: flo
         raise ValueError(f"FAIRBATCH_POLICY={chosen!r} is not a plugin policy; known: {', '.join(PLUGIN_POLICIES)}")
     return make_policy(chosen, PolicyConfig(default_ttft_ms, default_tpot_ms))
 
+
+def plan_with_point_model(value: str | None) -> bool:
+    """``FAIRBATCH_PLAN_MODEL`` of the plugin: True for ``point`` (steps sized with the online fit alone),
+    False for ``conservative`` or unset/blank (the fit x its learned margin, the default).
+
+    Raises:
+        ValueError: any other value (the message names both).
+    """
+    v = (value or "").strip().lower() or "conservative"
+    if v not in ("conservative", "point"):
+        raise ValueError(f"FAIRBATCH_PLAN_MODEL={value!r}: use conservative or point")
+    return v == "point"
+

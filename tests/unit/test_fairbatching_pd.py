@@ -73,3 +73,13 @@ def test_the_plugin_policy_by_name() -> None:
         plugin_policy("vllm-default", 1000.0, 100.0)  # vLLM's own scheduler is the plugin switched off
     with pytest.raises(ValueError):
         plugin_policy("fairbatching", 0.0, 100.0)
+
+
+def test_the_plugin_plan_model_setting() -> None:
+    from replica_agent.policy.batching import plan_with_point_model
+
+    assert plan_with_point_model(None) is False and plan_with_point_model("") is False
+    assert plan_with_point_model("conservative") is False
+    assert plan_with_point_model(" Point ") is True
+    with pytest.raises(ValueError, match="conservative or point"):
+        plan_with_point_model("median")

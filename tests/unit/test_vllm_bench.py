@@ -217,3 +217,5 @@ def test_plugin_env_names_the_policy_only_when_asked() -> None:
     assert env["FAIRBATCH_POLICY"] == "fairbatching-pd" and env["FAIRBATCH_COEFFICIENTS"] == "9.5,0.25,0.001"
     assert (env["FAIRBATCH_TTFT_MS"], env["FAIRBATCH_TPOT_MS"]) == ("870.0", "40.0")
     assert "FAIRBATCH_POLICY" not in plugin_env((9.5, 0.25, 0.001), None)
+    assert plugin_env((1.0, 0.1, 0.0), None, plan_model="point")["FAIRBATCH_PLAN_MODEL"] == "point"
+    assert "FAIRBATCH_PLAN_MODEL" not in plugin_env((1.0, 0.1, 0.0), None)
