@@ -272,17 +272,28 @@ async def test_bad_requests(path: str, body: bytes, status: int, needle: str) ->
 
 
 def test_cli_subprocess_serves(tmp_path: Path) -> None:
-    port = free_port()
-    argv = [sys.executable, "-m", "loadgen.sim.server", "--port", str(port), "--time-scale", "0.05",
-            "--num-gpu-blocks", "100", "--served-model-name", "m", "--log-level", "WARNING"]  # fmt: skip
-    with ProcessGroup(tmp_path) as group:
-        child = group.start("sim", argv)
-        group.wait_http_ok(child, f"http://127.0.0.1:{port}/health", timeout_s=20)
-        import urllib.request
+    import json
+    import urllib.request
 
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-        assert 'num_gpu_blocks="100"' in text and 'model_name="m"' in text
+    def get(port: int, path: str) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.read().decode()
+
+    for attempt in range(3):
+        port = free_port()
+        argv = [sys.executable, "-m", "loadgen.sim.server", "--port", str(port), "--time-scale", "0.05",
+                "--num-gpu-blocks", "100", "--served-model-name", "m", "--log-level", "WARNING"]  # fmt: skip
+        with ProcessGroup(tmp_path / f"try{attempt}") as group:
+            child = group.start("sim", argv)
+            group.wait_http_ok(child, f"http://127.0.0.1:{port}/health", timeout_s=20)
+            # another process (a parallel make test's server) may have taken the port between free_port()
+            # and the bind: then the answers are not this server's, and it is tried again on a new port
+            if [m["id"] for m in json.loads(get(port, "/v1/models"))["data"]] != ["m"]:
+                continue
+            text = get(port, "/metrics")
+            assert 'num_gpu_blocks="100"' in text and 'model_name="m"' in text
+            return
+    raise AssertionError("three ports in a row were taken by other processes")
 
 
 async def test_engine_loop_failure_answers_503() -> None:
