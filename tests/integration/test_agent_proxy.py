@@ -200,9 +200,18 @@ async def test_tracker_sees_prefill_decode_done(agent_proxy, engine):
     assert "life-1" not in agent.tracker
 
 
+async def until_healthy(agent, timeout_s: float = 10.0) -> None:
+    """Wait for the agent's first good scrape of the engine (50 ms on an idle machine)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not agent.health(agent.clock.now_ms())[0]:
+        assert loop.time() < deadline, agent.health(agent.clock.now_ms())
+        await asyncio.sleep(0.02)
+
+
 async def test_lease_header_consumed(agent_proxy, engine):
     agent, url = agent_proxy
-    await asyncio.sleep(0.05)  # a first scrape, so the agent is healthy
+    await until_healthy(agent)  # a first scrape (late on a loaded machine), so the agent is healthy
     res = agent.reserve("interactive", 20, 4, "leased", agent.clock.now_ms())
     assert res.granted and len(agent.leases) == 1
     headers = {"x-request-id": "leased", "x-fairbatch-lease": res.lease_id}
@@ -216,7 +225,7 @@ async def test_inline_admission_granted_consumed_or_refused_409(agent_proxy, eng
     # llama-3-8b-a100: a = 9.8626, b = 0.0726711 ms/token; interactive H = 500 * 0.9 = 450 ms on an
     # idle replica, so P fits when a + b * P <= 450: P <= 6056 tokens (KV is far larger).
     agent, url = agent_proxy
-    await asyncio.sleep(0.05)  # a first scrape, so the agent is healthy
+    await until_healthy(agent)  # a first scrape (late on a loaded machine), so the agent is healthy
     granted = agent.metrics.reserve_total.labels("granted")._value.get()  # noqa: SLF001
     async with aiohttp.ClientSession() as s:
         headers = {"x-request-id": "inl-1", "x-fairbatch-admit": "20", "x-fairbatch-slo-class": "interactive"}
