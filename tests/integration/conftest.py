@@ -141,7 +141,16 @@ def _start_fleet_once(tmp: Path, n: int, *, time_scale: float = 1.0, ttl_ms: int
         fleet.children["router"] = r
         fleet.router_url = f"http://127.0.0.1:{rport}"
         group.wait_http_ok(r, f"{fleet.router_url}/health")
-        wait_all_replicas_usable(fleet.router_url, n)
+        try:
+            wait_all_replicas_usable(fleet.router_url, n, timeout_s=30.0)
+        except RuntimeError as exc:
+            # an agent whose gRPC port another process took meanwhile (its budget stream then comes from
+            # someone else, or from nobody) never becomes usable: say so, so that start_fleet tries new ports
+            logs = " ".join((group.log_dir / f"agent{i}.log").read_text(errors="replace").lower()
+                            for i in range(n) if (group.log_dir / f"agent{i}.log").exists())  # fmt: skip
+            if PORT_TAKEN in logs or "failed to bind" in logs:
+                raise RuntimeError(f"{exc} ({PORT_TAKEN}: an agent's port)") from exc
+            raise
     except BaseException:
         group.stop()
         raise
