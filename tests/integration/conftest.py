@@ -144,12 +144,12 @@ def _start_fleet_once(tmp: Path, n: int, *, time_scale: float = 1.0, ttl_ms: int
         try:
             wait_all_replicas_usable(fleet.router_url, n, timeout_s=30.0)
         except RuntimeError as exc:
-            # an agent whose gRPC port another process took meanwhile (its budget stream then comes from
-            # someone else, or from nobody) never becomes usable: say so, so that start_fleet tries new ports
-            logs = " ".join((group.log_dir / f"agent{i}.log").read_text(errors="replace").lower()
-                            for i in range(n) if (group.log_dir / f"agent{i}.log").exists())  # fmt: skip
+            # a child whose port another process took meanwhile (an agent's gRPC port: its budget stream then
+            # comes from someone else or nobody; the router's: another server answered its /health) never
+            # makes the fleet usable: say so, so that start_fleet tries new ports
+            logs = " ".join(p.read_text(errors="replace").lower() for p in sorted(group.log_dir.glob("*.log")))
             if PORT_TAKEN in logs or "failed to bind" in logs:
-                raise RuntimeError(f"{exc} ({PORT_TAKEN}: an agent's port)") from exc
+                raise RuntimeError(f"{exc} ({PORT_TAKEN}: a child's port)") from exc
             raise
     except BaseException:
         group.stop()
