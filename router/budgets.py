@@ -26,9 +26,9 @@ DEFAULT_TTL_MS = 1000.0
 
 _CLASS_FIELDS = ("slo_class", "horizon_ms", "pab_ms", "pab_tokens", "kv_limited_tokens", "ttft_ms", "tpot_ms",
                  "decode_reservation_ms", "inflight_reservation_ms", "kv_free_tokens", "decode_iterations")
-"""ClassBudget's fields in order, as :meth:`BudgetBook.take_local` passes them (a new field must be added there)."""
+"""ClassBudget's fields in order, as :func:`_deducted` passes them (a new field must be added there)."""
 if tuple(f.name for f in fields(ClassBudget)) != _CLASS_FIELDS:  # pragma: no cover - fails at import
-    raise ImportError("replica_agent.policy.pab.ClassBudget changed its fields: update BudgetBook.take_local")
+    raise ImportError("replica_agent.policy.pab.ClassBudget changed its fields: update router/budgets.py _deducted")
 
 
 @dataclass(slots=True)
@@ -100,6 +100,16 @@ class AwaitingTake:
 
     cost_ms: dict[str, float]
     tokens: int
+
+
+def _deducted(cur: ClassBudget, cost_ms: float, tokens: int) -> ClassBudget:
+    """``cur`` less a prompt of ``tokens`` whose prefill takes ``cost_ms`` of its PAB: ``pab_ms``,
+    ``pab_tokens`` and ``kv_limited_tokens`` lowered (never below 0), ``inflight_reservation_ms`` raised.
+    Built field by field (``dataclasses.replace`` costs 5x on the placement path: :data:`_CLASS_FIELDS`)."""
+    return ClassBudget(
+        cur.slo_class, cur.horizon_ms, max(0.0, cur.pab_ms - cost_ms), max(0, cur.pab_tokens - tokens),
+        max(0, cur.kv_limited_tokens - tokens), cur.ttft_ms, cur.tpot_ms, cur.decode_reservation_ms,
+        cur.inflight_reservation_ms + cost_ms, cur.kv_free_tokens, cur.decode_iterations)
 
 
 MAX_LOCAL_LUMPS = 16
@@ -192,21 +202,16 @@ class BudgetBook:
         self.notify()
         return True
 
-    def apply_reserve(self, replica_id: str, slo_class: str, pab_ms: float, pab_tokens: int,
-                      awaiting_key: str | None = None) -> None:
+    def apply_reserve(self, replica_id: str, slo_class: str, pab_ms: float, pab_tokens: int) -> None:
         """Apply the class budget a Reserve answer reported (granted or refused) at once.
 
-        ``awaiting_key``: the key the placement gave :meth:`take_local`; that take is answered now.
-        The other takes on this replica still awaiting their answers are deducted from the answer's
-        figures: the agent answered this Reserve before (or without) seeing them, and overwriting
-        the book with the answer alone would hand their budget out a second time (a replica whose
-        answers come back first would look richer than it is)."""
+        The answered take has left the awaiting ones (:meth:`forget_take`, as the answer came); the
+        takes on this replica still awaiting their answers are deducted from the answer's figures:
+        the agent answered this Reserve before (or without) seeing them, and overwriting the book
+        with the answer alone would hand their budget out a second time (a replica whose answers
+        come back first would look richer than it is)."""
         budget = self._budgets.get(replica_id)
-        if budget is None:
-            return
-        if awaiting_key is not None:
-            budget.awaiting.pop(awaiting_key, None)
-        if budget.classes is None:
+        if budget is None or budget.classes is None:
             return
         cur = budget.classes.get(slo_class)
         if cur is None:
@@ -229,7 +234,8 @@ class BudgetBook:
         self.notify()
 
     def forget_take(self, replica_id: str, awaiting_key: str) -> None:
-        """The Reserve of a take awaiting its answer ended without one (error, cancellation)."""
+        """The Reserve of a take awaiting its answer ended: answered (then :meth:`apply_reserve`), or
+        without an answer (error, cancellation)."""
         budget = self._budgets.get(replica_id)
         if budget is not None:
             budget.awaiting.pop(awaiting_key, None)
@@ -242,12 +248,7 @@ class BudgetBook:
         assert budget.classes is not None
         for take in budget.awaiting.values():
             for name, cur in list(budget.classes.items()):
-                cost = take.cost_ms.get(name, 0.0)
-                budget.classes[name] = ClassBudget(
-                    cur.slo_class, cur.horizon_ms, max(0.0, cur.pab_ms - cost), max(0, cur.pab_tokens - take.tokens),
-                    max(0, cur.kv_limited_tokens - take.tokens), cur.ttft_ms, cur.tpot_ms,
-                    cur.decode_reservation_ms, cur.inflight_reservation_ms + cost, cur.kv_free_tokens,
-                    cur.decode_iterations)
+                budget.classes[name] = _deducted(cur, take.cost_ms.get(name, 0.0), take.tokens)
 
     def take_local(self, replica_id: str, slo_class: str, prompt_tokens: int,
                    awaiting_key: str | None = None) -> None:
@@ -258,7 +259,7 @@ class BudgetBook:
         kv_limited_tokens (the prompt's KV). The Reserve answer (:meth:`apply_reserve`) or the
         next snapshot then sets the agent's figures. With ``awaiting_key`` (a placement about to
         send its Reserve) the take stays deducted from every snapshot and from other placements'
-        answers until :meth:`apply_reserve` with the same key (or :meth:`forget_take`) ends it."""
+        answers until :meth:`forget_take` with the same key ends it."""
         budget = self._budgets.get(replica_id)
         if budget is None or budget.classes is None or budget.time_model is None:
             return
@@ -267,11 +268,7 @@ class BudgetBook:
         costs: dict[str, float] = {}
         for name, cur in list(budget.classes.items()):
             cost = costs[name] = tm.prefill_ms(p) if name == slo_class else tm.b_ms_per_new_token * p
-            # dataclasses.replace with these four fields, field by field (replace costs 5x: _CLASS_FIELDS)
-            budget.classes[name] = ClassBudget(
-                cur.slo_class, cur.horizon_ms, max(0.0, cur.pab_ms - cost), max(0, cur.pab_tokens - p),
-                max(0, cur.kv_limited_tokens - p), cur.ttft_ms, cur.tpot_ms, cur.decode_reservation_ms,
-                cur.inflight_reservation_ms + cost, cur.kv_free_tokens, cur.decode_iterations)
+            budget.classes[name] = _deducted(cur, cost, p)
         if awaiting_key is not None:
             budget.awaiting[awaiting_key] = AwaitingTake(costs, p)
         self.drain.note_added(replica_id, tm.b_ms_per_new_token * p)

@@ -140,7 +140,8 @@ def test_an_answer_keeps_the_takes_still_awaiting_theirs() -> None:
     book.take_local("r0", "interactive", 500, awaiting_key="C")
     b = book.usable("r0", "interactive")
     assert (b.pab_ms, b.pab_tokens) == (130.0, 1400)
-    book.apply_reserve("r0", "interactive", 190.0, 1900, awaiting_key="A")
+    book.forget_take("r0", "A")  # A's answer came (router/core.py: forget_take, then apply_reserve)
+    book.apply_reserve("r0", "interactive", 190.0, 1900)
     b = book.usable("r0", "interactive")
     assert (b.pab_ms, b.pab_tokens) == (pytest.approx(130.0), 1400)
     # a snapshot (agent before C: PAB 250, 2400 tokens) is read minus C too: 190 ms, 1900 tokens
@@ -148,7 +149,8 @@ def test_an_answer_keeps_the_takes_still_awaiting_theirs() -> None:
     b = book.usable("r0", "interactive")
     assert (b.pab_ms, b.pab_tokens) == (pytest.approx(190.0), 1900)
     # C's answer (the agent saw both: 130 ms, 1400 tokens) ends it; nothing awaits any more
-    book.apply_reserve("r0", "interactive", 130.0, 1400, awaiting_key="C")
+    book.forget_take("r0", "C")
+    book.apply_reserve("r0", "interactive", 130.0, 1400)
     b = book.usable("r0", "interactive")
     assert (b.pab_ms, b.pab_tokens) == (130.0, 1400)
     book.update("r0", snapshot(seq=3, pab_ms=130))
