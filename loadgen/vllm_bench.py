@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import os
@@ -52,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from loadgen.procs import ProcessGroup, free_port
+from loadgen.sim.slowdown import SlowdownModel, fit_slowdown
 from loadgen.traces import TraceRequest, load_trace, resolve_trace
 from loadgen.vllm_fleet import (
     REPO_ROOT,
@@ -101,6 +103,8 @@ class Mode:
         prefills: lone prompt lengths; prefix_chunks: (prefix, chunk) pairs over vLLM's prefix cache.
         duration_s: arrival window of one rate (s, real time); rate_factors: rates as multiples of the
             simulated vllm-default capacity of one replica.
+        windows: windows of the trace replayed per rate, one after the other (:func:`window_trace`); a
+            rate's row pools them (:func:`pool_windows`).
     """
 
     decode_batches: tuple[int, ...]
@@ -110,6 +114,7 @@ class Mode:
     prefix_chunks: tuple[tuple[int, int], ...]
     duration_s: float
     rate_factors: tuple[float, ...]
+    windows: int = 1
 
 
 QUICK = Mode((1, 8, 32), (128, 1024), 12, (128, 512, 2048), ((1024, 512),), 20.0, (0.8, 1.2))
@@ -230,6 +235,53 @@ def step_time_drift(lines: Sequence[dict[str, Any]], engine: dict[str, float]) -
             "p90_ratio": round(float(q[2]), 3), "mean_ratio": round(float(np.mean(ratios)), 3)}
 
 
+def fit_run_slowdown(logs: Sequence[tuple[Path, int]], engine: dict[str, float]) -> dict[str, Any] | None:
+    """The correlated slowdown of a run's engine steps against the fitted engine model (loadgen/sim/slowdown.py
+    :func:`fit_slowdown` on ``z = ln(measured / predicted)`` per step, each log a series).
+
+    Args:
+        logs: ``(step log, lines to skip)`` (the grid's steps lead the stock replica's log when the fit
+            stage ran in the same work directory); missing files are skipped.
+        engine: the fitted coefficients ``a_ms`` .. ``f_ms``.
+
+    Returns:
+        ``{"model": SlowdownModel JSON, "white_sigma", "var", "steps", "rms_error", "lags_s", "cov",
+        "cov_fit", "logs"}``, or None with fewer than 50 steps.
+    """
+    coef = np.array([engine[k] for k in ("a_ms", "b_ms", "c_ms", "d_ms", "e_ms", "f_ms")])
+    series, names = [], []
+    for path, skip in logs:
+        lines = [r for r in _read_log(path, skip) if float(r["measured_ms"]) > 0]
+        if not lines:
+            continue
+        pred = np.array([float(step_features(r)[0] @ coef) for r in lines])
+        meas = np.array([float(r["measured_ms"]) for r in lines])
+        t = np.array([float(r["start_ms"]) for r in lines]) / 1000.0
+        keep = pred > 0
+        series.append((t[keep], np.log(meas[keep] / pred[keep])))
+        names.append(path.name)
+    if sum(len(z) for _, z in series) < 50:
+        return None
+    fit = fit_slowdown(series)
+    return {"model": fit["model"].to_dict(), "white_sigma": round(fit["white_sigma"], 4), "var": round(fit["var"], 4),
+            "steps": fit["steps"], "rms_error": fit["rms_error"], "lags_s": fit["lags_s"], "cov": fit["cov"],
+            "cov_fit": fit["cov_fit"], "logs": names}  # fmt: skip
+
+
+def run_slowdowns(work: Path, engine: dict[str, float], stock_skip: int = 0) -> dict[str, Any]:
+    """:func:`fit_run_slowdown` per setup from a bench work directory: ``single`` from the stock replica's log
+    (its first ``stock_skip`` lines skipped) and the FairBatching replica's, ``pair`` from the pab+fairbatching
+    replicas' logs (the baselines run stock vLLM without a step log). A setup without steps is left out."""
+    out = {}
+    single = fit_run_slowdown([(work / "stock-steps.jsonl", stock_skip), (work / "single-fairbatching-steps.jsonl", 0)], engine)
+    if single:
+        out["single"] = single
+    pair = fit_run_slowdown([(p, 0) for p in sorted(work.glob("pair-pab+fairbatching-*-steps.jsonl"))], engine)
+    if pair:
+        out["pair"] = pair
+    return out
+
+
 def _read_log(path: Path, skip: int = 0) -> list[dict[str, Any]]:
     if not path.exists():
         return []
@@ -282,6 +334,70 @@ def window(trace: Sequence[TraceRequest], native_rps: float, rate_rps: float, du
         if t >= duration_s * 1000.0:
             break
         out.append(TraceRequest(t, r.prompt_tokens, r.output_tokens))
+    return out
+
+
+def window_trace(trace: Sequence[TraceRequest], native_rps: float, rate_rps: float, duration_s: float,
+                 k: int) -> list[TraceRequest]:  # fmt: skip
+    """The trace re-based so that its first ``duration_s`` seconds at ``rate_rps`` (:func:`window`) are the
+    ``k``-th window of ``trace`` (``k`` = 0: ``trace`` itself): arrivals from ``k x duration_s`` scaled
+    seconds on, moved back by that much. Raises ValueError for ``k`` < 0."""
+    if k < 0:
+        raise ValueError(f"window index must be >= 0, got {k}")
+    if k == 0:
+        return list(trace)
+    shift_ms = k * duration_s * 1000.0 * rate_rps / native_rps
+    return [TraceRequest(r.arrival_ms - shift_ms, r.prompt_tokens, r.output_tokens) for r in trace if r.arrival_ms >= shift_ms]
+
+
+_SUMMED = ("requests", "ok", "failed")
+
+
+def pool_windows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One row for a rate from its windows' rows: counts (``requests``, ``ok``, ``failed``, and the
+    ``rejected`` / ``not_ok_reasons`` counters) summed; every other number (attainment, miss fractions,
+    means, and the windows' percentiles, an approximation of the pooled percentile) the mean weighted by
+    requests, nested objects alike; ``window_rows`` keeps the rows. One row: returned as it is.
+
+    Raises:
+        ValueError: no rows.
+    """
+    if not rows:
+        raise ValueError("no rows to pool")
+    if len(rows) == 1:
+        return dict(rows[0])
+    w = [max(1, int(r.get("requests") or 0)) for r in rows]
+
+    def mean(vals: list[Any]) -> Any:
+        pairs = [(v, wi) for v, wi in zip(vals, w, strict=True) if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if pairs:
+            return sum(v * wi for v, wi in pairs) / sum(wi for _, wi in pairs)
+        dicts = [v for v in vals if isinstance(v, dict)]
+        if dicts and len(dicts) == len(vals):
+            keys = {k for d in dicts for k in d}
+            return {k: mean([d.get(k) for d in dicts]) for k in keys}
+        return vals[0]
+
+    out: dict[str, Any] = {}
+    for key in rows[0]:
+        vals = [r.get(key) for r in rows]
+        if key in _SUMMED:
+            out[key] = sum(int(v or 0) for v in vals)
+        elif key in ("rejected", "not_ok_reasons"):
+            c: Counter[str] = Counter()
+            for v in vals:
+                c.update(v or {})
+            out[key] = dict(c)
+        elif key in ("rate_rps", "loadavg_before"):
+            out[key] = vals[0]
+        elif key in ("loadavg_after", "time_model", "per_replica"):
+            out[key] = vals[-1]
+        else:
+            out[key] = mean(vals)
+    if rows[0].get("requests") is not None:
+        ok = sum(r["slo_attainment"] * r["requests"] for r in rows if r.get("requests"))
+        out["slo_attainment"] = ok / max(1, out["requests"])
+    out["window_rows"] = [dict(r) for r in rows]
     return out
 
 
@@ -604,33 +720,49 @@ def _wait_idle(url: str, timeout_s: float = 120.0) -> None:
 def _sweep(targets: dict[str, str], engine_urls: list[str], trace: list[TraceRequest], native: float,
            rates: list[float], mode: Mode, slo: dict[str, Any], keys: dict[str, str] | None, say: Callable[[str], None],
            after: Callable[[], dict[str, Any]] | None = None) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
-    """Each rate's window replayed at every target at once (name -> URL); then wait until every engine of
-    ``engine_urls`` is idle. Returns name -> rows."""
+    """Each rate's ``mode.windows`` windows (:func:`window_trace`) replayed at every target at once (name -> URL),
+    each followed by a wait until every engine of ``engine_urls`` is idle. Returns name -> one row per rate
+    (:func:`pool_windows` of its windows)."""
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
     for rate in rates:
-        reqs = window(trace, native, rate, mode.duration_s)
-        la = loadavg()
-        hist0 = [engine_latency_sums(parse_prometheus(http_get_text(u + "/metrics"))) for u in engine_urls]
-        results = _replay(list(targets.values()), reqs, slo, keys, timeout_s=max(60.0, 20 * slo["ttft_ms"] / 1000.0))
-        la_after = loadavg()
-        extra = after() if after is not None else None
-        for u in engine_urls:
-            _wait_idle(u)
-        hist1 = [engine_latency_sums(parse_prometheus(http_get_text(u + "/metrics"))) for u in engine_urls]
-        # the engines of each target: all of them for one target (a fleet), else the target's own (side by side)
-        per_target = ([list(range(len(engine_urls)))] if len(targets) == 1
-                      else [[i] for i in range(len(engine_urls))])  # fmt: skip
-        for (name, res), idx in zip(zip(targets, results, strict=True), per_target, strict=True):
-            row = {"rate_rps": round(rate, 4), "offered_rps": round(len(reqs) / mode.duration_s, 3), "loadavg_before": la,
-                   **res, "loadavg_after": la_after,
-                   "latency_breakdown": latency_breakdown([hist0[i] for i in idx], [hist1[i] for i in idx],
-                                                          res["ttft_mean_ms"])}  # fmt: skip
-            if extra is not None:
-                row["time_model"] = extra
-            say(f"  {name} at {rate:.3f} rps: {row['requests']} requests, attainment {row['slo_attainment']:.3f}, "
-                f"TTFT p99 {_f(row['ttft_p99_ms'], '.0f')} ms, TPOT p99 {_f(row['tpot_p99_ms'], '.0f')} ms (load {la})")
-            rows[name].append(row)
+        per_window: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
+        for k in range(mode.windows):
+            for name, row in _sweep_window(targets, engine_urls, window_trace(trace, native, rate, mode.duration_s, k),
+                                           native, rate, mode, slo, keys, say, after).items():  # fmt: skip
+                per_window[name].append({**row, "window": k} if mode.windows > 1 else row)
+        for name in targets:
+            rows[name].append(pool_windows(per_window[name]))
     return rows
+
+
+def _sweep_window(targets: dict[str, str], engine_urls: list[str], trace: list[TraceRequest], native: float, rate: float,
+                  mode: Mode, slo: dict[str, Any], keys: dict[str, str] | None, say: Callable[[str], None],
+                  after: Callable[[], dict[str, Any]] | None) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """One window of one rate at every target (:func:`_sweep`). Returns name -> row."""
+    out: dict[str, dict[str, Any]] = {}
+    reqs = window(trace, native, rate, mode.duration_s)
+    la = loadavg()
+    hist0 = [engine_latency_sums(parse_prometheus(http_get_text(u + "/metrics"))) for u in engine_urls]
+    results = _replay(list(targets.values()), reqs, slo, keys, timeout_s=max(60.0, 20 * slo["ttft_ms"] / 1000.0))
+    la_after = loadavg()
+    extra = after() if after is not None else None
+    for u in engine_urls:
+        _wait_idle(u)
+    hist1 = [engine_latency_sums(parse_prometheus(http_get_text(u + "/metrics"))) for u in engine_urls]
+    # the engines of each target: all of them for one target (a fleet), else the target's own (side by side)
+    per_target = ([list(range(len(engine_urls)))] if len(targets) == 1
+                  else [[i] for i in range(len(engine_urls))])  # fmt: skip
+    for (name, res), idx in zip(zip(targets, results, strict=True), per_target, strict=True):
+        row = {"rate_rps": round(rate, 4), "offered_rps": round(len(reqs) / mode.duration_s, 3), "loadavg_before": la,
+               **res, "loadavg_after": la_after,
+               "latency_breakdown": latency_breakdown([hist0[i] for i in idx], [hist1[i] for i in idx],
+                                                      res["ttft_mean_ms"])}  # fmt: skip
+        if extra is not None:
+            row["time_model"] = extra
+        say(f"  {name} at {rate:.3f} rps: {row['requests']} requests, attainment {row['slo_attainment']:.3f}, "
+            f"TTFT p99 {_f(row['ttft_p99_ms'], '.0f')} ms, TPOT p99 {_f(row['tpot_p99_ms'], '.0f')} ms (load {la})")
+        out[name] = row
+    return out
 
 
 def _capacity(rows: list[dict[str, Any]], target: float = 0.9) -> dict[str, Any]:
@@ -751,33 +883,76 @@ def measured_front_ms(doc: dict[str, Any], setup: str) -> float | None:
 
 def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair_rates: list[float], mode: Mode,
               slo: dict[str, Any], engine_time: Any, baselines: Sequence[str] = PAIR_BASELINES,
-              front_ms: tuple[float, float] = (0.0, 0.0)) -> dict[str, Any]:  # fmt: skip
-    """Stage 4: bench-policies (one replica) and bench-fleet (two replicas) at the measured rates.
-    ``front_ms``: the engine front delay (single, pair) the simulated engines add (``engine_front_ms``)."""
+              front_ms: tuple[float, float] = (0.0, 0.0), seeds: int = 1,
+              slowdown: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Stage 4: bench-policies (one replica) and bench-fleet (two replicas) at the measured rates and windows.
+
+    Args:
+        front_ms: the engine front delay (single, pair) the simulated engines add (``engine_front_ms``).
+        seeds: engine-noise seeds per point (the engine model's seed + 0 .. seeds - 1); a row's
+            ``slo_attainment`` is the mean over the seeds (each pooling the rate's windows as the
+            measured rows do), ``attainment_p10`` / ``attainment_p90`` their spread, and
+            ``capacity_rps`` is read from the mean curve; ``seed_capacity_rps`` per seed.
+        slowdown: per setup (``single``, ``pair``) a :func:`fit_run_slowdown` result: the engines then
+            step with that correlated slowdown and its white noise in place of ``noise_sigma``.
+    """
     from loadgen.bench_policies import BenchSetup
     from loadgen.bench_policies import run_point as policies_point
     from loadgen.fleet.bench import Setup
     from loadgen.fleet.bench import run_point as fleet_point
     from replica_agent.policy.profiles import load_profile, vllm_serve_batch_defaults
 
+    def engine_of(setup_name: str, seed: int) -> Any:
+        e = dataclasses.replace(engine_time, seed=engine_time.seed + seed)
+        fit = (slowdown or {}).get(setup_name)
+        if fit:
+            e = dataclasses.replace(e, noise_sigma=fit["white_sigma"], slowdown=SlowdownModel.from_dict(fit["model"]))
+        return e
+
+    def point(run: Callable[[int, int], dict[str, Any]], rate: float, keys: Sequence[str]) -> dict[str, Any]:
+        per_seed = [pool_windows([{k: v for k, v in run(seed, w).items() if k in keys}
+                                  for w in range(mode.windows)]) for seed in range(seeds)]  # fmt: skip
+        att = [r["slo_attainment"] for r in per_seed]
+        row = {k: float(np.mean([r[k] for r in per_seed if r.get(k) is not None]))
+               if any(r.get(k) is not None for r in per_seed) else None for k in keys if k not in ("rate_rps", "requests")}  # fmt: skip
+        row.update({"rate_rps": rate, "requests": per_seed[0].get("requests"), "seeds": seeds,
+                    "attainment_p10": float(np.quantile(att, 0.1)), "attainment_p90": float(np.quantile(att, 0.9)),
+                    "seed_attainment": att})  # fmt: skip
+        return row
+
+    def with_capacity(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        seed_caps = [_capacity([{"rate_rps": r["rate_rps"], "slo_attainment": r["seed_attainment"][i]} for r in rows])["capacity_rps"]
+                     for i in range(seeds)]  # fmt: skip
+        return {"rows": rows, **_capacity(rows), "seed_capacity_rps": seed_caps}
+
     prof = load_profile(PROFILE)
     batch = vllm_serve_batch_defaults(prof.gpu)
     setup = BenchSetup(tuple(trace), native, PROFILE, "all_batches", slo["ttft_ms"], slo["tpot_ms"], mode.duration_s,
                        batch.max_num_batched_tokens, batch.max_num_seqs, 128, MAX_MODEL_LEN, None, engine_time,
                        engine_front_ms=front_ms[0])  # fmt: skip
-    single = {p: {"rows": [policies_point(setup, p, r) for r in rates]} for p in ("vllm-default", "fairbatching")}
-    for v in single.values():
-        v.update(_capacity(v["rows"]))
+    single_keys = ("rate_rps", "requests", "slo_attainment", "ttft_miss_frac", "tpot_miss_frac", "ttft_p99_ms", "tpot_p99_ms")
+    single = {}
+    for p in ("vllm-default", "fairbatching"):
+        def run1(seed: int, w: int, p: str = p, r: float = 0.0) -> dict[str, Any]:
+            st = dataclasses.replace(setup, trace=tuple(window_trace(trace, native, r, mode.duration_s, w)),
+                                     engine_time=engine_of("single", seed))  # fmt: skip
+            return policies_point(st, p, r)
+        single[p] = with_capacity([point(lambda seed, w, r=r, f=run1: f(seed, w, r=r), r, single_keys) for r in rates])
     fsetup = Setup(tuple(trace), native, 2, PROFILE, slo["ttft_ms"], slo["tpot_ms"], mode.duration_s, 60.0, 1, 100.0,
                    0.5, "fair", prof.time_model.tokens_within_ms(slo["ttft_ms"]), True, MAX_MODEL_LEN, 0,
                    batch.max_num_batched_tokens, batch.max_num_seqs, 0.0, engine_time, 0.0, 0.0, "reserve", None, 1,
                    True, engine_front_ms=front_ms[1])  # fmt: skip
+    pair_keys = ("rate_rps", "requests", "slo_attainment", "ttft_p99_ms", "tpot_p99_ms", "late_step_frac", "refused_share")
     pair = {}
     for p in ("pab+fairbatching", *baselines):
-        rows = [fleet_point(fsetup, p, r) for r in pair_rates]
-        pair[p] = {"rows": [{k: row[k] for k in ("rate_rps", "requests", "slo_attainment", "ttft_p99_ms", "tpot_p99_ms",
-                                                 "late_step_frac", "refused_share")} for row in rows], **_capacity(rows)}  # fmt: skip
-    return {"single": single, "pair": pair, "engine_front_ms": {"single": front_ms[0], "pair": front_ms[1]}}
+        def run2(seed: int, w: int, p: str = p, r: float = 0.0) -> dict[str, Any]:
+            st = dataclasses.replace(fsetup, trace=tuple(window_trace(trace, native, r, mode.duration_s, w)),
+                                     engine_time=engine_of("pair", seed))  # fmt: skip
+            return fleet_point(st, p, r)
+        pair[p] = with_capacity([point(lambda seed, w, r=r, f=run2: f(seed, w, r=r), r, pair_keys) for r in pair_rates])
+    return {"single": single, "pair": pair, "engine_front_ms": {"single": front_ms[0], "pair": front_ms[1]},
+            "seeds": seeds, "windows": mode.windows,
+            "slowdown": {k: v["model"] for k, v in (slowdown or {}).items() if v}}
 
 
 def sim_capacity_guess(trace: list[TraceRequest], native: float, mode: Mode, slo: dict[str, Any], engine_time: Any) -> float:
@@ -805,7 +980,9 @@ def comparison(measured: dict[str, Any], simulated: dict[str, Any]) -> list[dict
             mc, sc = m["capacity_rps"], s["capacity_rps"]
             out.append({"setup": setup, "policy": pol, "measured_capacity_rps": mc, "simulated_capacity_rps": sc,
                         "gap": round(sc / mc - 1.0, 3) if mc > 0 else None,
-                        "attainment": [{"rate_rps": a["rate_rps"], "measured": a["slo_attainment"], "simulated": b["slo_attainment"]}
+                        "attainment": [{"rate_rps": a["rate_rps"], "measured": a["slo_attainment"], "simulated": b["slo_attainment"],
+                                        **({"simulated_p10": b["attainment_p10"], "simulated_p90": b["attainment_p90"]}
+                                           if "attainment_p10" in b else {})}
                                        for a, b in zip(m["rows"], s["rows"], strict=False)]})  # fmt: skip
     return out
 
@@ -822,10 +999,14 @@ def markdown_table(doc: dict[str, Any]) -> str:
     lines.append(f"Mode `{doc.get('mode')}`; SLO TTFT {_f(slo.get('ttft_ms'), 'g')} ms, TPOT {_f(slo.get('tpot_ms'), 'g')} ms "
                  f"({slo.get('rule', '')}); load average at start {doc.get('started_loadavg')}, at the end "
                  f"{doc.get('finished_loadavg')}; {doc.get('wall_s')} s in all.")
+    sims = doc.get("simulated", {})
+    lines.append(f"Windows per rate: {doc.get('windows', 1)}; simulated points: the mean of {sims.get('seeds', 1)} engine "
+                 "seed(s).")
     lines += ["", "| setup | policy | rate (offered) rps | attainment measured | attainment simulated | attainment "
-              "simulated + front | capacity measured (rps) | capacity simulated (rps) | sim / measured | sim + front "
-              "/ measured |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    sim, simf = doc.get("simulated", {}), doc.get("simulated_front", {})
+              "simulated + front | attainment simulated + front + slowdown (p10-p90 over seeds) | capacity measured "
+              "(rps) | capacity simulated (rps) | sim / measured | sim + front / measured | sim + front + slowdown "
+              "/ measured |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    sim, simf, sims_ = doc.get("simulated", {}), doc.get("simulated_front", {}), doc.get("simulated_slowdown", {})
     bound = {"at-least": ">= ", "below-sweep": "< "}
     for setup in ("single", "pair"):
         for pol, m in doc.get(setup, {}).items():
@@ -833,6 +1014,12 @@ def markdown_table(doc: dict[str, Any]) -> str:
             sf = simf.get(setup, {}).get(pol, {})
             fatt = " / ".join(_f(r["slo_attainment"], ".2f") for r in sf.get("rows", []))
             fratio = _f(sf["capacity_rps"] / m["capacity_rps"], ".2f") if sf and m["capacity_rps"] > 0 else "-"
+            ss = sims_.get(setup, {}).get(pol, {})
+            satt_slow = " / ".join(f"{r['slo_attainment']:.2f}" + (f" ({r['attainment_p10']:.2f}-{r['attainment_p90']:.2f})"
+                                                                   if "attainment_p10" in r else "")
+                                   for r in ss.get("rows", []))  # fmt: skip
+            sratio = (bound.get(ss.get("capacity_bound", ""), "") + _f(ss["capacity_rps"] / m["capacity_rps"], ".2f")
+                      if ss and m["capacity_rps"] > 0 else "-")  # fmt: skip
             rates = " / ".join(f"{r['rate_rps']:.2f} ({r.get('offered_rps', 0):.2f})" for r in m["rows"])
             att = " / ".join(_f(r["slo_attainment"], ".2f") for r in m["rows"])
             satt = " / ".join(_f(r["slo_attainment"], ".2f") for r in s.get("rows", []))
@@ -840,8 +1027,8 @@ def markdown_table(doc: dict[str, Any]) -> str:
             sc = bound.get(s.get("capacity_bound", ""), "") + _f(s.get("capacity_rps"), ".2f") if s else "-"
             ratio = _f(s["capacity_rps"] / m["capacity_rps"], ".2f") if s and m["capacity_rps"] > 0 else "-"
             name = "1 replica" if setup == "single" else "2 replicas"
-            lines.append(f"| {name} | {pol} | {rates} | {att} | {satt or '-'} | {fatt or '-'} | {mc} | {sc} | {ratio} "
-                         f"| {fratio} |")
+            lines.append(f"| {name} | {pol} | {rates} | {att} | {satt or '-'} | {fatt or '-'} | {satt_slow or '-'} | {mc} "
+                         f"| {sc} | {ratio} | {fratio} | {sratio} |")
     doc = {**doc, "verdicts": verdicts(doc)}
     if doc["verdicts"]:
         lines += ["", "Verdicts (by capacity at attainment >= 0.9, 5 % either way = no gain, when the sweep brackets "
@@ -929,6 +1116,7 @@ def _run_stages(args: argparse.Namespace, mode: Mode, doc: dict[str, Any], work:
                 "planning_coefficients_ms": coef, "simulated_capacity_guess_rps": guess,
                 "rates_rps": {"single": rates, "pair": pair_rates}})  # fmt: skip
     say(f"SLO: {slo['rule']} -> TTFT {slo['ttft_ms']:g} ms, TPOT {slo['tpot_ms']:g} ms; rates {rates} (x2 for two replicas)")
+    stock_skip = len(_read_log(holder[0].step_log)) if holder[0] is not None else 0  # the grid's steps
     if "single" in args.stages:
         rep, holder[0] = holder[0], None
         doc["single"] = stage_single(mode, work, trace, native, rates, slo, coef, engine, say, rep, args.plugin_policy,
@@ -936,12 +1124,26 @@ def _run_stages(args: argparse.Namespace, mode: Mode, doc: dict[str, Any], work:
     if "pair" in args.stages:
         doc["pair"] = stage_pair(mode, work, trace, native, pair_rates, slo, coef, engine, say, args.pair_baselines,
                                  args.plugin_policy, args.plugin_plan_model)  # fmt: skip
+    if {"single", "pair"} & set(args.stages):
+        doc["slowdown"] = {**doc.get("slowdown", {}), **run_slowdowns(work, engine, stock_skip), "from": "this run"}
+    if args.slowdown_logs:
+        doc["slowdown"] = {**run_slowdowns(Path(args.slowdown_logs), engine), "from": str(args.slowdown_logs)}
+    if args.slowdown_from:
+        other = json.loads(Path(args.slowdown_from).read_text()).get("slowdown") or {}
+        doc["slowdown"] = {**{k: v for k, v in other.items() if k in ("single", "pair")}, "from": str(args.slowdown_from)}
     if "sim" in args.stages:
-        doc["simulated"] = stage_sim(trace, native, rates, pair_rates, mode, slo, engine_time, args.pair_baselines)
+        doc["simulated"] = stage_sim(trace, native, rates, pair_rates, mode, slo, engine_time, args.pair_baselines,
+                                     seeds=args.sim_seeds)  # fmt: skip
         fronts = (measured_front_ms(doc, "single"), measured_front_ms(doc, "pair"))
+        front = (fronts[0] or 0.0, fronts[1] or 0.0)
         if any(f is not None for f in fronts):  # the same, with the time outside the engine core measured above
             doc["simulated_front"] = stage_sim(trace, native, rates, pair_rates, mode, slo, engine_time,
-                                               args.pair_baselines, (fronts[0] or 0.0, fronts[1] or 0.0))  # fmt: skip
+                                               args.pair_baselines, front, seeds=args.sim_seeds)  # fmt: skip
+        slow = {k: v for k, v in (doc.get("slowdown") or {}).items() if k in ("single", "pair")}
+        if slow:  # and with the run's own correlated slowdowns of the engine steps
+            doc["simulated_slowdown"] = stage_sim(trace, native, rates, pair_rates, mode, slo, engine_time,
+                                                  args.pair_baselines, front, seeds=args.sim_seeds, slowdown=slow)  # fmt: skip
+            doc["simulated_slowdown"]["slowdown_from"] = doc["slowdown"].get("from")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -964,12 +1166,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "keep the name fairbatching and the JSON says which ran (plugin_policy)")  # fmt: skip
     ap.add_argument("--plugin-plan-model", default=None, choices=["conservative", "point"],
                     help="FAIRBATCH_PLAN_MODEL of the plugin replicas (default: the plugin's, conservative)")
+    ap.add_argument("--windows", type=int, default=1, help="trace windows replayed per rate, one after the other "
+                    "(default 1); a rate's row pools them")
+    ap.add_argument("--sim-seeds", type=int, default=8, help="engine-noise seeds per simulated point (default 8): the "
+                    "simulated attainment is their mean, with the 10-90 %% spread")
+    ap.add_argument("--slowdown-logs", metavar="DIR", default=None,
+                    help="fit the simulated engines' correlated slowdowns from the step logs of an earlier run's work "
+                         "directory (its path is printed at the end of a run)")  # fmt: skip
+    ap.add_argument("--slowdown-from", metavar="JSON", default=None,
+                    help="take the simulated engines' correlated slowdowns from another result JSON (out of sample)")
     ap.add_argument("--table", metavar="JSON", default=None, help="only print the markdown tables of a result JSON")
     args = ap.parse_args(argv)
     if args.table:
         print(markdown_table(json.loads(Path(args.table).read_text())))
         return 0
     mode = QUICK if args.quick else FULL
+    if args.windows < 1 or args.sim_seeds < 1:
+        ap.error("--windows and --sim-seeds must be >= 1")
+    mode = dataclasses.replace(mode, windows=args.windows)
     out = Path(args.out or (REPO_ROOT / "out" / "vllm-ab-quick.json" if args.quick else DEFAULT_OUT))
     et_out = Path(args.engine_time_out or (REPO_ROOT / "out" / f"{PROFILE}-quick.json" if args.quick else ENGINE_TIME_FILE))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -979,11 +1193,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     t0 = time.monotonic()
     doc: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
-    doc.update({"mode": "quick" if args.quick else "full", "started_loadavg": loadavg(), "nproc": os.cpu_count(),
-                "plugin_policy": args.plugin_policy or "fairbatching",
-                "plugin_plan_model": args.plugin_plan_model or "conservative"})  # fmt: skip
+    measuring = bool({"fit", "single", "pair"} & set(args.stages))
+    # a run of the sim stage alone on an earlier result keeps that result's own run figures
+    run_keys = ("started_loadavg", "wall_s", "finished_loadavg") if measuring else ("sim_started_loadavg", "sim_wall_s",
+                                                                                     "sim_finished_loadavg")  # fmt: skip
+    doc[run_keys[0]] = loadavg()
+    if not measuring and doc.get("windows"):
+        mode = dataclasses.replace(mode, windows=int(doc["windows"]))  # simulate the windows that were measured
+    if measuring or "mode" not in doc:
+        doc.update({"mode": "quick" if args.quick else "full", "nproc": os.cpu_count(), "windows": mode.windows,
+                    "plugin_policy": args.plugin_policy or "fairbatching",
+                    "plugin_plan_model": args.plugin_plan_model or "conservative"})  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="fairbatch-vllm-ab-"))
-    if {"fit", "single", "pair"} & set(args.stages):
+    if measuring:
         ensure_bench_model(say)
     holder: list[StockReplica | None] = [None]
     try:
@@ -991,16 +1213,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if holder[0] is not None:
             holder[0].group.stop(grace_s=10.0)
-        doc["wall_s"] = round(time.monotonic() - t0, 1)
-        doc["finished_loadavg"] = loadavg()
+        doc[run_keys[1]] = round(time.monotonic() - t0, 1)
+        doc[run_keys[2]] = loadavg()
         measured = {k: doc[k] for k in ("single", "pair") if k in doc}
         doc["verdicts"] = verdicts(doc)
         if "simulated" in doc:
             doc["comparison"] = comparison(measured, doc["simulated"])
         if "simulated_front" in doc:
             doc["comparison_front"] = comparison(measured, doc["simulated_front"])
+        if "simulated_slowdown" in doc:
+            doc["comparison_slowdown"] = comparison(measured, doc["simulated_slowdown"])
         out.write_text(json.dumps(doc, indent=1, default=list) + "\n")
-        say(f"written {out} ({doc['wall_s']:.0f} s); work dir {work}")
+        say(f"written {out} ({doc[run_keys[1]]:.0f} s); work dir {work}")
         try:
             print(markdown_table(doc))
         except (KeyError, TypeError, ZeroDivisionError) as e:  # a partial run: the JSON is what counts

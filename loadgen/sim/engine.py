@@ -423,7 +423,7 @@ class SimEngine:
         features = StepFeatures.from_items([(n, req.computed_tokens) for req, n in accepted])
         context_tokens = features.context_tokens
         if self._engine_time is not None:
-            duration_ms = self._engine_time.step_ms(features)
+            duration_ms = self._engine_time.step_ms(features, now_ms)
         else:
             duration_ms = cfg.time_model.step_ms(features)
         end_ms = now_ms + duration_ms

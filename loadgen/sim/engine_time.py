@@ -10,10 +10,13 @@ computed (a decode: chunk 1 at its context length), in ms::
 The bracket is a fit to the component model of the GPU kernel profiles (docs/engine-time-model.md: the
 model, the fit, its data and error; ``scripts/fit_engine_time_model.py`` rebuilds the shipped files);
 ``e`` carries a prefill chunk's attention over its prefix, ``f`` the causal attention inside the chunk.
-The noise factor is log-normal with median 1, drawn independently per step.
+The noise factor is log-normal with median 1, drawn independently per step. An optional ``slowdown``
+(loadgen/sim/slowdown.py) multiplies each step by a factor correlated in time, the engine's share of a busy
+machine: ``step_ms * exp(log_mean + sum of OU components at the step's start)``.
 
 File format (JSON object; a missing coefficient is 0): ``{"a_ms", "b_ms", "c_ms", "d_ms", "e_ms", "f_ms",
-"noise_sigma", "seed"}`` plus an optional ``"meta"`` object (provenance, kept but not interpreted).
+"noise_sigma", "seed"}``, an optional ``"slowdown"`` object (:meth:`SlowdownModel.from_dict`) and an
+optional ``"meta"`` object (provenance, kept but not interpreted).
 Shipped files: ``loadgen/data/engine_time/<profile>.json``.
 """
 
@@ -28,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from loadgen.sim.slowdown import SlowdownModel, SlowdownProcess
 from replica_agent.policy.time_model import StepFeatures
 
 COEFFICIENTS = ("a_ms", "b_ms", "c_ms", "d_ms", "e_ms", "f_ms")
@@ -51,6 +55,8 @@ class EngineTimeModel:
         f_ms: per chunk_i^2 (ms/token^2).
         noise_sigma: std of the log of the noise factor (dimensionless, >= 0; 0 = deterministic).
         seed: seed of the noise (int >= 0); combined with a per-engine stream number by :meth:`sampler`.
+        slowdown: correlated slowdowns in time (None: none); drawn from a Generator of its own, so the
+            per-step noise draws are the same with and without it.
         name: where it came from (a path or a shipped profile name), for reports.
         meta: the file's optional ``meta`` object.
 
@@ -67,6 +73,7 @@ class EngineTimeModel:
     f_ms: float = 0.0
     noise_sigma: float = 0.0
     seed: int = 0
+    slowdown: SlowdownModel | None = None
     name: str = ""
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -92,9 +99,10 @@ class EngineTimeModel:
         """
         if not isinstance(obj, dict):
             raise ValueError(f"engine time model {name or ''}: expected a JSON object, got {type(obj).__name__}")
-        unknown = sorted(set(obj) - set(KEYS) - {"meta"})
+        unknown = sorted(set(obj) - set(KEYS) - {"meta", "slowdown"})
         if unknown:
-            raise ValueError(f"engine time model {name}: unknown key(s) {', '.join(unknown)}; known: {', '.join(KEYS)}, meta")
+            raise ValueError(f"engine time model {name}: unknown key(s) {', '.join(unknown)}; known: {', '.join(KEYS)}, "
+                             "slowdown, meta")  # fmt: skip
         meta = obj.get("meta", {})
         if not isinstance(meta, dict):
             raise ValueError(f"engine time model {name}: meta must be an object")
@@ -107,11 +115,20 @@ class EngineTimeModel:
         seed = obj.get("seed", 0)
         if isinstance(seed, float) and seed.is_integer():
             seed = int(seed)
-        return cls(**vals, seed=seed, name=name, meta=meta)
+        slowdown = None
+        if obj.get("slowdown") is not None:
+            try:
+                slowdown = SlowdownModel.from_dict(obj["slowdown"])
+            except ValueError as e:
+                raise ValueError(f"engine time model {name}: {e}") from None
+        return cls(**vals, seed=seed, slowdown=slowdown, name=name, meta=meta)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON object (coefficients, noise_sigma, seed), for reports."""
-        return {k: getattr(self, k) for k in KEYS}
+        """The JSON object (coefficients, noise_sigma, seed, and slowdown when set), for reports."""
+        d: dict[str, Any] = {k: getattr(self, k) for k in KEYS}
+        if self.slowdown is not None:
+            d["slowdown"] = self.slowdown.to_dict()
+        return d
 
     def describe(self) -> dict[str, Any]:
         """What reports print: ``{"name", ...coefficients}``."""
@@ -135,36 +152,49 @@ class EngineTimeModel:
         return t * math.exp(self.noise_sigma * float(rng.standard_normal()))
 
     def sampler(self, stream: int = 0) -> EngineTimeSampler:
-        """A per-engine noise source: a Generator seeded with ``(seed, stream)`` (replica i of a fleet uses stream i)."""
-        return EngineTimeSampler(self, np.random.default_rng([self.seed, stream]))
+        """A per-engine noise source: a Generator seeded with ``(seed, stream)`` (replica i of a fleet uses stream
+        i); the slowdown, when set, draws from one seeded with ``(seed, stream, 1)``."""
+        slow = self.slowdown.process(np.random.default_rng([self.seed, stream, 1])) if self.slowdown is not None else None
+        return EngineTimeSampler(self, np.random.default_rng([self.seed, stream]), slow)
 
 
 class EngineTimeSampler:
-    """Draws the step times of one engine: :meth:`EngineTimeModel.mean_ms` times the log-normal noise.
+    """Draws the step times of one engine: :meth:`EngineTimeModel.mean_ms` times the log-normal noise (and
+    the slowdown factor at the step's start, when the model has one).
 
     The normals come from ``rng`` in blocks of 1024 (the same sequence for a given seed and stream).
     """
 
-    __slots__ = ("model", "_rng", "_buf", "_i")
+    __slots__ = ("model", "_rng", "_buf", "_i", "_slow", "_clock_ms")
 
-    def __init__(self, model: EngineTimeModel, rng: np.random.Generator) -> None:
+    def __init__(self, model: EngineTimeModel, rng: np.random.Generator, slowdown: SlowdownProcess | None = None) -> None:
         self.model = model
         self._rng = rng
         self._buf = np.empty(0)
         self._i = 0
+        self._slow = slowdown
+        self._clock_ms = 0.0
 
-    def step_ms(self, f: StepFeatures) -> float:
-        """Step time of ``f`` (ms), with this engine's next noise draw."""
+    def step_ms(self, f: StepFeatures, now_ms: float | None = None) -> float:
+        """Step time of ``f`` (ms), with this engine's next noise draw.
+
+        ``now_ms``: the step's start on the engine's clock (ms), which moves the slowdown; None: the end of
+        the previous step (steps back to back).
+        """
         m = self.model
         t = m.mean_ms(f)
-        if m.noise_sigma == 0.0:
-            return t
-        if self._i >= self._buf.size:
-            self._buf = np.exp(m.noise_sigma * self._rng.standard_normal(_NOISE_BLOCK))
-            self._i = 0
-        z = float(self._buf[self._i])
-        self._i += 1
-        return t * z
+        if self._slow is not None:
+            if now_ms is not None:
+                self._clock_ms = now_ms
+            t *= self._slow.factor(self._clock_ms / 1000.0)
+        if m.noise_sigma != 0.0:
+            if self._i >= self._buf.size:
+                self._buf = np.exp(m.noise_sigma * self._rng.standard_normal(_NOISE_BLOCK))
+                self._i = 0
+            t *= float(self._buf[self._i])
+            self._i += 1
+        self._clock_ms += t
+        return t
 
 
 # ---- files ----------------------------------------------------------------------------------------

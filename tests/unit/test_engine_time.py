@@ -90,3 +90,26 @@ def test_shipped_files_price_chunk_prefix_above_linear_model() -> None:
     assert m is not None
     t = m.mean_ms(StepFeatures.from_items([(2048, 16384)]))
     assert 0.9 * 287.2 <= t <= 1.1 * 287.2
+
+
+def test_slowdown_multiplies_the_same_noise_draws() -> None:
+    from loadgen.sim.slowdown import SlowdownComponent, SlowdownModel
+
+    noisy = EngineTimeModel(a_ms=10.0, b_ms=0.05, noise_sigma=0.2, seed=7)
+    f = StepFeatures.from_items([(100, 0)])  # 15 ms noiseless
+    # a constant slowdown (no component) of ln 1.5: every step 1.5 x the same draw as without it
+    slow = EngineTimeModel(a_ms=10.0, b_ms=0.05, noise_sigma=0.2, seed=7, slowdown=SlowdownModel(math.log(1.5)))
+    a, b = noisy.sampler(2), slow.sampler(2)
+    for i in range(5):
+        assert b.step_ms(f, 100.0 * i) == pytest.approx(1.5 * a.step_ms(f, 100.0 * i), rel=1e-12)
+    # a correlated one: the factor moves with the clock passed in, and the JSON keeps it
+    corr = EngineTimeModel.from_dict({"a_ms": 10.0, "slowdown": {"log_mean": 0.0, "components": [{"sigma": 0.5, "tau_s": 1.0}]}})
+    assert corr.slowdown == SlowdownModel(0.0, (SlowdownComponent(0.5, 1.0),))
+    assert corr.to_dict()["slowdown"] == {"log_mean": 0.0, "components": [{"sigma": 0.5, "tau_s": 1.0}]}
+    s = corr.sampler(0)
+    same_instant = [s.step_ms(StepFeatures.from_items([(1, 0)]), 5000.0) for _ in range(3)]
+    assert same_instant[0] == same_instant[1] == same_instant[2] != 10.0  # one instant, one factor
+    assert s.step_ms(StepFeatures.from_items([(1, 0)]), 60_000.0) != same_instant[0]
+    with pytest.raises(ValueError, match="slowdown: unknown key"):
+        EngineTimeModel.from_dict({"a_ms": 1.0, "slowdown": {"mu": 1}}, "x.json")
+    assert "slowdown" not in noisy.to_dict()

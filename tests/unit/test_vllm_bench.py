@@ -132,6 +132,40 @@ def test_window_is_bench_policies_rate_scaling() -> None:
     assert [r.arrival_ms for r in out] == [0.0, 500.0, 1000.0]
 
 
+def test_window_trace_k_is_the_kth_window_rebased() -> None:
+    from loadgen.vllm_bench import window_trace
+
+    trace = [TraceRequest(t, 10 + i, 5) for i, t in enumerate((0.0, 1000.0, 2000.0, 3000.0, 4000.0, 5000.0))]
+    # native 1 rps, rate 2 rps, 1 s windows: window k holds trace arrivals [2k, 2k + 2) s, i.e. 2 requests
+    assert window_trace(trace, 1.0, 2.0, 1.0, 0) == trace
+    w1 = window(window_trace(trace, 1.0, 2.0, 1.0, 1), 1.0, 2.0, 1.0)
+    assert [(r.arrival_ms, r.prompt_tokens) for r in w1] == [(0.0, 12), (500.0, 13)]
+    w2 = window(window_trace(trace, 1.0, 2.0, 1.0, 2), 1.0, 2.0, 1.0)
+    assert [(r.arrival_ms, r.prompt_tokens) for r in w2] == [(0.0, 14), (500.0, 15)]
+    with pytest.raises(ValueError):
+        window_trace(trace, 1.0, 2.0, 1.0, -1)
+
+
+def test_pool_windows_sums_counts_and_weights_by_requests() -> None:
+    from loadgen.vllm_bench import pool_windows
+
+    a = {"rate_rps": 1.0, "requests": 30, "ok": 30, "failed": 0, "slo_attainment": 0.9, "ttft_p99_ms": 800.0,
+         "rejected": {"slo-infeasible": 2}, "latency_breakdown": {"front_ms": 100.0}, "loadavg_after": [1.0]}
+    b = {"rate_rps": 1.0, "requests": 10, "ok": 9, "failed": 1, "slo_attainment": 0.5, "ttft_p99_ms": 1200.0,
+         "rejected": {"slo-infeasible": 1, "queue-timeout": 1}, "latency_breakdown": {"front_ms": 200.0},
+         "loadavg_after": [2.0]}  # fmt: skip
+    p = pool_windows([a, b])
+    # (0.9 x 30 + 0.5 x 10) / 40 = 0.8 met; p99 (800 x 30 + 1200 x 10) / 40 = 900; front (3000 + 2000) / 40 = 125
+    assert p["requests"] == 40 and p["ok"] == 39 and p["failed"] == 1
+    assert p["slo_attainment"] == pytest.approx(0.8) and p["ttft_p99_ms"] == pytest.approx(900.0)
+    assert p["rejected"] == {"slo-infeasible": 3, "queue-timeout": 1}
+    assert p["latency_breakdown"]["front_ms"] == pytest.approx(125.0)
+    assert p["loadavg_after"] == [2.0] and p["rate_rps"] == 1.0 and len(p["window_rows"]) == 2
+    assert pool_windows([a]) == a
+    with pytest.raises(ValueError):
+        pool_windows([])
+
+
 def test_verdict() -> None:
     assert verdict(1.1, 1.0) == "gain"
     assert verdict(0.9, 1.0) == "loss"
@@ -176,12 +210,19 @@ def test_markdown_table_by_hand() -> None:
                            "itl_mean_ms": 20.0})  # fmt: skip
     table = markdown_table(doc)
     # sim / measured 2.0 / 1.5 = 1.33; sim + front / measured 1.2 / 1.5 = 0.80
-    assert ("| 1 replica | vllm-default | 1.00 (0.90) / 2.00 (1.80) | 1.00 / 0.80 | 1.00 / 1.00 | 1.00 / 0.70 | 1.50 "
-            "| >= 2.00 | 1.33 | 0.80 |") in table
+    assert ("| 1 replica | vllm-default | 1.00 (0.90) / 2.00 (1.80) | 1.00 / 0.80 | 1.00 / 1.00 | 1.00 / 0.70 | - | 1.50 "
+            "| >= 2.00 | 1.33 | 0.80 | - |") in table
     assert "| single | vllm-default | 1.00 | 250 | 200 | 25 | 100 | 125 | 20.0 | failed:timeout 2 |" in table
     # 1.52 / 1.5 = 1.013: within 5 %
     assert "fairbatching vs vllm-default: **no gain** (1.52 vs 1.5, capacity)" in table
-    assert "| 1 replica | fairbatching | 1.00 (0.90) / 2.00 (1.80) | 1.00 / 0.85 | - | - | 1.52 | - | - | - |" in table
+    assert "| 1 replica | fairbatching | 1.00 (0.90) / 2.00 (1.80) | 1.00 / 0.85 | - | - | - | 1.52 | - | - | - | - |" in table
+    # the slowdown variant: the seeds' mean with its 10-90 % spread, capacity 0.9 / 1.5 = 0.60
+    slow_rows = [{**r, "attainment_p10": p10, "attainment_p90": p90}
+                 for r, p10, p90 in zip(rows([0.95, 0.6]), (0.9, 0.5), (1.0, 0.7), strict=True)]  # fmt: skip
+    doc["simulated_slowdown"] = {"single": {"vllm-default": {"rows": slow_rows, "capacity_rps": 0.9,
+                                                             "capacity_bound": "interpolated"}}}
+    assert ("| 1.00 / 0.70 | 0.95 (0.90-1.00) / 0.60 (0.50-0.70) | 1.50 | >= 2.00 | 1.33 | 0.80 | 0.60 |"
+            in markdown_table(doc))
 
 
 def test_step_time_drift_is_measured_over_predicted() -> None:
@@ -219,3 +260,23 @@ def test_plugin_env_names_the_policy_only_when_asked() -> None:
     assert "FAIRBATCH_POLICY" not in plugin_env((9.5, 0.25, 0.001), None)
     assert plugin_env((1.0, 0.1, 0.0), None, plan_model="point")["FAIRBATCH_PLAN_MODEL"] == "point"
     assert "FAIRBATCH_PLAN_MODEL" not in plugin_env((1.0, 0.1, 0.0), None)
+
+
+def test_fit_run_slowdown_of_steps_twice_the_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json as _json
+
+    from loadgen.vllm_bench import fit_run_slowdown, run_slowdowns
+
+    grid = _grid() * 4
+    # every step exactly 2x the fitted model: ln 2 at the mean, no variance, so no component and no white noise
+    lines = [{**_line(it, 2.0 * engine_ms(TRUE, it)), "start_ms": 1000.0 + 40.0 * i} for i, it in enumerate(grid)]
+    log = tmp_path / "stock-steps.jsonl"
+    log.write_text("".join(_json.dumps(x) + "\n" for x in lines))
+    fit = fit_run_slowdown([(log, 0)], TRUE)
+    assert fit is not None
+    assert fit["model"]["log_mean"] == pytest.approx(math.log(2.0), abs=1e-9)
+    assert fit["model"]["components"] == [] and fit["white_sigma"] == 0.0 and fit["steps"] == len(grid)
+    assert fit_run_slowdown([(log, len(grid) - 10)], TRUE) is None  # 10 steps: too few
+    assert fit_run_slowdown([(tmp_path / "missing.jsonl", 0)], TRUE) is None
+    both = run_slowdowns(tmp_path, TRUE)
+    assert set(both) == {"single"} and both["single"]["logs"] == ["stock-steps.jsonl"]
