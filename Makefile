@@ -47,7 +47,7 @@ test-vllm: $(STAMP)
 	$(PY) -m pytest -q -rfEs -m vllm tests/vllm
 
 ## make bench-vllm: real vLLM (CPU) A/B in real time: default scheduler vs FairBatching, least-outstanding vs
-## pab+fairbatching, the simulator checked against it (docs/vllm.md "make bench-vllm"; ~20 min; after make vllm-env)
+## pab+fairbatching, the simulator checked against it (docs/vllm.md "make bench-vllm"; ~30 min; after make vllm-env)
 bench-vllm: $(STAMP)
 	$(PY) -m loadgen.vllm_bench
 

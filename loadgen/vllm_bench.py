@@ -436,6 +436,60 @@ def verdicts(doc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+MERGED_SECTIONS = ("single", "pair", "simulated", "simulated_front", "simulated_slowdown")
+
+
+def merge_results(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One result from runs of the same workload at different rates (e.g. a second run at higher rates to
+    bracket a capacity): per section, setup and policy the rows of every run sorted by rate, the capacity
+    read again from them; verdicts and comparisons recomputed. The first run gives everything else, and
+    ``merged_from`` keeps each run's rates, windows, single order, load averages and slowdown.
+
+    Raises:
+        ValueError: fewer than two runs, or runs with different SLOs or windows.
+    """
+    if len(docs) < 2:
+        raise ValueError("merge needs at least two results")
+    first = docs[0]
+    for d in docs[1:]:
+        if d.get("slo", {}).get("ttft_ms") != first.get("slo", {}).get("ttft_ms") or d.get("windows", 1) != first.get("windows", 1):
+            raise ValueError("merge needs runs of the same SLO and windows per rate")
+    out = {k: v for k, v in first.items() if k not in MERGED_SECTIONS}
+    for sec in MERGED_SECTIONS:
+        parts = [d[sec] for d in docs if sec in d]
+        if not parts:
+            continue
+        merged: dict[str, Any] = {k: v for k, v in parts[0].items() if k not in ("single", "pair")} if sec.startswith("sim") else {}
+        setups = ("single", "pair") if sec.startswith("sim") else (None,)
+        for setup in setups:
+            pols: dict[str, Any] = {}
+            for part in parts:
+                block = part.get(setup, {}) if setup else part
+                for pol, v in block.items():
+                    if not isinstance(v, dict) or "rows" not in v:
+                        continue
+                    cur = pols.setdefault(pol, {k: x for k, x in v.items() if k not in ("rows", "seed_capacity_rps")})
+                    cur.setdefault("rows", []).extend(v["rows"])
+            for v in pols.values():
+                v["rows"].sort(key=lambda r: r["rate_rps"])
+                v.update(_capacity(v["rows"]))
+            if setup:
+                merged[setup] = pols
+            else:
+                merged = pols
+        out[sec] = merged
+    measured = {k: out[k] for k in ("single", "pair") if k in out}
+    out["verdicts"] = verdicts(out)
+    for sim, cmp in (("simulated", "comparison"), ("simulated_front", "comparison_front"),
+                     ("simulated_slowdown", "comparison_slowdown")):  # fmt: skip
+        if sim in out:
+            out[cmp] = comparison(measured, out[sim])
+    out["merged_from"] = [{k: d.get(k) for k in ("rates_rps", "windows", "single_order", "started_loadavg", "finished_loadavg",
+                                                  "wall_s", "slowdown")} for d in docs]  # fmt: skip
+    out["wall_s"] = round(sum(float(d.get("wall_s") or 0.0) for d in docs), 1)
+    return out
+
+
 def loadavg() -> list[float]:
     """``/proc/loadavg``'s 1, 5 and 15 minute figures ([] where there is none)."""
     try:
@@ -719,20 +773,37 @@ def _wait_idle(url: str, timeout_s: float = 120.0) -> None:
 
 def _sweep(targets: dict[str, str], engine_urls: list[str], trace: list[TraceRequest], native: float,
            rates: list[float], mode: Mode, slo: dict[str, Any], keys: dict[str, str] | None, say: Callable[[str], None],
-           after: Callable[[], dict[str, Any]] | None = None) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
+           after: Callable[[], dict[str, Any]] | None = None, alternate: bool = False) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
     """Each rate's ``mode.windows`` windows (:func:`window_trace`) replayed at every target at once (name -> URL),
-    each followed by a wait until every engine of ``engine_urls`` is idle. Returns name -> one row per rate
-    (:func:`pool_windows` of its windows)."""
+    each followed by a wait until every engine of ``engine_urls`` is idle; ``alternate``: each window replayed
+    at one target after the other instead (target i's engine is ``engine_urls[i]``), so only one engine
+    works at a time. Returns name -> one row per rate (:func:`pool_windows` of its windows)."""
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
     for rate in rates:
         per_window: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
         for k in range(mode.windows):
-            for name, row in _sweep_window(targets, engine_urls, window_trace(trace, native, rate, mode.duration_s, k),
-                                           native, rate, mode, slo, keys, say, after).items():  # fmt: skip
-                per_window[name].append({**row, "window": k} if mode.windows > 1 else row)
+            wt = window_trace(trace, native, rate, mode.duration_s, k)
+            for tg, eu in sweep_groups(targets, engine_urls, alternate):
+                for name, row in _sweep_window(tg, eu, wt, native, rate, mode, slo, keys, say, after).items():
+                    per_window[name].append({**row, "window": k} if mode.windows > 1 else row)
         for name in targets:
             rows[name].append(pool_windows(per_window[name]))
     return rows
+
+
+def sweep_groups(targets: dict[str, str], engine_urls: list[str],
+                 alternate: bool) -> list[tuple[dict[str, str], list[str]]]:  # fmt: skip
+    """How one window is replayed: ``[(targets, engine_urls)]`` (every target at once), or with ``alternate``
+    one group per target, in order, with its own engine (target i's is ``engine_urls[i]``).
+
+    Raises:
+        ValueError: ``alternate`` with a different number of targets and engines.
+    """
+    if not alternate:
+        return [(dict(targets), list(engine_urls))]
+    if len(targets) != len(engine_urls):
+        raise ValueError(f"alternate replay needs one engine per target, got {len(targets)} and {len(engine_urls)}")
+    return [({n: u}, [engine_urls[i]]) for i, (n, u) in enumerate(targets.items())]
 
 
 def _sweep_window(targets: dict[str, str], engine_urls: list[str], trace: list[TraceRequest], native: float, rate: float,
@@ -775,11 +846,13 @@ def _capacity(rows: list[dict[str, Any]], target: float = 0.9) -> dict[str, Any]
 def stage_single(mode: Mode, work: Path, trace: list[TraceRequest], native: float, rates: list[float],
                  slo: dict[str, Any], coef: Sequence[float], engine: dict[str, float], say: Callable[[str], None],
                  stock: StockReplica | None = None, policy: str | None = None,
-                 plan_model: str | None = None) -> dict[str, Any]:  # fmt: skip
-    """Stage 2: one replica each, at the same time on their own core: vLLM's scheduler (``stock``, the
-    stage-1 replica on core 0 when given) and the FairBatching plugin (core 1); every rate's window is
-    replayed at both at once, so both see the same machine (a paired A/B: on a shared machine the load
-    of the minute moves both). Both replicas are stopped here."""
+                 plan_model: str | None = None, side_by_side: bool = False) -> dict[str, Any]:  # fmt: skip
+    """Stage 2: one replica each on its own core: vLLM's scheduler (``stock``, the stage-1 replica on core 0
+    when given) and the FairBatching plugin (core 1). Each window of each rate is replayed at one replica
+    and then the other (the windows interleaved, so both see the machine of the same minutes, and only one
+    engine, its API server and the client compete for the two cores); ``side_by_side``: at both at once
+    (a paired A/B, but two engines, two API servers and the client on two cores). Both replicas are
+    stopped here."""
     rep = stock or start_stock_replica(work, say)
     skip = len(_read_log(rep.step_log))  # the grid's steps, when this is the stage-1 replica
     group = ProcessGroup(work / "logs-single-fairbatching")
@@ -792,7 +865,7 @@ def stage_single(mode: Mode, work: Path, trace: list[TraceRequest], native: floa
         startup = wait_vllm_ready(group, child, url)
         say(f"one replica each: vllm-default on core 0, fairbatching on core {omp_core(1)} (up in {startup:.0f} s)")
         rows = _sweep({"vllm-default": rep.url, "fairbatching": url}, [rep.url, url], trace, native, rates, mode, slo,
-                      None, say)  # fmt: skip
+                      None, say, alternate=not side_by_side)  # fmt: skip
     finally:
         group.stop(grace_s=10.0)
         rep.group.stop(grace_s=10.0)
@@ -885,6 +958,7 @@ def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair
               slo: dict[str, Any], engine_time: Any, baselines: Sequence[str] = PAIR_BASELINES,
               front_ms: tuple[float, float] = (0.0, 0.0), seeds: int = 1,
               slowdown: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    # an empty ``rates`` or ``pair_rates`` skips that setup
     """Stage 4: bench-policies (one replica) and bench-fleet (two replicas) at the measured rates and windows.
 
     Args:
@@ -932,7 +1006,7 @@ def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair
                        engine_front_ms=front_ms[0])  # fmt: skip
     single_keys = ("rate_rps", "requests", "slo_attainment", "ttft_miss_frac", "tpot_miss_frac", "ttft_p99_ms", "tpot_p99_ms")
     single = {}
-    for p in ("vllm-default", "fairbatching"):
+    for p in ("vllm-default", "fairbatching") if rates else ():
         def run1(seed: int, w: int, p: str = p, r: float = 0.0) -> dict[str, Any]:
             st = dataclasses.replace(setup, trace=tuple(window_trace(trace, native, r, mode.duration_s, w)),
                                      engine_time=engine_of("single", seed))  # fmt: skip
@@ -944,7 +1018,7 @@ def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair
                    True, engine_front_ms=front_ms[1])  # fmt: skip
     pair_keys = ("rate_rps", "requests", "slo_attainment", "ttft_p99_ms", "tpot_p99_ms", "late_step_frac", "refused_share")
     pair = {}
-    for p in ("pab+fairbatching", *baselines):
+    for p in ("pab+fairbatching", *baselines) if pair_rates else ():
         def run2(seed: int, w: int, p: str = p, r: float = 0.0) -> dict[str, Any]:
             st = dataclasses.replace(fsetup, trace=tuple(window_trace(trace, native, r, mode.duration_s, w)),
                                      engine_time=engine_of("pair", seed))  # fmt: skip
@@ -1120,7 +1194,8 @@ def _run_stages(args: argparse.Namespace, mode: Mode, doc: dict[str, Any], work:
     if "single" in args.stages:
         rep, holder[0] = holder[0], None
         doc["single"] = stage_single(mode, work, trace, native, rates, slo, coef, engine, say, rep, args.plugin_policy,
-                                     args.plugin_plan_model)  # fmt: skip
+                                     args.plugin_plan_model, args.single_side_by_side)  # fmt: skip
+        doc["single_order"] = "side by side" if args.single_side_by_side else "alternate"
     if "pair" in args.stages:
         doc["pair"] = stage_pair(mode, work, trace, native, pair_rates, slo, coef, engine, say, args.pair_baselines,
                                  args.plugin_policy, args.plugin_plan_model)  # fmt: skip
@@ -1132,6 +1207,8 @@ def _run_stages(args: argparse.Namespace, mode: Mode, doc: dict[str, Any], work:
         other = json.loads(Path(args.slowdown_from).read_text()).get("slowdown") or {}
         doc["slowdown"] = {**{k: v for k, v in other.items() if k in ("single", "pair")}, "from": str(args.slowdown_from)}
     if "sim" in args.stages:
+        if "single" in doc or "pair" in doc:  # simulate the setups that were measured
+            rates, pair_rates = (rates if "single" in doc else []), (pair_rates if "pair" in doc else [])
         doc["simulated"] = stage_sim(trace, native, rates, pair_rates, mode, slo, engine_time, args.pair_baselines,
                                      seeds=args.sim_seeds)  # fmt: skip
         fronts = (measured_front_ms(doc, "single"), measured_front_ms(doc, "pair"))
@@ -1168,6 +1245,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="FAIRBATCH_PLAN_MODEL of the plugin replicas (default: the plugin's, conservative)")
     ap.add_argument("--windows", type=int, default=1, help="trace windows replayed per rate, one after the other "
                     "(default 1); a rate's row pools them")
+    ap.add_argument("--single-side-by-side", action="store_true",
+                    help="one-replica stage: replay each window at both replicas at once (before 2026-12-07 the only way) "
+                         "instead of one after the other")  # fmt: skip
     ap.add_argument("--sim-seeds", type=int, default=8, help="engine-noise seeds per simulated point (default 8): the "
                     "simulated attainment is their mean, with the 10-90 %% spread")
     ap.add_argument("--slowdown-logs", metavar="DIR", default=None,
@@ -1176,9 +1256,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--slowdown-from", metavar="JSON", default=None,
                     help="take the simulated engines' correlated slowdowns from another result JSON (out of sample)")
     ap.add_argument("--table", metavar="JSON", default=None, help="only print the markdown tables of a result JSON")
+    ap.add_argument("--merge", metavar="JSON", nargs="+", default=None,
+                    help="merge results of the same workload at different rates into --out (rows by rate, capacities, "
+                         "verdicts and comparisons recomputed) and print its tables")  # fmt: skip
     args = ap.parse_args(argv)
     if args.table:
         print(markdown_table(json.loads(Path(args.table).read_text())))
+        return 0
+    if args.merge:
+        if not args.out:
+            ap.error("--merge needs --out")
+        merged = merge_results([json.loads(Path(p).read_text()) for p in args.merge])
+        Path(args.out).write_text(json.dumps(merged, indent=1, default=list) + "\n")
+        print(markdown_table(merged))
         return 0
     mode = QUICK if args.quick else FULL
     if args.windows < 1 or args.sim_seeds < 1:

@@ -280,3 +280,43 @@ def test_fit_run_slowdown_of_steps_twice_the_model(tmp_path) -> None:  # type: i
     assert fit_run_slowdown([(tmp_path / "missing.jsonl", 0)], TRUE) is None
     both = run_slowdowns(tmp_path, TRUE)
     assert set(both) == {"single"} and both["single"]["logs"] == ["stock-steps.jsonl"]
+
+
+def test_sweep_groups_side_by_side_or_one_after_the_other() -> None:
+    from loadgen.vllm_bench import sweep_groups
+
+    t = {"vllm-default": "http://a", "fairbatching": "http://b"}
+    assert sweep_groups(t, ["e0", "e1"], False) == [(t, ["e0", "e1"])]
+    assert sweep_groups(t, ["e0", "e1"], True) == [({"vllm-default": "http://a"}, ["e0"]), ({"fairbatching": "http://b"}, ["e1"])]
+    with pytest.raises(ValueError):
+        sweep_groups(t, ["e0"], True)
+
+
+def test_merge_results_sorts_rows_and_reads_the_capacity_again() -> None:
+    from loadgen.vllm_bench import merge_results
+
+    def block(pairs: list[tuple[float, float]]) -> dict[str, object]:
+        return {"rows": [{"rate_rps": r, "slo_attainment": a} for r, a in pairs], "capacity_rps": 0.0,
+                "capacity_bound": "at-least", "core": 0}
+
+    slo = {"ttft_ms": 870.0, "tpot_ms": 40.0}
+    low = {"slo": slo, "windows": 2, "rates_rps": {"single": [1.0, 2.0]}, "wall_s": 100.0,
+           "single": {"vllm-default": block([(2.0, 0.95), (1.0, 1.0)])},
+           "simulated": {"seeds": 8, "single": {"vllm-default": block([(1.0, 1.0), (2.0, 1.0)])}, "pair": {}}}
+    high = {"slo": slo, "windows": 2, "rates_rps": {"single": [3.0, 4.0]}, "wall_s": 50.0,
+            "single": {"vllm-default": block([(3.0, 0.85), (4.0, 0.6)])},
+            "simulated": {"seeds": 8, "single": {"vllm-default": block([(3.0, 0.95), (4.0, 0.7)])}, "pair": {}}}
+    m = merge_results([low, high])
+    v = m["single"]["vllm-default"]
+    assert [r["rate_rps"] for r in v["rows"]] == [1.0, 2.0, 3.0, 4.0] and v["core"] == 0
+    # measured crossing of 0.9 between 2 (0.95) and 3 (0.85): 2 + 0.05 / 0.10 = 2.5
+    assert v["capacity_rps"] == pytest.approx(2.5) and v["capacity_bound"] == "interpolated"
+    # simulated between 3 (0.95) and 4 (0.7): 3 + 0.05 / 0.25 = 3.2; sim / measured - 1 = 0.28
+    s = m["simulated"]["single"]["vllm-default"]
+    assert s["capacity_rps"] == pytest.approx(3.2)
+    assert m["comparison"][0]["gap"] == pytest.approx(0.28) and m["wall_s"] == 150.0
+    assert [x["rates_rps"] for x in m["merged_from"]] == [{"single": [1.0, 2.0]}, {"single": [3.0, 4.0]}]
+    with pytest.raises(ValueError):
+        merge_results([low])
+    with pytest.raises(ValueError):
+        merge_results([low, {**high, "windows": 1}])
