@@ -74,6 +74,10 @@ class ReplayConfig:
         max_wall_s: limit on the whole replay, wall seconds (None = no limit); requests not
             finished by then are ``failed`` (``wall-limit`` / ``not-sent``).
         progress: show a progress bar on stderr.
+        prompt_offset: added to each request's index where its prompt is built (>= 0). Prompts of
+            different indices share no KV block; a replay against an engine that served an earlier replay
+            gives itself an offset past the earlier one's indices (e.g. the requests sent before), or the
+            engine's prefix cache hits on the earlier replay's prompts.
     """
 
     target: str
@@ -87,8 +91,11 @@ class ReplayConfig:
     request_timeout_s: float = 600.0
     max_wall_s: float | None = None
     progress: bool = True
+    prompt_offset: int = 0
 
     def __post_init__(self) -> None:
+        if self.prompt_offset < 0:
+            raise ValueError(f"prompt_offset must be >= 0, got {self.prompt_offset}")
         if self.endpoint not in ("completions", "chat"):
             raise ValueError(f"endpoint must be 'completions' or 'chat', got {self.endpoint!r}")
         if self.prompt_format not in ("text", "tokens"):
@@ -483,7 +490,7 @@ async def replay(trace: Sequence[TraceRequest], cfg: ReplayConfig) -> ReplayResu
         async def one(i: int, req: TraceRequest, raw: _Raw) -> None:
             try:
                 headers = {**base_headers[raw.tenant], "x-request-id": f"lg-{run_id}-{i}"}
-                await _send(session, url, headers, maker.body(req, i), raw, timeout_wall_s, errors)
+                await _send(session, url, headers, maker.body(req, i + cfg.prompt_offset), raw, timeout_wall_s, errors)
             except Exception as e:  # a bug here must not pass for a wall-limit cut
                 raw.outcome, raw.reason = FAILED, f"client-{type(e).__name__}"
                 errors.setdefault(raw.reason, _short(repr(e)))

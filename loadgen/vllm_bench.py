@@ -688,9 +688,10 @@ BENCH_KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4
 
 
 def _replay(targets: Sequence[str], reqs: list[TraceRequest], slo: dict[str, Any], keys: dict[str, str] | None,
-            timeout_s: float) -> list[dict[str, Any]]:  # fmt: skip
+            timeout_s: float, prompt_offset: int = 0) -> list[dict[str, Any]]:  # fmt: skip
     """Replay ``reqs`` at every one of ``targets`` at once (loadgen/replay.py, one event loop) and return
-    the figures of each (loadgen/stats.py), in order."""
+    the figures of each (loadgen/stats.py), in order. ``prompt_offset``: ReplayConfig's, so that a window
+    shares no prompt prefix with the windows an engine served before it."""
     from loadgen.replay import ReplayConfig, TenantSpec, replay
     from loadgen.stats import Slo, figures
 
@@ -698,7 +699,8 @@ def _replay(targets: Sequence[str], reqs: list[TraceRequest], slo: dict[str, Any
 
     async def run_all() -> list[Any]:
         cfgs = [ReplayConfig(target=t, tenants=tenants, model=SERVED, time_scale=1.0, request_timeout_s=timeout_s,
-                             max_wall_s=timeout_s + reqs[-1].arrival_ms / 1000.0 + 30.0, progress=False)
+                             max_wall_s=timeout_s + reqs[-1].arrival_ms / 1000.0 + 30.0, progress=False,
+                             prompt_offset=prompt_offset)
                 for t in targets]  # fmt: skip
         return list(await asyncio.gather(*(replay(reqs, c) for c in cfgs)))
 
@@ -779,13 +781,16 @@ def _sweep(targets: dict[str, str], engine_urls: list[str], trace: list[TraceReq
     at one target after the other instead (target i's engine is ``engine_urls[i]``), so only one engine
     works at a time. Returns name -> one row per rate (:func:`pool_windows` of its windows)."""
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
+    sent = 0  # requests replayed so far: each window's prompts start past them (no prefix-cache hit on old ones)
     for rate in rates:
         per_window: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
         for k in range(mode.windows):
             wt = window_trace(trace, native, rate, mode.duration_s, k)
+            n = len(window(wt, native, rate, mode.duration_s))
             for tg, eu in sweep_groups(targets, engine_urls, alternate):
-                for name, row in _sweep_window(tg, eu, wt, native, rate, mode, slo, keys, say, after).items():
+                for name, row in _sweep_window(tg, eu, wt, native, rate, mode, slo, keys, say, after, sent).items():
                     per_window[name].append({**row, "window": k} if mode.windows > 1 else row)
+            sent += n
         for name in targets:
             rows[name].append(pool_windows(per_window[name]))
     return rows
@@ -808,13 +813,15 @@ def sweep_groups(targets: dict[str, str], engine_urls: list[str],
 
 def _sweep_window(targets: dict[str, str], engine_urls: list[str], trace: list[TraceRequest], native: float, rate: float,
                   mode: Mode, slo: dict[str, Any], keys: dict[str, str] | None, say: Callable[[str], None],
-                  after: Callable[[], dict[str, Any]] | None) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """One window of one rate at every target (:func:`_sweep`). Returns name -> row."""
+                  after: Callable[[], dict[str, Any]] | None, prompt_offset: int = 0) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """One window of one rate at every target (:func:`_sweep`), its prompts from ``prompt_offset`` on.
+    Returns name -> row."""
     out: dict[str, dict[str, Any]] = {}
     reqs = window(trace, native, rate, mode.duration_s)
     la = loadavg()
     hist0 = [engine_latency_sums(parse_prometheus(http_get_text(u + "/metrics"))) for u in engine_urls]
-    results = _replay(list(targets.values()), reqs, slo, keys, timeout_s=max(60.0, 20 * slo["ttft_ms"] / 1000.0))
+    results = _replay(list(targets.values()), reqs, slo, keys, timeout_s=max(60.0, 20 * slo["ttft_ms"] / 1000.0),
+                      prompt_offset=prompt_offset)
     la_after = loadavg()
     extra = after() if after is not None else None
     for u in engine_urls:

@@ -124,3 +124,28 @@ async def test_replay_unreachable_target_fails_cleanly(tmp_path: Path) -> None:
                           ReplayConfig(target=url, model="m", progress=False, request_timeout_s=5.0, max_wall_s=10))
     assert result.records[0].outcome == FAILED
     assert result.records[0].reason.startswith("client-")
+
+
+async def test_prompt_offset_keeps_a_second_replay_off_the_prefix_cache(engine_url: str) -> None:
+    import aiohttp
+
+    from loadgen.vllm_fleet import metric_value, parse_prometheus
+
+    async def hits() -> float:
+        async with aiohttp.ClientSession() as s, s.get(engine_url + "/metrics") as r:
+            return metric_value(parse_prometheus(await r.text()), "vllm:prefix_cache_hits_total") or 0.0
+
+    # lengths unlike every other test's here, so only these replays can hit each other's blocks
+    trace = [TraceRequest(10.0 * i, 640 + 16 * i, 1) for i in range(4)]
+    cfg = ReplayConfig(target=engine_url, time_scale=TIME_SCALE, progress=False, max_wall_s=30, prompt_offset=5000)
+    first = await replay(trace, cfg)
+    assert all(r.outcome == OK for r in first.records)
+    h0 = await hits()
+    await replay(trace, cfg)  # the same indices again: the same prompts, cached whole blocks
+    h1 = await hits()
+    assert h1 - h0 >= 4 * 600  # every prompt hits at least its first 600 tokens (whole blocks)
+    await replay(trace, ReplayConfig(target=engine_url, time_scale=TIME_SCALE, progress=False, max_wall_s=30,
+                                     prompt_offset=5000 + len(trace)))  # fmt: skip
+    assert await hits() == h1  # indices past the earlier ones: their first block differs, no hit
+    with pytest.raises(ValueError):
+        ReplayConfig(target=engine_url, prompt_offset=-1)
