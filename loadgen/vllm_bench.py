@@ -222,12 +222,19 @@ def fit_step_log(lines: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"engine": engine, "linear": linear, "error_by_kind": by_kind}
 
 
+def predicted_ms(lines: Sequence[dict[str, Any]], engine: dict[str, float]) -> np.ndarray:
+    """The fitted engine form's step time (ms) of each step-log line (:func:`step_features`); ``engine``:
+    the coefficients ``a_ms`` .. ``f_ms``."""
+    coef = np.array([engine[k] for k in ("a_ms", "b_ms", "c_ms", "d_ms", "e_ms", "f_ms")])
+    return np.array([float(step_features(r)[0] @ coef) for r in lines])
+
+
 def step_time_drift(lines: Sequence[dict[str, Any]], engine: dict[str, float]) -> dict[str, Any]:
     """How the steps of a run compare with the fitted engine model: quantiles of measured / predicted
     over the step-log ``lines`` (:func:`step_features`); ``{"steps": 0}`` when there is none. A median
     above 1 means the engine ran slower during the run than when it was fitted (CPU contention)."""
-    coef = np.array([engine[k] for k in ("a_ms", "b_ms", "c_ms", "d_ms", "e_ms", "f_ms")])
-    ratios = [float(r["measured_ms"]) / float(step_features(r)[0] @ coef) for r in lines if float(r["measured_ms"]) > 0]
+    lines = [r for r in lines if float(r["measured_ms"]) > 0]
+    ratios = [float(r["measured_ms"]) / p for r, p in zip(lines, predicted_ms(lines, engine), strict=True)]
     if not ratios:
         return {"steps": 0}
     q = np.quantile(ratios, [0.1, 0.5, 0.9])
@@ -248,13 +255,12 @@ def fit_run_slowdown(logs: Sequence[tuple[Path, int]], engine: dict[str, float])
         ``{"model": SlowdownModel JSON, "white_sigma", "var", "steps", "rms_error", "lags_s", "cov",
         "cov_fit", "logs"}``, or None with fewer than 50 steps.
     """
-    coef = np.array([engine[k] for k in ("a_ms", "b_ms", "c_ms", "d_ms", "e_ms", "f_ms")])
     series, names = [], []
     for path, skip in logs:
         lines = [r for r in _read_log(path, skip) if float(r["measured_ms"]) > 0]
         if not lines:
             continue
-        pred = np.array([float(step_features(r)[0] @ coef) for r in lines])
+        pred = predicted_ms(lines, engine)
         meas = np.array([float(r["measured_ms"]) for r in lines])
         t = np.array([float(r["start_ms"]) for r in lines]) / 1000.0
         keep = pred > 0
@@ -394,9 +400,6 @@ def pool_windows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             out[key] = vals[-1]
         else:
             out[key] = mean(vals)
-    if rows[0].get("requests") is not None:
-        ok = sum(r["slo_attainment"] * r["requests"] for r in rows if r.get("requests"))
-        out["slo_attainment"] = ok / max(1, out["requests"])
     out["window_rows"] = [dict(r) for r in rows]
     return out
 
@@ -439,6 +442,17 @@ def verdicts(doc: dict[str, Any]) -> dict[str, Any]:
 MERGED_SECTIONS = ("single", "pair", "simulated", "simulated_front", "simulated_slowdown")
 
 
+def add_derived(doc: dict[str, Any]) -> None:
+    """Set ``doc``'s verdicts (:func:`verdicts`) and the comparison of each simulated variant with the
+    measured rows (:func:`comparison`: ``comparison``, ``comparison_front``, ``comparison_slowdown``)."""
+    measured = {k: doc[k] for k in ("single", "pair") if k in doc}
+    doc["verdicts"] = verdicts(doc)
+    for sim, cmp in (("simulated", "comparison"), ("simulated_front", "comparison_front"),
+                     ("simulated_slowdown", "comparison_slowdown")):  # fmt: skip
+        if sim in doc:
+            doc[cmp] = comparison(measured, doc[sim])
+
+
 def merge_results(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One result from runs of the same workload at different rates (e.g. a second run at higher rates to
     bracket a capacity): per section, setup and policy the rows of every run sorted by rate, the capacity
@@ -478,12 +492,7 @@ def merge_results(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             else:
                 merged = pols
         out[sec] = merged
-    measured = {k: out[k] for k in ("single", "pair") if k in out}
-    out["verdicts"] = verdicts(out)
-    for sim, cmp in (("simulated", "comparison"), ("simulated_front", "comparison_front"),
-                     ("simulated_slowdown", "comparison_slowdown")):  # fmt: skip
-        if sim in out:
-            out[cmp] = comparison(measured, out[sim])
+    add_derived(out)
     out["merged_from"] = [{k: d.get(k) for k in ("rates_rps", "windows", "single_order", "started_loadavg", "finished_loadavg",
                                                   "wall_s", "slowdown")} for d in docs]  # fmt: skip
     out["wall_s"] = round(sum(float(d.get("wall_s") or 0.0) for d in docs), 1)
@@ -965,8 +974,8 @@ def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair
               slo: dict[str, Any], engine_time: Any, baselines: Sequence[str] = PAIR_BASELINES,
               front_ms: tuple[float, float] = (0.0, 0.0), seeds: int = 1,
               slowdown: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    # an empty ``rates`` or ``pair_rates`` skips that setup
-    """Stage 4: bench-policies (one replica) and bench-fleet (two replicas) at the measured rates and windows.
+    """Stage 4: bench-policies (one replica) and bench-fleet (two replicas) at the measured rates and windows
+    (an empty ``rates`` or ``pair_rates`` skips that setup).
 
     Args:
         front_ms: the engine front delay (single, pair) the simulated engines add (``engine_front_ms``).
@@ -990,8 +999,8 @@ def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair
             e = dataclasses.replace(e, noise_sigma=fit["white_sigma"], slowdown=SlowdownModel.from_dict(fit["model"]))
         return e
 
-    def point(run: Callable[[int, int], dict[str, Any]], rate: float, keys: Sequence[str]) -> dict[str, Any]:
-        per_seed = [pool_windows([{k: v for k, v in run(seed, w).items() if k in keys}
+    def point(run: Callable[[int, int, float], dict[str, Any]], rate: float, keys: Sequence[str]) -> dict[str, Any]:
+        per_seed = [pool_windows([{k: v for k, v in run(seed, w, rate).items() if k in keys}
                                   for w in range(mode.windows)]) for seed in range(seeds)]  # fmt: skip
         att = [r["slo_attainment"] for r in per_seed]
         row = {k: float(np.mean([r[k] for r in per_seed if r.get(k) is not None]))
@@ -1014,11 +1023,11 @@ def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair
     single_keys = ("rate_rps", "requests", "slo_attainment", "ttft_miss_frac", "tpot_miss_frac", "ttft_p99_ms", "tpot_p99_ms")
     single = {}
     for p in ("vllm-default", "fairbatching") if rates else ():
-        def run1(seed: int, w: int, p: str = p, r: float = 0.0) -> dict[str, Any]:
+        def run1(seed: int, w: int, r: float, p: str = p) -> dict[str, Any]:
             st = dataclasses.replace(setup, trace=tuple(window_trace(trace, native, r, mode.duration_s, w)),
                                      engine_time=engine_of("single", seed))  # fmt: skip
             return policies_point(st, p, r)
-        single[p] = with_capacity([point(lambda seed, w, r=r, f=run1: f(seed, w, r=r), r, single_keys) for r in rates])
+        single[p] = with_capacity([point(run1, r, single_keys) for r in rates])
     fsetup = Setup(tuple(trace), native, 2, PROFILE, slo["ttft_ms"], slo["tpot_ms"], mode.duration_s, 60.0, 1, 100.0,
                    0.5, "fair", prof.time_model.tokens_within_ms(slo["ttft_ms"]), True, MAX_MODEL_LEN, 0,
                    batch.max_num_batched_tokens, batch.max_num_seqs, 0.0, engine_time, 0.0, 0.0, "reserve", None, 1,
@@ -1026,11 +1035,11 @@ def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair
     pair_keys = ("rate_rps", "requests", "slo_attainment", "ttft_p99_ms", "tpot_p99_ms", "late_step_frac", "refused_share")
     pair = {}
     for p in ("pab+fairbatching", *baselines) if pair_rates else ():
-        def run2(seed: int, w: int, p: str = p, r: float = 0.0) -> dict[str, Any]:
+        def run2(seed: int, w: int, r: float, p: str = p) -> dict[str, Any]:
             st = dataclasses.replace(fsetup, trace=tuple(window_trace(trace, native, r, mode.duration_s, w)),
                                      engine_time=engine_of("pair", seed))  # fmt: skip
             return fleet_point(st, p, r)
-        pair[p] = with_capacity([point(lambda seed, w, r=r, f=run2: f(seed, w, r=r), r, pair_keys) for r in pair_rates])
+        pair[p] = with_capacity([point(run2, r, pair_keys) for r in pair_rates])
     return {"single": single, "pair": pair, "engine_front_ms": {"single": front_ms[0], "pair": front_ms[1]},
             "seeds": seeds, "windows": mode.windows,
             "slowdown": {k: v["model"] for k, v in (slowdown or {}).items() if v}}
@@ -1312,14 +1321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             holder[0].group.stop(grace_s=10.0)
         doc[run_keys[1]] = round(time.monotonic() - t0, 1)
         doc[run_keys[2]] = loadavg()
-        measured = {k: doc[k] for k in ("single", "pair") if k in doc}
-        doc["verdicts"] = verdicts(doc)
-        if "simulated" in doc:
-            doc["comparison"] = comparison(measured, doc["simulated"])
-        if "simulated_front" in doc:
-            doc["comparison_front"] = comparison(measured, doc["simulated_front"])
-        if "simulated_slowdown" in doc:
-            doc["comparison_slowdown"] = comparison(measured, doc["simulated_slowdown"])
+        add_derived(doc)
         out.write_text(json.dumps(doc, indent=1, default=list) + "\n")
         say(f"written {out} ({doc[run_keys[1]]:.0f} s); work dir {work}")
         try:

@@ -183,17 +183,19 @@ class EngineTimeSampler:
         """
         m = self.model
         t = m.mean_ms(f)
-        if self._slow is not None:
+        slow = self._slow
+        if slow is not None:
             if now_ms is not None:
                 self._clock_ms = now_ms
-            t *= self._slow.factor(self._clock_ms / 1000.0)
+            t *= slow.factor(self._clock_ms / 1000.0)
         if m.noise_sigma != 0.0:
             if self._i >= self._buf.size:
                 self._buf = np.exp(m.noise_sigma * self._rng.standard_normal(_NOISE_BLOCK))
                 self._i = 0
             t *= float(self._buf[self._i])
             self._i += 1
-        self._clock_ms += t
+        if slow is not None:
+            self._clock_ms += t  # the next step starts when this one ends, unless told otherwise
         return t
 
 

@@ -208,9 +208,10 @@ def fit_slowdown(series: Sequence[tuple[np.ndarray, np.ndarray]], *, bin_s: floa
 
     Method: ``log_mean`` = the mean of z over all steps; the autocovariance at 40 geometric lags from
     ``bin_s`` to ``max_lag_s`` (:func:`binned_autocovariance`) is fitted with ``sum_j sigma_j^2 exp(-L /
-    tau_j)`` by least squares, each lag weighted by sqrt(pairs), tau_j over :data:`TAU_GRID_S` and the
-    variances by non-negative least squares, their sum capped at the total variance of z; the white
-    variance is what remains (``var(z) - sum sigma_j^2``).
+    tau_j)``: for each choice of tau_j over :data:`TAU_GRID_S` the variances by non-negative least squares
+    with each lag's squared residual weighted by its pairs, their sum capped at the total variance of z;
+    the choice kept is the one with the least sum of squared residuals weighted by sqrt(pairs). The
+    white variance is what remains (``var(z) - sum sigma_j^2``).
 
     Returns:
         ``{"model": SlowdownModel, "white_sigma": float, "var": float, "steps": int, "lags_s": [...],
