@@ -192,6 +192,7 @@ class _PluginView:
 class _EngineView:
     metrics: EngineMetrics | None = None
     ok_ms: float | None = None
+    progress_ms: float | None = None  # last scrape whose token counters moved (:meth:`Agent.engine_progressed`)
     error: str = "engine metrics not scraped yet"
     missing: tuple[str, ...] = ()
     logged_missing: set[str] = field(default_factory=set)
@@ -306,6 +307,8 @@ class Agent:
             # as its going was; the first scrape after start-up is not a recovery)
             log.warning("engine answers again (%s); agent healthy", ev.error or "metrics were stale")
         ev.metrics, ev.ok_ms, ev.error, ev.missing = metrics, now, "", tuple(missing)
+        if old is not None and (old.itl_count != metrics.itl_count or old.prefix_queries != metrics.prefix_queries):
+            ev.progress_ms = now
         self.prefix_window.add(now, metrics.prefix_queries, metrics.prefix_hits)
         material = (
             old is None
@@ -331,6 +334,20 @@ class Agent:
         if ok is None:
             return None
         return (self.clock.now_ms() if now_ms is None else now_ms) - ok
+
+    def engine_progressed(self, within_ms: float, now_ms: float | None = None) -> bool:
+        """Whether the engine produced or scheduled tokens within the last ``within_ms`` simulated ms:
+        a scrape's inter-token count (decode tokens) or prefix-cache query count (prompt tokens
+        scheduled) moved since the scrape before. False before two scrapes, and always False for an
+        engine that exports neither counter.
+
+        Used by the stall rule (replica_agent/proxy.py ``StallWatch``): a request silent while the
+        engine works for others waits in the engine's queue (a full KV cache, a preemption); it is
+        not a stall. A frozen engine core moves neither counter, even while its API server answers."""
+        at = self._engine.progress_ms
+        if at is None:
+            return False
+        return (self.clock.now_ms() if now_ms is None else now_ms) - at <= within_ms
 
     def _healthy(self, now_ms: float) -> bool:
         ev = self._engine

@@ -335,14 +335,18 @@ class StallWatch:
 
     Two things are not the engine's silence: the ``grace_s`` before the first chunk (the predicted
     rest of the request's prefill: a long prompt sends nothing until its prefill ends, issue 30), and
-    any time while ``held()`` is True (the client is not reading, so the relay stopped reading the
-    engine: the engine is waiting on us).
+    any time while ``held()`` is True. The proxy's ``held`` is True while the client is not reading
+    (the relay stopped reading the engine: the engine is waiting on us) and while the engine produces
+    tokens for other requests (``Agent.engine_progressed``): this request then waits in the engine's
+    queue (a full KV cache, a preemption), bounded by the upstream read timeout, not stalled. Before
+    that rule, requests re-routed to a survivor busy with continued streams were ended as stalled
+    after 12 s in its queue (a real-vLLM CI failure).
 
     Args:
         stall_s: wall seconds of silence, while the agent runs, that make a stall.
         on_stall: called once, from the loop, with the :class:`EngineStalled` to raise.
         grace_s: wall seconds from now before silence starts counting (>= 0), ended early by a chunk.
-        held: returns True while the relay itself holds the engine back (None: never).
+        held: returns True while the silence is not the engine's (None: never).
     """
 
     __slots__ = ("_loop", "_slice", "_stall_s", "_on_stall", "_silent", "_mark", "_last", "_handle", "_held",
@@ -935,8 +939,11 @@ class Proxy:
             )
             await resp.prepare(request)
             # a stall fails the exchange with EngineStalled; the prefill's predicted time is not silence, nor is
-            # a pause while the router does not read (the engine waits on us then)
-            watch = StallWatch(stall_s, up.fail, prefill_s, lambda: up.paused)
+            # a pause while the router does not read (the engine waits on us then), nor a wait while the engine
+            # produces tokens for other requests (this one is queued or preempted in the engine)
+            agent = self._agent
+            busy_ms = agent.clock.to_sim_ms(stall_s / 4.0) + 2.0 * agent.config.metrics_interval_ms
+            watch = StallWatch(stall_s, up.fail, prefill_s, lambda: up.paused or agent.engine_progressed(busy_ms))
             pipe = _EnginePipe(self._agent, key, finished, watch)
             try:
                 first = await up.readany()  # the first token: the headers go out with it

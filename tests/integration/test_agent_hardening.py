@@ -47,11 +47,12 @@ class Setup:
     engine: Child
 
 
-async def start(tmp_path, scale: float, stall_timeout_s: float | None = None) -> AsyncIterator[Setup]:
+async def start(tmp_path, scale: float, stall_timeout_s: float | None = None,
+                engine_args: tuple[str, ...] = ()) -> AsyncIterator[Setup]:
     with ProcessGroup(tmp_path / "logs") as group:
         port = free_port()
         engine = group.start("sim-engine", [sys.executable, "-m", "loadgen.sim.server", "--port", str(port),
-                                            "--time-scale", str(scale), "--profile", MODEL])
+                                            "--time-scale", str(scale), "--profile", MODEL, *engine_args])
         engine_url = f"http://127.0.0.1:{port}"
         group.wait_http_ok(engine, engine_url + "/health", timeout_s=30)
         profile = load_profile(MODEL)
@@ -156,6 +157,44 @@ async def test_client_leaving_in_prefill_stops_the_engine_at_once(tmp_path, stre
             assert len(setup.agent.tracker) == 0
         print(f"prefill abort ({'stream' if stream else 'non-stream'}): engine empty {stopped_s * 1000:.0f} ms "
               f"after the client left 100 ms into a ~{scale:.0f} s prefill (wall)")
+
+
+async def test_a_request_queued_in_a_busy_engine_is_not_a_stall(tmp_path) -> None:
+    """An engine that runs one sequence at a time (``--max-num-seqs 1``) keeps a second stream in its
+    queue while the first decodes 1,500 tokens: about 8 s simulated at the 8B-on-A100 decode step,
+    0.4 s wall at time scale 0.05, beyond the 0.15 s stall timeout. The engine works all along (its
+    inter-token count moves), so the queued stream is not a stall: it completes with every token, and
+    the agent stays healthy. Before the rule (replica_agent/proxy.py ``StallWatch``, held while
+    ``Agent.engine_progressed``) it ended with "engine stalled: no byte for 0.15 s" (the real-vLLM CI
+    failure: requests re-routed to a survivor busy with continued streams)."""
+    async for setup in start(tmp_path, 0.05, stall_timeout_s=0.15, engine_args=("--max-num-seqs", "1")):
+        loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession() as s:
+            end = loop.time() + 10.0
+            while not setup.agent.health(setup.agent.clock.now_ms())[0] and loop.time() < end:
+                await asyncio.sleep(0.02)
+
+            async def stream(tokens: int, seed: int) -> list[bytes]:
+                body = {"model": MODEL, "prompt": make_prompt(20, seed), "max_tokens": tokens, "ignore_eos": True,
+                        "stream": True, "stream_options": {"include_usage": True}}
+                async with s.post(setup.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    return [e for e in (await resp.read()).split(b"\n\n") if e]
+
+            first = asyncio.create_task(stream(1500, 1))
+            while await engine_load(s, setup.engine_url) == 0:
+                await asyncio.sleep(0.005)
+            t0 = loop.time()
+            queued = await stream(8, 2)
+            waited_s = loop.time() - t0
+            done_first = await first
+        for events in (queued, done_first):
+            assert events[-1] == b"data: [DONE]"
+            assert not [e for e in events if b'"error"' in e], events[-2:]
+        usage = json.loads(queued[-2][len(b"data: "):])["usage"]
+        assert usage["completion_tokens"] == 8
+        assert waited_s > 2 * 0.15, waited_s  # it did wait in the engine's queue past the stall timeout
+        assert setup.agent.health(setup.agent.clock.now_ms())[0]
 
 
 async def test_frozen_engine_ends_streams_within_the_stall_timeout_and_marks_the_agent_unhealthy(tmp_path) -> None:
