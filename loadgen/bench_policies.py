@@ -89,6 +89,7 @@ class BenchSetup:
         engine_front_ms: time between a request's arrival and the engine core seeing it (ms; the API
             server's tokenization and hand-off, measured on real vLLM by ``make bench-vllm``,
             docs/vllm.md); TTFT still counts from the arrival. 0: none (the default).
+        decode_guard_ms: FairBatching's decode guard (``PolicyConfig.decode_guard_ms``, ms; 0: none).
     """
 
     trace: tuple[TraceRequest, ...]
@@ -107,6 +108,7 @@ class BenchSetup:
     online_time_model: bool = True
     prefix_caching: bool = True
     engine_front_ms: float = 0.0
+    decode_guard_ms: float = 0.0
 
 
 def run_point(setup: BenchSetup, policy: str, rate_rps: float, tpot_from_first_token: bool = True) -> dict[str, Any]:
@@ -135,7 +137,7 @@ def run_point(setup: BenchSetup, policy: str, rate_rps: float, tpot_from_first_t
         engine_time=setup.engine_time,
         enable_prefix_caching=setup.prefix_caching,
     )
-    pcfg = PolicyConfig(setup.ttft_ms, setup.tpot_ms, setup.token_budget, tpot_from_first_token)
+    pcfg = PolicyConfig(setup.ttft_ms, setup.tpot_ms, setup.token_budget, tpot_from_first_token, setup.decode_guard_ms)
     engine = SimEngine(cfg, make_policy(policy, pcfg))
     t0 = time.perf_counter()
     try:

@@ -531,17 +531,34 @@ def engine_argv(port: int, plugin: bool, extra: Sequence[str] = ()) -> list[str]
                            extra_args=[*args, *extra], nice=0)  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class PluginSettings:
+    """What the plugin replicas run (replica_agent/vllm_plugin.py); None / 0 = the plugin's defaults.
+
+    Attributes:
+        policy: ``FAIRBATCH_POLICY`` (default ``fairbatching``).
+        plan_model: ``FAIRBATCH_PLAN_MODEL`` (default ``conservative``).
+        decode_guard_ms: ``FAIRBATCH_DECODE_GUARD_MS`` (ms >= 0; default 0); the simulated FairBatching
+            replicas of the ``sim`` stage plan with the same guard.
+    """
+
+    policy: str | None = None
+    plan_model: str | None = None
+    decode_guard_ms: float = 0.0
+
+
 def plugin_env(coef: Sequence[float], slo: dict[str, Any] | None, *, disable: bool = False,
-               step_log: Path | None = None, export: str | None = None, policy: str | None = None,
-               plan_model: str | None = None) -> dict[str, str]:  # fmt: skip
+               step_log: Path | None = None, export: str | None = None,
+               plugin: PluginSettings = PluginSettings()) -> dict[str, str]:  # fmt: skip
     """Environment of a replica running the plugin class (``disable``: stock schedule, step log only;
-    ``policy``: ``FAIRBATCH_POLICY``, ``plan_model``: ``FAIRBATCH_PLAN_MODEL``, None = the plugin's defaults,
-    ``fairbatching`` and ``conservative``)."""
+    ``plugin``: the policy, plan model and decode guard, each named only when set)."""
     env = {"PYTHONPATH": str(REPO_ROOT), "FAIRBATCH_COEFFICIENTS": ",".join(f"{c:g}" for c in coef)}
-    if policy:
-        env["FAIRBATCH_POLICY"] = policy
-    if plan_model:
-        env["FAIRBATCH_PLAN_MODEL"] = plan_model
+    if plugin.policy:
+        env["FAIRBATCH_POLICY"] = plugin.policy
+    if plugin.plan_model:
+        env["FAIRBATCH_PLAN_MODEL"] = plugin.plan_model
+    if plugin.decode_guard_ms:
+        env["FAIRBATCH_DECODE_GUARD_MS"] = f"{plugin.decode_guard_ms:g}"
     if slo:
         env["FAIRBATCH_TTFT_MS"], env["FAIRBATCH_TPOT_MS"] = str(slo["ttft_ms"]), str(slo["tpot_ms"])
     if disable:
@@ -861,8 +878,8 @@ def _capacity(rows: list[dict[str, Any]], target: float = 0.9) -> dict[str, Any]
 
 def stage_single(mode: Mode, work: Path, trace: list[TraceRequest], native: float, rates: list[float],
                  slo: dict[str, Any], coef: Sequence[float], engine: dict[str, float], say: Callable[[str], None],
-                 stock: StockReplica | None = None, policy: str | None = None,
-                 plan_model: str | None = None, side_by_side: bool = False) -> dict[str, Any]:  # fmt: skip
+                 stock: StockReplica | None = None, plugin: PluginSettings = PluginSettings(),
+                 side_by_side: bool = False) -> dict[str, Any]:  # fmt: skip
     """Stage 2: one replica each on its own core: vLLM's scheduler (``stock``, the stage-1 replica on core 0
     when given) and the FairBatching plugin (core 1). Each window of each rate is replayed at one replica
     and then the other (the windows interleaved, so both see the machine of the same minutes, and only one
@@ -875,7 +892,7 @@ def stage_single(mode: Mode, work: Path, trace: list[TraceRequest], native: floa
     fb_log = work / "single-fairbatching-steps.jsonl"
     try:
         port = free_port()
-        env = {**vllm_env(omp_core(1), vllm_cache_root()), **plugin_env(coef, slo, step_log=fb_log, policy=policy, plan_model=plan_model)}
+        env = {**vllm_env(omp_core(1), vllm_cache_root()), **plugin_env(coef, slo, step_log=fb_log, plugin=plugin)}
         child = group.start("vllm-fairbatching", engine_argv(port, True), env=env)
         url = f"http://127.0.0.1:{port}"
         startup = wait_vllm_ready(group, child, url)
@@ -914,7 +931,7 @@ def _agent_time_model(agent_url: str) -> dict[str, Any]:
 def stage_pair(mode: Mode, work: Path, trace: list[TraceRequest], native: float, rates: list[float],
                slo: dict[str, Any], coef: Sequence[float], engine: dict[str, float],
                say: Callable[[str], None], baselines: Sequence[str] = PAIR_BASELINES,
-               policy: str | None = None, plan_model: str | None = None) -> dict[str, Any]:  # fmt: skip
+               plugin: PluginSettings = PluginSettings()) -> dict[str, Any]:  # fmt: skip
     """Stage 3: two replicas (cores 0 and 1) behind agents and the router: pab + fairbatching (plugin,
     agents in plugin mode) vs each of ``baselines`` (router placement profiles, router/placement/baselines.py;
     stock vLLM, agents in proxy mode)."""
@@ -926,23 +943,23 @@ def stage_pair(mode: Mode, work: Path, trace: list[TraceRequest], native: float,
     tenants = {n: {"weight": w, "slo_class": "interactive"} for n, w in TENANTS}
     out: dict[str, Any] = {}
     sock_dir = Path(tempfile.mkdtemp(prefix="fb-ab-", dir="/tmp"))
-    for name, plugin, placement in (("pab+fairbatching", True, "pab"), *((b, False, b) for b in baselines)):
+    for name, on, placement in (("pab+fairbatching", True, "pab"), *((b, False, b) for b in baselines)):
         overrides = {"slo_classes": slo_class, "tenants": tenants, "placement": {"profile": placement}}
 
-        def env_of(r: Any, plugin: bool = plugin, name: str = name) -> dict[str, str]:
+        def env_of(r: Any, on: bool = on, name: str = name) -> dict[str, str]:
             e: dict[str, str] = {}
-            if plugin:
-                e.update(plugin_env(coef, slo, export=f"unix:{sock_dir}/{r.replica_id}.sock", policy=policy, plan_model=plan_model,
+            if on:
+                e.update(plugin_env(coef, slo, export=f"unix:{sock_dir}/{r.replica_id}.sock", plugin=plugin,
                                     step_log=work / f"pair-{name}-{r.replica_id}-steps.jsonl"))  # fmt: skip
             return e
 
-        def agent_of(r: Any, plugin: bool = plugin) -> list[str]:
-            return ["--plugin-export", f"unix:{sock_dir}/{r.replica_id}.sock"] if plugin else []
+        def agent_of(r: Any, on: bool = on) -> list[str]:
+            return ["--plugin-export", f"unix:{sock_dir}/{r.replica_id}.sock"] if on else []
 
         fleet = start_vllm_fleet(
             work / f"pair-{name}", [None, None], api_keys=keys, config_overrides=overrides, log=say,
             model_dir=bench_model_dir(), served_model_name=SERVED, max_model_len=MAX_MODEL_LEN,
-            engine_args=["--scheduler-cls", SCHEDULER_CLS] if plugin else [], engine_env=env_of,
+            engine_args=["--scheduler-cls", SCHEDULER_CLS] if on else [], engine_env=env_of,
             per_replica_agent_args=agent_of, coefficients=coef,
         )
         try:
@@ -952,7 +969,7 @@ def stage_pair(mode: Mode, work: Path, trace: list[TraceRequest], native: float,
             out[name] = {"rows": rows, **_capacity(rows), "startup_s": round(fleet.startup_s, 1)}
         finally:
             fleet.stop()
-        if plugin:
+        if on:
             out[name]["step_time_vs_fit"] = {
                 r.replica_id: step_time_drift(_read_log(work / f"pair-{name}-{r.replica_id}-steps.jsonl"), engine)
                 for r in fleet.replicas}  # fmt: skip
@@ -973,7 +990,7 @@ def measured_front_ms(doc: dict[str, Any], setup: str) -> float | None:
 def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair_rates: list[float], mode: Mode,
               slo: dict[str, Any], engine_time: Any, baselines: Sequence[str] = PAIR_BASELINES,
               front_ms: tuple[float, float] = (0.0, 0.0), seeds: int = 1,
-              slowdown: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+              slowdown: dict[str, Any] | None = None, decode_guard_ms: float = 0.0) -> dict[str, Any]:  # fmt: skip
     """Stage 4: bench-policies (one replica) and bench-fleet (two replicas) at the measured rates and windows
     (an empty ``rates`` or ``pair_rates`` skips that setup).
 
@@ -985,6 +1002,7 @@ def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair
             ``capacity_rps`` is read from the mean curve; ``seed_capacity_rps`` per seed.
         slowdown: per setup (``single``, ``pair``) a :func:`fit_run_slowdown` result: the engines then
             step with that correlated slowdown and its white noise in place of ``noise_sigma``.
+        decode_guard_ms: the FairBatching replicas' decode guard (:class:`PluginSettings`), as measured.
     """
     from loadgen.bench_policies import BenchSetup
     from loadgen.bench_policies import run_point as policies_point
@@ -1019,7 +1037,7 @@ def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair
     batch = vllm_serve_batch_defaults(prof.gpu)
     setup = BenchSetup(tuple(trace), native, PROFILE, "all_batches", slo["ttft_ms"], slo["tpot_ms"], mode.duration_s,
                        batch.max_num_batched_tokens, batch.max_num_seqs, 128, MAX_MODEL_LEN, None, engine_time,
-                       engine_front_ms=front_ms[0])  # fmt: skip
+                       engine_front_ms=front_ms[0], decode_guard_ms=decode_guard_ms)  # fmt: skip
     single_keys = ("rate_rps", "requests", "slo_attainment", "ttft_miss_frac", "tpot_miss_frac", "ttft_p99_ms", "tpot_p99_ms")
     single = {}
     for p in ("vllm-default", "fairbatching") if rates else ():
@@ -1031,7 +1049,7 @@ def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair
     fsetup = Setup(tuple(trace), native, 2, PROFILE, slo["ttft_ms"], slo["tpot_ms"], mode.duration_s, 60.0, 1, 100.0,
                    0.5, "fair", prof.time_model.tokens_within_ms(slo["ttft_ms"]), True, MAX_MODEL_LEN, 0,
                    batch.max_num_batched_tokens, batch.max_num_seqs, 0.0, engine_time, 0.0, 0.0, "reserve", None, 1,
-                   True, engine_front_ms=front_ms[1])  # fmt: skip
+                   True, engine_front_ms=front_ms[1], decode_guard_ms=decode_guard_ms)  # fmt: skip
     pair_keys = ("rate_rps", "requests", "slo_attainment", "ttft_p99_ms", "tpot_p99_ms", "late_step_frac", "refused_share")
     pair = {}
     for p in ("pab+fairbatching", *baselines) if pair_rates else ():
@@ -1172,6 +1190,9 @@ def _run_stages(args: argparse.Namespace, mode: Mode, doc: dict[str, Any], work:
     """The stages of ``args.stages`` in order, results into ``doc``; ``holder[0]``: the live stock replica."""
     from loadgen.sim.engine_time import EngineTimeModel
 
+    # the guard the plugin replicas ran with (a sim-only run simulates the measured result's)
+    guard = float(doc.get("plugin_decode_guard_ms") or 0.0)
+    plugin = PluginSettings(args.plugin_policy, args.plugin_plan_model, guard)
     if "fit" in args.stages:
         holder[0] = start_stock_replica(work, say)
         fit = stage_fit(mode, holder[0], say)
@@ -1209,12 +1230,12 @@ def _run_stages(args: argparse.Namespace, mode: Mode, doc: dict[str, Any], work:
     stock_skip = len(_read_log(holder[0].step_log)) if holder[0] is not None else 0  # the grid's steps
     if "single" in args.stages:
         rep, holder[0] = holder[0], None
-        doc["single"] = stage_single(mode, work, trace, native, rates, slo, coef, engine, say, rep, args.plugin_policy,
-                                     args.plugin_plan_model, args.single_side_by_side)  # fmt: skip
+        doc["single"] = stage_single(mode, work, trace, native, rates, slo, coef, engine, say, rep, plugin,
+                                     args.single_side_by_side)  # fmt: skip
         doc["single_order"] = "side by side" if args.single_side_by_side else "alternate"
     if "pair" in args.stages:
         doc["pair"] = stage_pair(mode, work, trace, native, pair_rates, slo, coef, engine, say, args.pair_baselines,
-                                 args.plugin_policy, args.plugin_plan_model)  # fmt: skip
+                                 plugin)  # fmt: skip
     if {"single", "pair"} & set(args.stages):
         doc["slowdown"] = {**doc.get("slowdown", {}), **run_slowdowns(work, engine, stock_skip), "from": "this run"}
     if args.slowdown_logs:
@@ -1226,16 +1247,17 @@ def _run_stages(args: argparse.Namespace, mode: Mode, doc: dict[str, Any], work:
         if "single" in doc or "pair" in doc:  # simulate the setups that were measured
             rates, pair_rates = (rates if "single" in doc else []), (pair_rates if "pair" in doc else [])
         doc["simulated"] = stage_sim(trace, native, rates, pair_rates, mode, slo, engine_time, args.pair_baselines,
-                                     seeds=args.sim_seeds)  # fmt: skip
+                                     seeds=args.sim_seeds, decode_guard_ms=guard)  # fmt: skip
         fronts = (measured_front_ms(doc, "single"), measured_front_ms(doc, "pair"))
         front = (fronts[0] or 0.0, fronts[1] or 0.0)
         if any(f is not None for f in fronts):  # the same, with the time outside the engine core measured above
             doc["simulated_front"] = stage_sim(trace, native, rates, pair_rates, mode, slo, engine_time,
-                                               args.pair_baselines, front, seeds=args.sim_seeds)  # fmt: skip
+                                               args.pair_baselines, front, seeds=args.sim_seeds, decode_guard_ms=guard)  # fmt: skip
         slow = {k: v for k, v in (doc.get("slowdown") or {}).items() if k in ("single", "pair")}
         if slow:  # and with the run's own correlated slowdowns of the engine steps
             doc["simulated_slowdown"] = stage_sim(trace, native, rates, pair_rates, mode, slo, engine_time,
-                                                  args.pair_baselines, front, seeds=args.sim_seeds, slowdown=slow)  # fmt: skip
+                                                  args.pair_baselines, front, seeds=args.sim_seeds, slowdown=slow,
+                                                  decode_guard_ms=guard)  # fmt: skip
             doc["simulated_slowdown"]["slowdown_from"] = doc["slowdown"].get("from")
 
 
@@ -1259,6 +1281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "keep the name fairbatching and the JSON says which ran (plugin_policy)")  # fmt: skip
     ap.add_argument("--plugin-plan-model", default=None, choices=["conservative", "point"],
                     help="FAIRBATCH_PLAN_MODEL of the plugin replicas (default: the plugin's, conservative)")
+    ap.add_argument("--plugin-decode-guard-ms", type=float, default=0.0, metavar="MS",
+                    help="FAIRBATCH_DECODE_GUARD_MS of the plugin replicas (default 0): each decode's deadline "
+                         "planned this many ms early; the simulated FairBatching replicas use the same")  # fmt: skip
     ap.add_argument("--windows", type=int, default=1, help="trace windows replayed per rate, one after the other "
                     "(default 1); a rate's row pools them")
     ap.add_argument("--single-side-by-side", action="store_true",
@@ -1309,7 +1334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if measuring or "mode" not in doc:
         doc.update({"mode": "quick" if args.quick else "full", "nproc": os.cpu_count(), "windows": mode.windows,
                     "plugin_policy": args.plugin_policy or "fairbatching",
-                    "plugin_plan_model": args.plugin_plan_model or "conservative"})  # fmt: skip
+                    "plugin_plan_model": args.plugin_plan_model or "conservative",
+                    "plugin_decode_guard_ms": args.plugin_decode_guard_ms})  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="fairbatch-vllm-ab-"))
     if measuring:
         ensure_bench_model(say)

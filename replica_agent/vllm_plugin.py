@@ -64,6 +64,9 @@ Configuration (environment of ``vllm serve``, inherited by the EngineCore proces
 - ``FAIRBATCH_POLICY``: ``fairbatching`` (default) or ``fairbatching-pd`` (its step budget may grow so
   the most urgent waiting prefill meets its first-token deadline; replica_agent/policy/batching.py);
   any other value stops the engine at start with the list;
+- ``FAIRBATCH_DECODE_GUARD_MS``: plan each decode's deadline this many ms early (default 0), for the
+  delivery path between the engine and the client (replica_agent/policy/batching.py
+  ``FairBatchingPolicy``); a value that is not a number >= 0 stops the engine at start;
 - ``FAIRBATCH_PLAN_MODEL``: ``conservative`` (default: steps sized with the online fit x its learned
   margin) or ``point`` (the fit alone; the margin then only reaches the agent's PAB through the export);
 - ``FAIRBATCH_TTFT_MS`` / ``FAIRBATCH_TPOT_MS``: SLO of requests that carry none (default 1000 / 100);
@@ -112,7 +115,9 @@ from replica_agent.plugin_export import (
     step_record,
     time_model_from_env,
 )
-from replica_agent.policy.batching import Batch, SchedRequest, SchedState, plan_with_point_model, plugin_policy
+from replica_agent.policy.batching import (
+    Batch, SchedRequest, SchedState, decode_guard_ms, plan_with_point_model, plugin_policy,
+)
 from replica_agent.policy.calibration import OnlineTimeModel
 from replica_agent.policy.time_model import StepFeatures, TimeModel
 
@@ -150,7 +155,8 @@ class FairBatchingScheduler(Scheduler):
                               if env.get("FAIRBATCH_ONLINE_TIME_MODEL", "1") != "0" else None)  # fmt: skip
         self.fb_default_ttft_ms = positive_float(env.get("FAIRBATCH_TTFT_MS")) or 1000.0
         self.fb_default_tpot_ms = positive_float(env.get("FAIRBATCH_TPOT_MS")) or 100.0
-        self.fb_policy = plugin_policy(env.get("FAIRBATCH_POLICY"), self.fb_default_ttft_ms, self.fb_default_tpot_ms)
+        self.fb_policy = plugin_policy(env.get("FAIRBATCH_POLICY"), self.fb_default_ttft_ms, self.fb_default_tpot_ms,
+                                       decode_guard_ms(env.get("FAIRBATCH_DECODE_GUARD_MS")))
         self.fb_plan_point = plan_with_point_model(env.get("FAIRBATCH_PLAN_MODEL"))
         self.fb_block_size = int(self.cache_config.block_size)
         self.fb_prefix_lookup = bool(self.cache_config.enable_prefix_caching)

@@ -270,6 +270,7 @@ class Setup:
     faults: tuple[tuple[float, int], ...] = ()  # (ms, replica) killed (FleetConfig.faults)
     max_migrations: int = 3  # FleetConfig.max_migrations
     engine_front_ms: float = 0.0  # FleetConfig.engine_front_ms
+    decode_guard_ms: float = 0.0  # FleetConfig.decode_guard_ms
 
 
 def parse_fleet(spec: str, engine_time_spec: str | None = None) -> tuple[ReplicaKind, ...]:
@@ -353,6 +354,7 @@ def fleet_config(setup: Setup, policy: str) -> FleetConfig:
         contention_max_inflight=setup.contention_max_inflight, max_bypass=setup.max_bypass,
         replica_kinds=setup.replica_kinds, contention_keep_running=setup.contention_keep_running,
         faults=setup.faults, max_migrations=setup.max_migrations, engine_front_ms=setup.engine_front_ms,
+        decode_guard_ms=setup.decode_guard_ms,
     )  # fmt: skip
 
 

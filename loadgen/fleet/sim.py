@@ -347,6 +347,8 @@ class FleetConfig:
         engine_front_ms: time from a request's arrival at the replica to its engine core (ms; vLLM's API
             server: tokenization and hand-off), added to the forwarding hop; ``make bench-vllm``
             measures it on real vLLM (docs/vllm.md). 0: none (the default).
+        decode_guard_ms: FairBatching replicas plan each decode's deadline this many ms early
+            (replica_agent/policy/batching.py ``PolicyConfig.decode_guard_ms``; 0: none, the default).
     """
 
     policy: str
@@ -395,6 +397,7 @@ class FleetConfig:
     faults: tuple[tuple[float, int], ...] = ()
     max_migrations: int = 3
     engine_front_ms: float = 0.0
+    decode_guard_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.replica_kinds and sum(k.count for k in self.replica_kinds) != self.replicas:
@@ -946,7 +949,7 @@ class FleetSim:
         batching = POLICIES[cfg.policy][1]
         kinds = cfg.replica_kinds or (ReplicaKind("", cfg.replicas, cfg.time_model, cfg.kv_capacity_tokens,
                                                   cfg.engine_time, cfg.max_num_batched_tokens, cfg.max_num_seqs),)  # fmt: skip
-        pcfg = PolicyConfig(cfg.ttft_ms, cfg.tpot_ms)
+        pcfg = PolicyConfig(cfg.ttft_ms, cfg.tpot_ms, decode_guard_ms=cfg.decode_guard_ms)
         self.replicas = []
         for kind in kinds:
             ecfg = EngineConfig(kind.time_model, kind.kv_capacity_tokens // cfg.block_size, cfg.block_size,

@@ -149,12 +149,15 @@ class PolicyConfig:
             as a fixed chunked-prefill budget); None -> the engine's max_num_batched_tokens.
         tpot_from_first_token: FairBatching's decode deadlines also respect the TPOT measured from
             the first token (see :class:`FairBatchingPolicy`); False = the seed's envelope only.
+        decode_guard_ms: FairBatching plans every decode's deadline this many ms early (>= 0; see
+            :class:`FairBatchingPolicy`), for the delivery path between the engine and the client.
     """
 
     default_ttft_ms: float = 1000.0
     default_tpot_ms: float = 100.0
     token_budget: int | None = None
     tpot_from_first_token: bool = True
+    decode_guard_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.default_ttft_ms > 0 and self.default_tpot_ms > 0):
@@ -163,6 +166,8 @@ class PolicyConfig:
             )
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
+        if not (self.decode_guard_ms >= 0 and math.isfinite(self.decode_guard_ms)):
+            raise ValueError(f"decode_guard_ms must be a finite number >= 0, got {self.decode_guard_ms}")
 
 
 @dataclass(slots=True)
@@ -336,7 +341,12 @@ class FairBatchingPolicy:
     deadline(j) <= first_token_ms + tpot * j: SLO attainment judges TPOT = (last - first) /
     (n - 1) (docs/design.md section 2), so TTFT slack left over at the first token is not spendable on
     decodes (with the seed's envelope alone, a request whose first token came 400 ms early could
-    be paced to TPOT = tpot + 400 / (n - 1) and miss its TPOT target). Then:
+    be paced to TPOT = tpot + 400 / (n - 1) and miss its TPOT target). With ``decode_guard_ms`` = g
+    > 0, a request that has its first token has its slack taken g ms early (slack - g): the client
+    sees each token after the engine made it, later by the delivery path (the API server's
+    detokenization and streaming), and that delay varies from token to token; a decode paced to its
+    deadline exactly meets its TPOT at the engine and misses it at the client whenever the last
+    token's delivery is slower than the first's. Then:
 
     1. time_budget = max(min slack over running decodes, min tpot_slo over running decodes) (ms);
        with no running decode it is unbounded (only the token cap and KV limit the batch).
@@ -366,18 +376,22 @@ class FairBatchingPolicy:
         default_ttft_ms: TTFT target of requests without one (ms).
         default_tpot_ms: TPOT target of requests without one (ms).
         tpot_from_first_token: also bound decode deadlines by first_token_ms + tpot * j.
+        decode_guard_ms: ms by which a decode's deadline is planned early (>= 0; 0 = the envelope
+            as it is).
     """
 
     name: ClassVar[str] = "fairbatching"
     default_ttft_ms: float = 1000.0
     default_tpot_ms: float = 100.0
     tpot_from_first_token: bool = True
+    decode_guard_ms: float = 0.0
     raise_budget_for_prefills: ClassVar[bool] = False
 
     @classmethod
     def from_config(cls, config: PolicyConfig) -> FairBatchingPolicy:
         """Build from the shared policy parameters (reads the default SLO and the deadline variant)."""
-        return cls(config.default_ttft_ms, config.default_tpot_ms, config.tpot_from_first_token)
+        return cls(config.default_ttft_ms, config.default_tpot_ms, config.tpot_from_first_token,
+                   config.decode_guard_ms)
 
     def form_batch(self, state: SchedState) -> Batch:
         """Propose the batch of docs/design.md section 3 (see the class docstring).
@@ -398,6 +412,7 @@ class FairBatchingPolicy:
         d_ttft = self.default_ttft_ms
         d_tpot = self.default_tpot_ms
         anchored = self.tpot_from_first_token
+        guard = self.decode_guard_ms
 
         # 1. slack of every request; split decodes from prefills.
         def slack_of(r: SchedRequest, out: int) -> tuple[float, float]:
@@ -409,6 +424,8 @@ class FairBatchingPolicy:
             first = r.first_token_ms
             if anchored and first is not None:
                 slack = min(slack, first + tpot * out - now)
+            if out > 0:
+                slack -= guard
             return slack, tpot
 
         decodes: list[tuple[float, SchedRequest]] = []
@@ -630,9 +647,10 @@ PLUGIN_POLICIES = (FairBatchingPolicy.name, PrefillDeadlineFairBatchingPolicy.na
 deadline-driven ones (vLLM's own scheduler is the plugin switched off, ``FAIRBATCH_PLUGIN_DISABLE=1``)."""
 
 
-def plugin_policy(name: str | None, default_ttft_ms: float, default_tpot_ms: float) -> BatchingPolicy:
+def plugin_policy(name: str | None, default_ttft_ms: float, default_tpot_ms: float,
+                  decode_guard_ms: float = 0.0) -> BatchingPolicy:
     """The plugin's policy: ``name`` (``FAIRBATCH_POLICY``; None or blank -> ``fairbatching``) with the
-    plugin's default SLO.
+    plugin's default SLO and decode guard (``FAIRBATCH_DECODE_GUARD_MS``, :class:`PolicyConfig`).
 
     Raises:
         ValueError: ``name`` is not one of :data:`PLUGIN_POLICIES` (the message lists them), or the
@@ -641,7 +659,25 @@ def plugin_policy(name: str | None, default_ttft_ms: float, default_tpot_ms: flo
     chosen = (name or "").strip() or FairBatchingPolicy.name
     if chosen not in PLUGIN_POLICIES:
         raise ValueError(f"FAIRBATCH_POLICY={chosen!r} is not a plugin policy; known: {', '.join(PLUGIN_POLICIES)}")
-    return make_policy(chosen, PolicyConfig(default_ttft_ms, default_tpot_ms))
+    return make_policy(chosen, PolicyConfig(default_ttft_ms, default_tpot_ms, decode_guard_ms=decode_guard_ms))
+
+
+def decode_guard_ms(value: str | None) -> float:
+    """``FAIRBATCH_DECODE_GUARD_MS`` of the plugin (ms, :class:`PolicyConfig`): 0 when unset or blank.
+
+    Raises:
+        ValueError: a value that is not a finite number >= 0 (the message names it).
+    """
+    v = (value or "").strip()
+    if not v:
+        return 0.0
+    try:
+        g = float(v)
+    except ValueError:
+        g = math.nan
+    if not (g >= 0 and math.isfinite(g)):
+        raise ValueError(f"FAIRBATCH_DECODE_GUARD_MS={value!r}: use a number of ms >= 0")
+    return g
 
 
 def plan_with_point_model(value: str | None) -> bool:

@@ -331,3 +331,34 @@ def test_chunk_sq_term_shrinks_the_chunk_to_the_budget_by_hand() -> None:
     assert tmf.step_ms(StepFeatures.from_items([(1, 100), (383, 0)])) == pytest.approx(49.96689)
     # f = 0 gives the linear chunk of test_seed_case_fairbatching_spends_d1_slack_on_the_8k_prefill
     assert FairBatchingPolicy().form_batch(fb_state(running, waiting, now=990.0)).items == [("D2", 1), ("P", 398)]
+
+
+def test_decode_guard_plans_decode_deadlines_early_by_hand() -> None:
+    # The scene of test_large_min_slack_gives_a_large_budget with a 40-ms guard: D1 slack 510 - 40 = 470,
+    # D3 110 - 40 = 70; P (no first token) keeps 110. Budget = max(70, 50) = 70; urgent: slack < 120 -> D3.
+    # D3: 10.211 ms; P: room 70 - 10.211 = 59.789 -> 597 tokens (t = 69.911); D1: 70.13 > 70 -> skipped.
+    d1 = slo_decode("D1", 100, 20, 0.0, 500.0)
+    d3 = slo_decode("D3", 100, 12, 400.0, 500.0)
+    p = SchedRequest("P", 8000, arrival_ms=600.0, ttft_ms=500, tpot_ms=50)
+    guarded = make_policy("fairbatching", PolicyConfig(decode_guard_ms=40.0))
+    assert guarded.form_batch(fb_state([d1, d3], [p], now=990.0)).items == [("D3", 1), ("P", 597)]
+    # a guard large enough to make D1 urgent (seed scene, g = 420: D1 90, D2 -410; budget max(-410, 50) = 50,
+    # urgent < 100 -> both, by slack D2, D1): D2 10.2, D1 10.419, P room 39.581 -> 395 tokens.
+    running, waiting = seed_case(8000)
+    b = FairBatchingPolicy(decode_guard_ms=420.0).form_batch(fb_state(running, waiting, now=990.0))
+    assert b.items == [("D2", 1), ("D1", 1), ("P", 395)]
+    # without the guard D1 waits (test_seed_case_fairbatching_spends_d1_slack_on_the_8k_prefill)
+    assert FairBatchingPolicy().form_batch(fb_state(running, waiting, now=990.0)).items == [("D2", 1), ("P", 398)]
+
+
+def test_decode_guard_setting() -> None:
+    from replica_agent.policy.batching import decode_guard_ms, plugin_policy
+
+    assert decode_guard_ms(None) == 0.0 and decode_guard_ms(" ") == 0.0 and decode_guard_ms("12.5") == 12.5
+    for bad in ("-1", "nan", "inf", "20ms"):
+        with pytest.raises(ValueError, match="FAIRBATCH_DECODE_GUARD_MS"):
+            decode_guard_ms(bad)
+    with pytest.raises(ValueError, match="decode_guard_ms"):
+        PolicyConfig(decode_guard_ms=-1.0)
+    assert plugin_policy(None, 870.0, 40.0, 20.0).decode_guard_ms == 20.0  # type: ignore[attr-defined]
+    assert plugin_policy("fairbatching-pd", 870.0, 40.0, 5.0).decode_guard_ms == 5.0  # type: ignore[attr-defined]

@@ -252,14 +252,16 @@ def test_decide_by_capacity_or_by_attainment() -> None:
 
 
 def test_plugin_env_names_the_policy_only_when_asked() -> None:
-    from loadgen.vllm_bench import plugin_env
+    from loadgen.vllm_bench import PluginSettings, plugin_env
 
-    env = plugin_env((9.5, 0.25, 0.001), {"ttft_ms": 870.0, "tpot_ms": 40.0}, policy="fairbatching-pd")
+    env = plugin_env((9.5, 0.25, 0.001), {"ttft_ms": 870.0, "tpot_ms": 40.0}, plugin=PluginSettings("fairbatching-pd"))
     assert env["FAIRBATCH_POLICY"] == "fairbatching-pd" and env["FAIRBATCH_COEFFICIENTS"] == "9.5,0.25,0.001"
     assert (env["FAIRBATCH_TTFT_MS"], env["FAIRBATCH_TPOT_MS"]) == ("870.0", "40.0")
     assert "FAIRBATCH_POLICY" not in plugin_env((9.5, 0.25, 0.001), None)
-    assert plugin_env((1.0, 0.1, 0.0), None, plan_model="point")["FAIRBATCH_PLAN_MODEL"] == "point"
+    assert plugin_env((1.0, 0.1, 0.0), None, plugin=PluginSettings(plan_model="point"))["FAIRBATCH_PLAN_MODEL"] == "point"
     assert "FAIRBATCH_PLAN_MODEL" not in plugin_env((1.0, 0.1, 0.0), None)
+    assert plugin_env((1.0, 0.1, 0.0), None, plugin=PluginSettings(decode_guard_ms=20.0))["FAIRBATCH_DECODE_GUARD_MS"] == "20"
+    assert "FAIRBATCH_DECODE_GUARD_MS" not in plugin_env((1.0, 0.1, 0.0), None)
 
 
 def test_fit_run_slowdown_of_steps_twice_the_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
