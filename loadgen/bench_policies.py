@@ -48,6 +48,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from loadgen.delivery import shift_token_times
 from loadgen.sim.engine import EngineConfig, SimEngine
 from loadgen.sim.engine_time import EngineTimeModel, describe_engine, engine_label
 from loadgen.sim.prefix_cache import block_hashes_from_ids
@@ -90,6 +93,9 @@ class BenchSetup:
             server's tokenization and hand-off, measured on real vLLM by ``make bench-vllm``,
             docs/vllm.md); TTFT still counts from the arrival. 0: none (the default).
         decode_guard_ms: FairBatching's decode guard (``PolicyConfig.decode_guard_ms``, ms; 0: none).
+        delivery_ms: measured ``(d_first, d_last)`` pairs, centred (loadgen/delivery.py ``centred_pairs``):
+            each request's client token times are its engine times shifted by one pair drawn at random
+            (seeded by the engine model's seed); empty: every token delivered at its step's end.
     """
 
     trace: tuple[TraceRequest, ...]
@@ -109,6 +115,7 @@ class BenchSetup:
     prefix_caching: bool = True
     engine_front_ms: float = 0.0
     decode_guard_ms: float = 0.0
+    delivery_ms: tuple[tuple[float, float], ...] = ()
 
 
 def run_point(setup: BenchSetup, policy: str, rate_rps: float, tpot_from_first_token: bool = True) -> dict[str, Any]:
@@ -149,11 +156,15 @@ def run_point(setup: BenchSetup, policy: str, rate_rps: float, tpot_from_first_t
         return {"rate_rps": round(rate_rps, 4), "requests": len(reqs), "slo_attainment": 0.0,
                 "envelope_attainment": 0.0, "error": str(e), "wall_s": round(time.perf_counter() - t0, 3)}  # fmt: skip
     wall_s = time.perf_counter() - t0
+    pairs = setup.delivery_ms
+    draw = (np.random.default_rng((setup.engine_time.seed if setup.engine_time else 0, 7)).integers(0, len(pairs), len(run.records))
+            if pairs else None)  # fmt: skip
     records = [
         RequestRecord("all", rec.request.arrival_ms - front, rec.request.prompt_tokens, len(rec.token_times_ms),
-                      rec.token_times_ms, OK if rec.rejected is None else REJECTED, rec.rejected,
+                      shift_token_times(rec.token_times_ms, pairs[draw[i]]) if draw is not None else rec.token_times_ms,
+                      OK if rec.rejected is None else REJECTED, rec.rejected,
                       expected_output_tokens=rec.request.output_tokens)  # fmt: skip
-        for rec in run.records
+        for i, rec in enumerate(run.records)
     ]
     fig = figures(records, {"all": Slo(setup.ttft_ms, setup.tpot_ms)}, setup.duration_s)
     envelope_met = sum(

@@ -125,6 +125,10 @@ class ReplayResult:
         time_scale: the scale used.
         model: the ``model`` sent.
         error_samples: error label -> one example message (for diagnosis).
+        run_id: the replay's id: request i was sent with ``x-request-id: lg-<run_id>-<i>`` (vLLM takes
+            it into its own request id).
+        start_monotonic_s: ``time.monotonic()`` at the replay's time 0 (records' ms count from it, times
+            the time scale), so another process of the machine can set its own times beside them.
     """
 
     records: list[RequestRecord]
@@ -133,6 +137,8 @@ class ReplayResult:
     time_scale: float
     model: str | None
     error_samples: dict[str, str] = field(default_factory=dict)
+    run_id: str = ""
+    start_monotonic_s: float = 0.0
 
 
 # ----------------------------------------------------------------------------- argument helpers
@@ -536,7 +542,7 @@ async def replay(trace: Sequence[TraceRequest], cfg: ReplayConfig) -> ReplayResu
     ends = [r.end_s for r in raws if r.end_s is not None]
     last_s = max(ends) if ends else time.monotonic()
     duration_s = max((last_s - t0) / scale, max(r.arrival_ms for r in trace) / 1000.0, 1e-3)
-    return ReplayResult(records, duration_s, wall_s, scale, model, errors)
+    return ReplayResult(records, duration_s, wall_s, scale, model, errors, run_id, t0)
 
 
 DEFAULT_SLO = Slo(ttft_ms=500.0, tpot_ms=50.0)

@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from loadgen.delivery import delivery_pairs, summarize_delivery
 from loadgen.procs import ProcessGroup, free_port
 from loadgen.sim.slowdown import SlowdownModel, fit_slowdown
 from loadgen.traces import TraceRequest, load_trace, resolve_trace
@@ -439,16 +440,18 @@ def verdicts(doc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-MERGED_SECTIONS = ("single", "pair", "simulated", "simulated_front", "simulated_slowdown")
+MERGED_SECTIONS = ("single", "pair", "simulated", "simulated_front", "simulated_slowdown", "simulated_delivery")
 
 
 def add_derived(doc: dict[str, Any]) -> None:
     """Set ``doc``'s verdicts (:func:`verdicts`) and the comparison of each simulated variant with the
-    measured rows (:func:`comparison`: ``comparison``, ``comparison_front``, ``comparison_slowdown``)."""
+    measured rows (:func:`comparison`: ``comparison``, ``comparison_front``, ``comparison_slowdown``,
+    ``comparison_delivery``)."""
     measured = {k: doc[k] for k in ("single", "pair") if k in doc}
     doc["verdicts"] = verdicts(doc)
     for sim, cmp in (("simulated", "comparison"), ("simulated_front", "comparison_front"),
-                     ("simulated_slowdown", "comparison_slowdown")):  # fmt: skip
+                     ("simulated_slowdown", "comparison_slowdown"),
+                     ("simulated_delivery", "comparison_delivery")):  # fmt: skip
         if sim in doc:
             doc[cmp] = comparison(measured, doc[sim])
 
@@ -549,9 +552,10 @@ class PluginSettings:
 
 def plugin_env(coef: Sequence[float], slo: dict[str, Any] | None, *, disable: bool = False,
                step_log: Path | None = None, export: str | None = None,
-               plugin: PluginSettings = PluginSettings()) -> dict[str, str]:  # fmt: skip
+               plugin: PluginSettings = PluginSettings(), request_log: Path | None = None) -> dict[str, str]:  # fmt: skip
     """Environment of a replica running the plugin class (``disable``: stock schedule, step log only;
-    ``plugin``: the policy, plan model and decode guard, each named only when set)."""
+    ``plugin``: the policy, plan model and decode guard, each named only when set; ``request_log``:
+    ``FAIRBATCH_REQUEST_LOG``, the engine's token times per request, loadgen/delivery.py)."""
     env = {"PYTHONPATH": str(REPO_ROOT), "FAIRBATCH_COEFFICIENTS": ",".join(f"{c:g}" for c in coef)}
     if plugin.policy:
         env["FAIRBATCH_POLICY"] = plugin.policy
@@ -567,6 +571,8 @@ def plugin_env(coef: Sequence[float], slo: dict[str, Any] | None, *, disable: bo
         env["FAIRBATCH_STEP_LOG"] = str(step_log)
     if export is not None:
         env["FAIRBATCH_PLUGIN_EXPORT"] = export
+    if request_log is not None:
+        env["FAIRBATCH_REQUEST_LOG"] = str(request_log)
     return env
 
 
@@ -628,7 +634,8 @@ def start_stock_replica(work: Path, say: Callable[[str], None]) -> StockReplica:
     group = ProcessGroup(work / "logs-stock")
     port = free_port()
     try:
-        env = {**vllm_env(0, vllm_cache_root()), **plugin_env((1.0, 0.1, 0.0), None, disable=True, step_log=step_log)}
+        env = {**vllm_env(0, vllm_cache_root()), **plugin_env((1.0, 0.1, 0.0), None, disable=True, step_log=step_log,
+                                                              request_log=work / "stock-requests.jsonl")}  # fmt: skip
         child = group.start("vllm-stock", engine_argv(port, plugin=True), env=env)
         url = f"http://127.0.0.1:{port}"
         startup = wait_vllm_ready(group, child, url)
@@ -716,8 +723,9 @@ BENCH_KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4
 def _replay(targets: Sequence[str], reqs: list[TraceRequest], slo: dict[str, Any], keys: dict[str, str] | None,
             timeout_s: float, prompt_offset: int = 0) -> list[dict[str, Any]]:  # fmt: skip
     """Replay ``reqs`` at every one of ``targets`` at once (loadgen/replay.py, one event loop) and return
-    the figures of each (loadgen/stats.py), in order. ``prompt_offset``: ReplayConfig's, so that a window
-    shares no prompt prefix with the windows an engine served before it."""
+    the figures of each (loadgen/stats.py), in order, each with ``client_tokens`` (what :func:`_sweep`'s
+    ``client_log`` keeps). ``prompt_offset``: ReplayConfig's, so that a window shares no prompt prefix with
+    the windows an engine served before it."""
     from loadgen.replay import ReplayConfig, TenantSpec, replay
     from loadgen.stats import Slo, figures
 
@@ -734,6 +742,7 @@ def _replay(targets: Sequence[str], reqs: list[TraceRequest], slo: dict[str, Any
     dur = max(1e-9, reqs[-1].arrival_ms / 1000.0)
     out = []
     for res in asyncio.run(run_all()):
+        t0 = res.start_monotonic_s * 1000.0  # time scale 1: a record's ms count from here
         f = figures(res.records, {n: s for n, _ in TENANTS}, dur)
         n = max(1, f.requests_total)
         ok = [r for r in res.records if r.outcome == "ok"]
@@ -747,6 +756,10 @@ def _replay(targets: Sequence[str], reqs: list[TraceRequest], slo: dict[str, Any
             "ttft_mean_ms": f.ttft_ms.mean, "tpot_mean_ms": f.tpot_ms.mean,
             "not_ok_reasons": dict(Counter(f"{r.outcome}:{r.reason}" for r in res.records if r.outcome != "ok")),
             "wall_s": round(res.wall_s, 1),
+            # each ok request's first and last token as the client read them (monotonic ms; loadgen/delivery.py)
+            "client_tokens": [{"key": f"lg-{res.run_id}-{i}", "first_mono_ms": round(t0 + r.token_times_ms[0], 3),
+                               "last_mono_ms": round(t0 + r.token_times_ms[-1], 3)}
+                              for i, r in enumerate(res.records) if r.outcome == "ok" and r.token_times_ms],
         })  # fmt: skip
     return out
 
@@ -801,11 +814,14 @@ def _wait_idle(url: str, timeout_s: float = 120.0) -> None:
 
 def _sweep(targets: dict[str, str], engine_urls: list[str], trace: list[TraceRequest], native: float,
            rates: list[float], mode: Mode, slo: dict[str, Any], keys: dict[str, str] | None, say: Callable[[str], None],
-           after: Callable[[], dict[str, Any]] | None = None, alternate: bool = False) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
+           after: Callable[[], dict[str, Any]] | None = None, alternate: bool = False,
+           client_log: Path | None = None) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
     """Each rate's ``mode.windows`` windows (:func:`window_trace`) replayed at every target at once (name -> URL),
     each followed by a wait until every engine of ``engine_urls`` is idle; ``alternate``: each window replayed
     at one target after the other instead (target i's engine is ``engine_urls[i]``), so only one engine
-    works at a time. Returns name -> one row per rate (:func:`pool_windows` of its windows)."""
+    works at a time. ``client_log``: each ok request's first and last token read by the client (monotonic ms)
+    appended there as JSON lines ``target, key, first_mono_ms, last_mono_ms`` (loadgen/delivery.py).
+    Returns name -> one row per rate (:func:`pool_windows` of its windows)."""
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
     sent = 0  # requests replayed so far: each window's prompts start past them (no prefix-cache hit on old ones)
     for rate in rates:
@@ -814,7 +830,8 @@ def _sweep(targets: dict[str, str], engine_urls: list[str], trace: list[TraceReq
             wt = window_trace(trace, native, rate, mode.duration_s, k)
             n = len(window(wt, native, rate, mode.duration_s))
             for tg, eu in sweep_groups(targets, engine_urls, alternate):
-                for name, row in _sweep_window(tg, eu, wt, native, rate, mode, slo, keys, say, after, sent).items():
+                for name, row in _sweep_window(tg, eu, wt, native, rate, mode, slo, keys, say, after, sent,
+                                               client_log).items():  # fmt: skip
                     per_window[name].append({**row, "window": k} if mode.windows > 1 else row)
             sent += n
         for name in targets:
@@ -839,7 +856,8 @@ def sweep_groups(targets: dict[str, str], engine_urls: list[str],
 
 def _sweep_window(targets: dict[str, str], engine_urls: list[str], trace: list[TraceRequest], native: float, rate: float,
                   mode: Mode, slo: dict[str, Any], keys: dict[str, str] | None, say: Callable[[str], None],
-                  after: Callable[[], dict[str, Any]] | None, prompt_offset: int = 0) -> dict[str, dict[str, Any]]:  # fmt: skip
+                  after: Callable[[], dict[str, Any]] | None, prompt_offset: int = 0,
+                  client_log: Path | None = None) -> dict[str, dict[str, Any]]:  # fmt: skip
     """One window of one rate at every target (:func:`_sweep`), its prompts from ``prompt_offset`` on.
     Returns name -> row."""
     out: dict[str, dict[str, Any]] = {}
@@ -857,6 +875,10 @@ def _sweep_window(targets: dict[str, str], engine_urls: list[str], trace: list[T
     per_target = ([list(range(len(engine_urls)))] if len(targets) == 1
                   else [[i] for i in range(len(engine_urls))])  # fmt: skip
     for (name, res), idx in zip(zip(targets, results, strict=True), per_target, strict=True):
+        client = res.pop("client_tokens")
+        if client_log is not None:
+            with client_log.open("a") as fh:
+                fh.writelines(json.dumps({"target": name, **c}, separators=(",", ":")) + "\n" for c in client)
         row = {"rate_rps": round(rate, 4), "offered_rps": round(len(reqs) / mode.duration_s, 3), "loadavg_before": la,
                **res, "loadavg_after": la_after,
                "latency_breakdown": latency_breakdown([hist0[i] for i in idx], [hist1[i] for i in idx],
@@ -892,24 +914,32 @@ def stage_single(mode: Mode, work: Path, trace: list[TraceRequest], native: floa
     fb_log = work / "single-fairbatching-steps.jsonl"
     try:
         port = free_port()
-        env = {**vllm_env(omp_core(1), vllm_cache_root()), **plugin_env(coef, slo, step_log=fb_log, plugin=plugin)}
+        env = {**vllm_env(omp_core(1), vllm_cache_root()), **plugin_env(coef, slo, step_log=fb_log, plugin=plugin,
+                                                                     request_log=work / "single-fairbatching-requests.jsonl")}  # fmt: skip
         child = group.start("vllm-fairbatching", engine_argv(port, True), env=env)
         url = f"http://127.0.0.1:{port}"
         startup = wait_vllm_ready(group, child, url)
         say(f"one replica each: vllm-default on core 0, fairbatching on core {omp_core(1)} (up in {startup:.0f} s)")
+        client_log = work / "single-client-tokens.jsonl"
         rows = _sweep({"vllm-default": rep.url, "fairbatching": url}, [rep.url, url], trace, native, rates, mode, slo,
-                      None, say, alternate=not side_by_side)  # fmt: skip
+                      None, say, alternate=not side_by_side, client_log=client_log)  # fmt: skip
     finally:
         group.stop(grace_s=10.0)
         rep.group.stop(grace_s=10.0)
+    delivery = {name: summarize_delivery(delivery_pairs([c for c in _read_log(client_log) if c["target"] == name],
+                                                        _read_log(work / log)))
+                for name, log in (("vllm-default", "stock-requests.jsonl"),
+                                  ("fairbatching", "single-fairbatching-requests.jsonl"))}  # fmt: skip
     return {
         "vllm-default": {"rows": rows["vllm-default"], **_capacity(rows["vllm-default"]), "core": 0,
                          "startup_s": round(rep.startup_s, 1),
                          "scheduler": "vLLM's Scheduler.schedule() (plugin class, FAIRBATCH_PLUGIN_DISABLE=1)",
-                         "step_time_vs_fit": step_time_drift(_read_log(rep.step_log, skip), engine)},
+                         "step_time_vs_fit": step_time_drift(_read_log(rep.step_log, skip), engine),
+                         "delivery": delivery["vllm-default"]},
         "fairbatching": {"rows": rows["fairbatching"], **_capacity(rows["fairbatching"]), "core": omp_core(1),
                          "startup_s": round(startup, 1), "scheduler": f"FairBatching plugin ({SCHEDULER_CLS})",
-                         "step_time_vs_fit": step_time_drift(_read_log(fb_log), engine)},
+                         "step_time_vs_fit": step_time_drift(_read_log(fb_log), engine),
+                         "delivery": delivery["fairbatching"]},
     }
 
 
@@ -990,7 +1020,8 @@ def measured_front_ms(doc: dict[str, Any], setup: str) -> float | None:
 def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair_rates: list[float], mode: Mode,
               slo: dict[str, Any], engine_time: Any, baselines: Sequence[str] = PAIR_BASELINES,
               front_ms: tuple[float, float] = (0.0, 0.0), seeds: int = 1,
-              slowdown: dict[str, Any] | None = None, decode_guard_ms: float = 0.0) -> dict[str, Any]:  # fmt: skip
+              slowdown: dict[str, Any] | None = None, decode_guard_ms: float = 0.0,
+              delivery: dict[str, Sequence[Sequence[float]]] | None = None) -> dict[str, Any]:  # fmt: skip
     """Stage 4: bench-policies (one replica) and bench-fleet (two replicas) at the measured rates and windows
     (an empty ``rates`` or ``pair_rates`` skips that setup).
 
@@ -1003,6 +1034,9 @@ def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair
         slowdown: per setup (``single``, ``pair``) a :func:`fit_run_slowdown` result: the engines then
             step with that correlated slowdown and its white noise in place of ``noise_sigma``.
         decode_guard_ms: the FairBatching replicas' decode guard (:class:`PluginSettings`), as measured.
+        delivery: one-replica policy -> its measured centred delivery pairs (loadgen/delivery.py,
+            ``summarize_delivery``'s ``centred_pairs_ms``): its simulated tokens reach the client as its
+            real ones did (BenchSetup.delivery_ms); None: at their steps' ends.
     """
     from loadgen.bench_policies import BenchSetup
     from loadgen.bench_policies import run_point as policies_point
@@ -1043,7 +1077,8 @@ def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair
     for p in ("vllm-default", "fairbatching") if rates else ():
         def run1(seed: int, w: int, r: float, p: str = p) -> dict[str, Any]:
             st = dataclasses.replace(setup, trace=tuple(window_trace(trace, native, r, mode.duration_s, w)),
-                                     engine_time=engine_of("single", seed))  # fmt: skip
+                                     engine_time=engine_of("single", seed),
+                                     delivery_ms=tuple((float(a), float(b)) for a, b in (delivery or {}).get(p, ())))  # fmt: skip
             return policies_point(st, p, r)
         single[p] = with_capacity([point(run1, r, single_keys) for r in rates])
     fsetup = Setup(tuple(trace), native, 2, PROFILE, slo["ttft_ms"], slo["tpot_ms"], mode.duration_s, 60.0, 1, 100.0,
@@ -1137,6 +1172,23 @@ def markdown_table(doc: dict[str, Any]) -> str:
             name = "1 replica" if setup == "single" else "2 replicas"
             lines.append(f"| {name} | {pol} | {rates} | {att} | {satt or '-'} | {fatt or '-'} | {satt_slow or '-'} | {mc} "
                          f"| {sc} | {ratio} | {fratio} | {sratio} |")
+    simd = doc.get("simulated_delivery", {}).get("single", {})
+    if simd:
+        lines += ["", "Delivery (loadgen/delivery.py: client time - engine time of the first and last token, ms) and the "
+                  "simulator with it (sim + front + slowdown + delivery):", "",
+                  "| policy | requests | d_first p50 / p90 | d_last - d_first p10 / p50 / p90 / p99 | attainment simulated "
+                  "+ delivery | capacity | / measured |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for pol, m in doc.get("single", {}).items():
+            d, sd = m.get("delivery") or {}, simd.get(pol, {})
+            if not d.get("requests") or not sd:
+                continue
+            df, dd = d["d_first_ms"], d["d_last_minus_first_ms"]
+            att = " / ".join(_f(r["slo_attainment"], ".2f") for r in sd.get("rows", []))
+            ratio = (bound.get(sd.get("capacity_bound", ""), "") + _f(sd["capacity_rps"] / m["capacity_rps"], ".2f")
+                     if m["capacity_rps"] > 0 else "-")  # fmt: skip
+            lines.append(f"| {pol} | {d['requests']} | {df['p50']:.1f} / {df['p90']:.1f} | {dd['p10']:.1f} / {dd['p50']:.1f} / "
+                         f"{dd['p90']:.1f} / {dd['p99']:.1f} | {att} | {bound.get(sd.get('capacity_bound', ''), '')}"
+                         f"{_f(sd.get('capacity_rps'), '.2f')} | {ratio} |")
     doc = {**doc, "verdicts": verdicts(doc)}
     if doc["verdicts"]:
         lines += ["", "Verdicts (by capacity at attainment >= 0.9, 5 % either way = no gain, when the sweep brackets "
@@ -1259,6 +1311,12 @@ def _run_stages(args: argparse.Namespace, mode: Mode, doc: dict[str, Any], work:
                                                   args.pair_baselines, front, seeds=args.sim_seeds, slowdown=slow,
                                                   decode_guard_ms=guard)  # fmt: skip
             doc["simulated_slowdown"]["slowdown_from"] = doc["slowdown"].get("from")
+        pairs = {p: m["delivery"]["centred_pairs_ms"] for p, m in doc.get("single", {}).items()
+                 if (m.get("delivery") or {}).get("centred_pairs_ms")}  # fmt: skip
+        if pairs and rates:  # and with each policy's tokens reaching the client as its real ones did
+            doc["simulated_delivery"] = stage_sim(trace, native, rates, [], mode, slo, engine_time, args.pair_baselines,
+                                                  front, seeds=args.sim_seeds, slowdown=slow or None,
+                                                  decode_guard_ms=guard, delivery=pairs)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -83,6 +83,11 @@ Configuration (environment of ``vllm serve``, inherited by the EngineCore proces
   ``start_ms, new_tokens, context_tokens, measured_ms, batch_size``, as loadgen/sim/step_log.py);
   ``measured_ms`` = from the end of ``schedule()`` to the start of ``update_from_output()``
   (model execution and sampling of that step, synchronous scheduling);
+- ``FAIRBATCH_REQUEST_LOG``: one JSON line per finished request, ``rid, first_mono_ms, last_mono_ms,
+  tokens``: the engine's time of its first and last output token (the start of ``update_from_output()``
+  of the step that made it, on the monotonic clock that every process of the machine shares, so a
+  client on the same machine can set its own token times beside them: ``make bench-vllm``'s delivery
+  delay, loadgen/vllm_bench.py); written in the stock schedule too;
 - ``FAIRBATCH_PLUGIN_DISABLE=1``: run the stock scheduler (export and step log still written);
 - ``FAIRBATCH_PLUGIN_FORCE=1``: apply the policy on a vLLM version other than 0.32.0.
 
@@ -126,6 +131,8 @@ logger = logging.getLogger("vllm.fairbatch")
 PINNED_VLLM_VERSION = "0.32.0"
 _SLO_ATTR = "_fairbatch_slo"  # (ttft_ms, tpot_ms) cached on the vLLM Request
 _FIRST_ATTR = "_fairbatch_first_token_ms"  # wall-clock ms of the first output token
+_FIRST_MONO_ATTR = "_fairbatch_first_token_mono_ms"  # FAIRBATCH_REQUEST_LOG: monotonic ms of the first token
+_LAST_MONO_ATTR = "_fairbatch_last_token_mono_ms"  # ... and of the latest one
 
 
 def vllm_version_supported(version: str | None = None) -> bool:
@@ -164,6 +171,8 @@ class FairBatchingScheduler(Scheduler):
         self.fb_export = PluginExporter(export) if export else None
         step_log = env.get("FAIRBATCH_STEP_LOG")
         self.fb_step_log = open(step_log, "a", buffering=1, encoding="utf-8") if step_log else None  # noqa: SIM115
+        request_log = env.get("FAIRBATCH_REQUEST_LOG")
+        self.fb_request_log = open(request_log, "a", buffering=1, encoding="utf-8") if request_log else None  # noqa: SIM115
         self.fb_step = 0
         self.fb_steps_policy = 0
         self.fb_steps_exact = 0
@@ -371,11 +380,16 @@ class FairBatchingScheduler(Scheduler):
     def update_from_output(self, scheduler_output, model_runner_output):  # type: ignore[override]
         t_start = time.time()
         pending, self.fb_pending = self.fb_pending, None
+        if self.fb_request_log is not None:  # finished requests leave self.requests in the update: hold them
+            held = [(r, r.num_output_tokens) for rid in scheduler_output.num_scheduled_tokens
+                    if (r := self.requests.get(rid)) is not None]  # fmt: skip
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         for rid in scheduler_output.num_scheduled_tokens:
             r = self.requests.get(rid)
             if r is not None and r.num_output_tokens > 0 and getattr(r, _FIRST_ATTR, None) is None:
                 setattr(r, _FIRST_ATTR, t_start * 1000.0)
+        if self.fb_request_log is not None:
+            self._fb_log_requests(held, time.monotonic() * 1000.0 - (time.time() - t_start) * 1000.0)
         if pending is not None:
             t_end_sched, f = pending
             ms = (t_start - t_end_sched) * 1000.0
@@ -400,6 +414,24 @@ class FairBatchingScheduler(Scheduler):
                         pass
         return outputs
 
+    def _fb_log_requests(self, held: list[tuple[Any, int]], t_mono_ms: float) -> None:
+        """``FAIRBATCH_REQUEST_LOG``: the engine's token times of each request (module docstring): a request
+        whose output grew in this step made its token at ``t_mono_ms`` (monotonic ms, the clock every
+        process of the machine shares); at its end one JSON line with its first and last token times."""
+        for r, before in held:
+            n = r.num_output_tokens
+            if n > before:
+                if getattr(r, _FIRST_MONO_ATTR, None) is None:
+                    setattr(r, _FIRST_MONO_ATTR, t_mono_ms)
+                setattr(r, _LAST_MONO_ATTR, t_mono_ms)
+            if r.is_finished() and getattr(r, _FIRST_MONO_ATTR, None) is not None:
+                line = {"rid": r.request_id, "first_mono_ms": round(getattr(r, _FIRST_MONO_ATTR), 3),
+                        "last_mono_ms": round(getattr(r, _LAST_MONO_ATTR), 3), "tokens": n}  # fmt: skip
+                try:
+                    self.fb_request_log.write(json.dumps(line, separators=(",", ":")) + "\n")  # type: ignore[union-attr]
+                except OSError:
+                    pass
+
     def shutdown(self) -> None:
         logger.info(
             "FairBatching plugin: %d steps, %d by the policy (%d executed exactly as proposed), %d stock; "
@@ -414,3 +446,5 @@ class FairBatchingScheduler(Scheduler):
                 self.fb_export.close()
             if self.fb_step_log is not None:
                 self.fb_step_log.close()
+            if self.fb_request_log is not None:
+                self.fb_request_log.close()

@@ -51,11 +51,12 @@ DEFAULT_TPOT_MS = 60000.0
 class PluginReplica:
     """The started replica: its URL, child, export file and step log."""
 
-    def __init__(self, child: Child, url: str, export: Path, step_log: Path) -> None:
+    def __init__(self, child: Child, url: str, export: Path, step_log: Path, request_log: Path) -> None:
         self.child = child
         self.url = url
         self.export = export
         self.step_log = step_log
+        self.request_log = request_log
 
     def records(self) -> list[dict[str, Any]]:
         """Every exported state record so far (step-time records, ``"kind": "step"``, left out)."""
@@ -66,7 +67,7 @@ class PluginReplica:
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PluginReplica]:
     work = tmp_path_factory.mktemp("vllm-plugin")
-    export, step_log = work / "export.jsonl", work / "steps.jsonl"
+    export, step_log, request_log = work / "export.jsonl", work / "steps.jsonl", work / "requests.jsonl"
     port = free_port()
     env = vllm_env(0, vllm_cache_root())
     env.update({
@@ -79,6 +80,7 @@ def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PluginReplica]
         "FAIRBATCH_TPOT_MS": str(DEFAULT_TPOT_MS),
         "FAIRBATCH_PLUGIN_EXPORT": str(export),
         "FAIRBATCH_STEP_LOG": str(step_log),
+        "FAIRBATCH_REQUEST_LOG": str(request_log),
     })
     vllm_cache_root().mkdir(parents=True, exist_ok=True)
     group = ProcessGroup(work / "logs")
@@ -88,7 +90,7 @@ def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PluginReplica]
         url = f"http://127.0.0.1:{port}"
         wait_vllm_ready(group, child, url)
         print(f"\nvLLM with the FairBatching plugin up in {time.monotonic() - t0:.0f} s (log: {child.log_path})")
-        yield PluginReplica(child, url, export, step_log)
+        yield PluginReplica(child, url, export, step_log, request_log)
     finally:
         group.stop(grace_s=10.0)
 
@@ -165,6 +167,7 @@ def test_plugin_loads(replica: PluginReplica) -> None:
 def test_serves_stream_and_non_stream(replica: PluginReplica) -> None:
     rid_a, rid_b, rid_c = (f"plug-{uuid.uuid4().hex[:10]}" for _ in range(3))
     url = replica.url + "/v1/completions"
+    first_read: dict[str, float] = {}
 
     async def run() -> tuple[dict[str, Any], tuple[list[dict[str, Any]], bool], dict[str, Any]]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
@@ -173,7 +176,7 @@ def test_serves_stream_and_non_stream(replica: PluginReplica) -> None:
                 _post(s, url, {**base, "prompt": make_prompt(40, 1), "max_tokens": 12,
                                "vllm_xargs": {"fairbatch_ttft_ms": 1500, "fairbatch_tpot_ms": 75}}, rid_a),
                 _stream(s, url, {**base, "prompt": make_prompt(300, 2), "max_tokens": 16,
-                                 "stream_options": {"include_usage": True}}, rid_b),
+                                 "stream_options": {"include_usage": True}}, rid_b, first_read),
                 _post(s, replica.url + "/v1/chat/completions",
                       {**base, "messages": [{"role": "user", "content": "the and for"}], "max_tokens": 5}, rid_c),
             )
@@ -195,6 +198,15 @@ def test_serves_stream_and_non_stream(replica: PluginReplica) -> None:
     assert all(r["exact"] for r in mine), [(r["proposed"], r["scheduled"]) for r in mine if not r["exact"]]
     # export fields the agent needs: deadline, slack, computed tokens, context, KV free blocks
     assert {"dl", "sl", "c", "ctx"} <= set(seen_a[0]) and mine[0]["kv_free_blocks"] > 0
+    # FAIRBATCH_REQUEST_LOG: one line per finished request, its token count and its first and last token on
+    # the machine's monotonic clock; the client read B's first chunk after the engine made its first token
+    logged = {rid: [x for line in replica.request_log.read_text().splitlines() if line.strip()
+                    if (x := json.loads(line))["rid"].startswith(f"cmpl-{rid}-")] for rid in (rid_a, rid_b)}  # fmt: skip
+    (la,), (lb,) = logged[rid_a], logged[rid_b]
+    assert (la["tokens"], lb["tokens"]) == (12, 16)
+    assert la["first_mono_ms"] < la["last_mono_ms"] and lb["first_mono_ms"] < lb["last_mono_ms"]
+    delay_ms = first_read[rid_b] * 1000.0 - lb["first_mono_ms"]
+    assert 0.0 < delay_ms < 5000.0, delay_ms
 
 
 def test_crafted_case_changes_stock_ordering(replica: PluginReplica) -> None:

@@ -1,0 +1,61 @@
+"""loadgen/delivery.py: the delivery delay of real tokens, matched by request id, and its use in the
+simulator (hand-worked values)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from loadgen.bench_policies import BenchSetup, run_point
+from loadgen.delivery import centred_pairs, delivery_pairs, request_key, shift_token_times, summarize_delivery
+from loadgen.sim.engine_time import EngineTimeModel
+from loadgen.traces import TraceRequest
+
+
+def test_request_key_is_the_replays_id_inside_vllms() -> None:
+    assert request_key("cmpl-lg-1a2b3c4d-17-0-9f8e7d6c") == "lg-1a2b3c4d-17"
+    assert request_key("cmpl-lg-1a2b3c4d-17") == "lg-1a2b3c4d-17"
+    assert request_key("chatcmpl-abc") is None
+
+
+def test_pairs_match_by_key_and_subtract_the_engine_times() -> None:
+    engine = [{"rid": "cmpl-lg-aa-1-0-x", "first_mono_ms": 1000.0, "last_mono_ms": 1300.0},
+              {"rid": "cmpl-lg-aa-2-0-y", "first_mono_ms": 2000.0, "last_mono_ms": 2100.0},
+              {"rid": "grid-warmup", "first_mono_ms": 5.0, "last_mono_ms": 6.0}]  # fmt: skip
+    client = [{"key": "lg-aa-2", "first_mono_ms": 2012.0, "last_mono_ms": 2140.0},  # 12 ms, then 40 ms
+              {"key": "lg-aa-1", "first_mono_ms": 1020.0, "last_mono_ms": 1310.0},  # 20, 10
+              {"key": "lg-aa-3", "first_mono_ms": 1.0, "last_mono_ms": 2.0}]  # never reached the engine's log
+    assert delivery_pairs(client, engine) == [(12.0, 40.0), (20.0, 10.0)]
+    # mean d_first 16: centred (12 - 16, 40 - 16), (20 - 16, 10 - 16)
+    assert centred_pairs([(12.0, 40.0), (20.0, 10.0)]) == [(-4.0, 24.0), (4.0, -6.0)]
+    s = summarize_delivery([(12.0, 40.0), (20.0, 10.0)])
+    assert s["requests"] == 2 and s["d_first_ms"]["mean"] == 16.0 and s["d_last_minus_first_ms"]["p50"] == 9.0
+    assert s["centred_pairs_ms"] == [[-4.0, 24.0], [4.0, -6.0]]
+    assert summarize_delivery([]) == {"requests": 0}
+    assert len(summarize_delivery([(float(i), 0.0) for i in range(50)], max_samples=10)["centred_pairs_ms"]) == 10
+
+
+def test_shift_moves_first_and_last_and_keeps_order() -> None:
+    # 4 tokens 10 ms apart; first +0, last +30: shifts 0, 10, 20, 30 -> gaps 20 ms
+    assert shift_token_times([0.0, 10.0, 20.0, 30.0], (0.0, 30.0)) == [0.0, 20.0, 40.0, 60.0]
+    # the last earlier than the first by more than the gaps: held at the token before (never out of order)
+    assert shift_token_times([0.0, 1.0, 2.0], (10.0, 0.0)) == [10.0, 10.0, 10.0]
+    assert shift_token_times([5.0], (-2.0, 7.0)) == [3.0]
+    assert shift_token_times([], (1.0, 1.0)) == []
+
+
+def test_the_simulator_delivers_with_the_pairs() -> None:
+    """One request, 11 tokens; an engine with a constant 10-ms step (a = 10): TPOT 10 ms at the engine.
+    With a single pair (0, +30 ms) every simulated request's TPOT at the client is 10 + 30 / 10 = 13 ms
+    (over a 12-ms target: attainment 0), and TTFT is unchanged."""
+    trace = (TraceRequest(0.0, 16, 11),)
+    engine = EngineTimeModel(a_ms=10.0, b_ms=0.0)
+    base = BenchSetup(trace, 1.0, "llama-3-8b-a100", "all_batches", 1000.0, 12.0, 1.0, 2048, 256, 16, 4096, None,
+                      engine, online_time_model=False)  # fmt: skip
+    plain = run_point(base, "vllm-default", 1.0)
+    late = run_point(dataclasses.replace(base, delivery_ms=((0.0, 30.0),)), "vllm-default", 1.0)
+    assert plain["tpot_p50_ms"] == pytest.approx(10.0)
+    assert late["tpot_p50_ms"] == pytest.approx(13.0)
+    assert plain["ttft_p50_ms"] == pytest.approx(late["ttft_p50_ms"])
+    assert plain["slo_attainment"] == 1.0 and late["slo_attainment"] == 0.0
