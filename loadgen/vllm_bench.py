@@ -820,7 +820,7 @@ def _sweep(targets: dict[str, str], engine_urls: list[str], trace: list[TraceReq
     each followed by a wait until every engine of ``engine_urls`` is idle; ``alternate``: each window replayed
     at one target after the other instead (target i's engine is ``engine_urls[i]``), so only one engine
     works at a time. ``client_log``: each ok request's first and last token read by the client (monotonic ms)
-    appended there as JSON lines ``target, key, first_mono_ms, last_mono_ms`` (loadgen/delivery.py).
+    appended there as JSON lines ``target, rate, key, first_mono_ms, last_mono_ms`` (loadgen/delivery.py).
     Returns name -> one row per rate (:func:`pool_windows` of its windows)."""
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
     sent = 0  # requests replayed so far: each window's prompts start past them (no prefix-cache hit on old ones)
@@ -878,7 +878,8 @@ def _sweep_window(targets: dict[str, str], engine_urls: list[str], trace: list[T
         client = res.pop("client_tokens")
         if client_log is not None:
             with client_log.open("a") as fh:
-                fh.writelines(json.dumps({"target": name, **c}, separators=(",", ":")) + "\n" for c in client)
+                fh.writelines(json.dumps({"target": name, "rate": round(rate, 4), **c}, separators=(",", ":")) + "\n"
+                              for c in client)  # fmt: skip
         row = {"rate_rps": round(rate, 4), "offered_rps": round(len(reqs) / mode.duration_s, 3), "loadavg_before": la,
                **res, "loadavg_after": la_after,
                "latency_breakdown": latency_breakdown([hist0[i] for i in idx], [hist1[i] for i in idx],
@@ -926,21 +927,34 @@ def stage_single(mode: Mode, work: Path, trace: list[TraceRequest], native: floa
     finally:
         group.stop(grace_s=10.0)
         rep.group.stop(grace_s=10.0)
-    delivery = {name: summarize_delivery(delivery_pairs([c for c in _read_log(client_log) if c["target"] == name],
-                                                        _read_log(work / log)))
-                for name, log in (("vllm-default", "stock-requests.jsonl"),
-                                  ("fairbatching", "single-fairbatching-requests.jsonl"))}  # fmt: skip
+    delivery = run_delivery(work)
     return {
         "vllm-default": {"rows": rows["vllm-default"], **_capacity(rows["vllm-default"]), "core": 0,
                          "startup_s": round(rep.startup_s, 1),
                          "scheduler": "vLLM's Scheduler.schedule() (plugin class, FAIRBATCH_PLUGIN_DISABLE=1)",
                          "step_time_vs_fit": step_time_drift(_read_log(rep.step_log, skip), engine),
-                         "delivery": delivery["vllm-default"]},
+                         **delivery["vllm-default"]},
         "fairbatching": {"rows": rows["fairbatching"], **_capacity(rows["fairbatching"]), "core": omp_core(1),
                          "startup_s": round(startup, 1), "scheduler": f"FairBatching plugin ({SCHEDULER_CLS})",
                          "step_time_vs_fit": step_time_drift(_read_log(fb_log), engine),
-                         "delivery": delivery["fairbatching"]},
+                         **delivery["fairbatching"]},
     }
+
+
+def run_delivery(work: Path) -> dict[str, dict[str, Any]]:
+    """The one-replica stage's delivery delays from a work dir (the client's ``single-client-tokens.jsonl``
+    and each engine's ``FAIRBATCH_REQUEST_LOG``; loadgen/delivery.py): per policy ``{"delivery": summary of
+    every rate, "delivery_by_rate": {rate: summary}}`` (rates as ``f"{rate:g}"``, each summary with its
+    centred pairs for the simulator)."""
+    client = _read_log(work / "single-client-tokens.jsonl")
+    out = {}
+    for name, log in (("vllm-default", "stock-requests.jsonl"), ("fairbatching", "single-fairbatching-requests.jsonl")):
+        engine = _read_log(work / log)
+        mine = [c for c in client if c["target"] == name]
+        by_rate = {f"{r:g}": summarize_delivery(delivery_pairs([c for c in mine if c.get("rate") == r], engine))
+                   for r in sorted({c["rate"] for c in mine if c.get("rate") is not None})}  # fmt: skip
+        out[name] = {"delivery": summarize_delivery(delivery_pairs(mine, engine)), "delivery_by_rate": by_rate}
+    return out
 
 
 def _agent_time_model(agent_url: str) -> dict[str, Any]:
@@ -1021,7 +1035,7 @@ def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair
               slo: dict[str, Any], engine_time: Any, baselines: Sequence[str] = PAIR_BASELINES,
               front_ms: tuple[float, float] = (0.0, 0.0), seeds: int = 1,
               slowdown: dict[str, Any] | None = None, decode_guard_ms: float = 0.0,
-              delivery: dict[str, Sequence[Sequence[float]]] | None = None) -> dict[str, Any]:  # fmt: skip
+              delivery: dict[str, dict[str, Sequence[Sequence[float]]]] | None = None) -> dict[str, Any]:  # fmt: skip
     """Stage 4: bench-policies (one replica) and bench-fleet (two replicas) at the measured rates and windows
     (an empty ``rates`` or ``pair_rates`` skips that setup).
 
@@ -1034,9 +1048,10 @@ def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair
         slowdown: per setup (``single``, ``pair``) a :func:`fit_run_slowdown` result: the engines then
             step with that correlated slowdown and its white noise in place of ``noise_sigma``.
         decode_guard_ms: the FairBatching replicas' decode guard (:class:`PluginSettings`), as measured.
-        delivery: one-replica policy -> its measured centred delivery pairs (loadgen/delivery.py,
-            ``summarize_delivery``'s ``centred_pairs_ms``): its simulated tokens reach the client as its
-            real ones did (BenchSetup.delivery_ms); None: at their steps' ends.
+        delivery: one-replica policy -> rate (``f"{rate:g}"``) -> its measured centred delivery pairs
+            (loadgen/delivery.py, ``summarize_delivery``'s ``centred_pairs_ms``): its simulated tokens at
+            that rate reach the client as its real ones did (BenchSetup.delivery_ms); None or a rate not
+            there: at their steps' ends.
     """
     from loadgen.bench_policies import BenchSetup
     from loadgen.bench_policies import run_point as policies_point
@@ -1078,7 +1093,8 @@ def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair
         def run1(seed: int, w: int, r: float, p: str = p) -> dict[str, Any]:
             st = dataclasses.replace(setup, trace=tuple(window_trace(trace, native, r, mode.duration_s, w)),
                                      engine_time=engine_of("single", seed),
-                                     delivery_ms=tuple((float(a), float(b)) for a, b in (delivery or {}).get(p, ())))  # fmt: skip
+                                     delivery_ms=tuple((float(a), float(b))
+                                                       for a, b in (delivery or {}).get(p, {}).get(f"{r:g}", ())))  # fmt: skip
             return policies_point(st, p, r)
         single[p] = with_capacity([point(run1, r, single_keys) for r in rates])
     fsetup = Setup(tuple(trace), native, 2, PROFILE, slo["ttft_ms"], slo["tpot_ms"], mode.duration_s, 60.0, 1, 100.0,
@@ -1292,6 +1308,10 @@ def _run_stages(args: argparse.Namespace, mode: Mode, doc: dict[str, Any], work:
         doc["slowdown"] = {**doc.get("slowdown", {}), **run_slowdowns(work, engine, stock_skip), "from": "this run"}
     if args.slowdown_logs:
         doc["slowdown"] = {**run_slowdowns(Path(args.slowdown_logs), engine), "from": str(args.slowdown_logs)}
+    if args.delivery_logs and "single" in doc:
+        for name, d in run_delivery(Path(args.delivery_logs)).items():
+            if name in doc["single"]:
+                doc["single"][name].update(d)
     if args.slowdown_from:
         other = json.loads(Path(args.slowdown_from).read_text()).get("slowdown") or {}
         doc["slowdown"] = {**{k: v for k, v in other.items() if k in ("single", "pair")}, "from": str(args.slowdown_from)}
@@ -1311,8 +1331,9 @@ def _run_stages(args: argparse.Namespace, mode: Mode, doc: dict[str, Any], work:
                                                   args.pair_baselines, front, seeds=args.sim_seeds, slowdown=slow,
                                                   decode_guard_ms=guard)  # fmt: skip
             doc["simulated_slowdown"]["slowdown_from"] = doc["slowdown"].get("from")
-        pairs = {p: m["delivery"]["centred_pairs_ms"] for p, m in doc.get("single", {}).items()
-                 if (m.get("delivery") or {}).get("centred_pairs_ms")}  # fmt: skip
+        pairs = {p: {r: d["centred_pairs_ms"] for r, d in (m.get("delivery_by_rate") or {}).items() if d.get("centred_pairs_ms")}
+                 for p, m in doc.get("single", {}).items()}  # fmt: skip
+        pairs = {p: v for p, v in pairs.items() if v}
         if pairs and rates:  # and with each policy's tokens reaching the client as its real ones did
             doc["simulated_delivery"] = stage_sim(trace, native, rates, [], mode, slo, engine_time, args.pair_baselines,
                                                   front, seeds=args.sim_seeds, slowdown=slow or None,
@@ -1352,6 +1373,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--slowdown-logs", metavar="DIR", default=None,
                     help="fit the simulated engines' correlated slowdowns from the step logs of an earlier run's work "
                          "directory (its path is printed at the end of a run)")  # fmt: skip
+    ap.add_argument("--delivery-logs", metavar="DIR", default=None,
+                    help="with the sim stage alone: take the one-replica delivery delays again from that earlier run's "
+                         "work dir (loadgen/delivery.py)")  # fmt: skip
     ap.add_argument("--slowdown-from", metavar="JSON", default=None,
                     help="take the simulated engines' correlated slowdowns from another result JSON (out of sample)")
     ap.add_argument("--table", metavar="JSON", default=None, help="only print the markdown tables of a result JSON")

@@ -59,3 +59,29 @@ def test_the_simulator_delivers_with_the_pairs() -> None:
     assert late["tpot_p50_ms"] == pytest.approx(13.0)
     assert plain["ttft_p50_ms"] == pytest.approx(late["ttft_p50_ms"])
     assert plain["slo_attainment"] == 1.0 and late["slo_attainment"] == 0.0
+
+
+def test_bench_joins_the_client_and_engine_logs_per_policy_and_rate(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from loadgen.vllm_bench import run_delivery
+
+    def write(name: str, rows: list[dict]) -> None:
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    write("single-client-tokens.jsonl", [
+        {"target": "vllm-default", "rate": 1.5, "key": "lg-a-0", "first_mono_ms": 105.0, "last_mono_ms": 210.0},
+        {"target": "vllm-default", "rate": 3.0, "key": "lg-b-0", "first_mono_ms": 302.0, "last_mono_ms": 420.0},
+        {"target": "fairbatching", "rate": 1.5, "key": "lg-c-0", "first_mono_ms": 110.0, "last_mono_ms": 250.0},
+    ])
+    write("stock-requests.jsonl", [{"rid": "cmpl-lg-a-0-0-x", "first_mono_ms": 100.0, "last_mono_ms": 200.0, "tokens": 5},
+                                   {"rid": "cmpl-lg-b-0-0-y", "first_mono_ms": 300.0, "last_mono_ms": 400.0, "tokens": 5}])
+    write("single-fairbatching-requests.jsonl", [{"rid": "cmpl-lg-c-0-0-z", "first_mono_ms": 100.0,
+                                                  "last_mono_ms": 200.0, "tokens": 9}])  # fmt: skip
+    got = run_delivery(tmp_path)
+    d = got["vllm-default"]
+    # pairs (5, 10) at 1.5 rps and (2, 20) at 3 rps; pooled mean d_first 3.5
+    assert d["delivery"]["requests"] == 2 and d["delivery"]["centred_pairs_ms"] == [[1.5, 6.5], [-1.5, 16.5]]
+    assert set(d["delivery_by_rate"]) == {"1.5", "3"}
+    assert d["delivery_by_rate"]["3"]["centred_pairs_ms"] == [[0.0, 18.0]]  # one pair: centred on itself
+    assert got["fairbatching"]["delivery_by_rate"]["1.5"]["d_last_minus_first_ms"]["p50"] == 40.0  # 50 - 10
