@@ -944,8 +944,8 @@ def stage_single(mode: Mode, work: Path, trace: list[TraceRequest], native: floa
 def run_delivery(work: Path) -> dict[str, dict[str, Any]]:
     """The one-replica stage's delivery delays from a work dir (the client's ``single-client-tokens.jsonl``
     and each engine's ``FAIRBATCH_REQUEST_LOG``; loadgen/delivery.py): per policy ``{"delivery": summary of
-    every rate, "delivery_by_rate": {rate: summary}}`` (rates as ``f"{rate:g}"``, each summary with its
-    centred pairs for the simulator)."""
+    every rate (quantiles only), "delivery_by_rate": {rate: summary}}`` (rates as ``f"{rate:g}"``, each
+    summary with its centred pairs for the simulator)."""
     client = _read_log(work / "single-client-tokens.jsonl")
     out = {}
     for name, log in (("vllm-default", "stock-requests.jsonl"), ("fairbatching", "single-fairbatching-requests.jsonl")):
@@ -953,7 +953,9 @@ def run_delivery(work: Path) -> dict[str, dict[str, Any]]:
         mine = [c for c in client if c["target"] == name]
         by_rate = {f"{r:g}": summarize_delivery(delivery_pairs([c for c in mine if c.get("rate") == r], engine))
                    for r in sorted({c["rate"] for c in mine if c.get("rate") is not None})}  # fmt: skip
-        out[name] = {"delivery": summarize_delivery(delivery_pairs(mine, engine)), "delivery_by_rate": by_rate}
+        pooled = summarize_delivery(delivery_pairs(mine, engine), max_samples=0)  # the pairs: per rate only
+        pooled.pop("centred_pairs_ms", None)
+        out[name] = {"delivery": pooled, "delivery_by_rate": by_rate}
     return out
 
 
