@@ -159,18 +159,19 @@ def run_point(setup: BenchSetup, policy: str, rate_rps: float, tpot_from_first_t
     pairs = setup.delivery_ms
     draw = (np.random.default_rng((setup.engine_time.seed if setup.engine_time else 0, 7)).integers(0, len(pairs), len(run.records))
             if pairs else None)  # fmt: skip
+    client_times = [shift_token_times(rec.token_times_ms, pairs[draw[i]]) if draw is not None else rec.token_times_ms
+                    for i, rec in enumerate(run.records)]  # what the client reads (delivery_ms)
     records = [
         RequestRecord("all", rec.request.arrival_ms - front, rec.request.prompt_tokens, len(rec.token_times_ms),
-                      shift_token_times(rec.token_times_ms, pairs[draw[i]]) if draw is not None else rec.token_times_ms,
-                      OK if rec.rejected is None else REJECTED, rec.rejected,
+                      client_times[i], OK if rec.rejected is None else REJECTED, rec.rejected,
                       expected_output_tokens=rec.request.output_tokens)  # fmt: skip
         for i, rec in enumerate(run.records)
     ]
     fig = figures(records, {"all": Slo(setup.ttft_ms, setup.tpot_ms)}, setup.duration_s)
     envelope_met = sum(
-        1 for rec in run.records
+        1 for i, rec in enumerate(run.records)
         if rec.rejected is None and len(rec.token_times_ms) == rec.request.output_tokens
-        and Envelope(rec.request.arrival_ms - front, setup.ttft_ms, setup.tpot_ms).first_violation(rec.token_times_ms) is None
+        and Envelope(rec.request.arrival_ms - front, setup.ttft_ms, setup.tpot_ms).first_violation(client_times[i]) is None
     )
     ttft_miss = sum(1 for r in records if r.ttft_ms is None or r.ttft_ms > setup.ttft_ms)
     tpot_miss = sum(1 for r in records if (t := r.tpot_ms) is not None and t > setup.tpot_ms)

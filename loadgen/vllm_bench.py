@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import math
 import importlib.util
 import json
 import os
@@ -742,7 +743,7 @@ def _replay(targets: Sequence[str], reqs: list[TraceRequest], slo: dict[str, Any
     dur = max(1e-9, reqs[-1].arrival_ms / 1000.0)
     out = []
     for res in asyncio.run(run_all()):
-        t0 = res.start_monotonic_s * 1000.0  # time scale 1: a record's ms count from here
+        t0, k = res.start_monotonic_s * 1000.0, res.time_scale  # wall ms = t0 + record ms x time scale
         f = figures(res.records, {n: s for n, _ in TENANTS}, dur)
         n = max(1, f.requests_total)
         ok = [r for r in res.records if r.outcome == "ok"]
@@ -757,8 +758,8 @@ def _replay(targets: Sequence[str], reqs: list[TraceRequest], slo: dict[str, Any
             "not_ok_reasons": dict(Counter(f"{r.outcome}:{r.reason}" for r in res.records if r.outcome != "ok")),
             "wall_s": round(res.wall_s, 1),
             # each ok request's first and last token as the client read them (monotonic ms; loadgen/delivery.py)
-            "client_tokens": [{"key": f"lg-{res.run_id}-{i}", "first_mono_ms": round(t0 + r.token_times_ms[0], 3),
-                               "last_mono_ms": round(t0 + r.token_times_ms[-1], 3)}
+            "client_tokens": [{"key": f"lg-{res.run_id}-{i}", "first_mono_ms": round(t0 + k * r.token_times_ms[0], 3),
+                               "last_mono_ms": round(t0 + k * r.token_times_ms[-1], 3)}
                               for i, r in enumerate(res.records) if r.outcome == "ok" and r.token_times_ms],
         })  # fmt: skip
     return out
@@ -878,7 +879,7 @@ def _sweep_window(targets: dict[str, str], engine_urls: list[str], trace: list[T
         client = res.pop("client_tokens")
         if client_log is not None:
             with client_log.open("a") as fh:
-                fh.writelines(json.dumps({"target": name, "rate": round(rate, 4), **c}, separators=(",", ":")) + "\n"
+                fh.writelines(json.dumps({"target": name, "rate": float(rate_key(rate)), **c}, separators=(",", ":")) + "\n"
                               for c in client)  # fmt: skip
         row = {"rate_rps": round(rate, 4), "offered_rps": round(len(reqs) / mode.duration_s, 3), "loadavg_before": la,
                **res, "loadavg_after": la_after,
@@ -941,17 +942,22 @@ def stage_single(mode: Mode, work: Path, trace: list[TraceRequest], native: floa
     }
 
 
+def rate_key(rate: float) -> str:
+    """The key of a rate in ``delivery_by_rate`` (measured and simulated alike): ``f"{round(rate, 4):g}"``."""
+    return f"{round(rate, 4):g}"
+
+
 def run_delivery(work: Path) -> dict[str, dict[str, Any]]:
     """The one-replica stage's delivery delays from a work dir (the client's ``single-client-tokens.jsonl``
     and each engine's ``FAIRBATCH_REQUEST_LOG``; loadgen/delivery.py): per policy ``{"delivery": summary of
-    every rate (quantiles only), "delivery_by_rate": {rate: summary}}`` (rates as ``f"{rate:g}"``, each
+    every rate (quantiles only), "delivery_by_rate": {rate: summary}}`` (rates by :func:`rate_key`, each
     summary with its centred pairs for the simulator)."""
     client = _read_log(work / "single-client-tokens.jsonl")
     out = {}
     for name, log in (("vllm-default", "stock-requests.jsonl"), ("fairbatching", "single-fairbatching-requests.jsonl")):
         engine = _read_log(work / log)
         mine = [c for c in client if c["target"] == name]
-        by_rate = {f"{r:g}": summarize_delivery(delivery_pairs([c for c in mine if c.get("rate") == r], engine))
+        by_rate = {rate_key(r): summarize_delivery(delivery_pairs([c for c in mine if c.get("rate") == r], engine))
                    for r in sorted({c["rate"] for c in mine if c.get("rate") is not None})}  # fmt: skip
         pooled = summarize_delivery(delivery_pairs(mine, engine), max_samples=0)  # the pairs: per rate only
         pooled.pop("centred_pairs_ms", None)
@@ -1050,7 +1056,7 @@ def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair
         slowdown: per setup (``single``, ``pair``) a :func:`fit_run_slowdown` result: the engines then
             step with that correlated slowdown and its white noise in place of ``noise_sigma``.
         decode_guard_ms: the FairBatching replicas' decode guard (:class:`PluginSettings`), as measured.
-        delivery: one-replica policy -> rate (``f"{rate:g}"``) -> its measured centred delivery pairs
+        delivery: one-replica policy -> rate (:func:`rate_key`) -> its measured centred delivery pairs
             (loadgen/delivery.py, ``summarize_delivery``'s ``centred_pairs_ms``): its simulated tokens at
             that rate reach the client as its real ones did (BenchSetup.delivery_ms); None or a rate not
             there: at their steps' ends.
@@ -1096,7 +1102,7 @@ def stage_sim(trace: list[TraceRequest], native: float, rates: list[float], pair
             st = dataclasses.replace(setup, trace=tuple(window_trace(trace, native, r, mode.duration_s, w)),
                                      engine_time=engine_of("single", seed),
                                      delivery_ms=tuple((float(a), float(b))
-                                                       for a, b in (delivery or {}).get(p, {}).get(f"{r:g}", ())))  # fmt: skip
+                                                       for a, b in (delivery or {}).get(p, {}).get(rate_key(r), ())))  # fmt: skip
             return policies_point(st, p, r)
         single[p] = with_capacity([point(run1, r, single_keys) for r in rates])
     fsetup = Setup(tuple(trace), native, 2, PROFILE, slo["ttft_ms"], slo["tpot_ms"], mode.duration_s, 60.0, 1, 100.0,
@@ -1193,7 +1199,7 @@ def markdown_table(doc: dict[str, Any]) -> str:
     simd = doc.get("simulated_delivery", {}).get("single", {})
     if simd:
         lines += ["", "Delivery (loadgen/delivery.py: client time - engine time of the first and last token, ms) and the "
-                  "simulator with it (sim + front + slowdown + delivery):", "",
+                  "simulator with it (sim + front + the run's slowdown, when fitted, + delivery):", "",
                   "| policy | requests | d_first p50 / p90 | d_last - d_first p10 / p50 / p90 / p99 | attainment simulated "
                   "+ delivery | capacity | / measured |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for pol, m in doc.get("single", {}).items():
@@ -1288,7 +1294,9 @@ def _run_stages(args: argparse.Namespace, mode: Mode, doc: dict[str, Any], work:
              for r in scaled_trace(full) if r.arrival_ms >= TRACE_START_S * 1000.0]  # fmt: skip
     slo = slo_rule(engine, trace)
     guess = sim_capacity_guess(trace, native, mode, slo, engine_time)
-    rates = sorted(args.rates) if args.rates else [round(f * guess, 3) for f in mode.rate_factors]
+    measured_rates = (doc.get("rates_rps") or {}).get("single") if not {"single", "pair"} & set(args.stages) else None
+    rates = (sorted(args.rates) if args.rates else list(measured_rates) if measured_rates  # a sim-only run: the measured
+             else [round(f * guess, 3) for f in mode.rate_factors])  # fmt: skip
     pair_rates = [round(2 * r, 3) for r in rates]
     doc.update({"workload": {"trace": "azure-conv", "trace_start_s": TRACE_START_S, "length_scale": LENGTH_SCALE,
                              "max_model_len": MAX_MODEL_LEN,
@@ -1342,6 +1350,14 @@ def _run_stages(args: argparse.Namespace, mode: Mode, doc: dict[str, Any], work:
                                                   decode_guard_ms=guard, delivery=pairs)  # fmt: skip
 
 
+def _nonnegative_ms(text: str) -> float:
+    """argparse type: a finite number of ms >= 0."""
+    v = float(text)
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"{text!r}: use a number of ms >= 0")
+    return v
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the stages; write the JSON (and, after a full ``fit``, the engine-time file). Returns the exit code."""
     ap = argparse.ArgumentParser(prog="python -m loadgen.vllm_bench", description=__doc__.splitlines()[0])
@@ -1362,7 +1378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "keep the name fairbatching and the JSON says which ran (plugin_policy)")  # fmt: skip
     ap.add_argument("--plugin-plan-model", default=None, choices=["conservative", "point"],
                     help="FAIRBATCH_PLAN_MODEL of the plugin replicas (default: the plugin's, conservative)")
-    ap.add_argument("--plugin-decode-guard-ms", type=float, default=0.0, metavar="MS",
+    ap.add_argument("--plugin-decode-guard-ms", type=_nonnegative_ms, default=0.0, metavar="MS",
                     help="FAIRBATCH_DECODE_GUARD_MS of the plugin replicas (default 0): each decode's deadline "
                          "planned this many ms early; the simulated FairBatching replicas use the same")  # fmt: skip
     ap.add_argument("--windows", type=int, default=1, help="trace windows replayed per rate, one after the other "

@@ -192,7 +192,7 @@ class _PluginView:
 class _EngineView:
     metrics: EngineMetrics | None = None
     ok_ms: float | None = None
-    progress_ms: float | None = None  # last scrape whose token counters moved (:meth:`Agent.engine_progressed`)
+    progress_ms: float | None = None  # last scrape whose token counters moved (:meth:`Agent.engine_queue_moving`)
     error: str = "engine metrics not scraped yet"
     missing: tuple[str, ...] = ()
     logged_missing: set[str] = field(default_factory=set)
@@ -335,17 +335,19 @@ class Agent:
             return None
         return (self.clock.now_ms() if now_ms is None else now_ms) - ok
 
-    def engine_progressed(self, within_ms: float, now_ms: float | None = None) -> bool:
-        """Whether the engine produced or scheduled tokens within the last ``within_ms`` simulated ms:
-        a scrape's inter-token count (decode tokens) or prefix-cache query count (prompt tokens
-        scheduled) moved since the scrape before. False before two scrapes, and always False for an
-        engine that exports neither counter.
+    def engine_queue_moving(self, within_ms: float, now_ms: float | None = None) -> bool:
+        """Whether requests wait in the engine's queue while it works: the last scrape shows waiting
+        requests, and the engine produced or scheduled tokens within the last ``within_ms`` simulated
+        ms (a scrape's inter-token count, decode tokens, or prefix-cache query count, prompt tokens
+        scheduled, moved since the scrape before). False before two scrapes, and always False for
+        an engine that exports neither counter.
 
-        Used by the stall rule (replica_agent/proxy.py ``StallWatch``): a request silent while the
-        engine works for others waits in the engine's queue (a full KV cache, a preemption); it is
-        not a stall. A frozen engine core moves neither counter, even while its API server answers."""
-        at = self._engine.progress_ms
-        if at is None:
+        Used by the stall rule (replica_agent/proxy.py ``StallWatch``): a request silent then may be
+        one of the waiting (a full KV cache, a preemption); it is not a stall. A request silent while
+        nothing waits is stuck and still ends at the stall timeout, and a frozen engine core moves
+        neither counter, even while its API server answers."""
+        at, m = self._engine.progress_ms, self._engine.metrics
+        if at is None or m is None or m.num_waiting <= 0:
             return False
         return (self.clock.now_ms() if now_ms is None else now_ms) - at <= within_ms
 

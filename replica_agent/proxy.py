@@ -336,9 +336,10 @@ class StallWatch:
     Two things are not the engine's silence: the ``grace_s`` before the first chunk (the predicted
     rest of the request's prefill: a long prompt sends nothing until its prefill ends, issue 30), and
     any time while ``held()`` is True. The proxy's ``held`` is True while the client is not reading
-    (the relay stopped reading the engine: the engine is waiting on us) and while the engine produces
-    tokens for other requests (``Agent.engine_progressed``): this request then waits in the engine's
-    queue (a full KV cache, a preemption), bounded by the upstream read timeout, not stalled. Before
+    (the relay stopped reading the engine: the engine is waiting on us) and while requests wait in the
+    engine's queue and it produces tokens for others (``Agent.engine_queue_moving``): this request may
+    then be one of the waiting (a full KV cache, a preemption), bounded by the upstream read timeout;
+    a request silent while nothing waits is stuck and still ends at the stall timeout. Before
     that rule, requests re-routed to a survivor busy with continued streams were ended as stalled
     after 12 s in its queue (a real-vLLM CI failure).
 
@@ -939,11 +940,11 @@ class Proxy:
             )
             await resp.prepare(request)
             # a stall fails the exchange with EngineStalled; the prefill's predicted time is not silence, nor is
-            # a pause while the router does not read (the engine waits on us then), nor a wait while the engine
-            # produces tokens for other requests (this one is queued or preempted in the engine)
+            # a pause while the router does not read (the engine waits on us then), nor a wait in the engine's
+            # queue while it produces tokens for others (this one is queued or preempted there)
             agent = self._agent
             busy_ms = agent.clock.to_sim_ms(stall_s / 4.0) + 2.0 * agent.config.metrics_interval_ms
-            watch = StallWatch(stall_s, up.fail, prefill_s, lambda: up.paused or agent.engine_progressed(busy_ms))
+            watch = StallWatch(stall_s, up.fail, prefill_s, lambda: up.paused or agent.engine_queue_moving(busy_ms))
             pipe = _EnginePipe(self._agent, key, finished, watch)
             try:
                 first = await up.readany()  # the first token: the headers go out with it

@@ -83,8 +83,9 @@ Configuration (environment of ``vllm serve``, inherited by the EngineCore proces
   ``start_ms, new_tokens, context_tokens, measured_ms, batch_size``, as loadgen/sim/step_log.py);
   ``measured_ms`` = from the end of ``schedule()`` to the start of ``update_from_output()``
   (model execution and sampling of that step, synchronous scheduling);
-- ``FAIRBATCH_REQUEST_LOG``: one JSON line per finished request, ``rid, first_mono_ms, last_mono_ms,
-  tokens``: the engine's time of its first and last output token (the start of ``update_from_output()``
+- ``FAIRBATCH_REQUEST_LOG``: one JSON line per request that finished in a step (a length or stop
+  finish; an abort from outside the step, such as a client's disconnect, is not logged),
+  ``rid, first_mono_ms, last_mono_ms, tokens``: the engine's time of its first and last output token (the start of ``update_from_output()``
   of the step that made it, on the monotonic clock that every process of the machine shares, so a
   client on the same machine can set its own token times beside them: ``make bench-vllm``'s delivery
   delay, loadgen/vllm_bench.py); written in the stock schedule too;
@@ -379,6 +380,7 @@ class FairBatchingScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output, model_runner_output):  # type: ignore[override]
         t_start = time.time()
+        t_mono_ms = time.monotonic() * 1000.0
         pending, self.fb_pending = self.fb_pending, None
         if self.fb_request_log is not None:  # finished requests leave self.requests in the update: hold them
             held = [(r, r.num_output_tokens) for rid in scheduler_output.num_scheduled_tokens
@@ -389,7 +391,7 @@ class FairBatchingScheduler(Scheduler):
             if r is not None and r.num_output_tokens > 0 and getattr(r, _FIRST_ATTR, None) is None:
                 setattr(r, _FIRST_ATTR, t_start * 1000.0)
         if self.fb_request_log is not None:
-            self._fb_log_requests(held, time.monotonic() * 1000.0 - (time.time() - t_start) * 1000.0)
+            self._fb_log_requests(held, t_mono_ms)
         if pending is not None:
             t_end_sched, f = pending
             ms = (t_start - t_end_sched) * 1000.0

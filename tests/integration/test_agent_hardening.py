@@ -165,7 +165,7 @@ async def test_a_request_queued_in_a_busy_engine_is_not_a_stall(tmp_path) -> Non
     0.4 s wall at time scale 0.05, beyond the 0.15 s stall timeout. The engine works all along (its
     inter-token count moves), so the queued stream is not a stall: it completes with every token, and
     the agent stays healthy. Before the rule (replica_agent/proxy.py ``StallWatch``, held while
-    ``Agent.engine_progressed``) it ended with "engine stalled: no byte for 0.15 s" (the real-vLLM CI
+    ``Agent.engine_queue_moving``) it ended with "engine stalled: no byte for 0.15 s" (the real-vLLM CI
     failure: requests re-routed to a survivor busy with continued streams)."""
     async for setup in start(tmp_path, 0.05, stall_timeout_s=0.15, engine_args=("--max-num-seqs", "1")):
         loop = asyncio.get_running_loop()

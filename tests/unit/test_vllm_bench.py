@@ -322,3 +322,16 @@ def test_merge_results_sorts_rows_and_reads_the_capacity_again() -> None:
         merge_results([low])
     with pytest.raises(ValueError):
         merge_results([low, {**high, "windows": 1}])
+
+
+def test_rate_key_and_guard_argument() -> None:
+    import argparse
+
+    from loadgen.vllm_bench import _nonnegative_ms, rate_key
+
+    # the client log and the simulator key a rate the same way: 4 decimals, no trailing zeros
+    assert (rate_key(4.715), rate_key(6.13), rate_key(1.88612345), rate_key(3.0)) == ("4.715", "6.13", "1.8861", "3")
+    assert _nonnegative_ms("20") == 20.0 and _nonnegative_ms("0") == 0.0
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _nonnegative_ms(bad)
