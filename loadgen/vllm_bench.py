@@ -291,9 +291,18 @@ def run_slowdowns(work: Path, engine: dict[str, float], stock_skip: int = 0) -> 
 
 
 def _read_log(path: Path, skip: int = 0) -> list[dict[str, Any]]:
+    """The JSON lines of ``path`` after the first ``skip`` ([] when there is no file); a line that is not
+    JSON (the last one of a process killed mid-write) is left out."""
     if not path.exists():
         return []
-    return [json.loads(x) for x in path.read_text().splitlines()[skip:] if x.strip()]
+    out = []
+    for x in path.read_text().splitlines()[skip:]:
+        if x.strip():
+            try:
+                out.append(json.loads(x))
+            except json.JSONDecodeError:
+                continue
+    return out
 
 
 def engine_ms(engine: dict[str, float], items: Sequence[tuple[int, int]]) -> float:

@@ -105,6 +105,8 @@ class SimServerConfig:
         default_ttft_ms, default_tpot_ms: SLO (ms) of requests without ``x-fairbatch-ttft-ms`` /
             ``x-fairbatch-tpot-ms`` headers (the replica agent sets them from the request's class).
         step_log: path of a per-step JSONL log (loadgen/sim/step_log.py), None = off.
+        decode_guard_ms: FairBatching's decode guard (ms >= 0; ``PolicyConfig.decode_guard_ms``, the
+            plugin's ``FAIRBATCH_DECODE_GUARD_MS``); 0 = none.
         engine_time_model: the engine's own step time (loadgen/sim/engine_time.py): a JSON file, a
             shipped profile name, ``policy`` (step time = the profile's time model, the default here), or
             None = the profile's shipped file (``policy`` when it has none).
@@ -128,6 +130,7 @@ class SimServerConfig:
     default_tpot_ms: float = 100.0
     step_log: str | None = None
     engine_time_model: str | None = POLICY
+    decode_guard_ms: float = 0.0
 
 
 class RequestError(Exception):
@@ -262,7 +265,8 @@ class SimServer:
                 max_model_len=config.max_model_len,
                 engine_time=self.engine_time,
             ),
-            make_policy(config.policy, PolicyConfig(config.default_ttft_ms, config.default_tpot_ms)),
+            make_policy(config.policy, PolicyConfig(config.default_ttft_ms, config.default_tpot_ms,
+                                                    decode_guard_ms=config.decode_guard_ms)),
             noise_stream=config.seed,
         )
         self._step_log: TextIO | None = None
@@ -989,6 +993,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="TTFT target of requests without an x-fairbatch-ttft-ms header")  # fmt: skip
     parser.add_argument("--default-tpot-ms", type=float, default=d.default_tpot_ms,
                         help="TPOT target of requests without an x-fairbatch-tpot-ms header")  # fmt: skip
+    parser.add_argument("--decode-guard-ms", type=float, default=d.decode_guard_ms,
+                        help="FairBatching plans each decode's deadline this many ms early, as the vLLM plugin's "
+                             "FAIRBATCH_DECODE_GUARD_MS (default: %(default)s)")  # fmt: skip
     parser.add_argument("--step-log", default=None,
                         help="append one JSON line per step here: its features and measured time (for calibrate)")
     parser.add_argument("--engine-time-model", default=d.engine_time_model, metavar="FILE|policy",
@@ -1018,6 +1025,7 @@ def config_from_args(args: argparse.Namespace) -> SimServerConfig:
         default_tpot_ms=args.default_tpot_ms,
         step_log=args.step_log,
         engine_time_model=args.engine_time_model,
+        decode_guard_ms=args.decode_guard_ms,
     )
 
 

@@ -86,3 +86,25 @@ def test_bench_joins_the_client_and_engine_logs_per_policy_and_rate(tmp_path) ->
     assert set(d["delivery_by_rate"]) == {"1.5", "3"}
     assert d["delivery_by_rate"]["3"]["centred_pairs_ms"] == [[0.0, 18.0]]  # one pair: centred on itself
     assert got["fairbatching"]["delivery_by_rate"]["1.5"]["d_last_minus_first_ms"]["p50"] == 40.0  # 50 - 10
+
+
+def test_a_truncated_log_line_is_left_out(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from loadgen.vllm_bench import _read_log
+
+    p = tmp_path / "requests.jsonl"
+    p.write_text('{"rid": "a", "tokens": 3}\n\n{"rid": "b", "tok')  # the writer was killed mid-line
+    assert _read_log(p) == [{"rid": "a", "tokens": 3}]
+    assert _read_log(tmp_path / "missing.jsonl") == []
+
+
+def test_the_http_sim_engine_plans_with_the_decode_guard() -> None:
+    import argparse
+
+    from loadgen.sim.server import SimServer, add_arguments, config_from_args
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    cfg = config_from_args(ap.parse_args(["--policy", "fairbatching", "--decode-guard-ms", "15"]))
+    assert cfg.decode_guard_ms == 15.0
+    assert SimServer(cfg).engine.policy.decode_guard_ms == 15.0  # type: ignore[attr-defined]
+    assert config_from_args(ap.parse_args([])).decode_guard_ms == 0.0
