@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import math
 import importlib.util
 import json
 import os
@@ -888,7 +887,7 @@ def _sweep_window(targets: dict[str, str], engine_urls: list[str], trace: list[T
         client = res.pop("client_tokens")
         if client_log is not None:
             with client_log.open("a") as fh:
-                fh.writelines(json.dumps({"target": name, "rate": float(rate_key(rate)), **c}, separators=(",", ":")) + "\n"
+                fh.writelines(json.dumps({"target": name, "rate": round(rate, 4), **c}, separators=(",", ":")) + "\n"
                               for c in client)  # fmt: skip
         row = {"rate_rps": round(rate, 4), "offered_rps": round(len(reqs) / mode.duration_s, 3), "loadavg_before": la,
                **res, "loadavg_after": la_after,
@@ -1360,11 +1359,13 @@ def _run_stages(args: argparse.Namespace, mode: Mode, doc: dict[str, Any], work:
 
 
 def _nonnegative_ms(text: str) -> float:
-    """argparse type: a finite number of ms >= 0."""
-    v = float(text)
-    if not (v >= 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"{text!r}: use a number of ms >= 0")
-    return v
+    """argparse type of ``--plugin-decode-guard-ms``: the plugin's own rule (``decode_guard_ms``)."""
+    from replica_agent.policy.batching import decode_guard_ms
+
+    try:
+        return decode_guard_ms(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def main(argv: Sequence[str] | None = None) -> int:

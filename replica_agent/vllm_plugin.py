@@ -85,8 +85,8 @@ Configuration (environment of ``vllm serve``, inherited by the EngineCore proces
   (model execution and sampling of that step, synchronous scheduling);
 - ``FAIRBATCH_REQUEST_LOG``: one JSON line per request that finished in a step (a length or stop
   finish; an abort from outside the step, such as a client's disconnect, is not logged),
-  ``rid, first_mono_ms, last_mono_ms, tokens``: the engine's time of its first and last output token (the start of ``update_from_output()``
-  of the step that made it, on the monotonic clock that every process of the machine shares, so a
+  ``rid, first_mono_ms, last_mono_ms, tokens``: the engine's time of its first and last output token
+  (the start of ``update_from_output()`` of the step that made it, on the monotonic clock that every process of the machine shares, so a
   client on the same machine can set its own token times beside them: ``make bench-vllm``'s delivery
   delay, loadgen/vllm_bench.py); written in the stock schedule too;
 - ``FAIRBATCH_PLUGIN_DISABLE=1``: run the stock scheduler (export and step log still written);
@@ -380,9 +380,9 @@ class FairBatchingScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output, model_runner_output):  # type: ignore[override]
         t_start = time.time()
-        t_mono_ms = time.monotonic() * 1000.0
         pending, self.fb_pending = self.fb_pending, None
         if self.fb_request_log is not None:  # finished requests leave self.requests in the update: hold them
+            t_mono_ms = time.monotonic() * 1000.0
             held = [(r, r.num_output_tokens) for rid in scheduler_output.num_scheduled_tokens
                     if (r := self.requests.get(rid)) is not None]  # fmt: skip
         outputs = super().update_from_output(scheduler_output, model_runner_output)

@@ -3,24 +3,19 @@ docs/engine-time-model.md from the vendored Vidur rows, and the shipped files ar
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def fit():
-    spec = importlib.util.spec_from_file_location("fit_engine_time_model", ROOT / "scripts" / "fit_engine_time_model.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("fit_engine_time_model")
 
 
 def test_component_model_spot_values_llama3_8b_a100(fit) -> None:

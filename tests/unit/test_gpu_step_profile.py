@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+from tests.scripts import load_script
 
-from loadgen.vllm_fleet import REPO_ROOT
-
-_spec = importlib.util.spec_from_file_location("gpu_step_profile", REPO_ROOT / "scripts" / "gpu_step_profile.py")
-assert _spec is not None and _spec.loader is not None
-gsp = importlib.util.module_from_spec(_spec)
-sys.modules["gpu_step_profile"] = gsp
-_spec.loader.exec_module(gsp)
+gsp = load_script("gpu_step_profile")
 
 
 def test_point_features_by_hand() -> None:

@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from loadgen.sim.engine_time import EngineTimeModel
+from tests.scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("idle_prefill_share", ROOT / "scripts" / "idle_prefill_share.py")
-assert _spec is not None and _spec.loader is not None
-mod = importlib.util.module_from_spec(_spec)
-sys.modules["idle_prefill_share"] = mod
-_spec.loader.exec_module(mod)
+mod = load_script("idle_prefill_share")
 
 
 def test_chunks_of_the_batch_cap_over_their_prefixes() -> None:

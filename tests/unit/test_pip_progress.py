@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from tests.scripts import load_script
 
-SPEC = importlib.util.spec_from_file_location("pip_progress", Path(__file__).parents[2] / "scripts" / "pip_progress.py")
-assert SPEC is not None and SPEC.loader is not None
-pip_progress = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(pip_progress)
+pip_progress = load_script("pip_progress")
 
 PIP_OUTPUT = """\
 Looking in indexes: https://pypi.org/simple

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
 from loadgen.fleet.sim import FleetRequest
+from tests.scripts import load_script
 
-SPEC = importlib.util.spec_from_file_location("prefix_retention",
-                                              Path(__file__).parents[2] / "scripts" / "prefix_retention.py")  # fmt: skip
-assert SPEC is not None and SPEC.loader is not None
-mod = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(mod)
+mod = load_script("prefix_retention")
 
 
 def test_shareable_within_by_hand() -> None:

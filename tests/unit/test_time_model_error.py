@@ -18,25 +18,17 @@ changes, not against chance.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.scripts import load_script
+
 SPLITWISE = ("splitwise-70b", "llama-2-70b-h100-tp4", "llama-2-70b-h100-tp4-splitwise")
 SHIPPED_70B = ("shipped-70b", "llama-2-70b-h100-tp4", "llama-2-70b-h100-tp4")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_time_model_error", ROOT / "scripts" / "bench_time_model_error.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_time_model_error")
 
 
 def _run(bench, engine, policy, rate, model="after"):
