@@ -10,6 +10,10 @@ policy, led by token goodput at the per-token floor (issue 27 item 2):
 - x best: that figure over the best baseline's (bench-fleet's ``x_best_baseline_token_goodput``);
 - req floor, goodput req/s and refused share (with its main reason) at the per-request capacity;
 - TTFT p99 at the highest measured rate that met the per-request floor.
+
+When the file has bench-fleet's ``token_steady_state_bound`` (the per-token floor's steady-state bound,
+loadgen/fleet/bound.py), a line after the table gives it, each policy's per-token capacity as a share
+of it, and the largest ratio over the best baseline that any policy could reach.
 """
 
 from __future__ import annotations
@@ -60,7 +64,22 @@ def table(path: Path) -> str:
                      f"{'-' if xb is None else f'{xb:.2f}'} | {req} | {'-' if gp is None else f'{gp:.1f}'} | "
                      f"{refused} | {ttft} | {len(rows)} |")  # fmt: skip
     best = d.get("best_baseline_token_goodput")
-    return head + "\n".join(lines) + f"\n\nBest baseline by token goodput: `{best}`.\n"
+    return head + "\n".join(lines) + f"\n\nBest baseline by token goodput: `{best}`.\n" + bound_line(d)
+
+
+def bound_line(d: dict[str, Any]) -> str:
+    """The per-token bound's sentence (module docstring), or "" without ``token_steady_state_bound``."""
+    tb = (d.get("token_steady_state_bound") or {}).get("rps")
+    if not tb:
+        return ""
+    shares = ", ".join(f"{n} {p['capacity_token_floor_rps'] / tb:.2f}" for n, p in d["policies"].items()
+                       if p.get("capacity_token_floor_bound") in ("interpolated", "at-least"))  # fmt: skip
+    text = f"\nPer-token steady-state bound: {tb:.1f} req/s; per-token capacity as a share of it: {shares}."
+    best = d.get("best_baseline_token_goodput")
+    base = d["policies"].get(best, {}).get("capacity_token_floor_rps") if best else None
+    if base:
+        text += f" No policy's per-token capacity can exceed {tb / base:.2f}x `{best}`'s here."
+    return text + "\n"
 
 
 def main(argv: list[str]) -> int:

@@ -60,7 +60,10 @@ Steady-state bound (:func:`loadgen.fleet.bound.steady_state_bound`, reported bes
 ``steady_state_bound``): the capacity yardstick is 90 % attainment, so only the cheapest 90 % of the
 requests by work have to be served; that bound charges their work under the engine's own time model
 (``--engine-time-model``; the policy's model for ``policy``) with the cheapest prefill chunking the TTFT
-allows. With q = 1 it equals the analytic bound's time limit.
+allows. With q = 1 it equals the analytic bound's time limit. ``token_steady_state_bound`` is the same
+bound for the per-token floor (the cheapest cover of 90 % of the prompt + output tokens, relaxed to
+fractions so it stays an upper bound); each policy's ``token_floor_of_token_bound`` is its per-token
+capacity over it.
 """
 
 from __future__ import annotations
@@ -173,7 +176,7 @@ def steady_bound_json(b: SteadyBound, engine_time: EngineTimeModel | None) -> di
     return {"rps": round(b.rps, 3), "per_replica_rps": round(b.per_replica_rps, 4),
             "iteration_ms": round(b.iteration_ms, 2), "limit": b.limit, "served_frac": b.served_frac,
             "mean_work_ms_served": round(b.mean_work_ms, 3), "infeasible_requests": b.infeasible,
-            "time_model": engine_label(engine_time)}  # fmt: skip
+            "served_by": b.served_by, "time_model": engine_label(engine_time)}  # fmt: skip
 
 
 def trace_rows(trace: str, spread_ms: float, seed: int,
@@ -296,13 +299,15 @@ def parse_fleet(spec: str, engine_time_spec: str | None = None) -> tuple[Replica
 
 
 def kinds_steady_bound(kinds: Sequence[ReplicaKind], prompts: Sequence[int], outputs: Sequence[int], ttft_ms: float,
-                       tpot_ms: float, cached_tokens: Any = None) -> float:  # fmt: skip
+                       tpot_ms: float, cached_tokens: Any = None, served_by: str = "requests") -> float:  # fmt: skip
     """A heterogeneous fleet's steady-state bound (req/s): the sum of each kind's
     (loadgen/fleet/bound.py ``steady_state_bound`` on its engine model, its count of replicas and
-    its batch settings): requests split in the best proportion, each kind serving the trace's mix."""
+    its batch settings, under the floor ``served_by``): requests split in the best proportion, each
+    kind serving the trace's mix."""
     return sum(steady_state_bound(prompts, outputs, k.engine_time if k.engine_time is not None else k.time_model,
                                   ttft_ms, tpot_ms, k.count, k.kv_capacity_tokens, k.max_num_seqs,
-                                  k.max_num_batched_tokens, 0.9, cached_tokens=cached_tokens).rps for k in kinds)  # fmt: skip
+                                  k.max_num_batched_tokens, 0.9, cached_tokens=cached_tokens,
+                                  served_by=served_by).rps for k in kinds)  # fmt: skip
 
 
 def add_point_args(ap: argparse.ArgumentParser, *, trace: str | None, ttft_ms: float, duration_s: float,
@@ -706,9 +711,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine_time if engine_time is not None else prof.time_model,
         args.ttft_ms, args.tpot_ms, args.replicas, prof.kv_capacity_tokens, max_seqs, max_tokens, 0.9,
     )  # fmt: skip
+    steady_tokens = steady_state_bound(
+        [r.prompt_tokens for r in kept], [r.output_tokens for r in kept],
+        engine_time if engine_time is not None else prof.time_model,
+        args.ttft_ms, args.tpot_ms, args.replicas, prof.kv_capacity_tokens, max_seqs, max_tokens, 0.9,
+        served_by="tokens",
+    )  # fmt: skip
     if kinds:
         steady = dataclasses.replace(steady, rps=kinds_steady_bound(
             kinds, [r.prompt_tokens for r in kept], [r.output_tokens for r in kept], args.ttft_ms, args.tpot_ms))
+        steady_tokens = dataclasses.replace(steady_tokens, rps=kinds_steady_bound(
+            kinds, [r.prompt_tokens for r in kept], [r.output_tokens for r in kept], args.ttft_ms, args.tpot_ms,
+            served_by="tokens"))
     search = None
     if args.rates:
         rates = sorted(args.rates)
@@ -771,6 +785,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         pol["offered_capacity_rps"], pol["offered_capacity_bound"] = round(cap, 3), how
     for pol in policies.values():
         pol["fraction_of_steady_bound"] = round(pol["capacity_rps"] / steady.rps, 3) if steady.rps > 0 else None
+        tok_cap = pol.get("capacity_token_floor_rps")
+        pol["token_floor_of_token_bound"] = (round(tok_cap / steady_tokens.rps, 3)
+                                             if tok_cap is not None and steady_tokens.rps > 0 else None)  # fmt: skip
     rr = policies.get("round-robin", {}).get("capacity_rps")
     base_caps = {n: policies[n]["capacity_rps"] for n in BASELINES if n in policies}
     best_name = max(base_caps, key=base_caps.__getitem__) if base_caps else None
@@ -806,6 +823,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "iteration_ms": round(bound.iteration_ms, 2), "limit": bound.limit,
                            "mean_work_ms": round(bound.mean_work_ms, 3)},
         "steady_state_bound": steady_bound_json(steady, engine_time),
+        "token_steady_state_bound": steady_bound_json(steady_tokens, engine_time),
         "best_baseline": best_name, "best_baseline_token_goodput": best_tok,
         "rates": rates or sorted({r["rate_rps"] for pol in policies.values() for r in pol["rows"]}),
         "search": None if search is None else dataclasses.asdict(search), "policies": policies,
@@ -817,7 +835,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot(result, args.plot)
     print(f"{args.trace}, {args.replicas} x {args.profile}, TTFT {args.ttft_ms:g} / TPOT {args.tpot_ms:g} ms; "
           f"analytic bound {bound.rps:.1f} req/s ({bound.limit}-limited); steady-state bound (costliest 10 % may miss) "
-          f"{steady.rps:.1f} req/s ({steady.limit}-limited, step {steady.iteration_ms:.1f} ms); "
+          f"{steady.rps:.1f} req/s ({steady.limit}-limited, step {steady.iteration_ms:.1f} ms); per-token "
+          f"steady-state bound (costliest 10 % of the tokens may miss) {steady_tokens.rps:.1f} req/s; "
           f"engine step time {engine_label(engine_time)}")  # fmt: skip
     print("capacity = highest rate with SLO attainment >= 0.9, on the rate label and on the offered rate "
           "(requests in the window / window)")

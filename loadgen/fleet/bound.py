@@ -97,9 +97,12 @@ class SteadyBound:
         per_replica_rps: the same per replica.
         iteration_ms: the best step length T (ms).
         limit: the binding constraint at T: ``time``, ``kv``, ``seqs`` or ``tokens``.
-        served_frac: q, the fraction of requests that must meet the SLO.
-        mean_work_ms: mean W_i(T) over the served (cheapest) ``ceil(q n)`` requests (ms).
+        served_frac: q, the fraction of requests (or, with ``served_by="tokens"``, of their prompt +
+            output tokens) that must meet the SLO.
+        mean_work_ms: mean W_i(T) over the served (cheapest) ``ceil(q n)`` requests (ms); with
+            ``served_by="tokens"``, the cheapest cover's work over the requests it serves (fractions counted).
         infeasible: requests that cannot meet their TTFT at T (no allowed chunk count).
+        served_by: ``requests`` (the per-request floor) or ``tokens`` (the per-token floor).
     """
 
     rps: float
@@ -109,6 +112,7 @@ class SteadyBound:
     served_frac: float
     mean_work_ms: float
     infeasible: int
+    served_by: str = "requests"
 
 
 @dataclass(frozen=True, slots=True)
@@ -585,6 +589,36 @@ def _step_grid(model: EngineTimeModel | TimeModel, tpot_ms: float, steps_ms: Seq
     return a, np.linspace(a, tpot_ms, points)[1:]
 
 
+def cheapest_cover(cost: np.ndarray, weight: np.ndarray, q: float) -> tuple[float, float]:
+    """Least total cost of a set that holds at least ``q`` of the total weight, relaxed to fractions.
+
+    ``min sum x_i cost_i`` over ``x`` in [0, 1]^n with ``sum x_i weight_i >= q * sum weight``: the linear
+    relaxation of the covering problem, solved exactly by taking items in ascending ``cost / weight``
+    (the fractional knapsack's greedy rule) and a fraction of the last one. Any integral set with that
+    much weight costs at least this, so a capacity computed from it is still an upper bound.
+
+    Args:
+        cost: shape (n,), >= 0 (inf = the item cannot be served; the cover is inf if it needs one).
+        weight: shape (n,), > 0.
+        q: the share of the weight to cover, in (0, 1].
+
+    Returns:
+        (least cost, the number of items it serves, the last one's fraction counted).
+    """
+    total = float(weight.sum())
+    need = q * total
+    order = np.argsort(cost / weight, kind="stable")
+    cum_w = np.cumsum(weight[order])
+    j = int(np.searchsorted(cum_w, need * (1.0 - 1e-12)))
+    j = min(j, cost.size - 1)
+    before_w = float(cum_w[j - 1]) if j > 0 else 0.0
+    before_c = float(cost[order[:j]].sum()) if j > 0 else 0.0
+    frac = (need - before_w) / float(weight[order[j]])
+    frac = min(1.0, max(0.0, frac))
+    last = float(cost[order[j]])
+    return (before_c + (frac * last if frac > 0.0 else 0.0)), j + frac
+
+
 def steady_state_bound(
     prompt_tokens: Sequence[int],
     output_tokens: Sequence[int],
@@ -598,8 +632,14 @@ def steady_state_bound(
     served_frac: float = 0.9,
     steps_ms: Sequence[float] | None = None,
     cached_tokens: Sequence[float] | None = None,
+    served_by: str = "requests",
 ) -> SteadyBound:
     """The steady-state bound of the module docstring (offered requests/s of the fleet).
+
+    With ``served_by="tokens"`` the yardstick is the per-token floor (at least q of the offered prompt +
+    output tokens belong to requests that meet their SLO): the served set is then the cheapest cover of
+    q of the tokens (:func:`cheapest_cover`, its linear relaxation, so the figure stays an upper
+    bound), for each resource on its own as the request floor takes each resource's cheapest q-fraction.
 
     Args:
         prompt_tokens, output_tokens: the trace's requests, shape (n,), n >= 1 (values < 1 are taken as 1).
@@ -613,7 +653,8 @@ def steady_state_bound(
             (n,); None = no prefix caching.
 
     Raises:
-        ValueError: on an empty trace, q outside (0, 1], or tpot_ms <= m*a with no ``steps_ms``.
+        ValueError: on an empty trace, q outside (0, 1], tpot_ms <= m*a with no ``steps_ms``, or
+            ``served_by`` neither ``requests`` nor ``tokens``.
     """
     p = np.maximum(1, np.asarray(prompt_tokens, dtype=float))
     o = np.maximum(1, np.asarray(output_tokens, dtype=float))
@@ -622,22 +663,32 @@ def steady_state_bound(
         raise ValueError("steady_state_bound needs at least one request")
     if not 0.0 < served_frac <= 1.0:
         raise ValueError(f"served_frac must be in (0, 1], got {served_frac}")
+    if served_by not in ("requests", "tokens"):
+        raise ValueError(f"served_by must be 'requests' or 'tokens', got {served_by!r}")
     a, steps = _step_grid(model, tpot_ms, steps_ms, 401)
     h = np.zeros_like(p) if cached_tokens is None else np.minimum(np.asarray(cached_tokens, dtype=float), p - 1)
     u = p - h
     k = math.ceil(served_frac * n - 1e-9)
-    kv_sum = float(np.sort(o * u + o * (o - 1) / 2)[:k].sum()) / n
-    o_sum = float(np.sort(o)[:k].sum()) / n
-    po_sum = float(np.sort(u + o)[:k].sum()) / n
-    best = SteadyBound(0.0, 0.0, float(steps[-1]), "time", served_frac, math.inf, 0)
+    tokens = p + o  # what token goodput counts: prompt + output
+
+    def least(cost: np.ndarray) -> tuple[float, float]:
+        """(least total cost of a served set, its size) under the floor ``served_by``."""
+        if served_by == "tokens":
+            return cheapest_cover(cost, tokens, served_frac)
+        return float(np.sort(cost)[:k].sum()), float(k)
+
+    kv_sum = least(o * u + o * (o - 1) / 2)[0] / n
+    o_sum = least(o)[0] / n
+    po_sum = least(u + o)[0] / n
+    best = SteadyBound(0.0, 0.0, float(steps[-1]), "time", served_frac, math.inf, 0, served_by)
     for t in steps:
         w = request_work_ms(p, o, model, float(t), ttft_ms, max_num_batched_tokens, h)
-        cheapest = np.sort(w)[:k]
+        work, served = least(w)
         infeasible = int(np.isinf(w).sum())
-        if not np.isfinite(cheapest[-1]) or t <= a:
+        if not math.isfinite(work) or t <= a:
             continue
         limits = {
-            "time": 1000.0 * (1.0 - a / t) / (float(cheapest.sum()) / n),
+            "time": 1000.0 * (1.0 - a / t) / (work / n),
             "kv": 1000.0 * kv_capacity_tokens / (kv_sum * t),
             "seqs": 1000.0 * max_num_seqs / (o_sum * t),
             "tokens": 1000.0 * max_num_batched_tokens / (po_sum * t),
@@ -645,5 +696,5 @@ def steady_state_bound(
         name = min(limits, key=limits.__getitem__)
         if limits[name] > best.per_replica_rps:
             best = SteadyBound(limits[name] * replicas, limits[name], float(t), name, served_frac,
-                               float(cheapest.mean()), infeasible)  # fmt: skip
+                               work / served, infeasible, served_by)  # fmt: skip
     return best

@@ -150,6 +150,7 @@ POLICIES: dict[str, tuple[str, str]] = {
     "pab-prefix+fairbatching": ("pab", "fairbatching"),
     "pab-best-fit+fairbatching": ("pab", "fairbatching"),
     "pab-reserve-fit+fairbatching": ("pab", "fairbatching"),
+    "pab-protect+fairbatching": ("pab", "fairbatching"),
 }
 """Fleet policy name -> (router kind, replica batching policy). ``X+fairbatching`` for a baseline
 router X: the same placement in front of FairBatching replicas (what an operator who installed the
@@ -170,6 +171,12 @@ replica with the *least* headroom left after this prefill (best fit; the default
 takes the most headroom plus KV headroom: worst fit), which keeps replicas with room for long prompts;
 ``pab-reserve-fit``: best fit while 30 % of the horizon stays free, else worst fit
 (router/placement/scorers/reserve_fit.py)."""
+
+CUSTOM_FILTERS = {"pab-protect+fairbatching": ["exclude", "healthy", "fresh", "max-prompt", "fits", "on-time", "window",
+                                               "protect-headroom"]}
+"""Fleet policies whose ``pab`` routers filter with a custom chain (router YAML ``placement.filters``):
+``pab-protect``: the default filters, then ``protect-headroom`` (short prompts leave the replicas with
+the most PAB time to long ones; router/placement/filters/protect_headroom.py)."""
 
 
 SCRAPED_POLICIES = frozenset({"power-of-two", "llm-d-scorer", "llm-d-prefix", "llm-d-flow-control", "dynamo-kv",
@@ -603,6 +610,7 @@ def sim_router_config(cfg: FleetConfig, seed: int) -> RouterConfig:
         "placement": {"seed": seed, "hooks": list(cfg.placement_hooks), "profile": profile,
                       "params": profile_params(cfg, profile),
                       **({"scorers": BEST_FIT_SCORERS[cfg.policy]} if cfg.policy in BEST_FIT_SCORERS else {}),
+                      **({"filters": CUSTOM_FILTERS[cfg.policy]} if cfg.policy in CUSTOM_FILTERS else {}),
                       "prefix_cache": {
             "enabled": cfg.policy in PREFIX_POLICIES, "chunk_chars": 4 * cfg.prefix_block_tokens,
             "capacity_tokens": max(cfg.prefix_block_tokens, cfg.kv_capacity_tokens)}},

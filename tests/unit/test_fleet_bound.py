@@ -15,6 +15,7 @@ import pytest
 
 from loadgen.fleet.bound import (
     WorkModel,
+    cheapest_cover,
     interval_attainment_bound,
     request_work_ms,
     shared_prefix_tokens,
@@ -58,6 +59,36 @@ def test_bound_lets_the_costliest_tenth_miss() -> None:
     # T = 25: 600 / ((9 * 20.815 + 975) / 10 = 116.2335) = 5.1620: with B served, shorter steps win.
     b1 = steady_state_bound(p, o, M, 100.0, 50.0, 2, BIG, BIG, 10_000, 1.0, steps_ms=[25.0, 50.0])
     assert b1.per_replica_rps == pytest.approx(600 / 116.2335) and b1.iteration_ms == 25.0
+
+
+def test_cheapest_cover_by_hand() -> None:
+    cost, weight = np.array([4.0, 1.0, 3.0]), np.array([2.0, 1.0, 1.0])
+    # cost per weight 2, 1, 3: item 1 first, then item 0. q = 0.75 of 4 = 3: items 1 and 0 whole -> 5
+    assert cheapest_cover(cost, weight, 0.75) == pytest.approx((5.0, 2.0))
+    # q = 0.5 of 4 = 2: item 1 (weight 1) and half of item 0 (1 of its 2) -> 1 + 2 = 3, 1.5 items
+    assert cheapest_cover(cost, weight, 0.5) == pytest.approx((3.0, 1.5))
+    # an item that cannot be served (inf) costs inf only when the cover needs it
+    assert cheapest_cover(np.array([math.inf, 1.0]), np.array([1.0, 1.0]), 0.5) == pytest.approx((1.0, 1.0))
+    assert cheapest_cover(np.array([math.inf, 1.0]), np.array([1.0, 1.0]), 1.0)[0] == math.inf
+
+
+def test_token_floor_bound_must_serve_most_of_the_long_prompt() -> None:
+    p, o = [100] * 9 + [1000], [11] * 9 + [1]
+    # tokens: nine A's of 111 (999) and B's 1001, 2000 in all; the floor needs 1800. Per token A is
+    # cheaper (T = 50: 24.565 / 111 against 1350 / 1001), so all A's and 801 / 1001 of B are served.
+    # T = 50: 9 * 24.565 + 0.8002 * 1350 = 1301.355 per 10 requests -> 800 / 130.1355 = 6.1474;
+    # T = 25: 9 * 20.815 + 0.8002 * 975 = 967.530 -> 600 / 96.7530 = 6.2014: T = 25 wins.
+    frac = 801 / 1001
+    work25 = 9 * 20.815 + frac * 975
+    b = steady_state_bound(p, o, M, 100.0, 50.0, 2, BIG, BIG, 10_000, 0.9, steps_ms=[25.0, 50.0], served_by="tokens")
+    assert b.per_replica_rps == pytest.approx(600 / (work25 / 10))
+    assert (b.iteration_ms, b.limit, b.served_by) == (25.0, "time", "tokens")
+    assert b.mean_work_ms == pytest.approx(work25 / (9 + frac))
+    # far below the per-request floor's 36.19 req/s per replica, which may drop B altogether
+    assert b.per_replica_rps < steady_state_bound(p, o, M, 100.0, 50.0, 2, BIG, BIG, 10_000, 0.9,
+                                                  steps_ms=[25.0, 50.0]).per_replica_rps / 5  # fmt: skip
+    with pytest.raises(ValueError):
+        steady_state_bound(p, o, M, 100.0, 50.0, 2, BIG, BIG, 10_000, 0.9, served_by="bytes")
 
 
 def test_bound_ttft_chunk_limit_and_kv_limit() -> None:

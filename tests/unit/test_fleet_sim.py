@@ -206,6 +206,12 @@ def test_bench_fleet_merge_joins_policies_and_rows(tmp_path) -> None:
     assert 0.0 <= row["interval_attainment_bound"] <= 1.0 and 0.0 <= row["attainment_bound"] <= 1.0
     rr_cap = d["policies"]["round-robin"]["capacity_rps"]
     assert d["policies"]["pab"]["x_round_robin"] == round(d["policies"]["pab"]["capacity_rps"] / rr_cap, 3)
+    # the per-token floor's bound beside the per-request one: 90 % of the tokens cost more than the
+    # cheapest 90 % of the requests (azure-conv's long prompts hold a larger share of its tokens)
+    tb = d["token_steady_state_bound"]
+    assert tb["served_by"] == "tokens" and 0.0 < tb["rps"] < d["steady_state_bound"]["rps"]
+    rr = d["policies"]["round-robin"]
+    assert rr["token_floor_of_token_bound"] == round(rr["capacity_token_floor_rps"] / tb["rps"], 3)
     # a rerun policy gets the union of its rows by rate
     assert bench_main([*common, "--policies", "round-robin", "--rates", "3", "--merge"]) == 0
     d = json.loads(out.read_text())

@@ -1,0 +1,153 @@
+"""How far any policy can get under the per-token floor: the steady-state bound per floor (issue 27).
+
+For each condition of docs/evaluation.md's headline (trace, fleet, engine model, SLO) this prints the
+steady-state bound (loadgen/fleet/bound.py ``steady_state_bound``) under the per-request floor (the
+cheapest 90 % of the requests by work served) and under the per-token floor (the cheapest cover of
+90 % of the prompt + output tokens, ``served_by="tokens"``), both upper bounds on any policy's
+capacity under that floor (they ignore bursts and queueing, which only lower it). With the best
+baseline's measured per-token capacity (from the bench-fleet JSON named per condition, when it is
+there) it gives the largest ratio any policy could reach over that baseline: a target above it
+cannot be met on that condition by admission, placement or batching.
+
+Prefix caching (mooncake-conv): every prompt is credited with the longest prefix it shares with any
+other request of the trace, whenever that request came (``shared_prefix_tokens`` without arrival
+times): more than any cache can keep, so the bound stays an upper bound.
+
+Usage::
+
+    python scripts/token_floor_bound.py --out docs/evaluation/headline/token-floor-bounds.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadgen.fleet.bench import trace_rows
+from loadgen.fleet.bound import shared_prefix_tokens, steady_state_bound
+from loadgen.sim.engine_time import load_engine_time_model, shipped_path
+from loadgen.traces import PREFIX_BLOCK_TOKENS, arrival_granularity_ms
+from replica_agent.policy.profiles import load_profile, vllm_serve_batch_defaults
+
+HEADLINE = Path(__file__).resolve().parent.parent / "docs" / "evaluation" / "headline"
+
+
+@dataclass(frozen=True, slots=True)
+class Condition:
+    """One headline condition.
+
+    Attributes:
+        trace: embedded trace name.
+        fleet: (replica count, profile, engine-time model file stem or None = the profile's shipped one) per kind.
+        ttft_ms, tpot_ms: the SLO (ms).
+        measured: the bench-fleet JSON (in docs/evaluation/headline/) with the measured capacities, or None.
+        label: how the tables name it.
+    """
+
+    trace: str
+    fleet: tuple[tuple[int, str, str | None], ...]
+    ttft_ms: float
+    tpot_ms: float
+    measured: str | None
+    label: str
+
+
+CONDITIONS: tuple[Condition, ...] = (
+    Condition("azure-code", ((16, "llama-3-8b-a100", None),), 1000.0, 100.0, "azure-code-16.json",
+              "azure-code, 16 x 8B A100"),
+    Condition("azure-code", ((64, "llama-3-8b-a100", None),), 1000.0, 100.0, "azure-code-64.json",
+              "azure-code, 64 x 8B A100"),
+    Condition("azure-conv", ((16, "llama-3-8b-a100", None),), 1000.0, 100.0, "azure-conv-16.json",
+              "azure-conv, 16 x 8B A100"),
+    Condition("servegen-m-large", ((16, "llama-3-8b-a100", None),), 1000.0, 100.0, "servegen-m-large-16.json",
+              "ServeGen m-large, 16 x 8B A100"),
+    Condition("mooncake-conv", ((16, "llama-3-8b-a100", None),), 2500.0, 100.0, "mooncake-conv-16.json",
+              "mooncake-conv (TTFT 2.5 s), 16 x 8B A100"),
+    Condition("azure-code", ((8, "llama-3-8b-a100", None), (8, "llama-3-8b-h100", None)), 1000.0, 100.0,
+              "azure-code-hetero-8a100-8h100.json", "azure-code, 8 x 8B A100 + 8 x 8B H100"),
+    Condition("azure-code", ((16, "llama-2-70b-h100-tp4", None),), 1000.0, 100.0, "azure-code-16-70b-shipped.json",
+              "azure-code, 16 x 70B H100 (shipped engine)"),
+    Condition("azure-code", ((16, "llama-2-70b-h100-tp4", "llama-2-70b-h100-tp4-splitwise"),), 1000.0, 100.0,
+              "azure-code-16-70b-splitwise.json", "azure-code, 16 x 70B H100 (Splitwise-fitted engine)"),
+)
+"""The headline's conditions (docs/evaluation.md, "Headline (issue 27)")."""
+
+
+def bounds(cond: Condition) -> dict[str, float]:
+    """{"requests": bound, "tokens": bound} (req/s of the fleet) for one condition, each kind serving the mix."""
+    kept, _, _ = trace_rows(cond.trace, arrival_granularity_ms(cond.trace), 0)
+    prompts = [r.prompt_tokens for r in kept]
+    outputs = [r.output_tokens for r in kept]
+    cached = None
+    if any(r.hash_ids for r in kept):
+        cached = shared_prefix_tokens([r.hash_ids for r in kept], prompts, PREFIX_BLOCK_TOKENS)
+    out: dict[str, float] = {}
+    for by in ("requests", "tokens"):
+        total = 0.0
+        for count, profile, engine in cond.fleet:
+            prof = load_profile(profile)
+            batch = vllm_serve_batch_defaults(prof.gpu).resolve(None, None)
+            spec = None if engine is None else str(shipped_path(engine))
+            model = load_engine_time_model(spec, profile)
+            total += steady_state_bound(prompts, outputs, model if model is not None else prof.time_model,
+                                        cond.ttft_ms, cond.tpot_ms, count, prof.kv_capacity_tokens, batch.max_num_seqs,
+                                        batch.max_num_batched_tokens, 0.9, cached_tokens=cached, served_by=by).rps  # fmt: skip
+        out[by] = total
+    return out
+
+
+def measured(cond: Condition, headline: Path) -> dict[str, object] | None:
+    """The best baseline's and pab's per-token capacities from the condition's bench-fleet JSON, or None."""
+    if cond.measured is None or not (headline / cond.measured).exists():
+        return None
+    d = json.loads((headline / cond.measured).read_text())
+    pols = d["policies"]
+    best = d.get("best_baseline_token_goodput")
+    ours = next((n for n in pols if n.startswith("pab")), None)
+    if best is None or ours is None:
+        return None
+    return {"best_baseline": best, "best_baseline_token_floor_rps": pols[best].get("capacity_token_floor_rps"),
+            "pab": ours, "pab_token_floor_rps": pols[ours].get("capacity_token_floor_rps")}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="JSON file to write")
+    ap.add_argument("--headline", default=str(HEADLINE), help="folder of the headline's bench-fleet JSON files")
+    args = ap.parse_args(argv)
+    rows = []
+    print("| condition | bound, per-request floor (req/s) | bound, per-token floor (req/s) | best baseline's tok floor "
+          "| of the token bound | largest ratio any policy can reach | pab's tok floor | of the token bound |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for cond in CONDITIONS:
+        b = bounds(cond)
+        m = measured(cond, Path(args.headline))
+        row: dict[str, object] = {"condition": cond.label, "trace": cond.trace, "fleet": [list(k) for k in cond.fleet],
+                                  "ttft_ms": cond.ttft_ms, "tpot_ms": cond.tpot_ms,
+                                  "request_floor_bound_rps": round(b["requests"], 2),
+                                  "token_floor_bound_rps": round(b["tokens"], 2), "measured": m}  # fmt: skip
+        base = None if m is None else m["best_baseline_token_floor_rps"]
+        ours = None if m is None else m["pab_token_floor_rps"]
+        if isinstance(base, float) and base > 0:
+            row["largest_ratio_over_best_baseline"] = round(b["tokens"] / base, 3)
+        rows.append(row)
+
+        def frac(x: object) -> str:
+            return f"{x / b['tokens']:.2f}" if isinstance(x, float) and b["tokens"] > 0 else "-"
+
+        lr = row.get("largest_ratio_over_best_baseline")
+        base_text = f"{base:.1f} ({m['best_baseline']})" if m is not None and isinstance(base, float) else "-"
+        print(f"| {cond.label} | {b['requests']:.1f} | {b['tokens']:.1f} | {base_text} | {frac(base)} | "
+              f"{'-' if lr is None else f'{lr:.2f}x'} | {'-' if not isinstance(ours, float) else f'{ours:.1f}'} | "
+              f"{frac(ours)} |")  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

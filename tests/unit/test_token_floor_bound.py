@@ -1,0 +1,69 @@
+"""scripts/token_floor_bound.py and the bound line of scripts/headline_tables.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadgen.fleet.bench import trace_rows
+from loadgen.fleet.bound import steady_state_bound
+from loadgen.sim.engine_time import load_engine_time_model
+from loadgen.traces import arrival_granularity_ms
+from replica_agent.policy.profiles import load_profile, vllm_serve_batch_defaults
+from tests.scripts import load_script
+
+tfb = load_script("token_floor_bound")
+tables = load_script("headline_tables")
+
+
+def _fleet_json(path: Path, caps: dict[str, float], best: str, token_bound: float | None = None) -> None:
+    d = {"best_baseline_token_goodput": best,
+         "policies": {n: {"capacity_token_floor_rps": c, "capacity_token_floor_bound": "interpolated"}
+                      for n, c in caps.items()}}  # fmt: skip
+    if token_bound is not None:
+        d["token_steady_state_bound"] = {"rps": token_bound}
+    path.write_text(json.dumps(d))
+
+
+def test_main_gives_the_bounds_and_the_largest_ratio(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cond = tfb.Condition("azure-conv", ((2, "llama-3-8b-a100", None),), 1000.0, 100.0, "c.json", "azure-conv, 2 x 8B")
+    monkeypatch.setattr(tfb, "CONDITIONS", (cond,))
+    _fleet_json(tmp_path / "c.json", {"dynamo-kv+fairbatching": 10.0, "pab+fairbatching": 12.0},
+                "dynamo-kv+fairbatching")
+    out = tmp_path / "bounds.json"
+    assert tfb.main(["--out", str(out), "--headline", str(tmp_path)]) == 0
+    (row,) = json.loads(out.read_text())
+    # the same bound computed here directly: 2 replicas of the shipped 8B A100 engine, vllm serve's A100 batch
+    kept, _, _ = trace_rows("azure-conv", arrival_granularity_ms("azure-conv"), 0)
+    prof = load_profile("llama-3-8b-a100")
+    batch = vllm_serve_batch_defaults(prof.gpu).resolve(None, None)
+    args = ([r.prompt_tokens for r in kept], [r.output_tokens for r in kept],
+            load_engine_time_model(None, "llama-3-8b-a100"), 1000.0, 100.0, 2, prof.kv_capacity_tokens,
+            batch.max_num_seqs, batch.max_num_batched_tokens, 0.9)  # fmt: skip
+    tok = steady_state_bound(*args, served_by="tokens").rps
+    assert row["token_floor_bound_rps"] == pytest.approx(tok, abs=0.01)
+    assert row["request_floor_bound_rps"] == pytest.approx(steady_state_bound(*args).rps, abs=0.01)
+    # serving 90 % of the tokens costs more than serving the cheapest 90 % of the requests
+    assert row["token_floor_bound_rps"] < row["request_floor_bound_rps"]
+    assert row["measured"] == {"best_baseline": "dynamo-kv+fairbatching", "best_baseline_token_floor_rps": 10.0,
+                               "pab": "pab+fairbatching", "pab_token_floor_rps": 12.0}
+    assert row["largest_ratio_over_best_baseline"] == pytest.approx(tok / 10.0, abs=1e-3)
+
+
+def test_measured_is_none_without_the_file(tmp_path: Path) -> None:
+    cond = tfb.Condition("azure-conv", ((2, "llama-3-8b-a100", None),), 1000.0, 100.0, "missing.json", "x")
+    assert tfb.measured(cond, tmp_path) is None
+
+
+def test_headline_bound_line(tmp_path: Path) -> None:
+    _fleet_json(tmp_path / "f.json", {"dynamo-kv+fairbatching": 50.0, "pab+fairbatching": 80.0},
+                "dynamo-kv+fairbatching", token_bound=100.0)
+    d = json.loads((tmp_path / "f.json").read_text())
+    line = tables.bound_line(d)
+    # 80 / 100 and 50 / 100 of the bound; 100 / 50 = 2.00x at most over the best baseline
+    assert "100.0 req/s" in line and "dynamo-kv+fairbatching 0.50" in line and "pab+fairbatching 0.80" in line
+    assert "2.00x `dynamo-kv+fairbatching`" in line
+    del d["token_steady_state_bound"]
+    assert tables.bound_line(d) == ""
