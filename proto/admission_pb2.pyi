@@ -23,7 +23,7 @@ class TimeModelCoefficients(_message.Message):
     def __init__(self, a_ms: _Optional[float] = ..., b_ms_per_new_token: _Optional[float] = ..., c_ms_per_context_token: _Optional[float] = ...) -> None: ...
 
 class ClassBudget(_message.Message):
-    __slots__ = ("slo_class", "ttft_ms", "tpot_ms", "horizon_ms", "pab_ms", "pab_tokens", "decode_reservation_ms", "inflight_reservation_ms", "kv_free_tokens", "kv_limited_tokens", "decode_iterations")
+    __slots__ = ("slo_class", "ttft_ms", "tpot_ms", "horizon_ms", "pab_ms", "pab_tokens", "decode_reservation_ms", "inflight_reservation_ms", "kv_free_tokens", "kv_limited_tokens", "decode_iterations", "slot_wait_ms")
     SLO_CLASS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     TPOT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class ClassBudget(_message.Message):
     KV_FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_LIMITED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODE_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     slo_class: str
     ttft_ms: float
     tpot_ms: float
@@ -46,7 +47,8 @@ class ClassBudget(_message.Message):
     kv_free_tokens: int
     kv_limited_tokens: int
     decode_iterations: int
-    def __init__(self, slo_class: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., horizon_ms: _Optional[float] = ..., pab_ms: _Optional[float] = ..., pab_tokens: _Optional[int] = ..., decode_reservation_ms: _Optional[float] = ..., inflight_reservation_ms: _Optional[float] = ..., kv_free_tokens: _Optional[int] = ..., kv_limited_tokens: _Optional[int] = ..., decode_iterations: _Optional[int] = ...) -> None: ...
+    slot_wait_ms: float
+    def __init__(self, slo_class: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., horizon_ms: _Optional[float] = ..., pab_ms: _Optional[float] = ..., pab_tokens: _Optional[int] = ..., decode_reservation_ms: _Optional[float] = ..., inflight_reservation_ms: _Optional[float] = ..., kv_free_tokens: _Optional[int] = ..., kv_limited_tokens: _Optional[int] = ..., decode_iterations: _Optional[int] = ..., slot_wait_ms: _Optional[float] = ...) -> None: ...
 
 class BudgetSnapshot(_message.Message):
     __slots__ = ("replica_id", "seq", "timestamp_ms", "ttl_ms", "coefficients", "classes", "healthy", "num_running", "num_waiting", "kv_usage", "kv_capacity_tokens", "active_leases", "max_prompt_tokens", "status_detail", "inflight_prefill_ms", "inflight_prefill_done_ms", "prefix_queries_tokens", "prefix_hits_tokens", "inline_admission", "draining")

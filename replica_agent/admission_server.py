@@ -45,6 +45,7 @@ def class_budget_pb(b: ClassBudget) -> admission_pb2.ClassBudget:
         kv_free_tokens=b.kv_free_tokens,
         kv_limited_tokens=b.kv_limited_tokens,
         decode_iterations=b.decode_iterations,
+        slot_wait_ms=b.slot_wait_ms,
     )
 
 

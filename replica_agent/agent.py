@@ -73,6 +73,9 @@ class AgentConfig:
             ``vllm serve`` on the profile's GPU, replica_agent/policy/profiles.py), for the predicted end
             of each in-flight prefill (replica_agent/policy/prefill_eta.py); plugin mode uses the
             scheduler's own figure.
+        max_num_seqs: the engine's cap on running requests (vLLM's ``--max-num-seqs``; the default of
+            ``vllm serve`` on the profile's GPU), for PAB's sequence-slot rule (replica_agent/policy/pab.py
+            "Sequence slots"); None = no cap known, the rule is off. Plugin mode uses the scheduler's own figure.
     """
 
     replica_id: str
@@ -96,6 +99,7 @@ class AgentConfig:
     calibration: CalibratorConfig = field(default_factory=CalibratorConfig)
     proxy_step_estimates: bool = True
     max_num_batched_tokens: int = 8192
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.slo_classes:
@@ -107,6 +111,8 @@ class AgentConfig:
             raise ValueError(f"default SLO class {self.default_slo_class!r} is not one of {names}")
         if not self.proxy_tracking and not self.plugin_mode:
             raise ValueError("--no-proxy needs plugin mode (--plugin-export): nothing else tracks requests")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1 or None, got {self.max_num_seqs}")
         for name in ("push_interval_ms", "ttl_ms", "lease_ttl_ms", "metrics_interval_ms", "plugin_stale_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
@@ -517,7 +523,7 @@ class Agent:
             plugin_now = float(rec.get("t_ms") or 0.0) + (now_ms - pv.recv_ms)
             return replica_state_from_record(
                 rec, plugin_now, self.time_model(), self.config.margin_frac,
-                [lease.prompt_tokens for lease in self.leases.active()],
+                [lease.prompt_tokens for lease in self.leases.active()], self.config.max_num_seqs,
             )
         m = self._engine.metrics
         kv_usage = 1.0 if m is None else m.kv_usage
@@ -533,6 +539,7 @@ class Agent:
             kv_free_tokens=max(0, kv_free),
             time_model=self.time_model(),
             margin_frac=self.config.margin_frac,
+            max_seqs=self.config.max_num_seqs,
         )
 
     def compute_budget(self, now_ms: float, state: ReplicaState | None = None) -> BudgetView:

@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="the engine's vLLM --max-num-batched-tokens (default: vllm serve's default on the "
                         "profile's GPU), for the predicted end of each in-flight prefill")
+    s.add_argument("--max-num-seqs", type=int, default=None,
+                   help="the engine's vLLM --max-num-seqs (default: vllm serve's default on the profile's GPU; "
+                        "0 = no cap): PAB counts the wait for a free sequence slot")
     s.add_argument("--kv-capacity-tokens", type=int, default=None,
                    help="KV capacity in tokens (default: engine's cache_config_info, else the profile's)")
     s.add_argument("--config", type=Path, default=None,
@@ -279,6 +282,19 @@ def _step_tokens(gpu: str, flag: int | None) -> int:
     except KeyError:
         return 2048
 
+def _seq_cap(gpu: str, flag: int | None) -> int | None:
+    """The engine's cap on running requests: the flag (0 = none), else ``vllm serve``'s default on
+    ``gpu``, else None (a GPU it does not know: no cap assumed)."""
+    if flag is not None:
+        if flag < 0:
+            raise ValueError(f"--max-num-seqs must be >= 0, got {flag}")
+        return flag or None
+    try:
+        return vllm_serve_batch_defaults(gpu).max_num_seqs
+    except KeyError:
+        return None
+
+
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     """AgentConfig from parsed ``serve`` arguments.
 
@@ -318,6 +334,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         plugin_stale_ms=args.plugin_stale_ms,
         proxy_tracking=not args.no_proxy,
         max_num_batched_tokens=_step_tokens(profile.gpu, args.max_num_batched_tokens),
+        max_num_seqs=_seq_cap(profile.gpu, args.max_num_seqs),
         calibration=CalibratorConfig(
             forgetting=args.time_model_forgetting, prior_weight=args.time_model_prior_weight,
             margin_quantile=args.time_model_margin_quantile, window=args.time_model_window,

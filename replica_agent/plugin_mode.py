@@ -114,6 +114,7 @@ def record_decodes_prefills(rec: Mapping[str, Any]) -> tuple[tuple[DecodeState, 
 def replica_state_from_record(
     rec: Mapping[str, Any], now_ms: float, time_model: TimeModel, margin_frac: float,
     lease_prompts: Iterable[int] = (),
+    max_seqs: int | None = None,
 ) -> ReplicaState:
     """PAB inputs from a state record (module docstring).
 
@@ -123,6 +124,8 @@ def replica_state_from_record(
         time_model: the model PAB uses (the agent's online fit x its margin).
         margin_frac: H = ttft * (1 - margin_frac).
         lease_prompts: prompt tokens of active leases whose request the record does not list.
+        max_seqs: the engine's sequence cap when the record has none (its ``max_seqs``, the
+            scheduler's own figure, wins); None = no cap known.
 
     Raises:
         KeyError, TypeError, ValueError: on a malformed record.
@@ -130,9 +133,10 @@ def replica_state_from_record(
     decodes, prefills = record_decodes_prefills(rec)
     prefills += tuple(PendingPrefill(int(p)) for p in lease_prompts)
     kv_free = _int(rec["kv_free_blocks"]) * _int(rec["block_size"])
+    rec_seqs = _int(rec.get("max_seqs"), 0)
     return ReplicaState(
         now_ms=now_ms, decodes=decodes, prefills=prefills, kv_free_tokens=max(0, kv_free),
-        time_model=time_model, margin_frac=margin_frac,
+        time_model=time_model, margin_frac=margin_frac, max_seqs=rec_seqs if rec_seqs >= 1 else max_seqs,
     )
 
 

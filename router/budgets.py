@@ -25,7 +25,8 @@ from router.placement import ReplicaView
 DEFAULT_TTL_MS = 1000.0
 
 _CLASS_FIELDS = ("slo_class", "horizon_ms", "pab_ms", "pab_tokens", "kv_limited_tokens", "ttft_ms", "tpot_ms",
-                 "decode_reservation_ms", "inflight_reservation_ms", "kv_free_tokens", "decode_iterations")
+                 "decode_reservation_ms", "inflight_reservation_ms", "kv_free_tokens", "decode_iterations",
+                 "slot_wait_ms")
 """ClassBudget's fields in order, as :func:`_deducted` passes them (a new field must be added there)."""
 if tuple(f.name for f in fields(ClassBudget)) != _CLASS_FIELDS:  # pragma: no cover - fails at import
     raise ImportError("replica_agent.policy.pab.ClassBudget changed its fields: update router/budgets.py _deducted")
@@ -109,7 +110,7 @@ def _deducted(cur: ClassBudget, cost_ms: float, tokens: int) -> ClassBudget:
     return ClassBudget(
         cur.slo_class, cur.horizon_ms, max(0.0, cur.pab_ms - cost_ms), max(0, cur.pab_tokens - tokens),
         max(0, cur.kv_limited_tokens - tokens), cur.ttft_ms, cur.tpot_ms, cur.decode_reservation_ms,
-        cur.inflight_reservation_ms + cost_ms, cur.kv_free_tokens, cur.decode_iterations)
+        cur.inflight_reservation_ms + cost_ms, cur.kv_free_tokens, cur.decode_iterations, cur.slot_wait_ms)
 
 
 MAX_LOCAL_LUMPS = 16
@@ -168,6 +169,7 @@ class BudgetBook:
                 kv_free_tokens=int(c.kv_free_tokens),
                 kv_limited_tokens=max(0, int(c.kv_limited_tokens)),
                 decode_iterations=int(c.decode_iterations),
+                slot_wait_ms=max(0.0, c.slot_wait_ms),
             )
             for c in snapshot.classes  # type: ignore[attr-defined]
         }

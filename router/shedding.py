@@ -18,8 +18,10 @@ look faster than time; 1 ms/ms before it has two snapshots), so ``wait_r = defic
 alone cover the deficit: ``deficit_r <= inflight_reservation`` bounds ``wait_r`` by
 ``inflight_reservation / (1 - decode_reservation / H)`` (prefill work runs in the share of each
 step that decodes leave; an in-flight prefill holds its whole reservation until its first token,
-so the drain the budget stream shows is lumpy and reads 0 while one runs). wait = min_r wait_r
-plus the prefill of the prompt tokens already waiting in
+so the drain the budget stream shows is lumpy and reads 0 while one runs). Each ``wait_r`` is at
+least the replica's ``slot_wait_ms`` (its engine at ``max_num_seqs``: nothing starts there before a
+running request finishes; replica_agent/policy/pab.py "Sequence slots"). wait = min_r wait_r plus
+the prefill of the prompt tokens already waiting in
 bands as urgent or more, drained at the fleet's summed rate (``b * tokens / sum_r rate_r``);
 prefill = min_r prefill_r.
 
@@ -107,6 +109,8 @@ def predict_start(
                 prefill_share = 1.0 - cb.decode_reservation_ms / cb.horizon_ms
                 if prefill_share > 0.0:
                     wait_r = min(wait_r, cb.inflight_reservation_ms / prefill_share)
+        if cb.slot_wait_ms > wait_r:  # the engine is at max_num_seqs: nothing starts before a slot frees
+            wait_r = cb.slot_wait_ms
         budget_wait = min(budget_wait, wait_r)
     if not seen:
         return None

@@ -151,6 +151,7 @@ POLICIES: dict[str, tuple[str, str]] = {
     "pab-best-fit+fairbatching": ("pab", "fairbatching"),
     "pab-reserve-fit+fairbatching": ("pab", "fairbatching"),
     "pab-protect+fairbatching": ("pab", "fairbatching"),
+    "pab-speed-match+fairbatching": ("pab", "fairbatching"),
 }
 """Fleet policy name -> (router kind, replica batching policy). ``X+fairbatching`` for a baseline
 router X: the same placement in front of FairBatching replicas (what an operator who installed the
@@ -173,10 +174,14 @@ takes the most headroom plus KV headroom: worst fit), which keeps replicas with 
 (router/placement/scorers/reserve_fit.py)."""
 
 CUSTOM_FILTERS = {"pab-protect+fairbatching": ["exclude", "healthy", "fresh", "max-prompt", "fits", "on-time", "window",
-                                               "protect-headroom"]}
+                                               "protect-headroom"],
+                  "pab-speed-match+fairbatching": ["exclude", "healthy", "fresh", "max-prompt", "fits", "on-time",
+                                                   "window", "speed-match"]}
 """Fleet policies whose ``pab`` routers filter with a custom chain (router YAML ``placement.filters``):
 ``pab-protect``: the default filters, then ``protect-headroom`` (short prompts leave the replicas with
-the most PAB time to long ones; router/placement/filters/protect_headroom.py)."""
+the most PAB time to long ones; router/placement/filters/protect_headroom.py); ``pab-speed-match``: the
+default filters, then ``speed-match`` (on mixed GPUs short prompts to the slower replicas, long ones to
+the faster; router/placement/filters/speed_match.py)."""
 
 
 SCRAPED_POLICIES = frozenset({"power-of-two", "llm-d-scorer", "llm-d-prefix", "llm-d-flow-control", "dynamo-kv",
@@ -729,7 +734,7 @@ def replica_state(engine: SimEngine, leases: LeaseTable, now_ms: float, margin_f
     if extra_prefill_tokens > 0:
         prefills.append(PendingPrefill(extra_prefill_tokens))
     return ReplicaState(now_ms, decodes, prefills, engine.kv.free_blocks * engine.config.block_size,
-                        engine.policy_time_model, margin_frac)  # fmt: skip
+                        engine.policy_time_model, margin_frac, engine.config.max_num_seqs)  # fmt: skip
 
 
 class _Router:

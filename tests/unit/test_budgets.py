@@ -164,3 +164,18 @@ def test_a_reserve_without_answer_stops_being_deducted() -> None:
     book.forget_take("r0", "A")  # the Reserve failed: the next snapshot's figures stand alone
     book.update("r0", snapshot(seq=2, pab_ms=300))
     assert book.usable("r0", "interactive").pab_ms == 300.0
+
+
+def test_the_slot_wait_comes_with_the_snapshot_and_survives_a_local_take() -> None:
+    book = BudgetBook(FakeClock(1000.0), ["r0"])  # type: ignore[arg-type]
+    snap = snapshot(pab_ms=300)
+    snap.classes[0].slot_wait_ms = 120.0  # the agent: the engine is at max_num_seqs, a slot frees in 120 ms
+    book.update("r0", snap)
+    assert book.usable("r0", "interactive").slot_wait_ms == 120.0
+    book.take_local("r0", "interactive", 1000)
+    assert book.usable("r0", "interactive").slot_wait_ms == 120.0
+    # an old agent sends none (0 = a free slot); a negative figure from a broken one counts as 0
+    snap2 = snapshot(seq=2, pab_ms=300)
+    snap2.classes[0].slot_wait_ms = -5.0
+    book.update("r0", snap2)
+    assert book.usable("r0", "interactive").slot_wait_ms == 0.0

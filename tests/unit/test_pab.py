@@ -408,3 +408,34 @@ def test_router_on_the_linearized_snapshot_decides_as_the_agent():
         assert lin_budget.pab_ms == pytest.approx(fresh.pab_ms) and lin_budget.pab_tokens == fresh.pab_tokens
         router_yes += router
     assert router_yes > 300
+
+
+def test_sequence_slots_full_push_the_start_back() -> None:
+    """docs "Sequence slots": the engine at max_num_seqs starts a new prompt only after a decode ends."""
+    now = 1000.0
+    # d3 has 2 tokens left: its last token's deadline is 1010 + (100 - 98 - 1) * 50 = 1060 -> 60 ms away
+    d3 = DecodeState(next_deadline_ms=1010.0, tpot_ms=50.0, context_tokens=1000, tokens_out=98, max_tokens=100)
+    d2 = DecodeState(next_deadline_ms=1200.0, tpot_ms=100.0, context_tokens=3000, tokens_out=5, max_tokens=None)
+    p = PendingPrefill(prompt_tokens=1000, computed_tokens=0)
+
+    def with_cap(cap):
+        return ReplicaState(now, (d3, d2), (p,), 8000, TM, 0.1, cap)
+
+    # reservations as in test_decodes_with_little_slack_and_a_prefill: N = 9 x 14.2 = 127.8, in flight 100
+    free = class_budget(with_cap(4), INTERACTIVE)  # 3 requests, 4 slots: one free
+    assert free.slot_wait_ms == 0.0 and free.pab_ms == pytest.approx(222.2)
+    full = class_budget(with_cap(3), INTERACTIVE)  # 3 requests, 3 slots: d3 must end first (k = 1)
+    assert full.slot_wait_ms == pytest.approx(60.0)
+    assert full.pab_ms == pytest.approx(450.0 - 60.0 - 127.8 - 100.0)  # 162.2
+    assert full.pab_tokens == TM.tokens_within_ms(162.2)
+    # two slots short (k = 2): d2 has no max_tokens, so no second finish can be promised
+    over = class_budget(with_cap(2), INTERACTIVE)
+    assert math.isinf(over.slot_wait_ms) and over.pab_ms == 0.0 and over.pab_tokens == 0
+    # no cap: the rule is off (the default, ReplicaState(..., max_seqs=None))
+    assert class_budget(with_cap(None), INTERACTIVE).pab_ms == pytest.approx(222.2)
+    # an aged request (w = 50): H = 400, N = 8 (t + H = 1400: floor(390 / 50) + 1) -> 113.6;
+    # 400 - 60 - 113.6 - 100 = 126.4 >= the router's conservative PAB(H) - w = 112.2
+    aged = class_budget(with_cap(3), INTERACTIVE, waited_ms=50.0)
+    assert aged.pab_ms == pytest.approx(126.4) and aged.pab_ms >= full.pab_ms - 50.0
+    with pytest.raises(ValueError):
+        with_cap(0)

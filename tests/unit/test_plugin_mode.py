@@ -82,6 +82,13 @@ def test_record_to_pab_inputs_hand_worked() -> None:
     assert b.inflight_reservation_ms == pytest.approx(249.312)
     assert b.pab_ms == pytest.approx(589.464)
     assert b.kv_free_tokens == 4800 and b.kv_limited_tokens == 2306 and b.pab_tokens == 2306
+    # the scheduler's own sequence cap (256) wins over the agent's; 3 requests there: a slot is free
+    assert state.max_seqs == 256 and b.slot_wait_ms == 0.0
+    assert replica_state_from_record({**rec, "max_seqs": None}, T, TM, 0.1, max_seqs=64).max_seqs == 64
+    # a cap of 3 with D, P and W holding it: D must end first, its last token (50th) due at
+    # T - 100 + (50 - 4 - 1) * 200 = T + 8900 -> 8,900 ms, past the horizon: no budget
+    full = class_budget(replica_state_from_record({**rec, "max_seqs": 3}, T, TM, 0.1), CLS)
+    assert full.slot_wait_ms == pytest.approx(8900.0) and full.pab_ms == 0.0 and full.pab_tokens == 0
 
 
 def test_record_ageing_and_inflated_model() -> None:

@@ -113,3 +113,20 @@ def test_priced_tokens_are_what_is_left_on_the_warmest_replica() -> None:
     assert priced_tokens(100, None) == 100 and priced_tokens(100, {}) == 100  # no map: the whole prompt
     assert priced_tokens(100, {"r0": 30, "r1": 70}) == 30  # r1 holds 70: 30 left to compute there
     assert priced_tokens(100, {"r0": 250}) == 0  # never below 0
+
+
+def test_a_full_engine_waits_for_a_sequence_slot() -> None:
+    # plenty of PAB (nothing reserved) but the engine is at max_num_seqs: a slot frees in 300 ms
+    cb = ClassBudget("c", 900.0, 900.0, TM.tokens_within_ms(900.0), 10**6, 1000.0, 100.0, 0.0, 0.0, 0, 0, 300.0)
+    full = ReplicaView("r0", True, True, TM, {"c": cb}, 32768)
+    w, p = predict_start([full], DrainEstimator(), "c", 1000, 0)
+    assert (w, p) == (pytest.approx(300.0), pytest.approx(110.0))
+    # 300 + 110 ms is inside a 1000 ms TTFT (less the 100 ms margin): queued, not refused
+    assert not queue_decision(0.0, 0.0, 1000.0, 5000.0, True, (w, p), 100.0).refuse
+    # a replica with a free slot is taken at once
+    free = view(0.0, 0.0, "r1")
+    assert predict_start([full, free], DrainEstimator(), "c", 1000, 0)[0] == 0.0
+    # no finish promised (inf): refused as slo-infeasible
+    inf_cb = ClassBudget("c", 900.0, 0.0, 0, 10**6, 1000.0, 100.0, 0.0, 0.0, 0, 0, math.inf)
+    w_inf, _ = predict_start([ReplicaView("r0", True, True, TM, {"c": inf_cb}, 32768)], DrainEstimator(), "c", 1000, 0)
+    assert math.isinf(w_inf) and queue_decision(0.0, 0.0, 1000.0, 5000.0, True, (w_inf, 110.0), 100.0).refuse
