@@ -48,7 +48,7 @@ class Setup:
 
 
 async def start(tmp_path, scale: float, stall_timeout_s: float | None = None,
-                engine_args: tuple[str, ...] = ()) -> AsyncIterator[Setup]:
+                engine_args: tuple[str, ...] = (), max_num_seqs: int | None = None) -> AsyncIterator[Setup]:
     with ProcessGroup(tmp_path / "logs") as group:
         port = free_port()
         engine = group.start("sim-engine", [sys.executable, "-m", "loadgen.sim.server", "--port", str(port),
@@ -60,6 +60,7 @@ async def start(tmp_path, scale: float, stall_timeout_s: float | None = None,
             replica_id="r0", time_model=profile.time_model,
             slo_classes=(SloClass("interactive", 500.0, 50.0),), default_slo_class="interactive",
             profile_kv_capacity_tokens=profile.kv_capacity_tokens, metrics_interval_ms=50.0,
+            max_num_seqs=max_num_seqs,
         )
         clock = Clock(scale)
         agent = Agent(cfg, clock, lease_id_prefix="t")
@@ -195,6 +196,44 @@ async def test_a_request_queued_in_a_busy_engine_is_not_a_stall(tmp_path) -> Non
         assert usage["completion_tokens"] == 8
         assert waited_s > 2 * 0.15, waited_s  # it did wait in the engine's queue past the stall timeout
         assert setup.agent.health(setup.agent.clock.now_ms())[0]
+
+
+async def test_an_engine_at_its_sequence_cap_opens_no_budget_until_a_request_ends(tmp_path) -> None:
+    """replica_agent/policy/pab.py "Sequence slots", agent and engine both at ``max_num_seqs`` 1: while a
+    1,500-token stream runs, a new prompt would wait for it in the engine's queue, so PAB opens nothing:
+    the slot wait is that stream's last-token deadline, (1500 - out - 1) x 50 ms after its next one,
+    tens of seconds past the 450 ms horizon, and a Reserve is refused; when it ends the whole horizon
+    (nothing reserved) is back."""
+    async for setup in start(tmp_path, 0.05, engine_args=("--max-num-seqs", "1"), max_num_seqs=1):
+        loop = asyncio.get_running_loop()
+        agent = setup.agent
+        async with aiohttp.ClientSession() as s:
+            end = loop.time() + 10.0
+            while not agent.health(agent.clock.now_ms())[0] and loop.time() < end:
+                await asyncio.sleep(0.02)
+            idle = agent.compute_budget(agent.clock.now_ms()).classes["interactive"]
+            assert (idle.slot_wait_ms, idle.pab_ms) == (0.0, pytest.approx(450.0))
+            body = {"model": MODEL, "prompt": make_prompt(20, 3), "max_tokens": 1500, "ignore_eos": True,
+                    "stream": True}
+            async with s.post(setup.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                got = b""
+                while got.count(b"data: ") < 5:  # decoding
+                    got += await resp.content.readany()
+                now = agent.clock.now_ms()
+                (d,) = agent.replica_state(now).decodes
+                full = agent.compute_budget(now).classes["interactive"]
+                # the k = 1 + 0 - 1 + 1 = 1st finish: this decode's last token deadline
+                assert full.slot_wait_ms == pytest.approx(d.next_deadline_ms + (1500 - d.tokens_out - 1) * 50.0 - now)
+                assert full.slot_wait_ms > 10_000.0 and (full.pab_ms, full.pab_tokens) == (0.0, 0)
+                refused = agent.reserve("interactive", 100, 10, "q-slot", now)
+                assert not refused.granted
+                await resp.read()
+            end = loop.time() + 10.0
+            while agent.replica_state(agent.clock.now_ms()).decodes and loop.time() < end:
+                await asyncio.sleep(0.02)
+            after = agent.compute_budget(agent.clock.now_ms()).classes["interactive"]
+            assert (after.slot_wait_ms, after.pab_ms) == (0.0, pytest.approx(450.0))
 
 
 async def test_frozen_engine_ends_streams_within_the_stall_timeout_and_marks_the_agent_unhealthy(tmp_path) -> None:
