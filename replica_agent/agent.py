@@ -521,10 +521,11 @@ class Agent:
             rec = pv.record
             # the record's clock (unix ms at the start of its step) advanced by the agent ms since it arrived
             plugin_now = float(rec.get("t_ms") or 0.0) + (now_ms - pv.recv_ms)
-            return replica_state_from_record(
+            state = replica_state_from_record(
                 rec, plugin_now, self.time_model(), self.config.margin_frac,
                 [lease.prompt_tokens for lease in self.leases.active()], self.config.max_num_seqs,
             )
+            return replace(state, finish_rate_per_s=self.tracker.finish_rate_per_s(now_ms))
         m = self._engine.metrics
         kv_usage = 1.0 if m is None else m.kv_usage
         kv_free = math.floor((1.0 - kv_usage) * self.kv_capacity_tokens())
@@ -540,6 +541,7 @@ class Agent:
             time_model=self.time_model(),
             margin_frac=self.config.margin_frac,
             max_seqs=self.config.max_num_seqs,
+            finish_rate_per_s=self.tracker.finish_rate_per_s(now_ms),
         )
 
     def compute_budget(self, now_ms: float, state: ReplicaState | None = None) -> BudgetView:

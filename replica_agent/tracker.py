@@ -13,6 +13,7 @@ and completion counts (:meth:`Tracker.on_usage`).
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -118,9 +119,12 @@ class Tracker:
         prefill_head_since_ms: since when the engine has served its head prefill, first come
             first served (ms): the arrival of a prefill at an idle replica, or the end of the
             previous one (the next starts); None while none is in prefill.
+        finish_window_ms: the window of :meth:`finish_rate_per_s` (ms).
     """
 
     max_requests: int = 65536
+    finish_window_ms: float = 5000.0
+    _finished_at: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     _requests: dict[str, TrackedRequest] = field(default_factory=dict)
     num_decodes: int = 0
     decode_context_tokens: int = 0
@@ -246,6 +250,7 @@ class Tracker:
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
+        self._finished_at.append(now_ms)
         if req.phase is Phase.PREFILL:
             self._prefills_gen += 1
             self._leave_prefill(now_ms)
@@ -258,6 +263,18 @@ class Tracker:
     def on_abort(self, request_id: str, now_ms: float, outcome: str = "aborted") -> FinishedRequest | None:
         """Same as :meth:`on_finish` with an abort outcome."""
         return self.on_finish(request_id, now_ms, outcome)
+
+    def finish_rate_per_s(self, now_ms: float) -> float | None:
+        """Requests that left this replica (finished or aborted: each freed a sequence slot) per second
+        over the last ``finish_window_ms``; None with fewer than 2 in the window (no rate to trust).
+        Read by PAB's slot wait (replica_agent/policy/pab.py "Sequence slots")."""
+        cut = now_ms - self.finish_window_ms
+        q = self._finished_at
+        while q and q[0] < cut:
+            q.popleft()
+        if len(q) < 2:
+            return None
+        return 1000.0 * len(q) / self.finish_window_ms
 
     def decodes(self) -> tuple[DecodeState, ...]:
         """Running decodes as PAB inputs, in arrival order.

@@ -18,9 +18,11 @@ look faster than time; 1 ms/ms before it has two snapshots), so ``wait_r = defic
 alone cover the deficit: ``deficit_r <= inflight_reservation`` bounds ``wait_r`` by
 ``inflight_reservation / (1 - decode_reservation / H)`` (prefill work runs in the share of each
 step that decodes leave; an in-flight prefill holds its whole reservation until its first token,
-so the drain the budget stream shows is lumpy and reads 0 while one runs). Each ``wait_r`` is at
-least the replica's ``slot_wait_ms`` (its engine at ``max_num_seqs``: nothing starts there before a
-running request finishes; replica_agent/policy/pab.py "Sequence slots"). wait = min_r wait_r plus
+so the drain the budget stream shows is lumpy and reads 0 while one runs). A replica whose engine is
+at ``max_num_seqs`` (``slot_wait_ms`` s > 0: nothing starts there before a running request finishes;
+replica_agent/policy/pab.py "Sequence slots") has s taken off its ``pab_ms`` by the agent; s passes
+with time, not with the drain, so there the deficit is taken against ``H - decode_reservation -
+inflight_reservation`` and ``wait_r = max(s, that deficit's wait)``. wait = min_r wait_r plus
 the prefill of the prompt tokens already waiting in
 bands as urgent or more, drained at the fleet's summed rate (``b * tokens / sum_r rate_r``);
 prefill = min_r prefill_r.
@@ -90,7 +92,10 @@ def predict_start(
         if rate is not None:
             rate = min(rate, max_drain_rate)
         total_rate += 1.0 if rate is None else rate
-        if cb.pab_ms >= p_ms:
+        slot = cb.slot_wait_ms
+        if slot > 0.0:  # the agent took the slot wait off pab_ms; it passes with time, not with the drain
+            avail = cb.horizon_ms - cb.decode_reservation_ms - cb.inflight_reservation_ms
+        elif cb.pab_ms >= p_ms:
             avail = cb.pab_ms
         else:
             avail = min(cb.pab_ms, cb.horizon_ms - cb.decode_reservation_ms - cb.inflight_reservation_ms)
@@ -109,8 +114,8 @@ def predict_start(
                 prefill_share = 1.0 - cb.decode_reservation_ms / cb.horizon_ms
                 if prefill_share > 0.0:
                     wait_r = min(wait_r, cb.inflight_reservation_ms / prefill_share)
-        if cb.slot_wait_ms > wait_r:  # the engine is at max_num_seqs: nothing starts before a slot frees
-            wait_r = cb.slot_wait_ms
+        if slot > wait_r:  # the engine is at max_num_seqs: nothing starts before a slot frees
+            wait_r = slot
         budget_wait = min(budget_wait, wait_r)
     if not seen:
         return None

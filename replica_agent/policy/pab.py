@@ -78,9 +78,14 @@ to finish, whatever the time budget says. Every admitted request holds or waits 
 new one (the engine serves its queue first come, first served), so with ``U = |D| + |pending|`` the new
 request needs ``k = U - max_seqs + 1`` decodes to finish first (none when ``k <= 0``). A decode on
 time finishes by its last token's deadline, ``ddl_d + (max_tokens_d - tokens_out_d - 1) * tpot_d`` (FairBatching
-paces decodes to their deadlines, so this is also about when it does finish), and the k-th earliest of
-those, less now, is the slot wait ``s`` (inf when fewer than k decodes have a known ``max_tokens``: no
-finish can be promised). The prompt's prefill must then fit in what is left of the horizon after
+paces decodes to their deadlines, so this is also about when it does finish, where ``max_tokens`` is
+the output's length), and the k-th earliest of those, less now, is the slot wait ``s`` (inf when fewer
+than k decodes have a known ``max_tokens``: no finish can be promised). In real serving ``max_tokens``
+is only a cap (vLLM fills in ``max_model_len - prompt`` when the client leaves it out) and that
+deadline can be minutes away while, with hundreds of requests running, one ends every few tens of
+ms; so when the agent has seen requests end (``finish_rate_per_s`` r, its last 5 s), ``s`` is at most
+the expected wait for k of them, ``1000 * k / r`` ms. (The fleet simulation's requests carry their
+exact output length as ``max_tokens`` and it passes no rate: there the deadline is the finish.) The prompt's prefill must then fit in what is left of the horizon after
 ``s``; the decode and in-flight reservations are kept whole, which counts any of their work done
 during ``s`` twice (conservative)::
 
@@ -234,6 +239,8 @@ class ReplicaState:
         margin_frac: safety margin, H = ttft * (1 - margin_frac); 0 <= margin_frac < 1.
         max_seqs: the engine's cap on running requests (vLLM ``max_num_seqs``), None = not limited
             (module docstring, "Sequence slots").
+        finish_rate_per_s: requests leaving the replica per second, recently observed (None = unknown):
+            the expected slot wait when the decodes' ``max_tokens`` are only caps (same section).
     """
 
     now_ms: float
@@ -243,6 +250,7 @@ class ReplicaState:
     time_model: TimeModel
     margin_frac: float = 0.1
     max_seqs: int | None = None
+    finish_rate_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.margin_frac < 1.0:
@@ -290,21 +298,31 @@ class ClassBudget:
 
 
 def slot_wait_ms(now_ms: float, decodes: Sequence[DecodeState], prefills: Sequence[PendingPrefill],
-                 max_seqs: int | None) -> float:
+                 max_seqs: int | None, finish_rate_per_s: float | None = None) -> float:
     """ms until a new request gets a sequence slot (module docstring, "Sequence slots"): 0 when
-    ``len(decodes) + len(prefills) < max_seqs`` (or no cap), else the k-th earliest latest on-time
-    finish of the decodes, k = ``len(decodes) + len(prefills) - max_seqs + 1``; inf when fewer than k
-    decodes have a known ``max_tokens``."""
+    ``len(decodes) + len(prefills) < max_seqs`` (or no cap); else, with k = ``len(decodes) +
+    len(prefills) - max_seqs + 1``, the k-th earliest last-token deadline of the decodes less now (inf
+    when fewer than k decodes have a known, finite one), and no more than ``1000 * k /
+    finish_rate_per_s`` when a positive finish rate is given."""
     if max_seqs is None:
         return 0.0
     k = len(decodes) + len(prefills) - max_seqs + 1
     if k <= 0:
         return 0.0
-    ends = sorted(d.next_deadline_ms + (d.max_tokens - d.tokens_out - 1) * d.tpot_ms - now_ms
-                  for d in decodes if d.max_tokens is not None)  # fmt: skip
-    if len(ends) < k:
-        return math.inf
-    return max(0.0, ends[k - 1])
+    ends = []
+    for d in decodes:
+        if d.max_tokens is None:
+            continue
+        end = d.next_deadline_ms + max(0, d.max_tokens - d.tokens_out - 1) * d.tpot_ms - now_ms
+        if end == end and end != math.inf:  # NaN or inf: no promise
+            ends.append(end)
+    wait = math.inf
+    if len(ends) >= k:
+        ends.sort()
+        wait = max(0.0, ends[k - 1])
+    if finish_rate_per_s is not None and finish_rate_per_s > 0.0:
+        wait = min(wait, 1000.0 * k / finish_rate_per_s)
+    return wait
 
 
 def decode_iterations(now_ms: float, horizon_ms: float, decodes: Iterable[DecodeState]) -> int:
@@ -369,7 +387,7 @@ def class_budget(state: ReplicaState, slo: SloClass, waited_ms: float = 0.0) -> 
     else:
         decode_res = 0.0
     inflight_res = sum(_inflight_terms(tm, state.prefills))
-    wait = slot_wait_ms(state.now_ms, state.decodes, state.prefills, state.max_seqs)
+    wait = slot_wait_ms(state.now_ms, state.decodes, state.prefills, state.max_seqs, state.finish_rate_per_s)
     pab_ms = max(0.0, horizon - wait - decode_res - inflight_res)
     kv_free = max(0, int(state.kv_free_tokens))
     pending_prompt = sum(p.remaining_tokens for p in state.prefills)

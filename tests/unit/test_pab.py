@@ -439,3 +439,34 @@ def test_sequence_slots_full_push_the_start_back() -> None:
     assert aged.pab_ms == pytest.approx(126.4) and aged.pab_ms >= full.pab_ms - 50.0
     with pytest.raises(ValueError):
         with_cap(0)
+
+
+def test_slot_wait_takes_the_kth_finish_and_the_finish_rate() -> None:
+    from replica_agent.policy.pab import slot_wait_ms
+
+    now = 1000.0
+
+    def dec(ddl, out, mt, tpot=50.0):
+        return DecodeState(next_deadline_ms=ddl, tpot_ms=tpot, context_tokens=100, tokens_out=out, max_tokens=mt)
+
+    # last-token deadlines less now: a 1010 + 9 * 50 = 1460 -> 460; b 1100 + 1 * 50 -> 150;
+    # c 1020 + 0 -> 20 (its last token is the next); d 900 + 2 * 50 = 1000 -> 0 (behind its envelope: due now)
+    a, b, c, d = dec(1010.0, 0, 10), dec(1100.0, 8, 10), dec(1020.0, 9, 10), dec(900.0, 7, 10)
+    decodes = (a, b, c, d)
+    two_prefills = (PendingPrefill(100), PendingPrefill(200))
+    # 6 requests, cap 4: k = 3 -> sorted ends 0, 20, 150, 460 -> the third, 150
+    assert slot_wait_ms(now, decodes, two_prefills, 4) == pytest.approx(150.0)
+    assert slot_wait_ms(now, decodes, two_prefills, 3) == pytest.approx(460.0)  # k = 4
+    assert slot_wait_ms(now, decodes, two_prefills, 6) == pytest.approx(0.0)  # k = 1: d is due now
+    assert slot_wait_ms(now, decodes, two_prefills, 7) == 0.0  # a slot is free
+    assert math.isinf(slot_wait_ms(now, decodes, two_prefills, 2))  # k = 5 > 4 known finishes
+    # a decode past its max_tokens counts as ending with its next token; NaN deadlines promise nothing
+    assert slot_wait_ms(now, (dec(1030.0, 12, 10),), (), 1) == pytest.approx(30.0)
+    assert math.isinf(slot_wait_ms(now, (dec(math.nan, 0, 10),), (), 1))
+    # with 20 requests ending per second the expected wait for k = 3 is 150 ms; 40 /s: 75 ms < 150
+    assert slot_wait_ms(now, decodes, two_prefills, 4, finish_rate_per_s=20.0) == pytest.approx(150.0)
+    assert slot_wait_ms(now, decodes, two_prefills, 4, finish_rate_per_s=40.0) == pytest.approx(75.0)
+    # caps only (max_tokens unknown: inf) but a measured rate: the rate's figure, 1000 * 2 / 8 = 250
+    unknown = (dec(1010.0, 0, None), dec(1010.0, 0, None))
+    assert slot_wait_ms(now, unknown, (), 1, finish_rate_per_s=8.0) == pytest.approx(250.0)
+    assert math.isinf(slot_wait_ms(now, unknown, (), 1, finish_rate_per_s=0.0))

@@ -115,18 +115,34 @@ def test_priced_tokens_are_what_is_left_on_the_warmest_replica() -> None:
     assert priced_tokens(100, {"r0": 250}) == 0  # never below 0
 
 
+def slot_view(decode_ms: float, inflight_ms: float, slot_ms: float, rid: str = "r0",
+              lumps: tuple[float, ...] = (), done_at: tuple[float, ...] = ()) -> ReplicaView:
+    """A budget as the agent sends it with the engine at max_num_seqs: PAB = max(0, H - s - reservations)."""
+    pab = max(0.0, 900.0 - slot_ms - decode_ms - inflight_ms)
+    cb = ClassBudget("c", 900.0, pab, TM.tokens_within_ms(pab), 10**6, 1000.0, 100.0, decode_ms, inflight_ms, 0, 0,
+                     slot_ms)
+    return ReplicaView(rid, True, True, TM, {"c": cb}, 32768, lumps, done_at)
+
+
 def test_a_full_engine_waits_for_a_sequence_slot() -> None:
-    # plenty of PAB (nothing reserved) but the engine is at max_num_seqs: a slot frees in 300 ms
-    cb = ClassBudget("c", 900.0, 900.0, TM.tokens_within_ms(900.0), 10**6, 1000.0, 100.0, 0.0, 0.0, 0, 0, 300.0)
-    full = ReplicaView("r0", True, True, TM, {"c": cb}, 32768)
-    w, p = predict_start([full], DrainEstimator(), "c", 1000, 0)
-    assert (w, p) == (pytest.approx(300.0), pytest.approx(110.0))
-    # 300 + 110 ms is inside a 1000 ms TTFT (less the 100 ms margin): queued, not refused
+    # H = 900, decodes 400 ms, a slot frees in 300 ms: the agent sends PAB = 900 - 300 - 400 = 200.
+    # P = 2900 (300 ms) lacks 100 of that PAB, but the slot wait passes with time: without it the
+    # budget is 900 - 400 = 500 >= 300, so the prompt waits for the slot alone, 300 ms, even though
+    # the measured drain rate is 0 (dividing the slot wait by it would say never)
+    full = slot_view(400.0, 0.0, 300.0)
+    w, p = predict_start([full], stalled_drain("r0", 400.0), "c", 2900, 0)
+    assert (w, p) == (pytest.approx(300.0), pytest.approx(300.0))
+    # 300 + 300 ms is inside the 1000 ms TTFT less the 100 ms margin: queued, not refused
     assert not queue_decision(0.0, 0.0, 1000.0, 5000.0, True, (w, p), 100.0).refuse
+    # the same with the in-flight lumps listed (an admitted 100 ms prefill ending at 50 ms): the budget
+    # without the slot, 900 - 400 - 100 = 400 >= 300, is there; the slot wait decides again
+    lumpy = slot_view(400.0, 100.0, 300.0, lumps=(100.0,), done_at=(50.0,))
+    assert predict_start([lumpy], stalled_drain("r0", 500.0), "c", 2900, 0, now_ms=0.0)[0] == pytest.approx(300.0)
+    # the budget without the slot is short too (P = 5900: 600 ms > 500): the drain decides, here never
+    assert math.isinf(predict_start([full], stalled_drain("r0", 400.0), "c", 5900, 0)[0])
     # a replica with a free slot is taken at once
     free = view(0.0, 0.0, "r1")
     assert predict_start([full, free], DrainEstimator(), "c", 1000, 0)[0] == 0.0
     # no finish promised (inf): refused as slo-infeasible
-    inf_cb = ClassBudget("c", 900.0, 0.0, 0, 10**6, 1000.0, 100.0, 0.0, 0.0, 0, 0, math.inf)
-    w_inf, _ = predict_start([ReplicaView("r0", True, True, TM, {"c": inf_cb}, 32768)], DrainEstimator(), "c", 1000, 0)
+    w_inf, _ = predict_start([slot_view(0.0, 0.0, math.inf)], DrainEstimator(), "c", 1000, 0)
     assert math.isinf(w_inf) and queue_decision(0.0, 0.0, 1000.0, 5000.0, True, (w_inf, 110.0), 100.0).refuse

@@ -157,3 +157,20 @@ def test_kept_decode_list_equals_a_fresh_build_over_random_events() -> None:
             assert t.decodes() == _fresh_decodes(t)
             assert t.prefills() == tuple(PendingPrefill(r.prompt_tokens, r.computed_tokens)
                                          for r in t._requests.values() if r.phase is Phase.PREFILL)
+
+
+def test_finish_rate_over_the_last_window():
+    t = Tracker(finish_window_ms=1000.0)
+    for i in range(5):
+        t.on_arrival(f"r{i}", "interactive", ttft_ms=300.0, tpot_ms=50.0, arrival_ms=0.0, prompt_tokens=10, max_tokens=4)
+    assert t.finish_rate_per_s(100.0) is None  # nothing ended yet
+    t.on_finish("r0", 100.0)
+    assert t.finish_rate_per_s(100.0) is None  # one end is no rate
+    t.on_finish("r1", 300.0)
+    t.on_abort("r2", 700.0)  # an abort frees a slot too
+    t.on_finish("unknown", 750.0)  # not tracked: not counted
+    # ends at 100, 300, 700 within [0, 1000]: 3 per second
+    assert t.finish_rate_per_s(1000.0) == pytest.approx(3.0)
+    # at 1200 the window is [200, 1200]: 300 and 700 -> 2 per second
+    assert t.finish_rate_per_s(1200.0) == pytest.approx(2.0)
+    assert t.finish_rate_per_s(1800.0) is None  # window [800, 1800]: no end left in it
