@@ -282,6 +282,7 @@ def _step_tokens(gpu: str, flag: int | None) -> int:
     except KeyError:
         return 2048
 
+
 def _seq_cap(gpu: str, flag: int | None) -> int | None:
     """The engine's cap on running requests: the flag (0 = none), else ``vllm serve``'s default on
     ``gpu``, else None (a GPU it does not know: no cap assumed)."""

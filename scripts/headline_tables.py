@@ -13,7 +13,8 @@ policy, led by token goodput at the per-token floor (issue 27 item 2):
 
 When the file has bench-fleet's ``token_steady_state_bound`` (the per-token floor's steady-state bound,
 loadgen/fleet/bound.py), a line after the table gives it, each policy's per-token capacity as a share
-of it, and the largest ratio over the best baseline that any policy could reach.
+of it, and the largest ratio over the best baseline that any policy could reach (on a mixed fleet the
+figure is an estimate, not a bound, and no ratio is claimed).
 """
 
 from __future__ import annotations
@@ -74,9 +75,13 @@ def bound_line(d: dict[str, Any]) -> str:
         return ""
     shares = ", ".join(f"{n} {p['capacity_token_floor_rps'] / tb:.2f}" for n, p in d["policies"].items()
                        if p.get("capacity_token_floor_bound") in ("interpolated", "at-least"))  # fmt: skip
+    if d.get("fleet"):  # mixed GPUs: each kind's bound on the whole mix, summed (bench-fleet's docstring)
+        return (f"\nPer-token steady-state estimate (each GPU kind's bound on the whole mix, summed; not a bound "
+                f"for a mixed fleet): {tb:.1f} req/s; per-token capacity as a share of it: {shares}.\n")
     text = f"\nPer-token steady-state bound: {tb:.1f} req/s; per-token capacity as a share of it: {shares}."
     best = d.get("best_baseline_token_goodput")
-    base = d["policies"].get(best, {}).get("capacity_token_floor_rps") if best else None
+    bp = d["policies"].get(best, {}) if best else {}
+    base = bp.get("capacity_token_floor_rps") if bp.get("capacity_token_floor_bound") == "interpolated" else None
     if base:
         text += f" No policy's per-token capacity can exceed {tb / base:.2f}x `{best}`'s here."
     return text + "\n"

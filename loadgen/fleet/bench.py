@@ -62,8 +62,10 @@ requests by work have to be served; that bound charges their work under the engi
 (``--engine-time-model``; the policy's model for ``policy``) with the cheapest prefill chunking the TTFT
 allows. With q = 1 it equals the analytic bound's time limit. ``token_steady_state_bound`` is the same
 bound for the per-token floor (the cheapest cover of 90 % of the prompt + output tokens, relaxed to
-fractions so it stays an upper bound); each policy's ``token_floor_of_token_bound`` is its per-token
-capacity over it.
+fractions so it stays an upper bound; prefix credit as the trace allows, at any age); each policy's
+``token_floor_of_token_bound`` is its measured per-token capacity over it (None below the sweep). On a
+mixed fleet both are each GPU kind's bound on the whole mix, summed: an estimate, not a bound (a
+router that gives each kind the requests it serves best can do slightly better).
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ from loadgen.fleet.search import SearchSettings, bracket_search, interpolate
 from loadgen.fleet.sim import POLICIES, FleetConfig, FleetRequest, ReplicaKind, run_fleet
 from loadgen.sim.engine_time import EngineTimeModel, describe_engine, engine_label, load_engine_time_model
 from loadgen.stats import Slo, figures, meets_slo, per_tenant
-from loadgen.traces import TraceRequest, load_trace, resolve_trace, spread_arrivals
+from loadgen.traces import PREFIX_BLOCK_TOKENS, TraceRequest, load_trace, resolve_trace, spread_arrivals
 from replica_agent.policy.time_model import TimeModel
 from replica_agent.policy.profiles import load_profile, vllm_serve_batch_defaults
 from router.work_shed import WorkShedSettings
@@ -711,18 +713,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine_time if engine_time is not None else prof.time_model,
         args.ttft_ms, args.tpot_ms, args.replicas, prof.kv_capacity_tokens, max_seqs, max_tokens, 0.9,
     )  # fmt: skip
+    # the per-token bound credits every prefix a prompt shares with any other request of the trace, at any
+    # age (more than a cache keeps: still a bound) where the engines cache prefixes
+    cached = (shared_prefix_tokens([r.hash_ids for r in kept], [r.prompt_tokens for r in kept], PREFIX_BLOCK_TOKENS)
+              if not args.no_prefix_caching and any(r.hash_ids for r in kept) else None)  # fmt: skip
     steady_tokens = steady_state_bound(
         [r.prompt_tokens for r in kept], [r.output_tokens for r in kept],
         engine_time if engine_time is not None else prof.time_model,
         args.ttft_ms, args.tpot_ms, args.replicas, prof.kv_capacity_tokens, max_seqs, max_tokens, 0.9,
-        served_by="tokens",
+        cached_tokens=cached, served_by="tokens",
     )  # fmt: skip
     if kinds:
         steady = dataclasses.replace(steady, rps=kinds_steady_bound(
             kinds, [r.prompt_tokens for r in kept], [r.output_tokens for r in kept], args.ttft_ms, args.tpot_ms))
         steady_tokens = dataclasses.replace(steady_tokens, rps=kinds_steady_bound(
             kinds, [r.prompt_tokens for r in kept], [r.output_tokens for r in kept], args.ttft_ms, args.tpot_ms,
-            served_by="tokens"))
+            cached, served_by="tokens"))
     search = None
     if args.rates:
         rates = sorted(args.rates)
@@ -786,8 +792,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for pol in policies.values():
         pol["fraction_of_steady_bound"] = round(pol["capacity_rps"] / steady.rps, 3) if steady.rps > 0 else None
         tok_cap = pol.get("capacity_token_floor_rps")
+        measured = pol.get("capacity_token_floor_bound") in ("interpolated", "at-least")
         pol["token_floor_of_token_bound"] = (round(tok_cap / steady_tokens.rps, 3)
-                                             if tok_cap is not None and steady_tokens.rps > 0 else None)  # fmt: skip
+                                             if measured and tok_cap is not None and steady_tokens.rps > 0 else None)  # fmt: skip
     rr = policies.get("round-robin", {}).get("capacity_rps")
     base_caps = {n: policies[n]["capacity_rps"] for n in BASELINES if n in policies}
     best_name = max(base_caps, key=base_caps.__getitem__) if base_caps else None

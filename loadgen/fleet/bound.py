@@ -603,7 +603,7 @@ def cheapest_cover(cost: np.ndarray, weight: np.ndarray, q: float) -> tuple[floa
         q: the share of the weight to cover, in (0, 1].
 
     Returns:
-        (least cost, the number of items it serves, the last one's fraction counted).
+        (least cost, items served): a 2-tuple; the count includes the fraction of the last item.
     """
     total = float(weight.sum())
     need = q * total
@@ -651,6 +651,7 @@ def steady_state_bound(
         steps_ms: step lengths T to try (ms); default 400 points over (m*a, tpot_ms].
         cached_tokens: h_i of the module docstring ("Prefix caching"; :func:`shared_prefix_tokens`), shape
             (n,); None = no prefix caching.
+        served_by: ``requests`` (the per-request floor, default) or ``tokens`` (the per-token floor).
 
     Raises:
         ValueError: on an empty trace, q outside (0, 1], tpot_ms <= m*a with no ``steps_ms``, or

@@ -52,9 +52,15 @@ def test_main_gives_the_bounds_and_the_largest_ratio(tmp_path: Path, monkeypatch
     assert row["largest_ratio_over_best_baseline"] == pytest.approx(tok / 10.0, abs=1e-3)
 
 
-def test_measured_is_none_without_the_file(tmp_path: Path) -> None:
+def test_measured_is_none_without_the_file_and_below_the_sweep(tmp_path: Path) -> None:
     cond = tfb.Condition("azure-conv", ((2, "llama-3-8b-a100", None),), 1000.0, 100.0, "missing.json", "x")
     assert tfb.measured(cond, tmp_path) is None
+    d = {"best_baseline_token_goodput": "b", "policies": {
+        "b": {"capacity_token_floor_rps": 0.0, "capacity_token_floor_bound": "below-sweep"},
+        "pab+fairbatching": {"capacity_token_floor_rps": 9.0, "capacity_token_floor_bound": "interpolated"}}}
+    (tmp_path / "missing.json").write_text(json.dumps(d))
+    m = tfb.measured(cond, tmp_path)
+    assert m["best_baseline_token_floor_rps"] is None and m["pab_token_floor_rps"] == 9.0
 
 
 def test_headline_bound_line(tmp_path: Path) -> None:
@@ -65,5 +71,13 @@ def test_headline_bound_line(tmp_path: Path) -> None:
     # 80 / 100 and 50 / 100 of the bound; 100 / 50 = 2.00x at most over the best baseline
     assert "100.0 req/s" in line and "dynamo-kv+fairbatching 0.50" in line and "pab+fairbatching 0.80" in line
     assert "2.00x `dynamo-kv+fairbatching`" in line
+    # a baseline whose per-token capacity is below the sweep gives no ratio
+    d["policies"]["dynamo-kv+fairbatching"]["capacity_token_floor_bound"] = "below-sweep"
+    line = tables.bound_line(d)
+    assert "can exceed" not in line and "dynamo-kv+fairbatching 0.50" not in line and "pab+fairbatching 0.80" in line
+    # a mixed fleet: an estimate, no claim on what a policy can reach
+    d["fleet"] = [{"profile": "llama-3-8b-a100", "count": 8}, {"profile": "llama-3-8b-h100", "count": 8}]
+    line = tables.bound_line(d)
+    assert "estimate" in line and "not a bound" in line and "can exceed" not in line
     del d["token_steady_state_bound"]
     assert tables.bound_line(d) == ""
