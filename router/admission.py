@@ -132,8 +132,9 @@ def hold_replica(
 ) -> str | None:
     """The replica to hold for a starving head: among the usable replicas it may use (healthy,
     fresh, not excluded, the prompt within its max length, its class budgeted), the one with the
-    least reserved for its class (largest ``horizon - decode - in-flight reservation``), then the
-    most ``kv_limited_tokens``, then the first in ``views`` order; None when there is none."""
+    least reserved for its class (largest ``horizon - slot wait - decode - in-flight reservation``: an
+    engine at its ``max_num_seqs`` frees nothing before a running request ends), then the most
+    ``kv_limited_tokens``, then the first in ``views`` order; None when there is none."""
     best: tuple[float, int, str] | None = None
     for v in views:
         cb = v.classes.get(slo_class)
@@ -141,8 +142,8 @@ def hold_replica(
             continue
         if v.max_prompt_tokens > 0 and prompt_tokens > v.max_prompt_tokens:
             continue
-        key = (cb.horizon_ms - cb.decode_reservation_ms - cb.inflight_reservation_ms, cb.kv_limited_tokens,
-               v.replica_id)
+        key = (cb.horizon_ms - cb.slot_wait_ms - cb.decode_reservation_ms - cb.inflight_reservation_ms,
+               cb.kv_limited_tokens, v.replica_id)
         if best is None or key[:2] > best[:2]:
             best = key
     return None if best is None else best[2]

@@ -27,9 +27,10 @@ TM = TimeModel(10.0, 0.1, 0.0)
 
 
 def view(rid: str, max_prompt: int, decode_ms: float = 0.0, inflight_ms: float = 0.0, kv_tokens: int = 10**6,
-         healthy: bool = True, fresh: bool = True) -> ReplicaView:
-    pab = max(0.0, 900.0 - decode_ms - inflight_ms)
-    cb = ClassBudget("c", 900.0, pab, TM.tokens_within_ms(pab), kv_tokens, 1000.0, 100.0, decode_ms, inflight_ms)
+         healthy: bool = True, fresh: bool = True, slot_ms: float = 0.0) -> ReplicaView:
+    pab = max(0.0, 900.0 - slot_ms - decode_ms - inflight_ms)
+    cb = ClassBudget("c", 900.0, pab, TM.tokens_within_ms(pab), kv_tokens, 1000.0, 100.0, decode_ms, inflight_ms,
+                     0, 0, slot_ms)
     return ReplicaView(rid, healthy, fresh, TM, {"c": cb}, max_prompt)
 
 
@@ -98,6 +99,9 @@ def test_the_hold_goes_where_least_is_reserved_then_most_kv() -> None:
     assert hold_replica("c", 3000, frozenset({"r2"}), views) == "r1"
     assert hold_replica("c", 1000, frozenset({"r2"}), views) == "r4"  # now within r4's context
     assert hold_replica("other-class", 1000, frozenset(), views) is None
+    # r2 at its engine's max_num_seqs with a slot 400 ms away: 700 - 400 = 300 left, behind r1's 700
+    views[2] = view("r2", 8192, decode_ms=200.0, kv_tokens=9000, slot_ms=400.0)
+    assert hold_replica("c", 3000, frozenset(), views) == "r1"
 
 
 @pytest.mark.parametrize(("kind", "refusals", "expected"), [
