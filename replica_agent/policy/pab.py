@@ -79,7 +79,9 @@ new one (the engine serves its queue first come, first served), so with ``U = |D
 request needs ``k = U - max_seqs + 1`` decodes to finish first (none when ``k <= 0``). A decode on
 time finishes by its last token's deadline, ``ddl_d + (max_tokens_d - tokens_out_d - 1) * tpot_d`` (FairBatching
 paces decodes to their deadlines, so this is also about when it does finish, where ``max_tokens`` is
-the output's length), and the k-th earliest of those, less now, is the slot wait ``s`` (inf when fewer
+the output's length; a decode already behind its envelope still needs one step of at least ``a`` per
+token left, so its end is never taken sooner than ``(max_tokens_d - tokens_out_d - 1) * a`` from now),
+and the k-th earliest of those, less now, is the slot wait ``s`` (inf when fewer
 than k decodes have a known ``max_tokens``: no finish can be promised). In real serving ``max_tokens``
 is only a cap (vLLM fills in ``max_model_len - prompt`` when the client leaves it out) and that
 deadline can be minutes away while, with hundreds of requests running, one ends every few tens of
@@ -298,12 +300,14 @@ class ClassBudget:
 
 
 def slot_wait_ms(now_ms: float, decodes: Sequence[DecodeState], prefills: Sequence[PendingPrefill],
-                 max_seqs: int | None, finish_rate_per_s: float | None = None) -> float:
+                 max_seqs: int | None, finish_rate_per_s: float | None = None, min_step_ms: float = 0.0) -> float:
     """ms until a new request gets a sequence slot (module docstring, "Sequence slots"): 0 when
     ``len(decodes) + len(prefills) < max_seqs`` (or no cap); else, with k = ``len(decodes) +
-    len(prefills) - max_seqs + 1``, the k-th earliest last-token deadline of the decodes less now (inf
-    when fewer than k decodes have a known, finite one), and no more than ``1000 * k /
-    finish_rate_per_s`` when a positive finish rate is given."""
+    len(prefills) - max_seqs + 1``, the k-th earliest end of the decodes less now (inf when fewer than
+    k decodes have a known, finite one), and no more than ``1000 * k / finish_rate_per_s`` when a
+    positive finish rate is given. A decode's end is its last token's deadline, but no sooner than its
+    remaining tokens less one times ``min_step_ms`` from now (one token per step, each step at least
+    the fixed cost ``a``: a decode already behind its envelope does not end at once)."""
     if max_seqs is None:
         return 0.0
     k = len(decodes) + len(prefills) - max_seqs + 1
@@ -313,7 +317,8 @@ def slot_wait_ms(now_ms: float, decodes: Sequence[DecodeState], prefills: Sequen
     for d in decodes:
         if d.max_tokens is None:
             continue
-        end = d.next_deadline_ms + max(0, d.max_tokens - d.tokens_out - 1) * d.tpot_ms - now_ms
+        left = max(0, d.max_tokens - d.tokens_out - 1)
+        end = max(d.next_deadline_ms + left * d.tpot_ms - now_ms, left * min_step_ms)
         if end == end and end != math.inf:  # NaN or inf: no promise
             ends.append(end)
     wait = math.inf
@@ -387,7 +392,8 @@ def class_budget(state: ReplicaState, slo: SloClass, waited_ms: float = 0.0) -> 
     else:
         decode_res = 0.0
     inflight_res = sum(_inflight_terms(tm, state.prefills))
-    wait = slot_wait_ms(state.now_ms, state.decodes, state.prefills, state.max_seqs, state.finish_rate_per_s)
+    wait = slot_wait_ms(state.now_ms, state.decodes, state.prefills, state.max_seqs, state.finish_rate_per_s,
+                        tm.a_ms)
     pab_ms = max(0.0, horizon - wait - decode_res - inflight_res)
     kv_free = max(0, int(state.kv_free_tokens))
     pending_prompt = sum(p.remaining_tokens for p in state.prefills)

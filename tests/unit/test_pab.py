@@ -466,6 +466,15 @@ def test_slot_wait_takes_the_kth_finish_and_the_finish_rate() -> None:
     # with 20 requests ending per second the expected wait for k = 3 is 150 ms; 40 /s: 75 ms < 150
     assert slot_wait_ms(now, decodes, two_prefills, 4, finish_rate_per_s=20.0) == pytest.approx(150.0)
     assert slot_wait_ms(now, decodes, two_prefills, 4, finish_rate_per_s=40.0) == pytest.approx(75.0)
+    # with a 10 ms floor per step: d (2 tokens left after the next, behind its envelope) ends no
+    # sooner than 2 * 10 = 20 ms from now, c (due at 20, 0 left) stays at 20, b at 150, a at 460
+    assert slot_wait_ms(now, decodes, two_prefills, 6, min_step_ms=10.0) == pytest.approx(20.0)  # k = 1
+    assert slot_wait_ms(now, decodes, two_prefills, 5, min_step_ms=10.0) == pytest.approx(20.0)  # k = 2
+    assert slot_wait_ms(now, decodes, two_prefills, 4, min_step_ms=10.0) == pytest.approx(150.0)  # k = 3
+    # a decode far behind (its last token was due at -5000 + 100 * 50 = 0, 1000 ms ago) with 100 tokens
+    # left after the next ends no sooner than 100 * 10 ms from now
+    assert slot_wait_ms(now, (dec(-5000.0, 0, 101),), (), 1, min_step_ms=10.0) == pytest.approx(1000.0)
+    assert slot_wait_ms(now, (dec(-5000.0, 0, 101),), (), 1) == 0.0  # without the floor: due already
     # caps only (max_tokens unknown: inf) but a measured rate: the rate's figure, 1000 * 2 / 8 = 250
     unknown = (dec(1010.0, 0, None), dec(1010.0, 0, None))
     assert slot_wait_ms(now, unknown, (), 1, finish_rate_per_s=8.0) == pytest.approx(250.0)
