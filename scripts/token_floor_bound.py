@@ -31,11 +31,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadgen.fleet.bench import trace_rows
-from loadgen.fleet.bound import shared_prefix_tokens, steady_state_bound
-from loadgen.sim.engine_time import load_engine_time_model, shipped_path
+from loadgen.fleet.bench import kinds_steady_bound, parse_fleet, trace_rows
+from loadgen.fleet.bound import shared_prefix_tokens
+from loadgen.sim.engine_time import shipped_path
 from loadgen.traces import PREFIX_BLOCK_TOKENS, arrival_granularity_ms
-from replica_agent.policy.profiles import load_profile, vllm_serve_batch_defaults
 
 HEADLINE = Path(__file__).resolve().parent.parent / "docs" / "evaluation" / "headline"
 
@@ -82,26 +81,18 @@ CONDITIONS: tuple[Condition, ...] = (
 
 
 def bounds(cond: Condition) -> dict[str, float]:
-    """{"requests": bound, "tokens": bound} (req/s of the fleet) for one condition, each kind serving the mix."""
+    """{"requests": bound, "tokens": bound} (req/s of the fleet) for one condition, each kind serving the mix
+    (bench-fleet's ``kinds_steady_bound`` over the kinds ``parse_fleet`` builds)."""
     kept, _, _ = trace_rows(cond.trace, arrival_granularity_ms(cond.trace), 0)
     prompts = [r.prompt_tokens for r in kept]
     outputs = [r.output_tokens for r in kept]
     cached = None
     if any(r.hash_ids for r in kept):
         cached = shared_prefix_tokens([r.hash_ids for r in kept], prompts, PREFIX_BLOCK_TOKENS)
-    out: dict[str, float] = {}
-    for by in ("requests", "tokens"):
-        total = 0.0
-        for count, profile, engine in cond.fleet:
-            prof = load_profile(profile)
-            batch = vllm_serve_batch_defaults(prof.gpu).resolve(None, None)
-            spec = None if engine is None else str(shipped_path(engine))
-            model = load_engine_time_model(spec, profile)
-            total += steady_state_bound(prompts, outputs, model if model is not None else prof.time_model,
-                                        cond.ttft_ms, cond.tpot_ms, count, prof.kv_capacity_tokens, batch.max_num_seqs,
-                                        batch.max_num_batched_tokens, 0.9, cached_tokens=cached, served_by=by).rps  # fmt: skip
-        out[by] = total
-    return out
+    kinds = tuple(k for count, profile, engine in cond.fleet
+                  for k in parse_fleet(f"{count}:{profile}", None if engine is None else str(shipped_path(engine))))
+    return {by: kinds_steady_bound(kinds, prompts, outputs, cond.ttft_ms, cond.tpot_ms, cached, served_by=by)
+            for by in ("requests", "tokens")}  # fmt: skip
 
 
 def measured(cond: Condition, headline: Path) -> dict[str, object] | None:

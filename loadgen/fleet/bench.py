@@ -708,27 +708,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_seqs = args.max_num_seqs
     bound = analytic_bound(kept, prof.time_model, prof.kv_capacity_tokens, args.tpot_ms, args.replicas,
                            max_seqs, max_tokens)  # fmt: skip
-    steady = steady_state_bound(
-        [r.prompt_tokens for r in kept], [r.output_tokens for r in kept],
-        engine_time if engine_time is not None else prof.time_model,
-        args.ttft_ms, args.tpot_ms, args.replicas, prof.kv_capacity_tokens, max_seqs, max_tokens, 0.9,
-    )  # fmt: skip
+    prompts, outputs = [r.prompt_tokens for r in kept], [r.output_tokens for r in kept]
+
+    def fleet_bound(served_by: str, cached_tokens: Any = None) -> SteadyBound:
+        """The trace-wide steady-state bound under the floor ``served_by`` (mixed fleets: the kinds summed)."""
+        b = steady_state_bound(prompts, outputs, engine_time if engine_time is not None else prof.time_model,
+                               args.ttft_ms, args.tpot_ms, args.replicas, prof.kv_capacity_tokens, max_seqs,
+                               max_tokens, 0.9, cached_tokens=cached_tokens, served_by=served_by)  # fmt: skip
+        if kinds:
+            b = dataclasses.replace(b, rps=kinds_steady_bound(kinds, prompts, outputs, args.ttft_ms, args.tpot_ms,
+                                                              cached_tokens, served_by=served_by))  # fmt: skip
+        return b
+
+    steady = fleet_bound("requests")
     # the per-token bound credits every prefix a prompt shares with any other request of the trace, at any
     # age (more than a cache keeps: still a bound) where the engines cache prefixes
-    cached = (shared_prefix_tokens([r.hash_ids for r in kept], [r.prompt_tokens for r in kept], PREFIX_BLOCK_TOKENS)
+    cached = (shared_prefix_tokens([r.hash_ids for r in kept], prompts, PREFIX_BLOCK_TOKENS)
               if not args.no_prefix_caching and any(r.hash_ids for r in kept) else None)  # fmt: skip
-    steady_tokens = steady_state_bound(
-        [r.prompt_tokens for r in kept], [r.output_tokens for r in kept],
-        engine_time if engine_time is not None else prof.time_model,
-        args.ttft_ms, args.tpot_ms, args.replicas, prof.kv_capacity_tokens, max_seqs, max_tokens, 0.9,
-        cached_tokens=cached, served_by="tokens",
-    )  # fmt: skip
-    if kinds:
-        steady = dataclasses.replace(steady, rps=kinds_steady_bound(
-            kinds, [r.prompt_tokens for r in kept], [r.output_tokens for r in kept], args.ttft_ms, args.tpot_ms))
-        steady_tokens = dataclasses.replace(steady_tokens, rps=kinds_steady_bound(
-            kinds, [r.prompt_tokens for r in kept], [r.output_tokens for r in kept], args.ttft_ms, args.tpot_ms,
-            cached, served_by="tokens"))
+    steady_tokens = fleet_bound("tokens", cached)
     search = None
     if args.rates:
         rates = sorted(args.rates)

@@ -77,19 +77,19 @@ The engine runs at most ``max_seqs`` requests at once (vLLM ``max_num_seqs``; 25
 to finish, whatever the time budget says. Every admitted request holds or waits for a slot ahead of a
 new one (the engine serves its queue first come, first served), so with ``U = |D| + |pending|`` the new
 request needs ``k = U - max_seqs + 1`` decodes to finish first (none when ``k <= 0``). A decode on
-time finishes by its last token's deadline, ``ddl_d + (max_tokens_d - tokens_out_d - 1) * tpot_d`` (FairBatching
-paces decodes to their deadlines, so this is also about when it does finish, where ``max_tokens`` is
-the output's length; a decode already behind its envelope still needs one step of at least ``a`` per
-token left, so its end is never taken sooner than ``(max_tokens_d - tokens_out_d - 1) * a`` from now),
-and the k-th earliest of those, less now, is the slot wait ``s`` (inf when fewer
+time finishes by its last token's deadline, ``ddl_d + (max_tokens_d - tokens_out_d - 1) * tpot_d``
+(FairBatching paces decodes to their deadlines, so this is also about when it does finish, where
+``max_tokens`` is the output's length; a decode already behind its envelope still needs one step of
+at least ``a`` per token left, so its end is never taken sooner than ``(max_tokens_d - tokens_out_d -
+1) * a`` from now), and the k-th earliest of those, less now, is the slot wait ``s`` (inf when fewer
 than k decodes have a known ``max_tokens``: no finish can be promised). In real serving ``max_tokens``
 is only a cap (vLLM fills in ``max_model_len - prompt`` when the client leaves it out) and that
 deadline can be minutes away while, with hundreds of requests running, one ends every few tens of
 ms; so when the agent has seen requests end (``finish_rate_per_s`` r, its last 5 s), ``s`` is at most
 the expected wait for k of them, ``1000 * k / r`` ms. (The fleet simulation's requests carry their
-exact output length as ``max_tokens`` and it passes no rate: there the deadline is the finish.) The prompt's prefill must then fit in what is left of the horizon after
-``s``; the decode and in-flight reservations are kept whole, which counts any of their work done
-during ``s`` twice (conservative)::
+exact output length as ``max_tokens`` and it passes no rate: there the deadline is the finish.) The
+prompt's prefill must then fit in what is left of the horizon after ``s``; the decode and in-flight
+reservations are kept whole, which counts any of their work done during ``s`` twice (conservative)::
 
     PAB_ms(k) = max(0, H - s - decode_reservation - inflight_reservation)
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 
 from router.placement import PlacementRequest, default_registry
-from router.placement.core import PlacementPolicy
 from router.placement.filters.protect_headroom import ProtectHeadroomFilter
-from tests.unit.test_placement import replica
+from tests.unit.test_placement import pab_chain_then, replica
 
 FLEET = [replica("r0", 400.0), replica("r1", 380.0), replica("r2", 300.0), replica("r3", 200.0), replica("r4", 150.0)]
 
@@ -49,12 +48,10 @@ def test_soft_and_off() -> None:
 
 
 def test_in_the_chain_a_short_prompt_goes_to_the_roomiest_unprotected_replica() -> None:
-    reg = default_registry()
-    chain = reg.build("pab-chain")
-    policy = PlacementPolicy([*chain.filters, ProtectHeadroomFilter()], chain.scorers, chain.picker)
+    policy = pab_chain_then(ProtectHeadroomFilter())
     # worst fit among r2, r3, r4 (all fit 110 ms): r2 (most headroom) first
     assert policy.place(PlacementRequest("interactive", 1000, frozenset()), FLEET).candidates[:3] == ("r2", "r3", "r4")
     # the long prompt takes r0, as the default profile would
     assert policy.place(PlacementRequest("interactive", 3000, frozenset()), FLEET).candidates[0] == "r0"
     # a registered plugin, so the router YAML can name it
-    assert reg.filters["protect-headroom"] is ProtectHeadroomFilter
+    assert default_registry().filters["protect-headroom"] is ProtectHeadroomFilter

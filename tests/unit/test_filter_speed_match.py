@@ -12,10 +12,9 @@ import dataclasses
 import pytest
 
 from router.placement import PlacementRequest, default_registry
-from router.placement.core import PlacementPolicy
 from router.placement.filters.speed_match import SpeedMatchFilter
 from replica_agent.policy.time_model import TimeModel
-from tests.unit.test_placement import replica
+from tests.unit.test_placement import pab_chain_then, replica
 
 FAST = TimeModel(10.0, 0.05, 0.0)
 
@@ -61,9 +60,7 @@ def test_homogeneous_or_one_group_keeps_everything() -> None:
 
 
 def test_in_the_chain() -> None:
-    reg = default_registry()
-    chain = reg.build("pab-chain")
-    policy = PlacementPolicy([*chain.filters, SpeedMatchFilter()], chain.scorers, chain.picker)
+    policy = pab_chain_then(SpeedMatchFilter())
     # short: worst fit among the A100-like a0 (300) and a1 (200), though h0 has the most headroom
     assert policy.place(req(1000), FLEET).candidates[:2] == ("a0", "a1")
     # 2,500 tokens: 260 ms on a slow replica (a0 300 fits, a1 200 does not), 135 ms on a fast one:
@@ -71,4 +68,4 @@ def test_in_the_chain() -> None:
     assert policy.place(req(2500), FLEET).candidates[:2] == ("h0", "h1")
     # 3,000 tokens: no slow replica fits (310 ms), so the slowest candidates are the fast ones: kept
     assert policy.place(req(3000), FLEET).candidates[:2] == ("h0", "h1")
-    assert reg.filters["speed-match"] is SpeedMatchFilter
+    assert default_registry().filters["speed-match"] is SpeedMatchFilter

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from replica_agent.policy.pab import ClassBudget
 from router.placement import (
+    PlacementPolicy,
     PlacementRequest,
     ReplicaView,
     default_registry,
@@ -38,6 +39,12 @@ def replica(rid: str, pab_ms: float, *, healthy: bool = True, fresh: bool = True
         },
         max_prompt_tokens=max_prompt,
     )
+
+
+def pab_chain_then(extra_filter) -> PlacementPolicy:
+    """The default ``pab`` chain with one more filter after its own (an opt-in filter's tests)."""
+    chain = default_registry().build("pab-chain")
+    return PlacementPolicy([*chain.filters, extra_filter], chain.scorers, chain.picker)
 
 
 def place(replicas, prompt_tokens: int, cls: str = "interactive", exclude=frozenset(), seed=None):

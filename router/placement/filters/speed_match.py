@@ -60,8 +60,7 @@ class SpeedMatchFilter:
             return list(replicas)
         tm = slowest.time_model
         assert tm is not None
-        prefill = tm.a_ms + slow_b * effective_prompt_tokens(request, slowest.replica_id)
-        if prefill <= self.short_share * budget.horizon_ms:
+        if tm.prefill_ms(effective_prompt_tokens(request, slowest.replica_id)) <= self.short_share * budget.horizon_ms:
             return [r for p, r in priced if p * self.tolerance >= slow_b]
         return [r for p, r in priced if p <= self.tolerance * fast]
 
