@@ -316,7 +316,7 @@ PLACEMENT_PLUGINS: Mapping[str, frozenset[str]] = {
                            "vllm-router-cache-aware", "static-queue-cap", "llm-d-flow-control", "dynamo-kv",
                            "llm-d-sticky", "llm-d-predicted-latency"}),
     "filters": frozenset({"exclude", "fits", "fresh", "healthy", "max-prompt", "on-time", "window", "dynamo-busy",
-                          "protect-headroom", "speed-match"}),
+                          "protect-headroom", "speed-match", "long-prompt-pool"}),
     "scorers": frozenset({"headroom", "kv-headroom", "least-outstanding", "least-outstanding-tokens", "engine-queue",
                           "llm-d-queue", "kv-usage", "prefix-cache", "dynamo-kv-cost", "reserve-fit"}),
     "pickers": frozenset({"highest", "round-robin", "power-of-two", "softmax"}),

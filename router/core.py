@@ -654,7 +654,7 @@ class RouterCore:
         preq = PlacementRequest(
             slo_class, prompt_tokens, exclude | attempt.avoid | self.contention_excluded(), waited_ms,
             on_time_only=attempt.on_time_only, window_steps=adm.start_window_steps, step_tokens=adm.step_tokens,
-            cached_tokens=cached,
+            cached_tokens=cached, request_id=request_id,
         )
         return preq, raw
 

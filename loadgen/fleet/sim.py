@@ -152,6 +152,7 @@ POLICIES: dict[str, tuple[str, str]] = {
     "pab-reserve-fit+fairbatching": ("pab", "fairbatching"),
     "pab-protect+fairbatching": ("pab", "fairbatching"),
     "pab-speed-match+fairbatching": ("pab", "fairbatching"),
+    "pab-pool+fairbatching": ("pab", "fairbatching"),
 }
 """Fleet policy name -> (router kind, replica batching policy). ``X+fairbatching`` for a baseline
 router X: the same placement in front of FairBatching replicas (what an operator who installed the
@@ -176,12 +177,16 @@ takes the most headroom plus KV headroom: worst fit), which keeps replicas with 
 CUSTOM_FILTERS = {"pab-protect+fairbatching": ["exclude", "healthy", "fresh", "max-prompt", "fits", "on-time", "window",
                                                "protect-headroom"],
                   "pab-speed-match+fairbatching": ["exclude", "healthy", "fresh", "max-prompt", "fits", "on-time",
-                                                   "window", "speed-match"]}
+                                                   "window", "speed-match"],
+                  "pab-pool+fairbatching": ["exclude", "healthy", "fresh", "max-prompt", "fits", "on-time", "window",
+                                            "long-prompt-pool"]}
 """Fleet policies whose ``pab`` routers filter with a custom chain (router YAML ``placement.filters``):
 ``pab-protect``: the default filters, then ``protect-headroom`` (short prompts leave the replicas with
 the most PAB time to long ones; router/placement/filters/protect_headroom.py); ``pab-speed-match``: the
 default filters, then ``speed-match`` (on mixed GPUs short prompts to the slower replicas, long ones to
-the faster; router/placement/filters/speed_match.py)."""
+the faster; router/placement/filters/speed_match.py); ``pab-pool``: the default filters, then
+``long-prompt-pool`` (short prompts leave a pool sized by the long prompts' share of the work to the
+prompts that need a replica without young decodes; router/placement/filters/long_prompt_pool.py)."""
 
 
 SCRAPED_POLICIES = frozenset({"power-of-two", "llm-d-scorer", "llm-d-prefix", "llm-d-flow-control", "dynamo-kv",
