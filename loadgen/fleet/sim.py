@@ -178,14 +178,14 @@ CUSTOM_FILTERS = {"pab-protect+fairbatching": ["exclude", "healthy", "fresh", "m
                                                "protect-headroom"],
                   "pab-speed-match+fairbatching": ["exclude", "healthy", "fresh", "max-prompt", "fits", "on-time",
                                                    "window", "speed-match"],
-                  "pab-pool+fairbatching": ["exclude", "healthy", "fresh", "max-prompt", "fits", "on-time", "window",
-                                            "long-prompt-pool"]}
+                  "pab-pool+fairbatching": ["exclude", "healthy", "fresh", "max-prompt", "long-prompt-pool", "fits",
+                                            "on-time", "window"]}
 """Fleet policies whose ``pab`` routers filter with a custom chain (router YAML ``placement.filters``):
 ``pab-protect``: the default filters, then ``protect-headroom`` (short prompts leave the replicas with
 the most PAB time to long ones; router/placement/filters/protect_headroom.py); ``pab-speed-match``: the
 default filters, then ``speed-match`` (on mixed GPUs short prompts to the slower replicas, long ones to
-the faster; router/placement/filters/speed_match.py); ``pab-pool``: the default filters, then
-``long-prompt-pool`` (short prompts leave a pool sized by the long prompts' share of the work to the
+the faster; router/placement/filters/speed_match.py); ``pab-pool``: the default filters with
+``long-prompt-pool`` before ``fits`` (short prompts leave a pool sized by the long prompts' share of the work to the
 prompts that need a replica without young decodes; router/placement/filters/long_prompt_pool.py)."""
 
 

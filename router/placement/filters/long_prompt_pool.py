@@ -20,23 +20,31 @@ prompts over about 5,900 tokens. On an engine with a small fixed cost no prompt 
 long (8B A100: F about 14 ms, an 8,192-token prompt 700 ms chunked against H = 900 ms) and the filter
 changes nothing.
 
-Rule, per placement of the request's class:
+Rule, per placement of the request's class (the filter stands before ``fits`` in the chain, so it sees
+every request that reaches placement and every healthy, fresh replica):
 
 - ``F`` = the mean decode step of the candidates that have decodes (``decode_reservation_ms /
-  decode_iterations`` of the class budget), ``a`` when none has; the time model and H of the candidate
-  with the most PAB time; ``tpot`` of its class budget.
-- The long prompts' share ``s`` of the prefill work (``prefill_ms`` summed) over the recent distinct
-  requests (an exponential average over about ``window`` requests, each request counted once by its
-  ``request_id``; requests without one are counted at every placement).
-- Pool: the ``k = min(n - 1, ceil(occupancy * s * n))`` replicas with the lowest ids among the ``n``
-  replicas seen in the last ``forget_calls`` placements (0 when ``s`` = 0). Every router copy sees the
-  same fleet and the same mix, so the copies agree on the pool without talking. ``occupancy``: a pool
-  replica is held by a long prompt for its prefill and then for its decode tail, during which its
-  decodes are young; 1.5 was chosen on the Splitwise-fitted engine (1.0 + 1 or 2 replicas, 1.5 and 2.0
-  measured alike within 0.6 point of token attainment; docs/evaluation.md).
+  decode_iterations`` of the class budget), ``a`` when none has; the time model, H and ``tpot`` of the
+  candidate with the most PAB time. A request that already waited ``w`` ms is judged against ``H - w``
+  (pab.py "Aged requests"): a short prompt that waited long enough may take the pool. A budget without
+  a TPOT or horizon (an agent that does not send them) leaves the candidates as they are and is not
+  counted. Meant for a fleet of one GPU kind: on a mixed fleet the prompt is judged on the roomiest
+  candidate's model and the pool is the lowest ids whatever their kind.
+- The long prompts' share ``s`` of the prefill work (``prefill_ms`` summed, at the judging candidate's
+  price) over the recent distinct requests (an exponential average over about ``window`` requests, each
+  request counted once, at its first placement, by its ``request_id``; requests without one are counted
+  at every placement). One share for all classes: a fleet-wide mix.
+- Pool: the ``k = min(n - 1, ceil(occupancy * s * n))`` replicas with the lowest ids (string order:
+  r0, r1, r10, ...) among the ``n`` replicas seen in the last ``forget_calls`` placements (0 when ``s``
+  = 0). Router copies that see the same fleet and mix pick the same pool without talking (their ``k`` may
+  differ by one near a rounding edge). ``occupancy``: a pool replica is held by a long prompt for its
+  prefill and then for its decode tail, during which its decodes are young; 1.5 was chosen on the
+  Splitwise-fitted engine (1.0 x ``s n`` + 1 or 2 replicas, 1.5 and 2.0 x ``s n`` measured alike within
+  0.7 point of token attainment; docs/evaluation.md).
 - A short prompt does not get the pool's replicas; a long prompt gets every candidate (worst fit then
-  sends it to the roomiest, usually a pool replica). Soft: when leaving the pool out leaves no candidate,
-  every candidate is kept, so the filter never refuses a prompt.
+  sends it to the roomiest, usually a pool replica). Soft: when no replica outside the pool passes the
+  PAB fit (and, for the dispatcher's on-time pass, the on-time rule), every candidate is kept, so the
+  filter never refuses a prompt that fits somewhere.
 """
 
 from __future__ import annotations
@@ -45,8 +53,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from replica_agent.policy.pab import fits, on_time
 from replica_agent.policy.time_model import TimeModel
-from router.placement.core import PlacementRequest, ReplicaView, effective_prompt_tokens
+from router.placement.core import PlacementRequest, ReplicaView, _keep_by_budget, effective_prompt_tokens
 
 
 def chunked_prefill_ms(tm: TimeModel, prompt_tokens: int, step_fixed_ms: float, tpot_ms: float) -> float:
@@ -74,8 +83,11 @@ class LongPromptPoolFilter:
         occupancy: pool replicas per unit of the long prompts' share of the fleet (> 0).
         window: requests over which the work share is averaged (exponential, weight 1/window; >= 1).
         forget_calls: a replica not among the candidates of this many placements leaves the pool's
-            ranking (a replica gone from the fleet; >= 1).
+            ranking (a replica gone from the fleet; >= 1); the map of replicas seen is pruned that often.
         seen_ids: request ids remembered so that a request's later placements are not counted again.
+
+    The averages start at 0 with each instance: a router that reloads its configuration builds a new
+    one and keeps no pool until long prompts come again.
 
     Raises:
         ValueError: a parameter out of range.
@@ -109,6 +121,7 @@ class LongPromptPoolFilter:
         return known[: pool_size(self.long_share, len(known), self.occupancy)]
 
     def _count(self, request: PlacementRequest, prefill_ms: float, long: bool) -> None:
+        """Add one request's prefill price (ms) to the averages, once per ``request_id``."""
         rid = request.request_id
         if rid:
             if rid in self._seen:
@@ -121,10 +134,11 @@ class LongPromptPoolFilter:
         self._all_ms += w * (prefill_ms - self._all_ms)
 
     def filter(self, request: PlacementRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        """The candidates a prompt may use (module docstring)."""
         self._calls += 1
         for r in replicas:
             self._known[r.replica_id] = self._calls
-        if len(self._known) > 4 * self.seen_ids:  # bound the map: drop the forgotten
+        if self._calls % self.forget_calls == 0:  # bound the map: drop the forgotten
             self._known = {k: v for k, v in self._known.items() if self._calls - v < self.forget_calls}
         cls = request.slo_class
         top: ReplicaView | None = None
@@ -140,15 +154,20 @@ class LongPromptPoolFilter:
         if top is None or top.time_model is None:
             return list(replicas)
         tm, budget = top.time_model, top.classes[cls]
+        if not (budget.tpot_ms > 0.0 and budget.horizon_ms > 0.0):
+            return list(replicas)
         prompt = effective_prompt_tokens(request, top.replica_id)
         step_fixed = sum(steps) / len(steps) if steps else tm.a_ms
-        long = chunked_prefill_ms(tm, prompt, step_fixed, budget.tpot_ms) > budget.horizon_ms
-        self._count(request, tm.prefill_ms(prompt), long)
-        if long:
+        chunked = chunked_prefill_ms(tm, prompt, step_fixed, budget.tpot_ms)
+        self._count(request, tm.prefill_ms(prompt), chunked > budget.horizon_ms)
+        if chunked > max(0.0, budget.horizon_ms - request.waited_ms):
             return list(replicas)
         held = set(self.pool())
         kept = [r for r in replicas if r.replica_id not in held]
-        return kept or list(replicas)
+        usable = _keep_by_budget(request, kept, fits)
+        if request.on_time_only:
+            usable = _keep_by_budget(request, usable, on_time)
+        return kept if usable else list(replicas)
 
 
 PLUGIN = LongPromptPoolFilter
