@@ -102,6 +102,7 @@ from replica_agent.policy.engine_state import pab_inputs
 from replica_agent.policy.leases import LeaseTable
 from replica_agent.policy.pab import (
     ClassBudget,
+    DecodeState,
     PendingPrefill,
     ReplicaState,
     SloClass,
@@ -683,6 +684,7 @@ class _Replica:
     calibrator: OnlineTimeModel | None = None
     stepping: bool = False
     result: StepResult | None = None
+    step_view: StepView | None = None  # the engine as the agent sees it while a step runs (replica_state)
     seq: int = 0
     last_push_ms: float = float("-inf")
     change_push_at: float | None = None  # time of the pending change-triggered push, None when none
@@ -724,16 +726,54 @@ def _drive(coro: Any) -> Any:
     raise RuntimeError("simulated coroutine suspended")
 
 
+@dataclass(frozen=True, slots=True)
+class StepView:
+    """An engine's PAB inputs as of the start of the step in flight (:func:`replica_state`).
+
+    Attributes:
+        decodes, prefills: :func:`~replica_agent.policy.engine_state.pab_inputs` of the engine's
+            queues just before the step was formed.
+        request_ids: the requests the engine held then (one added later is a pending prefill).
+    """
+
+    decodes: tuple[DecodeState, ...]
+    prefills: tuple[PendingPrefill, ...]
+    request_ids: frozenset[str]
+
+
+def step_view(engine: SimEngine, default_ttft_ms: float = 1000.0, default_tpot_ms: float = 100.0) -> StepView:
+    """The engine's PAB inputs now, kept for the step about to start (:class:`StepView`)."""
+    decodes, prefills = pab_inputs(engine.running, engine.waiting, default_ttft_ms, default_tpot_ms)
+    ids = frozenset(r.request_id for group in (engine.running, engine.waiting) for r in group)
+    return StepView(tuple(decodes), tuple(prefills), ids)
+
+
 def replica_state(engine: SimEngine, leases: LeaseTable, now_ms: float, margin_frac: float,
                   extra_prefill_tokens: int = 0, default_ttft_ms: float = 1000.0,
-                  default_tpot_ms: float = 100.0) -> ReplicaState:  # fmt: skip
+                  default_tpot_ms: float = 100.0, view: StepView | None = None) -> ReplicaState:  # fmt: skip
     """PAB inputs in plugin mode: the engine's exact requests by the plugin export's rule
     (replica_agent/policy/engine_state.py) plus active leases (module docstring).
+
+    While a step runs (``view``, taken when it was formed) the requests are as of its start, as the
+    plugin's state record gives them (replica_agent/plugin_mode.py: "the tokens that step computes are
+    still counted as to do"); a request added since is a pending prefill of what it has left. The
+    simulated engine applies a step's tokens when the step starts, so without the view the agent would
+    see a prefill that is still running as done and offer its time again: on the Splitwise-fitted 70B
+    engine, whose long prompts run in steps of up to 0.9 s, that made PAB admit prompts behind such a
+    step (docs/evaluation.md, "The agents' view of the step in flight").
 
     ``extra_prefill_tokens`` adds one more pending prompt (a lease being granted) when > 0; the
     defaults are the targets of requests that carry none (the fleet's requests all carry theirs).
     """
-    decodes, prefills = pab_inputs(engine.running, engine.waiting, default_ttft_ms, default_tpot_ms)
+    if view is None:
+        decodes, prefills = pab_inputs(engine.running, engine.waiting, default_ttft_ms, default_tpot_ms)
+    else:
+        decodes, prefills = list(view.decodes), list(view.prefills)
+        for group in (engine.running, engine.waiting):
+            for r in group:
+                if r.request_id not in view.request_ids:
+                    ctx = r.prompt_tokens + r.tokens_out
+                    prefills.append(PendingPrefill(ctx, min(ctx, r.computed_tokens)))
     for lease in leases.active():
         prefills.append(PendingPrefill(lease.prompt_tokens))
     if extra_prefill_tokens > 0:
@@ -1034,7 +1074,7 @@ class FleetSim:
         if not self.cfg.leases:  # forward on the router's view alone; checked at arrival
             self.stats.grants += 1
             return True, "", None
-        state = replica_state(rep.engine, rep.leases, now_ms, cfg.margin_frac)
+        state = replica_state(rep.engine, rep.leases, now_ms, cfg.margin_frac, view=rep.step_view)
         reason, fit_budget = reserve_decision(prompt_tokens, state, self.slo, waited_ms, True, cfg.max_model_len,
                                               on_time_only)  # fmt: skip
         # the answer carries the fresh-arrival budget: the fit's own when the request has not waited
@@ -1079,7 +1119,8 @@ class FleetSim:
     def _admission_check(self, rep: _Replica, prompt_tokens: int, now_ms: float, waited_ms: float) -> None:
         """Without leases: count a prefill that arrives beyond the replica's exact PAB (over the
         class horizon minus ``waited_ms``, its age at the replica: ``pab.admits``)."""
-        fit, b = admits(prompt_tokens, replica_state(rep.engine, rep.leases, now_ms, self.cfg.margin_frac),
+        fit, b = admits(prompt_tokens, replica_state(rep.engine, rep.leases, now_ms, self.cfg.margin_frac,
+                                                           view=rep.step_view),
                         self.slo, waited_ms)  # fmt: skip
         tm = rep.engine.policy_time_model
         if not fit:
@@ -1115,7 +1156,8 @@ class FleetSim:
                 waited = max(0.0, t - req.arrival_ms)
                 # independent check of what is admitted: the exact fit on the state before the decision
                 on_time = st.grant is not None and st.grant.on_time_only  # x-fairbatch-on-time
-                fit = admits(st.admit_tokens, replica_state(rep.engine, rep.leases, t, self.cfg.margin_frac),
+                fit = admits(st.admit_tokens, replica_state(rep.engine, rep.leases, t, self.cfg.margin_frac,
+                                                                 view=rep.step_view),
                              self.slo, waited, on_time)[0]  # fmt: skip
                 granted, lease_id, after = self.reserve(ri, st.admit_tokens, t, waited, on_time)
                 if granted and not fit:
@@ -1145,9 +1187,11 @@ class FleetSim:
             return
         eng = rep.engine
         while eng.has_work():
+            view = step_view(eng, self.cfg.ttft_ms, self.cfg.tpot_ms)
             result = eng.step(t)
             if result.duration_ms > 0:
                 rep.stepping = True
+                rep.step_view = view
                 rep.result = result
                 rep.busy_ms += result.duration_ms
                 self.stats.steps += 1
@@ -1164,6 +1208,7 @@ class FleetSim:
         assert result is not None
         rep.stepping = False
         rep.result = None
+        rep.step_view = None
         if result.features is not None and result.duration_ms > rep.engine.policy_time_model.step_ms(result.features):
             self.stats.late_steps += 1
         cal = rep.calibrator
@@ -1211,7 +1256,7 @@ class FleetSim:
         rep.leases.expire(t)
         if rep.draining and not rep.engine.has_work() and len(rep.leases) == 0:
             self._set_allocated(rep, False, t)  # drained: the pod goes, its GPU is free
-        state = replica_state(rep.engine, rep.leases, t, cfg.margin_frac)
+        state = replica_state(rep.engine, rep.leases, t, cfg.margin_frac, view=rep.step_view)
         b = class_budget(state, self.slo)
         rep.seq += 1
         # the engine's prefix-cache counters over the agent's window (its scrape, here at each push)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loadgen.fleet.bench import analytic_bound
-from loadgen.fleet.sim import FleetConfig, FleetRequest, FleetSim, replica_state, run_fleet
+from loadgen.fleet.sim import FleetConfig, FleetRequest, FleetSim, replica_state, run_fleet, step_view
 from loadgen.sim.engine import EngineConfig, SimEngine
 from loadgen.traces import TraceRequest
 from replica_agent.policy.leases import LeaseTable
@@ -273,6 +273,34 @@ def test_replica_state_counts_a_preempted_request_as_a_recompute_prefill() -> No
     assert [(d.context_tokens, d.tokens_out) for d in st.decodes] == [(10, 2)]
     assert st.prefills == [PendingPrefill(9, 0)]
     assert st.kv_free_tokens == 4  # a holds 3 blocks of 4, one block free
+
+
+def test_while_a_step_runs_the_agent_sees_the_engine_as_of_its_start() -> None:
+    """A 1,000-token prompt runs as one step of 10 + 0.1 * 1,000 = 110 ms. The simulated engine applies a
+    step's tokens when it starts, so at 50 ms, mid-step, it already shows the prompt computed and its first
+    token out (due at 110). The plugin's state record of that step, which the agent reads, still counts the
+    prompt as to do (replica_agent/plugin_mode.py), and so does the step's view: one pending prefill of
+    1,000 tokens; with a 300-token prompt that came mid-step, in-flight reservation b * 1,300 = 130 ms and
+    PAB 900 - 130 = 770 ms. Without the view PAB saw a decode whose next token is due at 110 + 100 = 210:
+    floor((50 + 900 - 210) / 100) + 1 = 8 iterations of 10 + 0.1 = 10.1 ms, PAB 900 - 80.8 - 30 = 789.2
+    ms, as if the prefill were done."""
+    from replica_agent.policy.pab import SloClass, class_budget
+
+    eng = SimEngine(EngineConfig(TimeModel(10.0, 0.1, 0.0), 1000, 16, 2048, 256, 32768))
+    eng.add_request("p", 1000, max_tokens=5, arrival_ms=0.0, ttft_ms=1000.0, tpot_ms=100.0)
+    view = step_view(eng)
+    assert eng.step(0.0).end_ms == pytest.approx(110.0)
+    eng.add_request("q", 300, max_tokens=5, arrival_ms=40.0, ttft_ms=1000.0, tpot_ms=100.0)  # came mid-step
+    cls = SloClass("c", 1000.0, 100.0)
+    mid = replica_state(eng, LeaseTable(), 50.0, 0.1, view=view)
+    assert mid.decodes == [] and mid.prefills == [PendingPrefill(1000, 0), PendingPrefill(300, 0)]
+    b = class_budget(mid, cls)
+    assert b.inflight_reservation_ms == pytest.approx(130.0) and b.pab_ms == pytest.approx(770.0)
+    after = replica_state(eng, LeaseTable(), 50.0, 0.1)
+    assert [(d.next_deadline_ms, d.tokens_out) for d in after.decodes] == [(210.0, 1)]
+    assert after.prefills == [PendingPrefill(300, 0)]
+    b = class_budget(after, cls)
+    assert b.decode_iterations == 8 and b.pab_ms == pytest.approx(900.0 - 80.8 - 30.0)
 
 
 def test_simulated_agent_pab_equals_the_real_plugin_path() -> None:
