@@ -10,7 +10,9 @@ by events on one heap:
   profile's time model. Each replica's agent runs in *plugin mode*: PAB inputs
   (:class:`~replica_agent.policy.pab.ReplicaState`) are built from the engine's exact request
   state by the rule the plugin export uses (replica_agent/policy/engine_state.py ``pab_inputs``:
-  the next-token deadline, which requests are decodes) plus the agent's
+  the next-token deadline, which requests are decodes), as of the start of the step in flight as the
+  plugin's state record gives it (:class:`StepView`; the engine applies a step's tokens when it
+  starts), plus the agent's
   :class:`~replica_agent.policy.leases.LeaseTable`; budgets by ``pab.class_budget``; Reserve by
   the agent's own decision (replica_agent/policy/reserve.py ``reserve_decision``) with the
   request's age ``waited_ms = now - arrival at the router``. With ``online_time_model`` (the
