@@ -296,6 +296,8 @@ def test_while_a_step_runs_the_agent_sees_the_engine_as_of_its_start() -> None:
     assert mid.decodes == [] and mid.prefills == [PendingPrefill(1000, 0), PendingPrefill(300, 0)]
     b = class_budget(mid, cls)
     assert b.inflight_reservation_ms == pytest.approx(130.0) and b.pab_ms == pytest.approx(770.0)
+    # free KV as the record gives it, before the step took 63 blocks of 16 for the prompt's 1,000 tokens
+    assert mid.kv_free_tokens == 1000 * 16 and eng.kv.free_blocks == 1000 - 63
     after = replica_state(eng, LeaseTable(), 50.0, 0.1)
     assert [(d.next_deadline_ms, d.tokens_out) for d in after.decodes] == [(210.0, 1)]
     assert after.prefills == [PendingPrefill(300, 0)]
