@@ -31,7 +31,7 @@ from replica_agent.engine_metrics import EngineMetrics, PrefixHitWindow
 from replica_agent.metrics import AgentMetrics
 from replica_agent.policy.leases import Lease, LeaseTable, LeaseTableFull
 from replica_agent.plugin_mode import PLUGIN, STALE, export_mode, lease_matches, parse_record, record_kind
-from replica_agent.plugin_mode import replica_state_from_record
+from replica_agent.plugin_mode import UNLISTED_LOOKBACK_MS, replica_state_from_record, unlisted_prefills
 from replica_agent.policy.pab import ClassBudget, PendingPrefill, ReplicaState, SloClass, compute_budgets
 from replica_agent.policy.prefill_eta import inflight_schedule, prefill_completions_ms
 from replica_agent.policy.reserve import reserve_decision
@@ -525,7 +525,10 @@ class Agent:
                 rec, plugin_now, self.time_model(), self.config.margin_frac,
                 [lease.prompt_tokens for lease in self.leases.active()], self.config.max_num_seqs,
             )
-            return replace(state, finish_rate_per_s=self.tracker.finish_rate_per_s(now_ms))
+            # requests the proxy forwarded that the record does not list yet (their leases are consumed)
+            unlisted = unlisted_prefills(rec, self.tracker.recent_prefills(pv.recv_ms - UNLISTED_LOOKBACK_MS))
+            return replace(state, prefills=(*state.prefills, *unlisted),
+                           finish_rate_per_s=self.tracker.finish_rate_per_s(now_ms))
         m = self._engine.metrics
         kv_usage = 1.0 if m is None else m.kv_usage
         kv_free = math.floor((1.0 - kv_usage) * self.kv_capacity_tokens())

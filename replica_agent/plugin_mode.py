@@ -140,6 +140,36 @@ def replica_state_from_record(
     )
 
 
+UNLISTED_LOOKBACK_MS = 50.0
+"""How far before a state record's arrival (agent ms) a tracked request may have reached the engine and
+still be missing from it (:func:`unlisted_prefills`): the hop from vLLM's API server to its engine core
+and the record's own delivery take a few ms."""
+
+
+def unlisted_prefills(rec: Mapping[str, Any], recent: Iterable[tuple[str, PendingPrefill]]) -> tuple[PendingPrefill, ...]:
+    """The pending prefills of tracked requests the record does not list.
+
+    In plugin mode with the proxy, a request's lease is consumed when the proxy forwards it, but the
+    plugin's record lists it only from the next ``schedule()``: while a step runs (up to a second for a
+    long prefill) it would be counted nowhere and PAB would offer its prefill time again. The agent passes
+    the requests still in prefill that reached the engine since shortly before the record arrived
+    (``Tracker.recent_prefills``, :data:`UNLISTED_LOOKBACK_MS`); those whose key (the router's request id,
+    before any ``#n`` suffix the proxy adds to a repeated id) no vLLM id of the record carries
+    (:func:`lease_matches`) are still to do.
+
+    Args:
+        rec: the state record.
+        recent: (tracker key, PAB input) of the recent tracked prefills.
+    """
+    ids = [str(q.get("id") or "") for q in rec.get("reqs") or ()]
+    out = []
+    for key, pending in recent:
+        base = key.split("#", 1)[0]
+        if not any(lease_matches(i, base) for i in ids):
+            out.append(pending)
+    return tuple(out)
+
+
 PLUGIN, IDLE, STALE = "plugin", "idle", "stale"
 """Where the agent's PAB inputs come from (:func:`export_mode`)."""
 

@@ -48,6 +48,7 @@ class TrackedRequest:
         tokens_out: output tokens seen so far.
         computed_tokens: prompt tokens already in the KV cache (0 in proxy mode until decode).
         first_token_ms, last_token_ms: token times (ms), None before the first token.
+        tracked_ms: when it reached the engine (ms; :meth:`Tracker.on_arrival`'s ``now_ms``).
     """
 
     request_id: str
@@ -61,6 +62,7 @@ class TrackedRequest:
     computed_tokens: int = 0
     first_token_ms: float | None = None
     last_token_ms: float | None = None
+    tracked_ms: float = 0.0
     # the DecodeState :meth:`Tracker.decodes` built from this request's fields, None when any of them
     # changed since (the tracker's events clear it: they are the only writers of a tracked request)
     decode_state: DecodeState | None = field(default=None, init=False, repr=False, compare=False)
@@ -185,6 +187,7 @@ class Tracker:
             prompt_tokens=int(prompt_tokens),
             max_tokens=max_tokens if max_tokens and max_tokens > 0 else None,
             lease_id=lease_id,
+            tracked_ms=arrival_ms if now_ms is None else now_ms,
         )
         self._requests[request_id] = req
         self._prefills_gen += 1
@@ -306,6 +309,19 @@ class Tracker:
     def prefill_keys(self) -> Iterator[str]:
         """Keys of the requests in prefill, in arrival order (the order of :meth:`prefills`)."""
         return (k for k, r in self._requests.items() if r.phase is Phase.PREFILL)
+
+    def recent_prefills(self, since_ms: float) -> list[tuple[str, PendingPrefill]]:
+        """(key, PAB input) of the requests still in prefill that reached the engine at or after
+        ``since_ms`` (ms), newest first; walks back from the newest tracked request and stops at the
+        first older one (arrival order is tracking order), so the cost is the recent requests only."""
+        out: list[tuple[str, PendingPrefill]] = []
+        for key in reversed(self._requests):
+            r = self._requests[key]
+            if r.tracked_ms < since_ms:
+                break
+            if r.phase is Phase.PREFILL:
+                out.append((key, PendingPrefill(r.prompt_tokens, r.computed_tokens)))
+        return out
 
     def prefills(self) -> tuple[PendingPrefill, ...]:
         """In-flight prefills (arrived, no token yet) as PAB inputs, in arrival order; kept between

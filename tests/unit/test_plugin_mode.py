@@ -245,3 +245,29 @@ def test_plugin_mode_agent_learns_the_chunk_x_prefix_and_decode_terms_from_step_
                         (StepFeatures.from_items([(1, 100)] * 64), 0.15, 0.05)):
         assert m.step_ms(f) == pytest.approx(engine.step_ms(f), rel=rel)
         assert abs(TM.step_ms(f) / engine.step_ms(f) - 1) > off
+
+
+def test_a_request_the_proxy_forwarded_after_the_record_counts_until_the_record_lists_it() -> None:
+    """The hand-worked record arrives at agent time 1000 (PAB 589.464 ms). The proxy then forwards Q
+    (300 tokens, its lease consumed at once) at 1100: the record does not list it until the engine's next
+    ``schedule()``, so the agent adds it as a pending prefill: in-flight 249.312 + 0.1 * 300 = 279.312 ms,
+    and at 1100 (100 ms later N is still floor(1100 / 200) + 1 = 6) PAB = 900 - 61.224 - 279.312 =
+    559.464 ms. W, tracked at 990 (within the 50-ms lookback) but listed by the record as cmpl-W-0-ef, is
+    not counted twice; a request tracked at 500 is outside the lookback and left to the record."""
+    from replica_agent.plugin_mode import UNLISTED_LOOKBACK_MS, unlisted_prefills
+
+    agent = make_agent(proxy_tracking=True)
+    agent.on_engine_metrics(EngineMetrics(num_running=2, num_waiting=1, kv_usage=0.5), [], "", now_ms=0.0)
+    agent.request_arrived("old", "interactive", 700, 16, 500.0)
+    agent.request_arrived("W", "interactive", 1000, 16, 990.0)
+    agent.on_plugin_datagram(json.dumps(hand_record()).encode(), now_ms=1000.0)
+    assert agent.compute_budget(1000.0).classes["interactive"].pab_ms == pytest.approx(589.464)
+    agent.request_arrived("Q", "interactive", 300, 16, 1100.0)
+    b = agent.compute_budget(1100.0).classes["interactive"]
+    assert b.decode_iterations == 6 and b.pab_ms == pytest.approx(559.464)
+    # the rule alone: a repeated id carries the proxy's "#n" suffix; vLLM's ids carry the router's id
+    rec = hand_record()
+    recent = [("W", PendingPrefill(1000)), ("Q#2", PendingPrefill(300)), ("D", PendingPrefill(100))]
+    assert unlisted_prefills(rec, recent) == (PendingPrefill(300),)
+    assert agent.tracker.recent_prefills(1000.0 - UNLISTED_LOOKBACK_MS) == [("Q", PendingPrefill(300)),
+                                                                           ("W", PendingPrefill(1000))]
