@@ -305,6 +305,21 @@ def test_while_a_step_runs_the_agent_sees_the_engine_as_of_its_start() -> None:
     assert b.decode_iterations == 8 and b.pab_ms == pytest.approx(900.0 - 80.8 - 30.0)
 
 
+def test_a_reserve_during_a_running_prefill_step_sees_that_prefill() -> None:
+    """The fleet's wiring of the step view: one replica (TM, H = 900 ms, 8,192-token steps), a 7,000-token
+    prompt whose one prefill step has started. A Reserve of another 7,000 tokens during that step must see
+    the first as still to do: PAB 900 - b * 7000 = 391.30 ms < 518.56, refused (the figures of
+    test_pab_refuses_a_replica_whose_budget_a_lease_took, there with a lease). Read after the step's
+    tokens were applied, the first prompt would be a decode with one token due and the Reserve granted."""
+    sim = FleetSim(cfg("pab", replicas=1, max_num_batched_tokens=8192), [])
+    rep = sim.replicas[0]
+    rep.engine.add_request("x", 7000, max_tokens=4, arrival_ms=0.0, ttft_ms=1000.0, tpot_ms=100.0)
+    sim._start_step(0, 0.0)
+    assert rep.stepping and rep.step_view is not None and rep.engine.running[0].tokens_out == 1
+    granted, _, before = sim.reserve(0, 7000, 1.0)
+    assert not granted and before is not None and before.pab_ms == pytest.approx(391.3023, abs=0.01)
+
+
 def test_simulated_agent_pab_equals_the_real_plugin_path() -> None:
     """One engine state (16 requests with 4 different SLOs, 6 steps of FairBatching): the fleet
     simulation's PAB inputs equal what the real path computes from the plugin's export record
