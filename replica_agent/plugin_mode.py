@@ -161,9 +161,11 @@ def unlisted_prefills(rec: Mapping[str, Any], recent: Iterable[tuple[str, Pendin
         rec: the state record.
         recent: (tracker key, PAB input) of the recent tracked prefills.
     """
-    ids = [str(q.get("id") or "") for q in rec.get("reqs") or ()]
-    out = []
+    out: list[PendingPrefill] = []
+    ids: list[str] | None = None  # the record's ids, read only when a recent request needs them
     for key, pending in recent:
+        if ids is None:
+            ids = [str(q.get("id") or "") for q in rec.get("reqs") or ()]
         base = key.split("#", 1)[0]
         if not any(lease_matches(i, base) for i in ids):
             out.append(pending)

@@ -772,17 +772,14 @@ def replica_state(engine: SimEngine, leases: LeaseTable, now_ms: float, margin_f
     ``extra_prefill_tokens`` adds one more pending prompt (a lease being granted) when > 0; the
     defaults are the targets of requests that carry none (the fleet's requests all carry theirs).
     """
-    kv_free = engine.kv.free_blocks * engine.config.block_size
     if view is None:
         decodes, prefills = pab_inputs(engine.running, engine.waiting, default_ttft_ms, default_tpot_ms)
-    else:
+        kv_free = engine.kv.free_blocks * engine.config.block_size
+    else:  # a request added since the step began is a pending prefill (pab_inputs' rule for a waiting one)
+        added = [r for group in (engine.running, engine.waiting) for r in group if r.request_id not in view.request_ids]
+        decodes = list(view.decodes)
+        prefills = [*view.prefills, *pab_inputs((), added, default_ttft_ms, default_tpot_ms)[1]]
         kv_free = view.kv_free_tokens
-        decodes, prefills = list(view.decodes), list(view.prefills)
-        for group in (engine.running, engine.waiting):
-            for r in group:
-                if r.request_id not in view.request_ids:
-                    ctx = r.prompt_tokens + r.tokens_out
-                    prefills.append(PendingPrefill(ctx, min(ctx, r.computed_tokens)))
     for lease in leases.active():
         prefills.append(PendingPrefill(lease.prompt_tokens))
     if extra_prefill_tokens > 0:

@@ -53,7 +53,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from replica_agent.policy.pab import fits, on_time
+from replica_agent.policy.pab import ClassBudget, fits, on_time
 from replica_agent.policy.time_model import TimeModel
 from router.placement.core import PlacementRequest, ReplicaView, _keep_by_budget, effective_prompt_tokens
 
@@ -68,10 +68,10 @@ def chunked_prefill_ms(tm: TimeModel, prompt_tokens: int, step_fixed_ms: float, 
 
 def pool_size(share: float, replicas: int, occupancy: float) -> int:
     """Replicas kept for long prompts: 0 when ``share`` <= 0, else ``min(replicas - 1, ceil(occupancy *
-    share * replicas))`` (never below 0; one replica always stays open to short prompts)."""
+    share * replicas))`` (one replica always stays open to short prompts)."""
     if share <= 0.0 or replicas <= 1:
         return 0
-    return max(0, min(replicas - 1, math.ceil(occupancy * share * replicas - 1e-9)))
+    return min(replicas - 1, math.ceil(occupancy * share * replicas - 1e-9))
 
 
 @dataclass(slots=True)
@@ -141,22 +141,22 @@ class LongPromptPoolFilter:
         if self._calls % self.forget_calls == 0:  # bound the map: drop the forgotten
             self._known = {k: v for k, v in self._known.items() if self._calls - v < self.forget_calls}
         cls = request.slo_class
-        top: ReplicaView | None = None
+        top: tuple[ReplicaView, ClassBudget, TimeModel] | None = None  # the candidate with the most PAB time
         steps: list[float] = []
         for r in replicas:
-            budget = r.classes.get(cls)
-            if budget is None or r.time_model is None:
+            cb, model = r.classes.get(cls), r.time_model
+            if cb is None or model is None:
                 continue
-            if budget.decode_iterations > 0:
-                steps.append(budget.decode_reservation_ms / budget.decode_iterations)
-            if top is None or budget.pab_ms > top.classes[cls].pab_ms:
-                top = r
-        if top is None or top.time_model is None:
+            if cb.decode_iterations > 0:
+                steps.append(cb.decode_reservation_ms / cb.decode_iterations)
+            if top is None or cb.pab_ms > top[1].pab_ms:
+                top = (r, cb, model)
+        if top is None:
             return list(replicas)
-        tm, budget = top.time_model, top.classes[cls]
+        view, budget, tm = top
         if not (budget.tpot_ms > 0.0 and budget.horizon_ms > 0.0):
             return list(replicas)
-        prompt = effective_prompt_tokens(request, top.replica_id)
+        prompt = effective_prompt_tokens(request, view.replica_id)
         step_fixed = sum(steps) / len(steps) if steps else tm.a_ms
         chunked = chunked_prefill_ms(tm, prompt, step_fixed, budget.tpot_ms)
         self._count(request, tm.prefill_ms(prompt), chunked > budget.horizon_ms)
