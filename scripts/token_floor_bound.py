@@ -76,6 +76,15 @@ CONDITIONS: tuple[Condition, ...] = (
               "azure-code, 16 x 70B H100 (shipped engine)"),
     Condition("azure-code", ((16, "llama-2-70b-h100-tp4", "llama-2-70b-h100-tp4-splitwise"),), 1000.0, 100.0,
               "azure-code-16-70b-splitwise.json", "azure-code, 16 x 70B H100 (Splitwise-fitted engine)"),
+    Condition("azure-conv", ((16, "llama-2-70b-h100-tp4", "llama-2-70b-h100-tp4-splitwise"),), 1000.0, 100.0,
+              "azure-conv-16-70b-splitwise.json", "azure-conv, 16 x 70B H100 (Splitwise-fitted engine)"),
+    Condition("servegen-m-large", ((16, "llama-2-70b-h100-tp4", "llama-2-70b-h100-tp4-splitwise"),), 1000.0, 100.0,
+              "servegen-m-large-16-70b-splitwise.json", "ServeGen m-large, 16 x 70B H100 (Splitwise-fitted engine)"),
+    Condition("mooncake-conv", ((16, "llama-3-8b-a100", None),), 5000.0, 100.0, "mooncake-conv-16-ttft5s.json",
+              "mooncake-conv (TTFT 5 s), 16 x 8B A100"),
+    Condition("mooncake-conv", ((16, "llama-2-70b-h100-tp4", "llama-2-70b-h100-tp4-splitwise"),), 5000.0, 100.0,
+              "mooncake-conv-16-70b-splitwise-ttft5s.json",
+              "mooncake-conv (TTFT 5 s), 16 x 70B H100 (Splitwise-fitted engine)"),
 )
 """The headline's conditions (docs/evaluation.md, "Headline (issue 27)")."""
 
@@ -96,20 +105,29 @@ def bounds(cond: Condition) -> dict[str, float]:
 
 
 def measured(cond: Condition, headline: Path) -> dict[str, object] | None:
-    """The best baseline's and pab's per-token capacities from the condition's bench-fleet JSON, or None."""
+    """The best baseline's and pab's per-token capacities from the condition's bench-fleet JSON, or None.
+
+    ``pab`` is the PAB policy (name starting ``pab``) with the highest bracketed per-token capacity (the
+    first one when none is bracketed); with several, ``pab_token_floors`` gives each one's (None when
+    not bracketed)."""
     if cond.measured is None or not (headline / cond.measured).exists():
         return None
     d = json.loads((headline / cond.measured).read_text())
     pols = d["policies"]
     best = d.get("best_baseline_token_goodput")
-    ours = next((n for n in pols if n.startswith("pab")), None)
-    if best is None or ours is None:
+    ours_all = [n for n in pols if n.startswith("pab")]
+    if best is None or not ours_all:
         return None
     def floor(p: dict) -> float | None:  # a capacity the search bracketed, else None
         return p.get("capacity_token_floor_rps") if p.get("capacity_token_floor_bound") == "interpolated" else None
 
-    return {"best_baseline": best, "best_baseline_token_floor_rps": floor(pols[best]),
-            "pab": ours, "pab_token_floor_rps": floor(pols[ours])}
+    floors = {n: floor(pols[n]) for n in ours_all}
+    ours = max(ours_all, key=lambda n: -1.0 if floors[n] is None else floors[n])
+    out: dict[str, object] = {"best_baseline": best, "best_baseline_token_floor_rps": floor(pols[best]),
+                              "pab": ours, "pab_token_floor_rps": floors[ours]}  # fmt: skip
+    if len(ours_all) > 1:
+        out["pab_token_floors"] = floors
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

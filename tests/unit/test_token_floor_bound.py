@@ -63,6 +63,21 @@ def test_measured_is_none_without_the_file_and_below_the_sweep(tmp_path: Path) -
     assert m["best_baseline_token_floor_rps"] is None and m["pab_token_floor_rps"] == 9.0
 
 
+def test_measured_takes_the_pab_policy_with_the_highest_bracketed_floor(tmp_path: Path) -> None:
+    cond = tfb.Condition("azure-conv", ((2, "llama-3-8b-a100", None),), 1000.0, 100.0, "m.json", "x")
+    d = {"best_baseline_token_goodput": "b", "policies": {
+        "b": {"capacity_token_floor_rps": 5.0, "capacity_token_floor_bound": "interpolated"},
+        "pab+fairbatching": {"capacity_token_floor_rps": 9.0, "capacity_token_floor_bound": "interpolated"},
+        "pab-pool+fairbatching": {"capacity_token_floor_rps": 11.0, "capacity_token_floor_bound": "interpolated"},
+        "pab-prefix+fairbatching": {"capacity_token_floor_rps": 30.0, "capacity_token_floor_bound": "below-sweep"}}}
+    (tmp_path / "m.json").write_text(json.dumps(d))
+    m = tfb.measured(cond, tmp_path)
+    # 11 > 9; the 30 was not bracketed, so it counts as no capacity
+    assert m["pab"] == "pab-pool+fairbatching" and m["pab_token_floor_rps"] == 11.0
+    assert m["pab_token_floors"] == {"pab+fairbatching": 9.0, "pab-pool+fairbatching": 11.0,
+                                     "pab-prefix+fairbatching": None}
+
+
 def test_headline_bound_line(tmp_path: Path) -> None:
     _fleet_json(tmp_path / "f.json", {"dynamo-kv+fairbatching": 50.0, "pab+fairbatching": 80.0},
                 "dynamo-kv+fairbatching", token_bound=100.0)
