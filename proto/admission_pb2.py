@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15proto/admission.proto\x12\x0c\x66\x61irbatch.v1\"\'\n\x12WatchBudgetRequest\x12\x11\n\trouter_id\x18\x01 \x01(\t\"a\n\x15TimeModelCoefficients\x12\x0c\n\x04\x61_ms\x18\x01 \x01(\x01\x12\x1a\n\x12\x62_ms_per_new_token\x18\x02 \x01(\x01\x12\x1e\n\x16\x63_ms_per_context_token\x18\x03 \x01(\x01\"\x9e\x02\n\x0b\x43lassBudget\x12\x11\n\tslo_class\x18\x01 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x03 \x01(\x01\x12\x12\n\nhorizon_ms\x18\x04 \x01(\x01\x12\x0e\n\x06pab_ms\x18\x05 \x01(\x01\x12\x12\n\npab_tokens\x18\x06 \x01(\x03\x12\x1d\n\x15\x64\x65\x63ode_reservation_ms\x18\x07 \x01(\x01\x12\x1f\n\x17inflight_reservation_ms\x18\x08 \x01(\x01\x12\x16\n\x0ekv_free_tokens\x18\t \x01(\x03\x12\x19\n\x11kv_limited_tokens\x18\n \x01(\x03\x12\x19\n\x11\x64\x65\x63ode_iterations\x18\x0b \x01(\x03\x12\x14\n\x0cslot_wait_ms\x18\x0c \x01(\x01\"\x96\x04\n\x0e\x42udgetSnapshot\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x14\n\x0ctimestamp_ms\x18\x03 \x01(\x03\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\x05\x12\x39\n\x0c\x63oefficients\x18\x05 \x01(\x0b\x32#.fairbatch.v1.TimeModelCoefficients\x12*\n\x07\x63lasses\x18\x06 \x03(\x0b\x32\x19.fairbatch.v1.ClassBudget\x12\x0f\n\x07healthy\x18\x07 \x01(\x08\x12\x13\n\x0bnum_running\x18\x08 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\t \x01(\x05\x12\x10\n\x08kv_usage\x18\n \x01(\x01\x12\x1a\n\x12kv_capacity_tokens\x18\x0b \x01(\x03\x12\x15\n\ractive_leases\x18\x0c \x01(\x05\x12\x19\n\x11max_prompt_tokens\x18\r \x01(\x03\x12\x15\n\rstatus_detail\x18\x0e \x01(\t\x12\x1b\n\x13inflight_prefill_ms\x18\x0f \x03(\x01\x12 \n\x18inflight_prefill_done_ms\x18\x10 \x03(\x01\x12\x1d\n\x15prefix_queries_tokens\x18\x11 \x01(\x03\x12\x1a\n\x12prefix_hits_tokens\x18\x12 \x01(\x03\x12\x18\n\x10inline_admission\x18\x13 \x01(\x08\x12\x10\n\x08\x64raining\x18\x14 \x01(\x08\"\x9e\x01\n\x0eReserveRequest\x12\x11\n\tslo_class\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x03\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\trouter_id\x18\x04 \x01(\t\x12\x12\n\nmax_tokens\x18\x05 \x01(\x03\x12\x11\n\twaited_ms\x18\x06 \x01(\x01\x12\x14\n\x0con_time_only\x18\x07 \x01(\x08\"\x89\x01\n\x0fReserveResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06pab_ms\x18\x04 \x01(\x01\x12\x12\n\npab_tokens\x18\x05 \x01(\x03\x12\x12\n\nexpires_ms\x18\x06 \x01(\x03\x12\x0b\n\x03seq\x18\x07 \x01(\x04\"2\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xf3\x01\n\x10\x41\x64missionService\x12O\n\x0bWatchBudget\x12 .fairbatch.v1.WatchBudgetRequest\x1a\x1c.fairbatch.v1.BudgetSnapshot0\x01\x12\x46\n\x07Reserve\x12\x1c.fairbatch.v1.ReserveRequest\x1a\x1d.fairbatch.v1.ReserveResponse\x12\x46\n\x07Release\x12\x1c.fairbatch.v1.ReleaseRequest\x1a\x1d.fairbatch.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15proto/admission.proto\x12\x0c\x66\x61irbatch.v1\"\'\n\x12WatchBudgetRequest\x12\x11\n\trouter_id\x18\x01 \x01(\t\"\x96\x01\n\x15TimeModelCoefficients\x12\x0c\n\x04\x61_ms\x18\x01 \x01(\x01\x12\x1a\n\x12\x62_ms_per_new_token\x18\x02 \x01(\x01\x12\x1e\n\x16\x63_ms_per_context_token\x18\x03 \x01(\x01\x12\x1d\n\x15\x65_ms_per_chunk_prefix\x18\x04 \x01(\x01\x12\x14\n\x0c\x63hunk_tokens\x18\x05 \x01(\x01\"\x9e\x02\n\x0b\x43lassBudget\x12\x11\n\tslo_class\x18\x01 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x03 \x01(\x01\x12\x12\n\nhorizon_ms\x18\x04 \x01(\x01\x12\x0e\n\x06pab_ms\x18\x05 \x01(\x01\x12\x12\n\npab_tokens\x18\x06 \x01(\x03\x12\x1d\n\x15\x64\x65\x63ode_reservation_ms\x18\x07 \x01(\x01\x12\x1f\n\x17inflight_reservation_ms\x18\x08 \x01(\x01\x12\x16\n\x0ekv_free_tokens\x18\t \x01(\x03\x12\x19\n\x11kv_limited_tokens\x18\n \x01(\x03\x12\x19\n\x11\x64\x65\x63ode_iterations\x18\x0b \x01(\x03\x12\x14\n\x0cslot_wait_ms\x18\x0c \x01(\x01\"\x96\x04\n\x0e\x42udgetSnapshot\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x14\n\x0ctimestamp_ms\x18\x03 \x01(\x03\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\x05\x12\x39\n\x0c\x63oefficients\x18\x05 \x01(\x0b\x32#.fairbatch.v1.TimeModelCoefficients\x12*\n\x07\x63lasses\x18\x06 \x03(\x0b\x32\x19.fairbatch.v1.ClassBudget\x12\x0f\n\x07healthy\x18\x07 \x01(\x08\x12\x13\n\x0bnum_running\x18\x08 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\t \x01(\x05\x12\x10\n\x08kv_usage\x18\n \x01(\x01\x12\x1a\n\x12kv_capacity_tokens\x18\x0b \x01(\x03\x12\x15\n\ractive_leases\x18\x0c \x01(\x05\x12\x19\n\x11max_prompt_tokens\x18\r \x01(\x03\x12\x15\n\rstatus_detail\x18\x0e \x01(\t\x12\x1b\n\x13inflight_prefill_ms\x18\x0f \x03(\x01\x12 \n\x18inflight_prefill_done_ms\x18\x10 \x03(\x01\x12\x1d\n\x15prefix_queries_tokens\x18\x11 \x01(\x03\x12\x1a\n\x12prefix_hits_tokens\x18\x12 \x01(\x03\x12\x18\n\x10inline_admission\x18\x13 \x01(\x08\x12\x10\n\x08\x64raining\x18\x14 \x01(\x08\"\x9e\x01\n\x0eReserveRequest\x12\x11\n\tslo_class\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x03\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\trouter_id\x18\x04 \x01(\t\x12\x12\n\nmax_tokens\x18\x05 \x01(\x03\x12\x11\n\twaited_ms\x18\x06 \x01(\x01\x12\x14\n\x0con_time_only\x18\x07 \x01(\x08\"\x89\x01\n\x0fReserveResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06pab_ms\x18\x04 \x01(\x01\x12\x12\n\npab_tokens\x18\x05 \x01(\x03\x12\x12\n\nexpires_ms\x18\x06 \x01(\x03\x12\x0b\n\x03seq\x18\x07 \x01(\x04\"2\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xf3\x01\n\x10\x41\x64missionService\x12O\n\x0bWatchBudget\x12 .fairbatch.v1.WatchBudgetRequest\x1a\x1c.fairbatch.v1.BudgetSnapshot0\x01\x12\x46\n\x07Reserve\x12\x1c.fairbatch.v1.ReserveRequest\x1a\x1d.fairbatch.v1.ReserveResponse\x12\x46\n\x07Release\x12\x1c.fairbatch.v1.ReleaseRequest\x1a\x1d.fairbatch.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,20 +33,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WATCHBUDGETREQUEST']._serialized_start=39
   _globals['_WATCHBUDGETREQUEST']._serialized_end=78
-  _globals['_TIMEMODELCOEFFICIENTS']._serialized_start=80
-  _globals['_TIMEMODELCOEFFICIENTS']._serialized_end=177
-  _globals['_CLASSBUDGET']._serialized_start=180
-  _globals['_CLASSBUDGET']._serialized_end=466
-  _globals['_BUDGETSNAPSHOT']._serialized_start=469
-  _globals['_BUDGETSNAPSHOT']._serialized_end=1003
-  _globals['_RESERVEREQUEST']._serialized_start=1006
-  _globals['_RESERVEREQUEST']._serialized_end=1164
-  _globals['_RESERVERESPONSE']._serialized_start=1167
-  _globals['_RESERVERESPONSE']._serialized_end=1304
-  _globals['_RELEASEREQUEST']._serialized_start=1306
-  _globals['_RELEASEREQUEST']._serialized_end=1356
-  _globals['_RELEASERESPONSE']._serialized_start=1358
-  _globals['_RELEASERESPONSE']._serialized_end=1393
-  _globals['_ADMISSIONSERVICE']._serialized_start=1396
-  _globals['_ADMISSIONSERVICE']._serialized_end=1639
+  _globals['_TIMEMODELCOEFFICIENTS']._serialized_start=81
+  _globals['_TIMEMODELCOEFFICIENTS']._serialized_end=231
+  _globals['_CLASSBUDGET']._serialized_start=234
+  _globals['_CLASSBUDGET']._serialized_end=520
+  _globals['_BUDGETSNAPSHOT']._serialized_start=523
+  _globals['_BUDGETSNAPSHOT']._serialized_end=1057
+  _globals['_RESERVEREQUEST']._serialized_start=1060
+  _globals['_RESERVEREQUEST']._serialized_end=1218
+  _globals['_RESERVERESPONSE']._serialized_start=1221
+  _globals['_RESERVERESPONSE']._serialized_end=1358
+  _globals['_RELEASEREQUEST']._serialized_start=1360
+  _globals['_RELEASEREQUEST']._serialized_end=1410
+  _globals['_RELEASERESPONSE']._serialized_start=1412
+  _globals['_RELEASERESPONSE']._serialized_end=1447
+  _globals['_ADMISSIONSERVICE']._serialized_start=1450
+  _globals['_ADMISSIONSERVICE']._serialized_end=1693
 # @@protoc_insertion_point(module_scope)

@@ -13,14 +13,18 @@ class WatchBudgetRequest(_message.Message):
     def __init__(self, router_id: _Optional[str] = ...) -> None: ...
 
 class TimeModelCoefficients(_message.Message):
-    __slots__ = ("a_ms", "b_ms_per_new_token", "c_ms_per_context_token")
+    __slots__ = ("a_ms", "b_ms_per_new_token", "c_ms_per_context_token", "e_ms_per_chunk_prefix", "chunk_tokens")
     A_MS_FIELD_NUMBER: _ClassVar[int]
     B_MS_PER_NEW_TOKEN_FIELD_NUMBER: _ClassVar[int]
     C_MS_PER_CONTEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    E_MS_PER_CHUNK_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     a_ms: float
     b_ms_per_new_token: float
     c_ms_per_context_token: float
-    def __init__(self, a_ms: _Optional[float] = ..., b_ms_per_new_token: _Optional[float] = ..., c_ms_per_context_token: _Optional[float] = ...) -> None: ...
+    e_ms_per_chunk_prefix: float
+    chunk_tokens: float
+    def __init__(self, a_ms: _Optional[float] = ..., b_ms_per_new_token: _Optional[float] = ..., c_ms_per_context_token: _Optional[float] = ..., e_ms_per_chunk_prefix: _Optional[float] = ..., chunk_tokens: _Optional[float] = ...) -> None: ...
 
 class ClassBudget(_message.Message):
     __slots__ = ("slo_class", "ttft_ms", "tpot_ms", "horizon_ms", "pab_ms", "pab_tokens", "decode_reservation_ms", "inflight_reservation_ms", "kv_free_tokens", "kv_limited_tokens", "decode_iterations", "slot_wait_ms")

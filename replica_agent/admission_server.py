@@ -51,14 +51,15 @@ def class_budget_pb(b: ClassBudget) -> admission_pb2.ClassBudget:
 
 def snapshot_pb(agent: Agent, view: BudgetView) -> admission_pb2.BudgetSnapshot:
     """BudgetSnapshot of ``view`` with the next sequence number and the unix timestamp."""
-    tm = agent.time_model().linearized()  # a, b' = b + f*K, c: the router prices prompts as PAB does (time_model.py)
+    tm = agent.time_model().linearized()  # a, b' = b + f*K, c, e, K: the router prices prompts as PAB does (time_model.py)
     return admission_pb2.BudgetSnapshot(
         replica_id=agent.config.replica_id,
         seq=agent.next_seq(),
         timestamp_ms=agent.clock.unix_ms(),
         ttl_ms=int(agent.config.ttl_ms),
         coefficients=admission_pb2.TimeModelCoefficients(
-            a_ms=tm.a_ms, b_ms_per_new_token=tm.b_ms_per_new_token, c_ms_per_context_token=tm.c_ms_per_context_token
+            a_ms=tm.a_ms, b_ms_per_new_token=tm.b_ms_per_new_token, c_ms_per_context_token=tm.c_ms_per_context_token,
+            e_ms_per_chunk_prefix=tm.e_ms_per_chunk_prefix, chunk_tokens=tm.chunk_tokens,
         ),
         classes=[class_budget_pb(b) for b in view.classes.values()],
         healthy=view.healthy,

@@ -117,6 +117,17 @@ MAX_LOCAL_LUMPS = 16
 """Entries of a replica's ``inflight_prefill_ms`` the router keeps (its own placements included)."""
 
 
+def snapshot_time_model(coef: object) -> TimeModel | None:
+    """The replica's prompt pricing from a snapshot's ``TimeModelCoefficients`` (proto): a, b' (the agent's
+    model linearized, replica_agent/policy/time_model.py ``TimeModel.linearized``), c, e and K (an agent that
+    sends no e or K, 0 in proto3, prices prompts linearly). None when the coefficients are invalid."""
+    try:
+        return TimeModel(coef.a_ms, coef.b_ms_per_new_token, coef.c_ms_per_context_token,  # type: ignore[attr-defined]
+                         getattr(coef, "e_ms_per_chunk_prefix", 0.0), chunk_tokens=getattr(coef, "chunk_tokens", 0.0))
+    except ValueError:
+        return None
+
+
 class BudgetBook:
     """Latest budget per replica, freshness, and a broadcast wake-up on every change.
 
@@ -150,12 +161,7 @@ class BudgetBook:
         seq = int(snapshot.seq)  # type: ignore[attr-defined]
         if budget.connected and budget.received_ms is not None and seq <= budget.seq and seq != 0:
             return False
-        coef = snapshot.coefficients  # type: ignore[attr-defined]
-        try:
-            tm = TimeModel(coef.a_ms, coef.b_ms_per_new_token, coef.c_ms_per_context_token)
-        except ValueError:
-            tm = None
-        budget.time_model = tm
+        budget.time_model = snapshot_time_model(snapshot.coefficients)  # type: ignore[attr-defined]
         budget.classes = {
             c.slo_class: ClassBudget(
                 slo_class=c.slo_class,
@@ -256,8 +262,8 @@ class BudgetBook:
                    awaiting_key: str | None = None) -> None:
         """Deduct a prompt from the local view at once, before its Reserve answer arrives, so that
         concurrent placements spread instead of all choosing the same replica: the request's class
-        loses its predicted prefill a + b*P ms, every other class b*P ms (the in-flight
-        reservation's own term, pab.py), and every class P tokens of PAB_tokens and of
+        loses its predicted prefill ``prefill_ms(P)`` = a + b*P + e*cross(P) ms, every other class that
+        less a (the in-flight reservation's own term, pab.py), and every class P tokens of PAB_tokens and of
         kv_limited_tokens (the prompt's KV). The Reserve answer (:meth:`apply_reserve`) or the
         next snapshot then sets the agent's figures. With ``awaiting_key`` (a placement about to
         send its Reserve) the take stays deducted from every snapshot and from other placements'
@@ -268,13 +274,14 @@ class BudgetBook:
         tm = budget.time_model
         p = max(0, int(prompt_tokens))
         costs: dict[str, float] = {}
+        body = tm.prefill_ms(p) - tm.a_ms  # without a: it rides in steps that pay a (pab.py, item 2)
         for name, cur in list(budget.classes.items()):
-            cost = costs[name] = tm.prefill_ms(p) if name == slo_class else tm.b_ms_per_new_token * p
+            cost = costs[name] = tm.a_ms + body if name == slo_class else body
             budget.classes[name] = _deducted(cur, cost, p)
         if awaiting_key is not None:
             budget.awaiting[awaiting_key] = AwaitingTake(costs, p)
-        self.drain.note_added(replica_id, tm.b_ms_per_new_token * p)
-        lump = tm.b_ms_per_new_token * p
+        self.drain.note_added(replica_id, body)
+        lump = body
         lumps, done = budget.inflight_prefill_ms, budget.inflight_prefill_done_at_ms
         timed = len(done) == len(lumps)
         end = max(self._clock.now_ms(), done[-1] if timed and done else 0.0) + lump

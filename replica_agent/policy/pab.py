@@ -38,21 +38,27 @@ were admitted earlier and whose promises we must keep:
    horizon. They ride in the decode iterations (chunked prefill), so they add only their token
    terms, not another fixed cost ``a``::
 
-       inflight_reservation = sum_p (b' * r_p + c * computed_p + e * r_p * computed_p),  r_p = prompt_p - computed_p
+       inflight_reservation = sum_p (b' * r_p + c * computed_p + e * (r_p * computed_p + cross(r_p))),
+                              r_p = prompt_p - computed_p
 
    (``d`` and ``e``: the decode and chunk x prefix terms of replica_agent/policy/time_model.py, 0 in
    the profiles' linear fits; the online calibrator learns them. ``b' = b + f * K``, the model's
    ``prompt_ms_per_token``: a prompt's chunks are not known when it is priced, so its tokens are
    charged at the learned mean chunk length K, the chunk^2 term ``f`` included; ``b' = b`` when f = 0.
-   Every prompt price below uses b'; a decode's own token costs ``b + d``. The router receives the
-   model linearized, ``(a, b', c)``, so it prices prompts with the same numbers.)
+   Every prompt price below uses b'; a decode's own token costs ``b + d``. ``cross(r)``: the pairs
+   between a prompt's own chunks of K tokens, ``(r^2 - sum chunk^2) / 2``, whose attention costs ``e``
+   each (time_model.py ``TimeModel.chunk_cross_tokens``; 0 for a prompt in one chunk). The router
+   receives the model linearized, ``(a, b', c, e, K)``, so it prices prompts with the same numbers.)
 
 What remains is the prefill time a new prompt may use::
 
     PAB_ms(k) = max(0, H - decode_reservation - inflight_reservation)
 
-A fresh prompt of P tokens run in one iteration of its own costs ``a + b' * P``, so the largest
-prompt that time allows is ``floor((PAB_ms - a) / b')`` (0 when PAB_ms <= a).
+A fresh prompt of P tokens costs ``price(P) = a + b' * P + e * cross(P)`` (``TimeModel.prefill_ms``), so
+the largest prompt that time allows is the largest P with ``price(P) <= PAB_ms``
+(``TimeModel.tokens_within_ms``; ``floor((PAB_ms - a) / b')`` without the cross term, 0 when PAB_ms <= a).
+Below, ``a + b' * P`` stands for ``price(P)`` and ``floor((X - a) / b')`` for that largest P: the price
+grows with P and does not depend on the horizon, which is all the arguments below use.
 
 KV cache. The new prompt's P tokens must also fit in the KV cache next to what the existing work
 will still write within the horizon::
@@ -416,13 +422,12 @@ def class_budget(state: ReplicaState, slo: SloClass, waited_ms: float = 0.0) -> 
 
 
 def _inflight_terms(tm: TimeModel, prefills: Iterable[PendingPrefill]) -> Iterator[float]:
-    """Each in-flight prefill's reservation ``b'*r + c*computed + e*r*computed`` (ms; module docstring,
-    item 2; ``b'`` = ``tm.prompt_ms_per_token``): it rides in batches that already pay ``a``, so it is
-    ``tm.prefill_ms(prompt, computed) - a``."""
-    b, c, e = tm.prompt_ms_per_token, tm.c_ms_per_context_token, tm.e_ms_per_chunk_prefix
+    """Each in-flight prefill's reservation ``b'*r + c*computed + e*(r*computed + cross(r))`` (ms; module
+    docstring, item 2; ``b'`` = ``tm.prompt_ms_per_token``): it rides in batches that already pay ``a``, so
+    it is ``tm.prefill_ms(prompt, computed) - a``."""
+    a = tm.a_ms
     for p in prefills:
-        r = p.remaining_tokens
-        yield b * r + c * p.computed_tokens + e * r * p.computed_tokens
+        yield tm.prefill_ms(p.computed_tokens + p.remaining_tokens, p.computed_tokens) - a
 
 
 MAX_INFLIGHT_LUMPS = 8
@@ -486,7 +491,7 @@ def fits(prompt_tokens: int, class_budget: ClassBudget, time_model: TimeModel, w
     if prompt_tokens < 0:
         raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
     _check_waited(waited_ms)
-    prefill_ms = time_model.a_ms + time_model.prompt_ms_per_token * prompt_tokens  # fresh prompt: ctx 0
+    prefill_ms = time_model.prefill_ms(prompt_tokens)  # fresh prompt: ctx 0
     if prefill_ms > class_budget.horizon_ms + _EPS:
         idle = class_budget.pab_ms >= class_budget.horizon_ms - _EPS  # PAB_ms = H: nothing reserved
         return idle and prompt_tokens <= class_budget.kv_limited_tokens
@@ -507,7 +512,7 @@ def on_time(prompt_tokens: int, class_budget: ClassBudget, time_model: TimeModel
     if prompt_tokens < 0:
         raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
     _check_waited(waited_ms)
-    prefill_ms = time_model.a_ms + time_model.prompt_ms_per_token * prompt_tokens
+    prefill_ms = time_model.prefill_ms(prompt_tokens)
     if prefill_ms > (class_budget.horizon_ms - waited_ms) + _EPS:
         return False
     pab_w = class_budget.pab_ms - waited_ms
@@ -555,7 +560,7 @@ def admits(prompt_tokens: int, state: ReplicaState, slo: SloClass, waited_ms: fl
         return aged.horizon_ms > 0 and on_time(prompt_tokens, aged, tm), full
     if fits(prompt_tokens, full, tm):
         return True, full
-    if waited_ms and tm.a_ms + tm.prompt_ms_per_token * prompt_tokens <= full.horizon_ms + _EPS:
+    if waited_ms and tm.prefill_ms(prompt_tokens) <= full.horizon_ms + _EPS:
         aged = class_budget(state, slo, waited_ms)
         if aged.horizon_ms > 0 and on_time(prompt_tokens, aged, tm):
             return True, full

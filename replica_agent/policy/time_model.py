@@ -19,12 +19,23 @@ profiles (see ``replica_agent/data/SOURCES.md``).
   at the chunk size it was fitted on: small chunks over-priced, large ones under-priced (issue 27 item 7,
   docs/evaluation.md "Online time model"). ``f`` defaults to 0 (the profiles' linear fits).
 
-Prompts are priced before their chunks are known (PAB, the router, the in-flight reservations): with
-``f > 0`` a prompt of P tokens is priced as if prefilled in chunks of ``chunk_tokens`` = K tokens, whose
-chunk^2 sum is K * P, so each of its tokens costs ``prompt_ms_per_token = b + f * K``. K is what the
-online model learned: the mean chunk length its prefill tokens ran in, so prompts cost what the
+Prompts are priced before their chunks are known (PAB, the router, the in-flight reservations): a
+prompt of P tokens is priced as if prefilled in chunks of ``chunk_tokens`` = K tokens. With ``f > 0``
+their chunk^2 sum is K * P, so each of its tokens costs ``prompt_ms_per_token = b + f * K``. K is what
+the online model learned: the mean chunk length its prefill tokens ran in, so prompts cost what the
 purely linear fit charged them (its ``b`` absorbed ``f * K``) while each step is predicted from its
-own chunks. :meth:`TimeModel.linearized` is that pricing as a plain a, b, c model, what routers receive.
+own chunks. :meth:`TimeModel.linearized` is that pricing as a model without f, what routers receive
+(a, b', c, e and K).
+
+A prompt's own chunks also read each other: chunk j attends over the chunks before it, so with ``e > 0``
+the rest R of a prompt costs ``e * (R * computed + cross(R))`` for its chunk x prefix pairs, where
+``cross(R) = sum_j chunk_j * (tokens of the chunks before j) = (R^2 - sum_j chunk_j^2) / 2`` over R split
+into chunks of K (:meth:`TimeModel.chunk_cross_tokens`; 0 when R <= K or K = 0, a prompt in one
+chunk). It grows as R^2 / 2: for the 8B A100 engine (e about 3.3e-6 ms, K about 900 tokens learned
+online under FairBatching) a 7,400-token prompt's cross term is about 80 ms, 16 % of its linear price,
+and a 20,000-token one's about 630 ms, 48 % (issue 27: without it PAB under-priced long prompts and
+admitted them to run late). The matching context term, ``c`` times the prefix each chunk reads, is
+left out: ``c * K * n(n-1)/2`` for n chunks, about ``c / (e K)`` (3 % for the 8B) of the cross term.
 
 :class:`StepFeatures` is the one description of an iteration that the engines (simulated and vLLM),
 the time models and the online calibrator (``replica_agent/policy/calibration.py``) share.
@@ -93,6 +104,19 @@ class StepFeatures:
         return cls(new, ctx, cross, sq, n, pcross, dec, psq)
 
 
+def chunk_cross_tokens(remaining_tokens: int | float, chunk_tokens: float) -> float:
+    """``cross(R)`` of the module docstring: the (new token, earlier token) pairs between the chunks of R
+    tokens cut into chunks of K = ``chunk_tokens`` (q full ones and a last of r = R - q K), so
+    ``(R^2 - q K^2 - r^2) / 2`` (tokens^2); 0 when K <= 0 or R <= K (one chunk). E.g. R = 2,500, K = 1,000:
+    chunks 1,000 / 1,000 / 500, pairs 1,000 x 1,000 + 500 x 2,000 = 2,000,000."""
+    r_all = float(remaining_tokens)
+    if chunk_tokens <= 0.0 or r_all <= chunk_tokens:
+        return 0.0
+    q = math.floor(r_all / chunk_tokens)
+    rest = r_all - q * chunk_tokens
+    return max(0.0, (r_all * r_all - q * chunk_tokens * chunk_tokens - rest * rest) / 2.0)
+
+
 @dataclass(frozen=True, slots=True)
 class TimeModel:
     """Coefficients of the batch-time model.
@@ -111,8 +135,9 @@ class TimeModel:
         f_ms_per_chunk_sq: cost of each squared new token of a prefill chunk (ms/token^2;
             :attr:`StepFeatures.prefill_chunk_sq_tokens`); 0 in the profiles' linear fits.
         chunk_tokens: K, the chunk length prompts are priced at (tokens, >= 0; module docstring): a
-            prompt token costs :attr:`prompt_ms_per_token` = ``b + f * K``. Not a cost: :meth:`scaled`
-            keeps it. The online model sets it to the mean chunk length it saw; irrelevant when f = 0.
+            prompt token costs :attr:`prompt_ms_per_token` = ``b + f * K``, and the prompt's chunks read
+            each other at ``e`` (:meth:`chunk_cross_tokens`). Not a cost: :meth:`scaled` keeps it. The
+            online model sets it to the mean chunk length it saw; 0 (the profiles): a prompt in one chunk.
     """
 
     a_ms: float
@@ -161,33 +186,52 @@ class TimeModel:
         return self.b_ms_per_new_token + self.f_ms_per_chunk_sq * self.chunk_tokens
 
     def linearized(self) -> TimeModel:
-        """The same prompt pricing as a model without f: ``b`` replaced by :attr:`prompt_ms_per_token`, f and
-        chunk_tokens 0 (``self`` when f is already 0). :meth:`prefill_ms`, :meth:`tokens_within_ms` and the
-        in-flight terms of pab.py give the same values on both; it is what the agent sends to routers
-        (proto TimeModelCoefficients: a, b, c), so the router prices prompts as the agent does."""
-        if self.f_ms_per_chunk_sq == 0.0 and self.chunk_tokens == 0.0:
+        """The same prompt pricing as a model without f: ``b`` replaced by :attr:`prompt_ms_per_token`, f 0,
+        K kept for the cross term (``self`` when f is already 0). :meth:`prefill_ms`, :meth:`tokens_within_ms`
+        and the in-flight terms of pab.py give the same values on both; it is what the agent sends to
+        routers (proto TimeModelCoefficients: a, b', c, e, K), so the router prices prompts as the agent does."""
+        if self.f_ms_per_chunk_sq == 0.0:
             return self
         return TimeModel(self.a_ms, self.prompt_ms_per_token, self.c_ms_per_context_token, self.e_ms_per_chunk_prefix,
-                         self.d_ms_per_decode - self.f_ms_per_chunk_sq * self.chunk_tokens)  # fmt: skip
+                         self.d_ms_per_decode - self.f_ms_per_chunk_sq * self.chunk_tokens, 0.0,
+                         self.chunk_tokens)  # fmt: skip
+
+    def chunk_cross_tokens(self, remaining_tokens: int | float) -> float:
+        """``cross(R)`` of the module docstring for K = :attr:`chunk_tokens` (:func:`chunk_cross_tokens`)."""
+        return chunk_cross_tokens(remaining_tokens, self.chunk_tokens)
 
     def prefill_ms(self, prompt_tokens: int | float, computed_tokens: int | float = 0) -> float:
-        """Predicted time (ms) to prefill the rest of a prompt, in one iteration of its own but priced at
-        :attr:`prompt_ms_per_token` (module docstring; ``b`` when f = 0).
+        """Predicted time (ms) to prefill the rest of a prompt, as if it paid one iteration's ``a`` and
+        priced at :attr:`prompt_ms_per_token` (module docstring; ``b`` when f = 0):
+        ``a + b' R + c C + e (R C + cross(R))`` with R = ``prompt_tokens - computed_tokens`` (>= 0).
 
-        ``computed_tokens`` of the prompt are already in the KV cache (chunked prefill); the chunk
-        of ``remaining`` tokens reads them: cross term ``remaining * computed``.
+        ``computed_tokens`` C of the prompt are already in the KV cache (chunked prefill); every
+        remaining token reads them (``R * C``) and the chunks before its own (``cross(R)``,
+        :meth:`chunk_cross_tokens`).
         """
         computed = float(computed_tokens)
         remaining = max(0.0, float(prompt_tokens) - computed)
         return (self.a_ms + self.prompt_ms_per_token * remaining + self.c_ms_per_context_token * computed
-                + self.e_ms_per_chunk_prefix * remaining * computed)  # fmt: skip
+                + self.e_ms_per_chunk_prefix * (remaining * computed + self.chunk_cross_tokens(remaining)))  # fmt: skip
 
     def tokens_within_ms(self, budget_ms: float) -> int:
-        """Largest fresh prompt (tokens) whose prefill (:meth:`prefill_ms`) fits ``budget_ms``:
-        floor((budget - a) / prompt_ms_per_token), >= 0."""
+        """Largest fresh prompt P (tokens) whose prefill :meth:`prefill_ms` fits ``budget_ms`` (>= 0):
+        ``floor((budget - a) / prompt_ms_per_token)`` without the cross term (e = 0, K = 0 or that P <= K),
+        else the largest P below it whose price with the cross term fits (bisection: the price grows with P)."""
         if budget_ms <= self.a_ms:
             return 0
-        return max(0, math.floor((budget_ms - self.a_ms) / self.prompt_ms_per_token + 1e-9))
+        linear = max(0, math.floor((budget_ms - self.a_ms) / self.prompt_ms_per_token + 1e-9))
+        if self.e_ms_per_chunk_prefix == 0.0 or linear <= self.chunk_tokens:
+            return linear
+        lo, hi = 0, linear  # prefill_ms(lo) fits; find the largest that does
+        limit = budget_ms + 1e-9 * max(1.0, budget_ms)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.prefill_ms(mid) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ decision after the Reserve was granted, for plugins that learn.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -42,7 +43,7 @@ ClassBudgetView = ClassBudget
 # The fit test is the same for a fresh and an aged request (fits(), "Work conservation"); for an
 # aged one the fused pass computes the headroom as (pab - w) - a and the on-time test (on_time())
 # from horizon_ms and pab_ms, operation for operation.
-PabFitEntry = tuple[str, float, float, float, float, float, float, float, float, float, float, int, int]
+PabFitEntry = tuple[str, float, float, float, float, float, float, float, float, float, float, int, int, float, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +100,8 @@ def _pab_fit_table(view: ReplicaView) -> dict[str, PabFitEntry]:
         return {}
     a = tm.a_ms
     b = tm.b_ms_per_new_token
+    e = tm.e_ms_per_chunk_prefix if tm.chunk_tokens > 0.0 else 0.0  # the prompt's cross-chunk term
+    k_cross = tm.chunk_tokens if e > 0.0 else math.inf  # prompts longer than this pay it
     mp = view.max_prompt_tokens
     table = {}
     for name, cb in view.classes.items():
@@ -112,7 +115,7 @@ def _pab_fit_table(view: ReplicaView) -> dict[str, PabFitEntry]:
             _tokens_cap(cb.pab_tokens, mp),
             _tokens_cap(cb.kv_limited_tokens, mp) if idle else -1,
             pab, cb.inflight_reservation_ms, cb.kv_limited_tokens,
-            max(cb.kv_free_tokens, cb.kv_limited_tokens, 1),
+            max(cb.kv_free_tokens, cb.kv_limited_tokens, 1), e, k_cross,
         )  # fmt: skip
     return table
 

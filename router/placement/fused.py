@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from replica_agent.policy.pab import _EPS, fits, on_time
+from replica_agent.policy.time_model import chunk_cross_tokens
 from router.placement.core import (
     DEFAULT_MAX_CANDIDATES,
     PlacementPolicy,
@@ -83,7 +84,8 @@ class FusedPabPolicy(PlacementPolicy):
             f = v.pab_fit.get(slo_class)
             if f is None:  # unhealthy, stale, no time model, or no budget for the class
                 continue
-            rid, a, b, horizon_eps, pab_eps, pab_minus_a, h, normal_max, oversize_max, pab, infl, kv_lim, kv_scale = f
+            (rid, a, b, horizon_eps, pab_eps, pab_minus_a, h, normal_max, oversize_max, pab, infl, kv_lim, kv_scale,
+             e_cross, k_cross) = f
             if exclude and rid in exclude:
                 continue
             p = p_full
@@ -95,7 +97,9 @@ class FusedPabPolicy(PlacementPolicy):
                         continue
                     p = p_full - c if c < p_full else 0
             bp = b * p
-            prefill_ms = a + bp  # fits(): a + b*P, fresh prompt (the same rule for an aged one)
+            # fits(): the time model's prefill_ms(P) = a + b*P + e*cross(P), fresh prompt (the same rule for an aged one)
+            cost = bp if p <= k_cross else bp + e_cross * chunk_cross_tokens(p, k_cross)
+            prefill_ms = a + cost
             if prefill_ms > horizon_eps:  # oversize: only where nothing is reserved and the KV holds it
                 if not p <= oversize_max:
                     continue
@@ -115,7 +119,7 @@ class FusedPabPolicy(PlacementPolicy):
             if window_steps > 0 and infl > _EPS and not infl + bp <= window_steps * (a + b * step_tokens) + _EPS:
                 continue  # window_admits()
             # -(headroom + kv-headroom): the chain's sum of the two scorers, negated as the picker does
-            ns = inf if h <= 0 else -(((pab_minus_a - bp) / h) + (kv_lim - p) / kv_scale)
+            ns = inf if h <= 0 else -(((pab_minus_a - cost) / h) + (kv_lim - p) / kv_scale)
             if draw is None:
                 if ns > worst_ns:
                     continue

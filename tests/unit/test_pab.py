@@ -381,16 +381,22 @@ def test_chunk_sq_pricing_by_hand():
 
 
 def test_router_on_the_linearized_snapshot_decides_as_the_agent():
-    """With f and K, the router holds only (a, b', c) (admission_server.snapshot_pb: tm.linearized(); the book
-    builds TimeModel(a, b, c), router/budgets.py): its fit and on-time answers equal the agent's on the same
-    budget, and whatever it admits the agent admits (pab.py "Aged requests", "Work conservation")."""
+    """With f and K, the router holds only (a, b', c, e, K) (admission_server.snapshot_pb: tm.linearized(); the
+    book builds its model with router/budgets.py ``snapshot_time_model``): its fit and on-time answers equal
+    the agent's on the same budget, and whatever it admits the agent admits (pab.py "Aged requests", "Work
+    conservation")."""
+    from proto import admission_pb2
+    from router.budgets import snapshot_time_model
+
     rng = random.Random(20260301)
     router_yes = 0
     for _ in range(3000):
         st, slo = _random_state(rng, chunk_sq=True)
         tm = st.time_model
         lin = tm.linearized()
-        router_tm = TimeModel(lin.a_ms, lin.b_ms_per_new_token, lin.c_ms_per_context_token)
+        router_tm = snapshot_time_model(admission_pb2.TimeModelCoefficients(
+            a_ms=lin.a_ms, b_ms_per_new_token=lin.b_ms_per_new_token, c_ms_per_context_token=lin.c_ms_per_context_token,
+            e_ms_per_chunk_prefix=lin.e_ms_per_chunk_prefix, chunk_tokens=lin.chunk_tokens))  # fmt: skip
         fresh = class_budget(st, slo)
         h = fresh.horizon_ms
         w = rng.choice([0.0, rng.uniform(0.0, h), h, rng.uniform(0.0, 50.0)])

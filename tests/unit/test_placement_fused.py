@@ -202,6 +202,9 @@ def random_view(rng: random.Random, rid: str) -> ReplicaView:
     tm = None
     if rng.random() > 0.05:
         tm = TimeModel(rng.choice([0.0, 10.0, 9.8626]), rng.choice([0.1, 0.0726711, 0.05]), 0.0)
+        if rng.random() < 0.4:  # the online model's cross-chunk term (e over chunks of K)
+            tm = TimeModel(tm.a_ms, tm.b_ms_per_new_token, 0.0, rng.choice([3.3e-6, 1e-5]),
+                           chunk_tokens=rng.choice([0.0, 256.0, 871.6, 2048.0]))  # fmt: skip
     t = tm or TM
     classes = {}
     for name in CLASSES:
@@ -209,7 +212,7 @@ def random_view(rng: random.Random, rid: str) -> ReplicaView:
             continue
         h = rng.choices([450.0, 900.0, 0.0, -5.0, -1.0], weights=[10, 10, 1, 1, 3])[0]
         if h == -1.0:  # within 1e-9 of the prefill time of some prompt: the oversize edge
-            h = t.a_ms + t.b_ms_per_new_token * rng.randint(1000, 8000) + rng.choice([-2e-9, -5e-10, 0.0, 5e-10])
+            h = t.prefill_ms(rng.randint(1000, 8000)) + rng.choice([-2e-9, -5e-10, 0.0, 5e-10])
         r = rng.random()
         if r < 0.15:
             pab = max(h, 0.0)  # idle: nothing reserved
@@ -218,7 +221,7 @@ def random_view(rng: random.Random, rid: str) -> ReplicaView:
         elif r < 0.5:
             pab = rng.choice([100.0, 200.0, 300.0])  # equal budgets: ties
         elif r < 0.7:  # exactly (or within 1e-9 of) the prefill time of some prompt
-            pab = max(0.0, t.a_ms + t.b_ms_per_new_token * rng.randint(0, 5000) + rng.choice([-2e-9, -5e-10, 0.0, 5e-10]))
+            pab = max(0.0, t.prefill_ms(rng.randint(0, 5000)) + rng.choice([-2e-9, -5e-10, 0.0, 5e-10]))
         else:
             pab = rng.uniform(0.0, max(h, 1.0))
         kvl = rng.choice([100_000, rng.randint(0, 8000)])

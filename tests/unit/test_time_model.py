@@ -103,10 +103,17 @@ def test_chunk_sq_term_by_hand():
     assert tm.batch_ms(304, 350, 15_000, 2, 90_004) == pytest.approx(43.05004)
     # a prompt token is priced at the chunk length K = 500: b' = 0.1 + 1e-5 * 500 = 0.105
     assert tm.prompt_ms_per_token == pytest.approx(0.105)
-    assert tm.prefill_ms(1000) == pytest.approx(10 + 105.0)
-    # the last 600 tokens over 400 computed: 10 + 0.105*600 + 0.001*400 + 1e-4*600*400
-    assert tm.prefill_ms(1000, 400) == pytest.approx(10 + 63 + 0.4 + 24)
-    assert tm.tokens_within_ms(115.0) == 1000 and tm.tokens_within_ms(114.99) == 999
+    # 1,000 fresh tokens in two chunks of 500: the second reads the first, 500 x 500 pairs at e = 1e-4
+    assert tm.prefill_ms(1000) == pytest.approx(10 + 105.0 + 25.0)
+    # a prompt of K tokens or fewer runs in one chunk: no cross term
+    assert tm.prefill_ms(500) == pytest.approx(10 + 52.5) and tm.tokens_within_ms(62.5) == 500
+    # the last 600 tokens over 400 computed, in chunks 500 + 100: 10 + 0.105*600 + 0.001*400
+    # + 1e-4*(600*400 + 100*500)
+    assert tm.prefill_ms(1000, 400) == pytest.approx(10 + 63 + 0.4 + 29)
+    # 999 tokens: chunks 500 + 499, 249,500 pairs: 10 + 104.895 + 24.95 = 139.845
+    assert tm.prefill_ms(999) == pytest.approx(139.845)
+    assert tm.tokens_within_ms(140.0) == 1000 and tm.tokens_within_ms(139.99) == 999
+    assert tm.tokens_within_ms(139.845) == 999 and tm.tokens_within_ms(139.84) == 998
     # f = 0 (the profiles): b' = b whatever K
     assert TimeModel(10.0, 0.1, 0.001, chunk_tokens=500.0).prompt_ms_per_token == 0.1
 
@@ -116,10 +123,10 @@ def test_linearized_prices_prompts_and_decodes_as_the_full_model():
 
     tm = TimeModel(10.0, 0.1, 0.001, 1e-4, -0.05, 1e-5, 500.0)
     lin = tm.linearized()
-    # b' = 0.105, f and K gone, d shifted so that a decode still costs b + d = 0.05
+    # b' = 0.105, f gone, K kept (the cross term), d shifted so that a decode still costs b + d = 0.05
     assert (lin.a_ms, lin.b_ms_per_new_token, lin.c_ms_per_context_token, lin.e_ms_per_chunk_prefix) == (
         10.0, pytest.approx(0.105), 0.001, 1e-4)
-    assert (lin.f_ms_per_chunk_sq, lin.chunk_tokens) == (0.0, 0.0)
+    assert (lin.f_ms_per_chunk_sq, lin.chunk_tokens) == (0.0, 500.0)
     assert lin.b_ms_per_new_token + lin.d_ms_per_decode == pytest.approx(0.05)
     for p, c in ((1, 0), (1000, 0), (1000, 400), (7777, 5000)):
         assert lin.prefill_ms(p, c) == pytest.approx(tm.prefill_ms(p, c))
@@ -142,3 +149,21 @@ def test_scaled_keeps_the_chunk_length_and_validation():
         TimeModel(10.0, 0.1, 0.001, chunk_tokens=-1.0)
     with pytest.raises(ValueError):
         TimeModel(10.0, 0.1, 0.001, f_ms_per_chunk_sq=float("nan"))
+
+
+def test_chunk_cross_tokens_counts_the_pairs_between_chunks():
+    from replica_agent.policy.time_model import chunk_cross_tokens
+
+    # 2,500 tokens in chunks of 1,000: 1,000 / 1,000 / 500; the second reads 1,000 earlier tokens per
+    # token, the third 2,000: 1,000*1,000 + 500*2,000
+    assert chunk_cross_tokens(2500, 1000.0) == 2_000_000
+    # 3 full chunks of 4: 4*4 + 4*8 = 48 = (144 - 3*16 - 0) / 2
+    assert chunk_cross_tokens(12, 4.0) == 48
+    # one chunk (R <= K) or no chunk length (K = 0, the profiles): none
+    assert chunk_cross_tokens(1000, 1000.0) == 0.0 and chunk_cross_tokens(999, 1000.0) == 0.0
+    assert chunk_cross_tokens(10_000, 0.0) == 0.0
+    # a fractional K (the online model's mean chunk): 10 tokens at K = 4.5: chunks 4.5 / 4.5 / 1, so
+    # 4.5*4.5 + 1*9 = 29.25
+    assert chunk_cross_tokens(10, 4.5) == pytest.approx(29.25)
+    # it grows as R^2 / 2 for R >> K
+    assert chunk_cross_tokens(100_000, 100.0) / (100_000**2 / 2) == pytest.approx(1.0, abs=2e-3)

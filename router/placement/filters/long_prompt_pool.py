@@ -10,7 +10,7 @@ own tokens and context). Its prefill then takes about::
 
     chunked_ms(P) = a + (prefill_ms(P) - a) * tpot / (tpot - F)      (inf when F >= tpot)
 
-where ``prefill_ms(P) = a + b'*P`` is the price of the fit rule (replica_agent/policy/time_model.py).
+where ``prefill_ms(P) = a + b'*P + e*cross(P)`` is the price of the fit rule (replica_agent/policy/time_model.py).
 When ``chunked_ms(P)`` exceeds the class's horizon H the prompt is *long*: it meets its TTFT only on a
 replica whose decodes have more slack than its prefill (then FairBatching runs it in one or a few big
 steps), in practice one without young decodes. Under load every replica that takes short prompts has

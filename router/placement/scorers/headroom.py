@@ -9,7 +9,8 @@ from router.placement.core import PlacementRequest, ReplicaView, effective_promp
 
 @dataclass(frozen=True, slots=True)
 class HeadroomScorer:
-    """``(pab_ms - w - (a + b*P)) / horizon_ms``: share of the class horizon left after this prefill
+    """``(pab_ms - w - prefill_ms(P)) / horizon_ms`` (``prefill_ms(P) = a + b*P + e*cross(P)``,
+    replica_agent/policy/time_model.py): share of the class horizon left after this prefill
     (``w`` = ``request.waited_ms``, 0 for a fresh request; the ms it already waited are gone too).
 
     P is the prompt's uncached tokens on that replica (:func:`effective_prompt_tokens`), so a
@@ -25,7 +26,7 @@ class HeadroomScorer:
             return float("-inf")
         tm = replica.time_model
         p = effective_prompt_tokens(request, replica.replica_id)
-        return (budget.pab_ms - request.waited_ms - tm.a_ms - tm.b_ms_per_new_token * p) / budget.horizon_ms
+        return (budget.pab_ms - request.waited_ms - tm.prefill_ms(p)) / budget.horizon_ms
 
 
 PLUGIN = HeadroomScorer
