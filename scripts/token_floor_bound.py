@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rows = []
     print("| condition | bound, per-request floor (req/s) | bound, per-token floor (req/s) | best baseline's tok floor "
-          "| of the token bound | largest ratio any policy can reach | pab's tok floor | of the token bound |")
+          "| of the token bound | largest ratio any policy can reach | best pab policy's tok floor | of the token bound |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for cond in CONDITIONS:
         b = bounds(cond)
