@@ -12,6 +12,7 @@ Every change wakes the waiters of :meth:`BudgetBook.wait_changed` (the queue's d
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
 
@@ -121,9 +122,12 @@ def snapshot_time_model(coef: object) -> TimeModel | None:
     """The replica's prompt pricing from a snapshot's ``TimeModelCoefficients`` (proto): a, b' (the agent's
     model linearized, replica_agent/policy/time_model.py ``TimeModel.linearized``), c, e and K (an agent that
     sends no e or K, 0 in proto3, prices prompts linearly). None when the coefficients are invalid."""
+    values = (coef.a_ms, coef.b_ms_per_new_token, coef.c_ms_per_context_token,  # type: ignore[attr-defined]
+              getattr(coef, "e_ms_per_chunk_prefix", 0.0), getattr(coef, "chunk_tokens", 0.0))
+    if not all(math.isfinite(v) for v in values):  # a faulty agent: no model rather than NaN prices
+        return None
     try:
-        return TimeModel(coef.a_ms, coef.b_ms_per_new_token, coef.c_ms_per_context_token,  # type: ignore[attr-defined]
-                         getattr(coef, "e_ms_per_chunk_prefix", 0.0), chunk_tokens=getattr(coef, "chunk_tokens", 0.0))
+        return TimeModel(*values[:4], chunk_tokens=values[4])
     except ValueError:
         return None
 
@@ -274,9 +278,9 @@ class BudgetBook:
         tm = budget.time_model
         p = max(0, int(prompt_tokens))
         costs: dict[str, float] = {}
-        body = tm.prefill_ms(p) - tm.a_ms  # without a: it rides in steps that pay a (pab.py, item 2)
+        body = tm.prompt_body_ms(p)  # without a: it rides in steps that pay a (pab.py, item 2)
         for name, cur in list(budget.classes.items()):
-            cost = costs[name] = tm.a_ms + body if name == slo_class else body
+            cost = costs[name] = tm.prefill_ms(p) if name == slo_class else body
             budget.classes[name] = _deducted(cur, cost, p)
         if awaiting_key is not None:
             budget.awaiting[awaiting_key] = AwaitingTake(costs, p)

@@ -279,12 +279,12 @@ class ClassBudget:
         horizon_ms: H = ttft_ms * (1 - margin_frac); for an aged request (``class_budget`` with
             ``waited_ms = w``) H_w = max(0, H - w), and every field below is over that horizon.
         pab_ms: max(0, H - slot_wait_ms - decode_reservation_ms - inflight_reservation_ms).
-        pab_tokens: min(floor((pab_ms - a) / b), kv_limited_tokens).
+        pab_tokens: min(the largest P whose ``prefill_ms(P)`` fits pab_ms, kv_limited_tokens).
         kv_limited_tokens: kv_free minus decode growth reserve minus pending prompt tokens, >= 0.
         ttft_ms, tpot_ms: the class's targets (ms).
         decode_reservation_ms: N * (a + (b + d)*|D| + c*sum ctx).
-        inflight_reservation_ms: sum of b'*remaining + c*computed + e*remaining*computed over prefills and leases
-            (b' = the time model's ``prompt_ms_per_token``).
+        inflight_reservation_ms: sum of b'*r + e*cross(r) + c*computed + e*r*computed over prefills and leases
+            (r = remaining tokens; b' = the time model's ``prompt_ms_per_token``; cross: module docstring).
         kv_free_tokens: free KV cache (tokens).
         decode_iterations: N = max_d n_d.
         slot_wait_ms: ms until a sequence slot frees for a new request (0 when one is free; module
@@ -424,10 +424,11 @@ def class_budget(state: ReplicaState, slo: SloClass, waited_ms: float = 0.0) -> 
 def _inflight_terms(tm: TimeModel, prefills: Iterable[PendingPrefill]) -> Iterator[float]:
     """Each in-flight prefill's reservation ``b'*r + c*computed + e*(r*computed + cross(r))`` (ms; module
     docstring, item 2; ``b'`` = ``tm.prompt_ms_per_token``): it rides in batches that already pay ``a``, so
-    it is ``tm.prefill_ms(prompt, computed) - a``."""
-    a = tm.a_ms
+    it is ``tm.prefill_ms(prompt, computed) - a`` (``prompt_body_ms(r)`` plus the terms over what is computed)."""
+    c, e = tm.c_ms_per_context_token, tm.e_ms_per_chunk_prefix
     for p in prefills:
-        yield tm.prefill_ms(p.computed_tokens + p.remaining_tokens, p.computed_tokens) - a
+        r = p.remaining_tokens
+        yield tm.prompt_body_ms(r) + c * p.computed_tokens + e * r * p.computed_tokens
 
 
 MAX_INFLIGHT_LUMPS = 8

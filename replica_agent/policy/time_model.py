@@ -107,10 +107,10 @@ class StepFeatures:
 def chunk_cross_tokens(remaining_tokens: int | float, chunk_tokens: float) -> float:
     """``cross(R)`` of the module docstring: the (new token, earlier token) pairs between the chunks of R
     tokens cut into chunks of K = ``chunk_tokens`` (q full ones and a last of r = R - q K), so
-    ``(R^2 - q K^2 - r^2) / 2`` (tokens^2); 0 when K <= 0 or R <= K (one chunk). E.g. R = 2,500, K = 1,000:
+    ``(R^2 - q K^2 - r^2) / 2`` (tokens^2); 0 when K < 1 (no chunk length known) or R <= K (one chunk). E.g. R = 2,500, K = 1,000:
     chunks 1,000 / 1,000 / 500, pairs 1,000 x 1,000 + 500 x 2,000 = 2,000,000."""
     r_all = float(remaining_tokens)
-    if chunk_tokens <= 0.0 or r_all <= chunk_tokens:
+    if not chunk_tokens >= 1.0 or r_all <= chunk_tokens:  # also NaN; a chunk under 1 token means none known
         return 0.0
     q = math.floor(r_all / chunk_tokens)
     rest = r_all - q * chunk_tokens
@@ -200,10 +200,23 @@ class TimeModel:
         """``cross(R)`` of the module docstring for K = :attr:`chunk_tokens` (:func:`chunk_cross_tokens`)."""
         return chunk_cross_tokens(remaining_tokens, self.chunk_tokens)
 
+    def prompt_body_ms(self, tokens: int | float) -> float:
+        """A fresh prompt's price without the step's fixed cost: ``b' P + e cross(P)`` (ms; module
+        docstring). It is what the prompt adds to steps that pay ``a`` anyway (pab.py's in-flight
+        reservation) and, with ``a``, its :meth:`prefill_ms`. ``b' P`` exactly (the same float) when e = 0,
+        K < 1 or P <= K, so a linear model prices as it always did (router/placement/fused.py computes
+        the same expression, operation for operation)."""
+        body = self.prompt_ms_per_token * tokens
+        e = self.e_ms_per_chunk_prefix
+        if e > 0.0 and tokens > self.chunk_tokens >= 1.0:
+            body = body + e * chunk_cross_tokens(tokens, self.chunk_tokens)
+        return body
+
     def prefill_ms(self, prompt_tokens: int | float, computed_tokens: int | float = 0) -> float:
         """Predicted time (ms) to prefill the rest of a prompt, as if it paid one iteration's ``a`` and
         priced at :attr:`prompt_ms_per_token` (module docstring; ``b`` when f = 0):
-        ``a + b' R + c C + e (R C + cross(R))`` with R = ``prompt_tokens - computed_tokens`` (>= 0).
+        ``a + b' R + e cross(R) + c C + e R C`` with R = ``prompt_tokens - computed_tokens`` (>= 0);
+        ``a + prompt_body_ms(P)`` for a fresh prompt.
 
         ``computed_tokens`` C of the prompt are already in the KV cache (chunked prefill); every
         remaining token reads them (``R * C``) and the chunks before its own (``cross(R)``,
@@ -211,27 +224,39 @@ class TimeModel:
         """
         computed = float(computed_tokens)
         remaining = max(0.0, float(prompt_tokens) - computed)
-        return (self.a_ms + self.prompt_ms_per_token * remaining + self.c_ms_per_context_token * computed
-                + self.e_ms_per_chunk_prefix * (remaining * computed + self.chunk_cross_tokens(remaining)))  # fmt: skip
+        price = self.a_ms + self.prompt_body_ms(remaining)
+        if computed:
+            price = price + self.c_ms_per_context_token * computed + self.e_ms_per_chunk_prefix * remaining * computed
+        return price
 
     def tokens_within_ms(self, budget_ms: float) -> int:
         """Largest fresh prompt P (tokens) whose prefill :meth:`prefill_ms` fits ``budget_ms`` (>= 0):
-        ``floor((budget - a) / prompt_ms_per_token)`` without the cross term (e = 0, K = 0 or that P <= K),
-        else the largest P below it whose price with the cross term fits (bisection: the price grows with P)."""
+        ``floor((budget - a) / prompt_ms_per_token)`` without the cross term (e = 0, K < 1 or that P <= K).
+
+        With it, the price is piecewise linear in P: over the chunk count q = floor(P / K),
+        ``cross(P) = q K P - K^2 q (q + 1) / 2``, slope ``b' + e q K``. The last q whose first prompt
+        ``q K`` fits solves ``e K^2 q (q - 1) / 2 + b' K q <= B - a`` (a quadratic); the P inside its
+        chunk follows from the slope; a final check against :meth:`prefill_ms` (at most a few steps,
+        for rounding) makes the answer exact: ``prefill_ms(P) <= B`` and ``prefill_ms(P + 1) > B``
+        (within 1e-9 of B)."""
         if budget_ms <= self.a_ms:
             return 0
-        linear = max(0, math.floor((budget_ms - self.a_ms) / self.prompt_ms_per_token + 1e-9))
-        if self.e_ms_per_chunk_prefix == 0.0 or linear <= self.chunk_tokens:
+        bp = self.prompt_ms_per_token
+        linear = max(0, math.floor((budget_ms - self.a_ms) / bp + 1e-9))
+        k, e = self.chunk_tokens, self.e_ms_per_chunk_prefix
+        if e == 0.0 or not k >= 1.0 or linear <= k:
             return linear
-        lo, hi = 0, linear  # prefill_ms(lo) fits; find the largest that does
+        room = budget_ms - self.a_ms
+        qa, qb = e * k * k / 2.0, bp * k - e * k * k / 2.0  # price(qK) - a = qa q^2 + qb q
+        q = max(1, math.floor((-qb + math.sqrt(qb * qb + 4.0 * qa * room)) / (2.0 * qa)))
+        p = math.floor((room + e * k * k * q * (q + 1) / 2.0) / (bp + e * q * k))
+        p = max(0, min(p, linear))
         limit = budget_ms + 1e-9 * max(1.0, budget_ms)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.prefill_ms(mid) <= limit:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        while p > 0 and self.prefill_ms(p) > limit:
+            p -= 1
+        while p < linear and self.prefill_ms(p + 1) <= limit:
+            p += 1
+        return p
 
 
 @dataclass(frozen=True, slots=True)

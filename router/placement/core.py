@@ -25,7 +25,8 @@ DEFAULT_MAX_CANDIDATES = 3  # candidates the ``pab`` policy returns: the Reserve
 # The router's view of one replica's PAB for one SLO class is the agent's own ClassBudget
 # (mirrors proto ClassBudget: horizon_ms, pab_ms, pab_tokens, decode/inflight reservations,
 # kv_limited_tokens ...), so placement applies exactly the agent's fit rule ``fits``:
-# ``a + b*P <= pab_ms and P <= pab_tokens``; a prompt with ``a + b*P > horizon_ms`` fits only
+# ``a + b*P <= pab_ms and P <= pab_tokens`` (a + b*P: the time model's prefill_ms(P), with its
+# cross-chunk term); a prompt with ``a + b*P > horizon_ms`` fits only
 # where nothing is reserved and ``P <= kv_limited_tokens`` (it takes a whole idle replica).
 ClassBudgetView = ClassBudget
 
@@ -35,7 +36,9 @@ ClassBudgetView = ClassBudget
 # compute from the view, so comparisons give the same answers:
 #   (replica_id, a_ms, b_ms_per_token, horizon_ms + 1e-9, pab_ms + 1e-9, pab_ms - a_ms, horizon_ms,
 #    normal_max_tokens, oversize_max_tokens, pab_ms, inflight_reservation_ms, kv_limited_tokens,
-#    kv_scale)
+#    kv_scale, e_cross, k_cross)
+# e_cross, k_cross: a prompt longer than k_cross tokens adds e_cross * chunk_cross_tokens(P, k_cross) to
+# b*P (TimeModel.prompt_body_ms: e and K when e > 0 and K >= 1, else 0 and inf).
 # normal_max_tokens: P <= pab_tokens and the max-prompt limit (one cap, see _tokens_cap);
 # oversize_max_tokens: P <= kv_limited_tokens and the max-prompt limit when nothing is reserved
 # (pab_ms >= horizon_ms - 1e-9), else -1 (no oversize prompt fits).
@@ -100,7 +103,7 @@ def _pab_fit_table(view: ReplicaView) -> dict[str, PabFitEntry]:
         return {}
     a = tm.a_ms
     b = tm.b_ms_per_new_token
-    e = tm.e_ms_per_chunk_prefix if tm.chunk_tokens > 0.0 else 0.0  # the prompt's cross-chunk term
+    e = tm.e_ms_per_chunk_prefix if tm.chunk_tokens >= 1.0 else 0.0  # the prompt's cross-chunk term
     k_cross = tm.chunk_tokens if e > 0.0 else math.inf  # prompts longer than this pay it
     mp = view.max_prompt_tokens
     table = {}

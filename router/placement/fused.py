@@ -36,7 +36,8 @@ class FusedPabPolicy(PlacementPolicy):
     (:data:`PabFitEntry`; None = dropped by healthy, fresh or the class lookup): exclude, then the
     fit test with :func:`fits`'s arithmetic (with the request's ``waited_ms`` w), operation for
     operation, so the floats compare the same (the max-prompt limit is folded into the token caps),
-    then ``headroom = (pab_ms - w - a - b*P) / horizon_ms`` (-inf when ``horizon_ms <= 0``), then a top-k
+    then ``headroom = (pab_ms - w - a - body) / horizon_ms`` with ``body`` = ``TimeModel.prompt_body_ms(P)``
+    (``b*P``, plus the cross-chunk term for a prompt over K tokens; -inf when ``horizon_ms <= 0``), then a top-k
     by the picker's key, ascending ``(-headroom, replica_id)`` or, with a seed,
     ``(-headroom, u, replica_id)`` with one ``rng.random()`` per fitting view in input order, as
     :meth:`HighestScorePicker.order` draws them. The result is the chain's order cut to

@@ -297,13 +297,15 @@ def _random_state(rng: random.Random, chunk_sq: bool = False) -> tuple[ReplicaSt
     return ReplicaState(now, decodes, prefills, kv, tm, rng.choice([0.0, 0.1, 0.25])), slo
 
 
-def test_router_rule_never_admits_what_the_agent_refuses():
+@pytest.mark.parametrize("online_terms", [False, True])
+def test_router_rule_never_admits_what_the_agent_refuses(online_terms: bool):
     """Property: on_time(P, budget(H), tm, w) implies fits(...), which implies admits(P, state, slo, w)
-    (pab.py "Aged requests", "Work conservation")."""
+    (pab.py "Aged requests", "Work conservation"); also with the online model's terms, whose prompt price
+    is convex in P (the cross-chunk term)."""
     rng = random.Random(20251129)
     router_yes = agent_only = late = 0
     for _ in range(4000):
-        st, slo = _random_state(rng)
+        st, slo = _random_state(rng, chunk_sq=online_terms)
         tm = st.time_model
         fresh = class_budget(st, slo)
         h = fresh.horizon_ms

@@ -194,6 +194,30 @@ def test_view_is_a_snapshot_of_the_book() -> None:
         assert reg.build("pab").place(req, [v]) == reg.build("pab-chain").place(req, [v])
 
 
+def test_review_cases_fused_equals_chain_to_the_last_bit() -> None:
+    """Two inputs where the fused pass and the chain once parted (review of the cross-chunk term):
+    the headroom computed as pab - w - (a + b*P) against (pab - w - a) - b*P, and the fit's price
+    summed in another order."""
+    reg = default_registry()
+    # e = 0: r0 (a = 9.8626, PAB 296.905) and r1 (a = 0, PAB 287.0424) have the same headroom by hand,
+    # 296.905 - 9.8626 - 126.7384 = 287.0424 - 0 - 126.7384 = 160.304 for a 1,744-token prompt (b = 0.0726711):
+    # a tie, broken by id only if both sides round alike ((pab - a) - b*P; pab - (a + b*P) comes out one
+    # ulp lower for r0, which then sorts after r1)
+    a10, a0 = TimeModel(9.8626, 0.0726711, 0.0), TimeModel(0.0, 0.0726711, 0.0)
+    views = [ReplicaView("r0", True, True, a10, {"interactive": ClassBudget("interactive", H, 296.905, 10_000, 100_000)}),
+             ReplicaView("r1", True, True, a0, {"interactive": ClassBudget("interactive", H, 287.0424,
+                                                                            10_000, 100_000)})]  # fmt: skip
+    req = PlacementRequest("interactive", 1744)
+    got = reg.build("pab", max_candidates=None).place(req, views)
+    assert got == reg.build("pab-chain").place(req, views) and got.candidates == ("r0", "r1")
+    # e > 0: a budget at the prompt's price to the last bit
+    tm = TimeModel(1.0765989428688993, 0.0512275188342961, 0.0, 1e-5, chunk_tokens=871.6)
+    one = [ReplicaView("r0", True, True, tm, {"interactive": ClassBudget("interactive", 900.0, 591.6956638940802,
+                                                                          100_000, 100_000)})]  # fmt: skip
+    req = PlacementRequest("interactive", 7144)
+    assert reg.build("pab").place(req, one) == reg.build("pab-chain").place(req, one)
+
+
 # ---------------------------------------------------------------- randomized equivalence
 
 

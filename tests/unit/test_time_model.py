@@ -167,3 +167,30 @@ def test_chunk_cross_tokens_counts_the_pairs_between_chunks():
     assert chunk_cross_tokens(10, 4.5) == pytest.approx(29.25)
     # it grows as R^2 / 2 for R >> K
     assert chunk_cross_tokens(100_000, 100.0) / (100_000**2 / 2) == pytest.approx(1.0, abs=2e-3)
+
+
+def test_tokens_within_ms_is_the_exact_inverse_of_the_price():
+    """For random models with the cross-chunk term (fractional K included) and budgets at, just under and
+    between prices: prefill_ms(P) fits the budget and prefill_ms(P + 1) does not (within 1e-9 of it),
+    checked against the price itself, not against the inverse's own arithmetic."""
+    import random
+
+    rng = random.Random(20261207)
+    for _ in range(3000):
+        tm = TimeModel(rng.choice([0.0, 10.0, 28.6]), rng.choice([0.05, 0.0726711, 0.0867]), 0.0,
+                       rng.choice([3.3e-6, 2.9e-6, 1e-5, 1e-4]), f_ms_per_chunk_sq=rng.choice([0.0, 3e-6]),
+                       chunk_tokens=rng.choice([1.0, 4.5, 256.0, 871.6, 2048.0]))  # fmt: skip
+        p = rng.randint(0, 40_000)
+        budget = rng.choice([tm.prefill_ms(p), tm.prefill_ms(p) - 1e-3, tm.prefill_ms(p) + rng.uniform(0, 50.0),
+                             rng.uniform(0.0, 6000.0)])  # fmt: skip
+        n = tm.tokens_within_ms(budget)
+        limit = budget + 1e-9 * max(1.0, budget)
+        if budget <= tm.a_ms:
+            assert n == 0
+            continue
+        assert tm.prefill_ms(n) <= limit, (tm, budget, n)
+        assert tm.prefill_ms(n + 1) > limit, (tm, budget, n)
+        if budget == tm.prefill_ms(p):  # a budget at a price gives that prompt; 1e-3 ms under it, one less
+            assert n == p
+        elif budget == tm.prefill_ms(p) - 1e-3 and p > 0:
+            assert n == p - 1

@@ -26,7 +26,7 @@ class HeadroomScorer:
             return float("-inf")
         tm = replica.time_model
         p = effective_prompt_tokens(request, replica.replica_id)
-        return (budget.pab_ms - request.waited_ms - tm.prefill_ms(p)) / budget.horizon_ms
+        return (budget.pab_ms - request.waited_ms - tm.a_ms - tm.prompt_body_ms(p)) / budget.horizon_ms
 
 
 PLUGIN = HeadroomScorer
