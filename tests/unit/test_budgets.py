@@ -179,3 +179,20 @@ def test_the_slot_wait_comes_with_the_snapshot_and_survives_a_local_take() -> No
     snap2.classes[0].slot_wait_ms = -5.0
     book.update("r0", snap2)
     assert book.usable("r0", "interactive").slot_wait_ms == 0.0
+
+
+def test_snapshot_time_model_prices_as_sent_and_drops_non_finite_coefficients():
+    from proto import admission_pb2
+    from router.budgets import snapshot_time_model
+
+    tm = snapshot_time_model(admission_pb2.TimeModelCoefficients(
+        a_ms=10.0, b_ms_per_new_token=0.1, c_ms_per_context_token=0.0, e_ms_per_chunk_prefix=1e-4, chunk_tokens=500.0))
+    # 1,000 tokens in two chunks of 500: 10 + 100 + 1e-4 * 500 * 500
+    assert tm is not None and tm.prefill_ms(1000) == pytest.approx(135.0)
+    # an older agent sends no e or K (proto3 zeros): the linear price, as before
+    old = snapshot_time_model(admission_pb2.TimeModelCoefficients(a_ms=10.0, b_ms_per_new_token=0.1))
+    assert old is not None and old.prefill_ms(1000) == 110.0
+    for bad in ({"chunk_tokens": float("inf")}, {"e_ms_per_chunk_prefix": float("nan")}, {"a_ms": float("inf")}):
+        fields = {"a_ms": 10.0, "b_ms_per_new_token": 0.1, **bad}
+        assert snapshot_time_model(admission_pb2.TimeModelCoefficients(**fields)) is None
+    assert snapshot_time_model(admission_pb2.TimeModelCoefficients(a_ms=10.0, b_ms_per_new_token=0.0)) is None
