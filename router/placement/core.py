@@ -230,8 +230,10 @@ def _keep_by_budget(
 def window_admits(request: PlacementRequest, budget: ClassBudget, time_model: TimeModel,
                   prompt_tokens: int | None = None) -> bool:  # fmt: skip
     """The start-window rule of :class:`PlacementRequest` (``window_steps`` > 0), for one replica:
-    ``inflight_ms <= 1e-9 or inflight_ms + b*P <= window_steps * (a + b*step_tokens) + 1e-9``
-    (P = ``prompt_tokens``, default the request's whole prompt)."""
+    ``inflight_ms <= 1e-9 or inflight_ms + body(P) <= window_steps * (a + b*step_tokens) + 1e-9``
+    (P = ``prompt_tokens``, default the request's whole prompt; ``body(P)`` =
+    ``TimeModel.prompt_body_ms(P)``, ``b*P`` plus the cross-chunk term, as the in-flight reservation
+    prices its prompts)."""
     if request.window_steps <= 0:
         return True
     inflight = budget.inflight_reservation_ms
@@ -240,7 +242,7 @@ def window_admits(request: PlacementRequest, budget: ClassBudget, time_model: Ti
     b = time_model.b_ms_per_new_token
     window = request.window_steps * (time_model.a_ms + b * request.step_tokens)
     p = request.prompt_tokens if prompt_tokens is None else prompt_tokens
-    return inflight + b * p <= window + _EPS
+    return inflight + time_model.prompt_body_ms(p) <= window + _EPS
 
 
 def apply_filters(

@@ -117,7 +117,7 @@ class FusedPabPolicy(PlacementPolicy):
                     continue
             elif on_time_only and prefill_ms > horizon_eps:  # on_time(): never for a prompt too long on its own
                 continue
-            if window_steps > 0 and infl > _EPS and not infl + bp <= window_steps * (a + b * step_tokens) + _EPS:
+            if window_steps > 0 and infl > _EPS and not infl + cost <= window_steps * (a + b * step_tokens) + _EPS:
                 continue  # window_admits()
             # -(headroom + kv-headroom): the chain's sum of the two scorers, negated as the picker does
             ns = inf if h <= 0 else -(((pab_minus_a - cost) / h) + (kv_lim - p) / kv_scale)
