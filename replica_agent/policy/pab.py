@@ -47,7 +47,7 @@ were admitted earlier and whose promises we must keep:
    charged at the learned mean chunk length K, the chunk^2 term ``f`` included; ``b' = b`` when f = 0.
    Every prompt price below uses b'; a decode's own token costs ``b + d``. ``cross(r)``: the pairs
    between a prompt's own chunks of K tokens, ``(r^2 - sum chunk^2) / 2``, whose attention costs ``e``
-   each (time_model.py ``TimeModel.chunk_cross_tokens``; 0 for a prompt in one chunk). The router
+   each (time_model.py ``chunk_cross_tokens``; 0 for a prompt in one chunk). The router
    receives the model linearized, ``(a, b', c, e, K)``, so it prices prompts with the same numbers.)
 
 What remains is the prefill time a new prompt may use::

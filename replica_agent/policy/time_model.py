@@ -30,7 +30,7 @@ own chunks. :meth:`TimeModel.linearized` is that pricing as a model without f, w
 A prompt's own chunks also read each other: chunk j attends over the chunks before it, so with ``e > 0``
 the rest R of a prompt costs ``e * (R * computed + cross(R))`` for its chunk x prefix pairs, where
 ``cross(R) = sum_j chunk_j * (tokens of the chunks before j) = (R^2 - sum_j chunk_j^2) / 2`` over R split
-into chunks of K (:meth:`TimeModel.chunk_cross_tokens`; 0 when R <= K or K = 0, a prompt in one
+into chunks of K (:func:`chunk_cross_tokens`; 0 when R <= K or K = 0, a prompt in one
 chunk). It grows as R^2 / 2: for the 8B A100 engine (e about 3.3e-6 ms, K about 900 tokens learned
 online under FairBatching) a 7,400-token prompt's cross term is about 80 ms, 16 % of its linear price,
 and a 20,000-token one's about 630 ms, 48 % (issue 27: without it PAB under-priced long prompts and
@@ -136,7 +136,7 @@ class TimeModel:
             :attr:`StepFeatures.prefill_chunk_sq_tokens`); 0 in the profiles' linear fits.
         chunk_tokens: K, the chunk length prompts are priced at (tokens, >= 0; module docstring): a
             prompt token costs :attr:`prompt_ms_per_token` = ``b + f * K``, and the prompt's chunks read
-            each other at ``e`` (:meth:`chunk_cross_tokens`). Not a cost: :meth:`scaled` keeps it. The
+            each other at ``e`` (:func:`chunk_cross_tokens`). Not a cost: :meth:`scaled` keeps it. The
             online model sets it to the mean chunk length it saw; 0 (the profiles): a prompt in one chunk.
     """
 
@@ -196,9 +196,12 @@ class TimeModel:
                          self.d_ms_per_decode - self.f_ms_per_chunk_sq * self.chunk_tokens, 0.0,
                          self.chunk_tokens)  # fmt: skip
 
-    def chunk_cross_tokens(self, remaining_tokens: int | float) -> float:
-        """``cross(R)`` of the module docstring for K = :attr:`chunk_tokens` (:func:`chunk_cross_tokens`)."""
-        return chunk_cross_tokens(remaining_tokens, self.chunk_tokens)
+    @property
+    def cross_chunk_from(self) -> float:
+        """Prompts longer than this many tokens pay the cross-chunk term: K (:attr:`chunk_tokens`) when
+        e > 0 and K >= 1, else inf (a linear model; a prompt in one chunk)."""
+        k = self.chunk_tokens
+        return k if self.e_ms_per_chunk_prefix > 0.0 and k >= 1.0 else math.inf
 
     def prompt_body_ms(self, tokens: int | float) -> float:
         """A fresh prompt's price without the step's fixed cost: ``b' P + e cross(P)`` (ms; module
@@ -207,9 +210,8 @@ class TimeModel:
         K < 1 or P <= K, so a linear model prices as it always did (router/placement/fused.py computes
         the same expression, operation for operation)."""
         body = self.prompt_ms_per_token * tokens
-        e = self.e_ms_per_chunk_prefix
-        if e > 0.0 and tokens > self.chunk_tokens >= 1.0:
-            body = body + e * chunk_cross_tokens(tokens, self.chunk_tokens)
+        if tokens > self.cross_chunk_from:
+            body = body + self.e_ms_per_chunk_prefix * chunk_cross_tokens(tokens, self.chunk_tokens)
         return body
 
     def prefill_ms(self, prompt_tokens: int | float, computed_tokens: int | float = 0) -> float:
@@ -220,7 +222,7 @@ class TimeModel:
 
         ``computed_tokens`` C of the prompt are already in the KV cache (chunked prefill); every
         remaining token reads them (``R * C``) and the chunks before its own (``cross(R)``,
-        :meth:`chunk_cross_tokens`).
+        :func:`chunk_cross_tokens`).
         """
         computed = float(computed_tokens)
         remaining = max(0.0, float(prompt_tokens) - computed)
@@ -243,9 +245,9 @@ class TimeModel:
             return 0
         bp = self.prompt_ms_per_token
         linear = max(0, math.floor((budget_ms - self.a_ms) / bp + 1e-9))
-        k, e = self.chunk_tokens, self.e_ms_per_chunk_prefix
-        if e == 0.0 or not k >= 1.0 or linear <= k:
+        if linear <= self.cross_chunk_from:
             return linear
+        k, e = self.chunk_tokens, self.e_ms_per_chunk_prefix
         room = budget_ms - self.a_ms
         qa, qb = e * k * k / 2.0, bp * k - e * k * k / 2.0  # price(qK) - a = qa q^2 + qb q
         q = max(1, math.floor((-qb + math.sqrt(qb * qb + 4.0 * qa * room)) / (2.0 * qa)))

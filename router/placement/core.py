@@ -11,7 +11,6 @@ decision after the Reserve was granted, for plugins that learn.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -38,7 +37,7 @@ ClassBudgetView = ClassBudget
 #    normal_max_tokens, oversize_max_tokens, pab_ms, inflight_reservation_ms, kv_limited_tokens,
 #    kv_scale, e_cross, k_cross)
 # e_cross, k_cross: a prompt longer than k_cross tokens adds e_cross * chunk_cross_tokens(P, k_cross) to
-# b*P (TimeModel.prompt_body_ms: e and K when e > 0 and K >= 1, else 0 and inf).
+# b*P (TimeModel.prompt_body_ms; k_cross = TimeModel.cross_chunk_from, inf for a linear model).
 # normal_max_tokens: P <= pab_tokens and the max-prompt limit (one cap, see _tokens_cap);
 # oversize_max_tokens: P <= kv_limited_tokens and the max-prompt limit when nothing is reserved
 # (pab_ms >= horizon_ms - 1e-9), else -1 (no oversize prompt fits).
@@ -103,8 +102,8 @@ def _pab_fit_table(view: ReplicaView) -> dict[str, PabFitEntry]:
         return {}
     a = tm.a_ms
     b = tm.b_ms_per_new_token
-    e = tm.e_ms_per_chunk_prefix if tm.chunk_tokens >= 1.0 else 0.0  # the prompt's cross-chunk term
-    k_cross = tm.chunk_tokens if e > 0.0 else math.inf  # prompts longer than this pay it
+    e = tm.e_ms_per_chunk_prefix  # the prompt's cross-chunk term (TimeModel.prompt_body_ms) ...
+    k_cross = tm.cross_chunk_from  # ... paid by prompts longer than this (inf: none)
     mp = view.max_prompt_tokens
     table = {}
     for name, cb in view.classes.items():
