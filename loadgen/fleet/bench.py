@@ -276,6 +276,7 @@ class Setup:
     max_migrations: int = 3  # FleetConfig.max_migrations
     engine_front_ms: float = 0.0  # FleetConfig.engine_front_ms
     decode_guard_ms: float = 0.0  # FleetConfig.decode_guard_ms
+    margin_frac: float = 0.1  # FleetConfig.margin_frac: the agents' PAB horizon margin (agent --margin-frac)
 
 
 def parse_fleet(spec: str, engine_time_spec: str | None = None) -> tuple[ReplicaKind, ...]:
@@ -361,7 +362,7 @@ def fleet_config(setup: Setup, policy: str) -> FleetConfig:
         contention_max_inflight=setup.contention_max_inflight, max_bypass=setup.max_bypass,
         replica_kinds=setup.replica_kinds, contention_keep_running=setup.contention_keep_running,
         faults=setup.faults, max_migrations=setup.max_migrations, engine_front_ms=setup.engine_front_ms,
-        decode_guard_ms=setup.decode_guard_ms,
+        decode_guard_ms=setup.decode_guard_ms, margin_frac=setup.margin_frac,
     )  # fmt: skip
 
 
@@ -647,6 +648,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-s", type=float, default=0.0,
                    help="requests arriving in the first this many seconds load the fleet but are not counted "
                         "(steady state: the window measured is [warmup, duration])")
+    p.add_argument("--pab-margin", type=float, default=0.1,
+                   help="pab agents: horizon margin, H = ttft * (1 - margin) (the agent's --margin-frac, default 0.1)")
     p.add_argument("--contention-max-inflight", type=int, default=32,
                    help="pab routers: admission.contention_max_inflight (router default 32; 0 = off)")
     p.add_argument("--contention-fixed-cap", action="store_true",
@@ -744,9 +747,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                   args.window_offset, engine_time, args.warmup_s, args.start_window_steps, args.lease_mode,
                   args.min_push_interval_ms, args.windows or args.replicas, not args.no_prefix_caching,
                   work_shed, args.contention_max_inflight, args.max_bypass, kinds,
-                  not args.contention_fixed_cap)  # fmt: skip
+                  not args.contention_fixed_cap, margin_frac=args.pab_margin)  # fmt: skip
     if not 0.0 <= args.warmup_s < args.duration_s:
         raise SystemExit("bench-fleet: --warmup-s must be in [0, --duration-s)")
+    if not 0.0 <= args.pab_margin < 1.0:
+        raise SystemExit("bench-fleet: --pab-margin must be in [0, 1)")
     t0 = time.perf_counter()
     jobs = [(setup, p, tuple(rates), search) for p in args.policies]
     if args.jobs > 1:
@@ -768,6 +773,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.windows or args.replicas, not args.no_prefix_caching
         ):
             raise SystemExit(f"--merge: {args.out} was run with other --windows or prefix caching")
+        if old.get("pab_margin_frac", 0.1) != args.pab_margin:
+            raise SystemExit(f"--merge: {args.out} was run with another --pab-margin ({old.get('pab_margin_frac', 0.1)})")
         if old.get("engine_time_model", {"name": "policy"}) != describe_engine(engine_time):
             raise SystemExit(f"--merge: {args.out} was run with another engine time model "
                              f"({old.get('engine_time_model', {'name': 'policy'})['name']})")
@@ -810,7 +817,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "duration_s": args.duration_s, "warmup_s": args.warmup_s, "drain_s": args.drain_s,
         "push_period_ms": args.push_period_ms, "net_delay_ms": args.net_delay_ms, "queue": args.queue,
         "leases": not args.no_leases, "static_queue_cap_tokens": cap_tokens, "seed": args.seed,
-        "window_offset": args.window_offset,
+        "window_offset": args.window_offset, "pab_margin_frac": args.pab_margin,
         "engine": {"max_num_batched_tokens": max_tokens, "max_num_seqs": max_seqs,
                    "vllm_serve_defaults": {"max_num_batched_tokens": serve.max_num_batched_tokens,
                                            "max_num_seqs": serve.max_num_seqs, "gpu": prof.gpu}},

@@ -220,6 +220,11 @@ def test_bench_fleet_merge_joins_policies_and_rows(tmp_path) -> None:
     # another fleet size is refused, the file is kept
     with pytest.raises(SystemExit, match="another trace"):
         bench_main([*common[:3], "3", *common[4:], "--policies", "pab", "--rates", "1", "--merge"])
+    # the agents' horizon margin is recorded, and rows of another margin are not joined
+    assert d["pab_margin_frac"] == 0.1
+    with pytest.raises(SystemExit, match="another --pab-margin"):
+        bench_main([*common, "--policies", "pab", "--rates", "1", "--merge", "--pab-margin", "0.05"])
+    assert [r["rate_rps"] for r in json.loads(out.read_text())["policies"]["round-robin"]["rows"]] == [1.0, 2.0, 3.0]
 
 
 def test_build_arrivals_window_offset_takes_other_trace_segments() -> None:
@@ -455,3 +460,14 @@ def test_engine_front_delay_adds_to_every_ttft_on_an_idle_fleet(policy: str) -> 
         assert b.token_times_ms[0] - a.token_times_ms[0] == pytest.approx(40.0)
     with pytest.raises(ValueError):
         cfg(policy, engine_front_ms=-1.0)
+
+
+def test_fleet_config_carries_the_pab_margin_to_the_agents() -> None:
+    import dataclasses
+
+    from loadgen.fleet.bench import fleet_config, headline_setup
+
+    setup = headline_setup((), 1.0, 2, "llama-3-8b-a100", 1000.0, 100.0, 10.0, 10.0, 0.0, None)
+    assert fleet_config(setup, "pab").margin_frac == 0.1  # the agent's --margin-frac default
+    cfg = fleet_config(dataclasses.replace(setup, margin_frac=0.05), "pab")
+    assert cfg.margin_frac == 0.05
