@@ -4,7 +4,8 @@ One module for the router (router/server.py) and the fleet simulation's routers
 (loadgen/fleet/sim.py), so the simulation sheds as the product does.
 
 :func:`predict_start`, per usable replica r (healthy, fresh, with a budget for the class):
-``prefill_r = a + b*P``; the budget it lacks, ``deficit_r = prefill_r - (H - decode_reservation -
+``prefill_r = a + b*P`` (plus the prompt's own cross-chunk term where the snapshot carries ``e`` and the
+chunk length: ``TimeModel.prefill_ms``, replica_agent/policy/time_model.py); the budget it lacks, ``deficit_r = prefill_r - (H - decode_reservation -
 inflight_reservation)`` (unclamped: a replica deep in debt lacks more than its PAB_ms of 0 shows).
 When the snapshot lists its in-flight prefills with the agent's prediction of when each ends
 (``inflight_prefill_ms`` and ``inflight_prefill_done_ms``, replica_agent/policy/prefill_eta.py), the
@@ -24,7 +25,9 @@ replica_agent/policy/pab.py "Sequence slots") has s taken off its ``pab_ms`` by 
 with time, not with the drain, so there the deficit is taken against ``H - decode_reservation -
 inflight_reservation`` and ``wait_r = max(s, that deficit's wait)``. wait = min_r wait_r plus
 the prefill of the prompt tokens already waiting in
-bands as urgent or more, drained at the fleet's summed rate (``b * tokens / sum_r rate_r``);
+bands as urgent or more, drained at the fleet's summed rate (``b * tokens / sum_r rate_r``: linear,
+since only their sum is known here; the queued prompts' own cross-chunk terms are left out, so
+this part of the wait is a lower estimate on engines with ``e > 0``);
 prefill = min_r prefill_r.
 
 :func:`queue_decision`: a sheddable request whose ``now + wait + prefill`` passes its first-token
@@ -141,7 +144,7 @@ def lump_start_ms(prefill_ms: float, reserved_ms: float, horizon_ms: float, lump
     nothing new becomes feasible: inf.
 
     Args:
-        prefill_ms: the prompt's predicted prefill ``a + b*P`` (ms).
+        prefill_ms: the prompt's predicted prefill ``TimeModel.prefill_ms(P)`` (ms).
         reserved_ms: ``decode_reservation + inflight_reservation`` now (ms).
         horizon_ms: what is left of the request's horizon now, ``H - waited`` (ms).
         lumps_ms: the replica's ``inflight_prefill_ms`` (ms, engine order).
