@@ -79,7 +79,7 @@ need be below the other (the windowed one at a long L is close to the steady bou
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -587,6 +587,49 @@ def _step_grid(model: EngineTimeModel | TimeModel, tpot_ms: float, steps_ms: Seq
     if tpot_ms <= a:
         raise ValueError(f"tpot_ms {tpot_ms} is not above the step's fixed cost {a:.3f} ms")
     return a, np.linspace(a, tpot_ms, points)[1:]
+
+
+def self_consistent_rate(bound_at: Callable[[float], float], start: float, stop: float,
+                         factor: float = 1.02) -> tuple[float | None, int]:
+    """The largest rate on a geometric grid that its own stream's bound admits: ``max{λ_k : bound_at(λ_k) >= λ_k}``.
+
+    Why: a bench-fleet stream at rate λ is built from the trace windows that rate covers
+    (``loadgen/fleet/bench.py`` ``build_arrivals``), so which requests share prefixes, and with them the
+    steady-state bound of that stream (:func:`steady_state_bound` with :func:`shared_prefix_tokens` on its
+    arrivals), depends on λ. A policy whose capacity is λ* served the stream at λ*, so ``λ* <=
+    bound_at(λ*)``: its capacity is a rate the bound of its own stream admits. This scans
+    ``λ_k = start * factor**k`` for ``λ_k <= stop`` (every point, so a bound that is not monotone in λ
+    is not skipped over) and returns the largest grid rate that passes; every grid rate above it up to
+    ``stop`` fails. Between grid points the bound is taken as the grid sees it (a resolution of
+    ``factor``, 2 % by default), and ``stop`` must lie above any rate of interest (the caller's
+    trace-wide bound, which credits more sharing than any stream of the trace, is the natural choice).
+
+    Args:
+        bound_at: rate (req/s) -> the bound (req/s) of the stream offered at that rate.
+        start: first grid rate (req/s, > 0).
+        stop: last grid rate at most (req/s, >= start).
+        factor: grid ratio (> 1).
+
+    Returns:
+        (the largest passing grid rate, or None when none passes; the number of grid rates evaluated).
+
+    Raises:
+        ValueError: on ``start <= 0``, ``stop < start`` or ``factor <= 1``.
+
+    Example: ``bound_at(λ) = 10 + λ / 2`` (fixed point 20), start 16, factor 1.25, stop 40: the grid is
+    16, 20, 25, 31.25, 39.0625 and the bound there 18, 20, 22.5, 25.625, 29.53: 16 and 20 pass -> (20, 5).
+    """
+    if not start > 0.0 or not stop >= start or not factor > 1.0:
+        raise ValueError(f"need 0 < start <= stop and factor > 1, got {start}, {stop}, {factor}")
+    best: float | None = None
+    n = 0
+    rate = start
+    while rate <= stop * (1.0 + 1e-12):
+        n += 1
+        if bound_at(rate) >= rate:
+            best = rate
+        rate *= factor
+    return best, n
 
 
 def cheapest_cover(cost: np.ndarray, weight: np.ndarray, q: float) -> tuple[float, float]:

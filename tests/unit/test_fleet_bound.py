@@ -301,3 +301,27 @@ def test_interval_attainment_bound_matches_brute_force(seed: int) -> None:
                                          max_span_ms=400.0, steps_ms=list(steps))  # fmt: skip
     assert fewer == pytest.approx(_brute_force_interval_bound(t, p, [1] * n, 100.0, 50.0, steps, 50.0, 350.0, 50.0,
                                                               400.0, 400)) and fewer >= got  # fmt: skip
+
+
+def test_self_consistent_rate_takes_the_largest_grid_rate_its_own_bound_admits() -> None:
+    from loadgen.fleet.bound import self_consistent_rate
+
+    # docstring example: bound 10 + λ/2 (fixed point 20) on the grid 16, 20, 25, 31.25, 39.0625
+    seen: list[float] = []
+
+    def bound_at(rate: float) -> float:
+        seen.append(rate)
+        return 10.0 + rate / 2.0
+
+    assert self_consistent_rate(bound_at, 16.0, 40.0, 1.25) == (20.0, 5)
+    assert seen == pytest.approx([16.0, 20.0, 25.0, 31.25, 39.0625])
+    # not monotone: a pass above a failure is found (every grid point is evaluated)
+    assert self_consistent_rate(lambda r: 100.0 if r > 30 else 0.0, 16.0, 40.0, 1.25) == (39.0625, 5)
+    # nothing passes
+    assert self_consistent_rate(lambda r: r / 2.0, 1.0, 8.0, 2.0) == (None, 4)
+    with pytest.raises(ValueError):
+        self_consistent_rate(bound_at, 0.0, 1.0)
+    with pytest.raises(ValueError):
+        self_consistent_rate(bound_at, 2.0, 1.0)
+    with pytest.raises(ValueError):
+        self_consistent_rate(bound_at, 1.0, 2.0, 1.0)

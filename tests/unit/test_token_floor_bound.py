@@ -96,3 +96,44 @@ def test_headline_bound_line(tmp_path: Path) -> None:
     assert "estimate" in line and "not a bound" in line and "can exceed" not in line
     del d["token_steady_state_bound"]
     assert tables.bound_line(d) == ""
+
+
+def test_prefix_trace_bound_is_a_rate_its_own_stream_admits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """mooncake-conv on 2 replicas, a 40 s window (10 s warm-up): the bound reported is a rate whose own
+    stream's bound admits it, the next grid rate's stream does not, and it lies below the trace-wide bound
+    (which credits sharing with the whole trace, not only with the stream offered)."""
+    from loadgen.fleet.bench import build_arrivals, kinds_steady_bound, parse_fleet
+    from loadgen.fleet.bound import shared_prefix_tokens
+    from loadgen.traces import PREFIX_BLOCK_TOKENS
+
+    cond = tfb.Condition("mooncake-conv", ((2, "llama-3-8b-a100", None),), 5000.0, 100.0, "m.json", "mooncake, 2 x 8B")
+    monkeypatch.setattr(tfb, "CONDITIONS", (cond,))
+    (tmp_path / "m.json").write_text(json.dumps({"duration_s": 40.0, "warmup_s": 10.0, "policies": {}}))
+    out = tmp_path / "bounds.json"
+    assert tfb.main(["--out", str(out), "--headline", str(tmp_path)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["bound_on"] == "stream" and row["measured"] is None
+    tok = row["token_floor_bound_rps"]
+    assert 0.0 < tok < row["trace_wide_token_floor_bound_rps"]
+    assert 0.0 < row["request_floor_bound_rps"] < row["trace_wide_request_floor_bound_rps"]
+
+    # the stream's bound computed here from its parts: at the reported rate it admits the rate
+    kept, native, _ = trace_rows("mooncake-conv", arrival_granularity_ms("mooncake-conv"), 0)
+    kinds = parse_fleet("2:llama-3-8b-a100")
+
+    def stream_bound(rate: float) -> float:
+        reqs = build_arrivals(kept, native, rate, 40.0, 2, 0)
+        credit = shared_prefix_tokens([r.prefix_ids for r in reqs], [r.prompt_tokens for r in reqs],
+                                      PREFIX_BLOCK_TOKENS, [r.arrival_ms for r in reqs], 5000.0)
+        idx = [i for i, r in enumerate(reqs) if r.arrival_ms >= 10_000.0]
+        return kinds_steady_bound(kinds, [reqs[i].prompt_tokens for i in idx], [reqs[i].output_tokens for i in idx],
+                                  5000.0, 100.0, [float(credit[i]) for i in idx], served_by="tokens")
+
+    rate = tok  # rounded to 0.01 in the JSON: compare on the grid rate it came from
+    wide = row["trace_wide_token_floor_bound_rps"]
+    grid = [0.3 * wide * 1.02**k for k in range(200) if 0.3 * wide * 1.02**k <= wide]
+    on_grid = min(grid, key=lambda g: abs(g - rate))
+    assert on_grid == pytest.approx(rate, abs=0.006)
+    assert stream_bound(on_grid) >= on_grid
+    above = [g for g in grid if g > on_grid]
+    assert all(stream_bound(g) < g for g in above[:3])
