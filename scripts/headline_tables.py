@@ -14,7 +14,10 @@ policy, led by token goodput at the per-token floor (issue 27 item 2):
 When the file has bench-fleet's ``token_steady_state_bound`` (the per-token floor's steady-state bound,
 loadgen/fleet/bound.py), a line after the table gives it, each policy's per-token capacity as a share
 of it, and the largest ratio over the best baseline that any policy could reach (on a mixed fleet the
-figure is an estimate, not a bound, and no ratio is claimed).
+figure is an estimate, not a bound, and no ratio is claimed). For a trace with prefix ids the bound in
+the file credits sharing with the whole trace; when ``token-floor-bounds.json`` (scripts/token_floor_bound.py)
+lies beside the file and has its row with ``bound_on: stream``, that row's bound on the stream offered
+is given instead, the trace-wide one beside it.
 """
 
 from __future__ import annotations
@@ -65,20 +68,41 @@ def table(path: Path) -> str:
                      f"{'-' if xb is None else f'{xb:.2f}'} | {req} | {'-' if gp is None else f'{gp:.1f}'} | "
                      f"{refused} | {ttft} | {len(rows)} |")  # fmt: skip
     best = d.get("best_baseline_token_goodput")
-    return head + "\n".join(lines) + f"\n\nBest baseline by token goodput: `{best}`.\n" + bound_line(d)
+    return (head + "\n".join(lines) + f"\n\nBest baseline by token goodput: `{best}`.\n"
+            + bound_line(d, stream_bound(path)))
 
 
-def bound_line(d: dict[str, Any]) -> str:
-    """The per-token bound's sentence (module docstring), or "" without ``token_steady_state_bound``."""
+def stream_bound(path: Path) -> float | None:
+    """The per-token bound on the stream offered for ``path`` from ``token-floor-bounds.json`` beside it
+    (module docstring), or None."""
+    bounds = path.parent / "token-floor-bounds.json"
+    if not bounds.exists():
+        return None
+    for row in json.loads(bounds.read_text()):
+        if row.get("file") == path.name and row.get("bound_on") == "stream":
+            return float(row["token_floor_bound_rps"])
+    return None
+
+
+def bound_line(d: dict[str, Any], stream: float | None = None) -> str:
+    """The per-token bound's sentence (module docstring), or "" without ``token_steady_state_bound``;
+    ``stream``: the bound on the stream offered, which replaces the file's trace-wide one."""
     tb = (d.get("token_steady_state_bound") or {}).get("rps")
     if not tb:
         return ""
+    wide = None
+    if stream is not None:
+        tb, wide = stream, tb
     shares = ", ".join(f"{n} {p['capacity_token_floor_rps'] / tb:.2f}" for n, p in d["policies"].items()
                        if p.get("capacity_token_floor_bound") in ("interpolated", "at-least"))  # fmt: skip
     if d.get("fleet"):  # mixed GPUs: each kind's bound on the whole mix, summed (bench-fleet's docstring)
         return (f"\nPer-token steady-state estimate (each GPU kind's bound on the whole mix, summed; not a bound "
                 f"for a mixed fleet): {tb:.1f} req/s; per-token capacity as a share of it: {shares}.\n")
     text = f"\nPer-token steady-state bound: {tb:.1f} req/s; per-token capacity as a share of it: {shares}."
+    if wide is not None:
+        text = (f"\nPer-token steady-state bound on the stream offered (prefix credit only from its own requests, "
+                f"scripts/token_floor_bound.py; {wide:.1f} req/s with credit from the whole trace): {tb:.1f} req/s; "
+                f"per-token capacity as a share of it: {shares}.")
     best = d.get("best_baseline_token_goodput")
     bp = d["policies"].get(best, {}) if best else {}
     base = bp.get("capacity_token_floor_rps") if bp.get("capacity_token_floor_bound") == "interpolated" else None

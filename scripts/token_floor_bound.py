@@ -185,7 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for cond in CONDITIONS:
         b = bounds(cond, run_window(cond, Path(args.headline)))
         m = measured(cond, Path(args.headline))
-        row: dict[str, object] = {"condition": cond.label, "trace": cond.trace, "fleet": [list(k) for k in cond.fleet],
+        row: dict[str, object] = {"condition": cond.label, "file": cond.measured, "trace": cond.trace,
+                                  "fleet": [list(k) for k in cond.fleet],
                                   "ttft_ms": cond.ttft_ms, "tpot_ms": cond.tpot_ms,
                                   "request_floor_bound_rps": round(b["requests"], 2),
                                   "token_floor_bound_rps": round(b["tokens"], 2), "measured": m}  # fmt: skip

@@ -137,3 +137,22 @@ def test_prefix_trace_bound_is_a_rate_its_own_stream_admits(tmp_path: Path, monk
     assert stream_bound(on_grid) >= on_grid
     above = [g for g in grid if g > on_grid]
     assert all(stream_bound(g) < g for g in above[:3])
+
+
+def test_headline_table_takes_the_stream_bound_beside_the_file(tmp_path: Path) -> None:
+    _fleet_json(tmp_path / "m.json", {"dynamo-kv+fairbatching": 10.0, "pab+fairbatching": 12.0},
+                "dynamo-kv+fairbatching", token_bound=30.0)
+    d = json.loads((tmp_path / "m.json").read_text())
+    for p in d["policies"].values():
+        p.update(rows=[], capacity_rps=0.0, capacity_bound="below-sweep")
+    d.update(trace="mooncake-conv", replicas=2, profile="llama-3-8b-a100", ttft_ms=5000.0, tpot_ms=100.0,
+             duration_s=40.0)
+    (tmp_path / "m.json").write_text(json.dumps(d))
+    assert "30.0 req/s; per-token capacity as a share of it: dynamo-kv+fairbatching 0.33" in tables.table(tmp_path / "m.json")
+    (tmp_path / "token-floor-bounds.json").write_text(json.dumps([
+        {"condition": "other", "file": "other.json", "bound_on": "stream", "token_floor_bound_rps": 99.0},
+        {"condition": "m", "file": "m.json", "bound_on": "stream", "token_floor_bound_rps": 15.0}]))
+    text = tables.table(tmp_path / "m.json")
+    # 10 / 15 = 0.67, 12 / 15 = 0.80, 15 / 10 = 1.50x; the trace-wide 30 named beside it
+    assert "on the stream offered" in text and "30.0 req/s with credit from the whole trace): 15.0 req/s" in text
+    assert "dynamo-kv+fairbatching 0.67, pab+fairbatching 0.80" in text and "1.50x `dynamo-kv+fairbatching`" in text
