@@ -53,7 +53,9 @@ class AgentConfig:
         time_model: a, b, c (ms).
         slo_classes: classes budgets are computed for (non-empty).
         default_slo_class: class of requests without ``x-fairbatch-slo-class``.
-        margin_frac: H = ttft * (1 - margin_frac).
+        margin_frac: the PAB horizon margin as a share of the TTFT (replica_agent/policy/pab.py
+            ``planning_horizon_ms``: H = ttft - min(margin_frac * ttft, margin_cap_tpots * tpot)).
+        margin_cap_tpots: the margin is at most this many TPOTs of the class (> 0; inf = no cap).
         kv_capacity_tokens: KV capacity from the flag, None to use the engine's, then the profile's.
         profile_kv_capacity_tokens: last-resort KV capacity (tokens).
         push_interval_ms: WatchBudget pushes at least this often.
@@ -84,6 +86,7 @@ class AgentConfig:
     default_slo_class: str
     margin_frac: float = 0.1
     kv_capacity_tokens: int | None = None
+    margin_cap_tpots: float = 1.0
     profile_kv_capacity_tokens: int = 0
     push_interval_ms: float = 100.0
     min_push_interval_ms: float = 5.0
@@ -113,6 +116,10 @@ class AgentConfig:
             raise ValueError("--no-proxy needs plugin mode (--plugin-export): nothing else tracks requests")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1 or None, got {self.max_num_seqs}")
+        if not 0.0 <= self.margin_frac < 1.0:
+            raise ValueError(f"margin_frac must be in [0, 1), got {self.margin_frac}")
+        if not self.margin_cap_tpots > 0.0:  # also NaN
+            raise ValueError(f"margin_cap_tpots must be > 0, got {self.margin_cap_tpots}")
         for name in ("push_interval_ms", "ttl_ms", "lease_ttl_ms", "metrics_interval_ms", "plugin_stale_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
@@ -524,6 +531,7 @@ class Agent:
             state = replica_state_from_record(
                 rec, plugin_now, self.time_model(), self.config.margin_frac,
                 [lease.prompt_tokens for lease in self.leases.active()], self.config.max_num_seqs,
+                self.config.margin_cap_tpots,
             )
             # requests the proxy forwarded that the record does not list yet (their leases are consumed)
             unlisted = unlisted_prefills(rec, self.tracker.recent_prefills(pv.recv_ms - UNLISTED_LOOKBACK_MS))
@@ -543,6 +551,7 @@ class Agent:
             kv_free_tokens=max(0, kv_free),
             time_model=self.time_model(),
             margin_frac=self.config.margin_frac,
+            margin_cap_tpots=self.config.margin_cap_tpots,
             max_seqs=self.config.max_num_seqs,
             finish_rate_per_s=self.tracker.finish_rate_per_s(now_ms),
         )

@@ -182,7 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an SLO class (repeatable); default default:1000:100 when neither this nor --config is given")
     s.add_argument("--default-slo-class", default=None,
                    help="class of requests without x-fairbatch-slo-class (default: the first class)")
-    s.add_argument("--margin-frac", type=float, default=0.1, help="PAB horizon = ttft * (1 - margin)")
+    s.add_argument("--margin-frac", type=float, default=0.1,
+                   help="PAB horizon margin as a share of the TTFT: H = ttft - min(margin * ttft, cap * tpot)")
+    s.add_argument("--margin-cap-tpots", type=float, default=1.0,
+                   help="the horizon margin is at most this many TPOTs of the class (inf = the share alone, as "
+                        "releases before 2026-12-07)")
     s.add_argument("--push-interval-ms", type=float, default=100.0, help="WatchBudget pushes at least this often")
     s.add_argument("--min-push-interval-ms", type=float, default=5.0,
                    help="at most one change-triggered snapshot per this many ms (changes in between coalesce; 0 = "
@@ -324,6 +328,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         slo_classes=tuple(classes),
         default_slo_class=default,
         margin_frac=args.margin_frac,
+        margin_cap_tpots=args.margin_cap_tpots,
         kv_capacity_tokens=args.kv_capacity_tokens,
         profile_kv_capacity_tokens=profile.kv_capacity_tokens,
         push_interval_ms=args.push_interval_ms,

@@ -115,6 +115,7 @@ def replica_state_from_record(
     rec: Mapping[str, Any], now_ms: float, time_model: TimeModel, margin_frac: float,
     lease_prompts: Iterable[int] = (),
     max_seqs: int | None = None,
+    margin_cap_tpots: float = 1.0,
 ) -> ReplicaState:
     """PAB inputs from a state record (module docstring).
 
@@ -122,7 +123,7 @@ def replica_state_from_record(
         rec: a state record.
         now_ms: now on the plugin's clock (unix ms).
         time_model: the model PAB uses (the agent's online fit x its margin).
-        margin_frac: H = ttft * (1 - margin_frac).
+        margin_frac, margin_cap_tpots: the horizon margin (replica_agent/policy/pab.py ``planning_horizon_ms``).
         lease_prompts: prompt tokens of active leases whose request the record does not list.
         max_seqs: the engine's sequence cap when the record has none (its ``max_seqs``, the
             scheduler's own figure, wins); None = no cap known.
@@ -137,6 +138,7 @@ def replica_state_from_record(
     return ReplicaState(
         now_ms=now_ms, decodes=decodes, prefills=prefills, kv_free_tokens=max(0, kv_free),
         time_model=time_model, margin_frac=margin_frac, max_seqs=rec_seqs if rec_seqs >= 1 else max_seqs,
+        margin_cap_tpots=margin_cap_tpots,
     )
 
 

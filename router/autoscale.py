@@ -59,7 +59,8 @@ def pab_desired(signal: FleetSignal, one_replica_pab_ms: float) -> int:
 
     Args:
         signal: the fleet's signals.
-        one_replica_pab_ms: an idle replica's PAB for the class: ``ttft_ms * (1 - margin_frac)`` (ms, > 0).
+        one_replica_pab_ms: an idle replica's PAB for the class: its horizon H
+            (replica_agent/policy/pab.py ``planning_horizon_ms``; ms, > 0).
 
     Raises:
         ValueError: ``one_replica_pab_ms`` not positive.

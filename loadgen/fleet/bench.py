@@ -73,6 +73,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import random
 import sys
@@ -277,6 +278,7 @@ class Setup:
     engine_front_ms: float = 0.0  # FleetConfig.engine_front_ms
     decode_guard_ms: float = 0.0  # FleetConfig.decode_guard_ms
     margin_frac: float = 0.1  # FleetConfig.margin_frac: the agents' PAB horizon margin (agent --margin-frac)
+    margin_cap_tpots: float = 1.0  # FleetConfig.margin_cap_tpots (agent --margin-cap-tpots)
 
 
 def parse_fleet(spec: str, engine_time_spec: str | None = None) -> tuple[ReplicaKind, ...]:
@@ -362,7 +364,7 @@ def fleet_config(setup: Setup, policy: str) -> FleetConfig:
         contention_max_inflight=setup.contention_max_inflight, max_bypass=setup.max_bypass,
         replica_kinds=setup.replica_kinds, contention_keep_running=setup.contention_keep_running,
         faults=setup.faults, max_migrations=setup.max_migrations, engine_front_ms=setup.engine_front_ms,
-        decode_guard_ms=setup.decode_guard_ms, margin_frac=setup.margin_frac,
+        decode_guard_ms=setup.decode_guard_ms, margin_frac=setup.margin_frac, margin_cap_tpots=setup.margin_cap_tpots,
     )  # fmt: skip
 
 
@@ -649,7 +651,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests arriving in the first this many seconds load the fleet but are not counted "
                         "(steady state: the window measured is [warmup, duration])")
     p.add_argument("--pab-margin", type=float, default=0.1,
-                   help="pab agents: horizon margin, H = ttft * (1 - margin) (the agent's --margin-frac, default 0.1)")
+                   help="pab agents: horizon margin as a share of the TTFT (the agent's --margin-frac)")
+    p.add_argument("--pab-margin-cap-tpots", type=float, default=1.0,
+                   help="pab agents: the margin is at most this many TPOTs, H = ttft - min(margin * ttft, cap * tpot) "
+                        "(the agent's --margin-cap-tpots; inf = the share alone)")
     p.add_argument("--contention-max-inflight", type=int, default=32,
                    help="pab routers: admission.contention_max_inflight (router default 32; 0 = off)")
     p.add_argument("--contention-fixed-cap", action="store_true",
@@ -747,11 +752,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                   args.window_offset, engine_time, args.warmup_s, args.start_window_steps, args.lease_mode,
                   args.min_push_interval_ms, args.windows or args.replicas, not args.no_prefix_caching,
                   work_shed, args.contention_max_inflight, args.max_bypass, kinds,
-                  not args.contention_fixed_cap, margin_frac=args.pab_margin)  # fmt: skip
+                  not args.contention_fixed_cap, margin_frac=args.pab_margin,
+                  margin_cap_tpots=args.pab_margin_cap_tpots)  # fmt: skip
     if not 0.0 <= args.warmup_s < args.duration_s:
         raise SystemExit("bench-fleet: --warmup-s must be in [0, --duration-s)")
     if not 0.0 <= args.pab_margin < 1.0:
         raise SystemExit("bench-fleet: --pab-margin must be in [0, 1)")
+    if not args.pab_margin_cap_tpots > 0.0:
+        raise SystemExit("bench-fleet: --pab-margin-cap-tpots must be > 0")
     t0 = time.perf_counter()
     jobs = [(setup, p, tuple(rates), search) for p in args.policies]
     if args.jobs > 1:
@@ -773,8 +781,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.windows or args.replicas, not args.no_prefix_caching
         ):
             raise SystemExit(f"--merge: {args.out} was run with other --windows or prefix caching")
-        if old.get("pab_margin_frac", 0.1) != args.pab_margin:
-            raise SystemExit(f"--merge: {args.out} was run with another --pab-margin ({old.get('pab_margin_frac', 0.1)})")
+        # the agents' margin: only PAB rows depend on it (files made before the cap record none: their agents
+        # planned with the share alone, inf); a file whose PAB rows were taken out may take rows of another
+        old_cap = old.get("pab_margin_cap_tpots")
+        old_margin = (old.get("pab_margin_frac", 0.1), math.inf if old_cap is None else float(old_cap))
+        if old_margin != (args.pab_margin, args.pab_margin_cap_tpots) and any(n.startswith("pab") for n in old["policies"]):
+            raise SystemExit(f"--merge: {args.out} holds PAB rows run with another --pab-margin / --pab-margin-cap-tpots "
+                             f"({old_margin[0]} / {old_margin[1]})")
         if old.get("engine_time_model", {"name": "policy"}) != describe_engine(engine_time):
             raise SystemExit(f"--merge: {args.out} was run with another engine time model "
                              f"({old.get('engine_time_model', {'name': 'policy'})['name']})")
@@ -818,6 +831,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "push_period_ms": args.push_period_ms, "net_delay_ms": args.net_delay_ms, "queue": args.queue,
         "leases": not args.no_leases, "static_queue_cap_tokens": cap_tokens, "seed": args.seed,
         "window_offset": args.window_offset, "pab_margin_frac": args.pab_margin,
+        "pab_margin_cap_tpots": args.pab_margin_cap_tpots if math.isfinite(args.pab_margin_cap_tpots) else "inf",
         "engine": {"max_num_batched_tokens": max_tokens, "max_num_seqs": max_seqs,
                    "vllm_serve_defaults": {"max_num_batched_tokens": serve.max_num_batched_tokens,
                                            "max_num_seqs": serve.max_num_seqs, "gpu": prof.gpu}},

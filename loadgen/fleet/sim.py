@@ -110,6 +110,7 @@ from replica_agent.policy.pab import (
     SloClass,
     admits,
     class_budget,
+    planning_horizon_ms,
 )
 from replica_agent.policy.prefill_eta import inflight_schedule
 from replica_agent.policy.queue_cap import over_queue_cap
@@ -314,7 +315,8 @@ class FleetConfig:
         min_push_interval_ms: None: agents push periodically only. A number: also on every change
             (a request arrives, a lease is granted, a step ends with a first token or a finish), at
             most one snapshot per this many ms (replica_agent/admission_server.py coalescing).
-        margin_frac: PAB horizon margin, H = ttft * (1 - margin_frac).
+        margin_frac, margin_cap_tpots: the agents' PAB horizon margin (replica_agent/policy/pab.py
+            ``planning_horizon_ms``: H = ttft - min(margin_frac * ttft, margin_cap_tpots * tpot)).
         budget_ttl_ms: a snapshot older than this counts as zero budget (router clock, ms).
         lease_ttl_ms: a lease whose request never arrives lapses after this (ms).
         max_queue_ms: longest wait in a router queue (ms).
@@ -385,6 +387,7 @@ class FleetConfig:
     lease_mode: str = "reserve"
     min_push_interval_ms: float | None = None
     margin_frac: float = 0.1
+    margin_cap_tpots: float = 1.0
     budget_ttl_ms: float = 1000.0
     lease_ttl_ms: float = 5000.0
     max_queue_ms: float = 2000.0
@@ -757,7 +760,8 @@ def step_view(engine: SimEngine, default_ttft_ms: float = 1000.0, default_tpot_m
 
 def replica_state(engine: SimEngine, leases: LeaseTable, now_ms: float, margin_frac: float,
                   extra_prefill_tokens: int = 0, default_ttft_ms: float = 1000.0,
-                  default_tpot_ms: float = 100.0, view: StepView | None = None) -> ReplicaState:  # fmt: skip
+                  default_tpot_ms: float = 100.0, view: StepView | None = None,
+                  margin_cap_tpots: float = 1.0) -> ReplicaState:  # fmt: skip
     """PAB inputs in plugin mode: the engine's exact requests by the plugin export's rule
     (replica_agent/policy/engine_state.py) plus active leases (module docstring).
 
@@ -785,7 +789,7 @@ def replica_state(engine: SimEngine, leases: LeaseTable, now_ms: float, margin_f
     if extra_prefill_tokens > 0:
         prefills.append(PendingPrefill(extra_prefill_tokens))
     return ReplicaState(now_ms, decodes, prefills, kv_free, engine.policy_time_model, margin_frac,
-                        engine.config.max_num_seqs)  # fmt: skip
+                        engine.config.max_num_seqs, margin_cap_tpots=margin_cap_tpots)  # fmt: skip
 
 
 class _Router:
@@ -1081,7 +1085,8 @@ class FleetSim:
         if not self.cfg.leases:  # forward on the router's view alone; checked at arrival
             self.stats.grants += 1
             return True, "", None
-        state = replica_state(rep.engine, rep.leases, now_ms, cfg.margin_frac, view=rep.step_view)
+        state = replica_state(rep.engine, rep.leases, now_ms, cfg.margin_frac, view=rep.step_view,
+                              margin_cap_tpots=cfg.margin_cap_tpots)
         reason, fit_budget = reserve_decision(prompt_tokens, state, self.slo, waited_ms, True, cfg.max_model_len,
                                               on_time_only)  # fmt: skip
         # the answer carries the fresh-arrival budget: the fit's own when the request has not waited
@@ -1127,7 +1132,7 @@ class FleetSim:
         """Without leases: count a prefill that arrives beyond the replica's exact PAB (over the
         class horizon minus ``waited_ms``, its age at the replica: ``pab.admits``)."""
         fit, b = admits(prompt_tokens, replica_state(rep.engine, rep.leases, now_ms, self.cfg.margin_frac,
-                                                           view=rep.step_view),
+                                                           view=rep.step_view, margin_cap_tpots=self.cfg.margin_cap_tpots),
                         self.slo, waited_ms)  # fmt: skip
         tm = rep.engine.policy_time_model
         if not fit:
@@ -1164,7 +1169,8 @@ class FleetSim:
                 # independent check of what is admitted: the exact fit on the state before the decision
                 on_time = st.grant is not None and st.grant.on_time_only  # x-fairbatch-on-time
                 fit = admits(st.admit_tokens, replica_state(rep.engine, rep.leases, t, self.cfg.margin_frac,
-                                                                 view=rep.step_view),
+                                                                 view=rep.step_view,
+                                                                 margin_cap_tpots=self.cfg.margin_cap_tpots),
                              self.slo, waited, on_time)[0]  # fmt: skip
                 granted, lease_id, after = self.reserve(ri, st.admit_tokens, t, waited, on_time)
                 if granted and not fit:
@@ -1263,7 +1269,8 @@ class FleetSim:
         rep.leases.expire(t)
         if rep.draining and not rep.engine.has_work() and len(rep.leases) == 0:
             self._set_allocated(rep, False, t)  # drained: the pod goes, its GPU is free
-        state = replica_state(rep.engine, rep.leases, t, cfg.margin_frac, view=rep.step_view)
+        state = replica_state(rep.engine, rep.leases, t, cfg.margin_frac, view=rep.step_view,
+                              margin_cap_tpots=cfg.margin_cap_tpots)
         b = class_budget(state, self.slo)
         rep.seq += 1
         # the engine's prefix-cache counters over the agent's window (its scrape, here at each push)
@@ -1340,7 +1347,7 @@ class FleetSim:
                 self._set_allocated(rep, False, t)
         sig = self.fleet_signal(t)
         if a.signal == "pab":
-            raw = pab_desired(sig, self.cfg.ttft_ms * (1.0 - self.cfg.margin_frac))
+            raw = pab_desired(sig, planning_horizon_ms(self.slo, self.cfg.margin_frac, self.cfg.margin_cap_tpots))
         else:
             raw = waiting_desired(sig, a.waiting_target)
         target = self.stabilizer.recommend(t, raw)

@@ -8,10 +8,19 @@ class; no I/O, no clock reads.
 Derivation
 ----------
 Let a request of SLO class k (``ttft_k``, ``tpot_k``) arrive at time t. It meets its TTFT target
-when its prefill has run by t + ttft_k. We keep a safety margin for model error and scheduling
-jitter and plan within the horizon::
+when its prefill has run by t + ttft_k. We keep a safety margin for scheduling jitter and plan
+within the horizon::
 
-    H = ttft_k * (1 - margin_frac)
+    H = ttft_k - min(margin_frac * ttft_k, margin_cap_tpots * tpot_k)      (planning_horizon_ms)
+
+The margin is a share of the TTFT (10 % by default) but at most one TPOT (``margin_cap_tpots`` = 1):
+what it covers does not grow with the TTFT target. A first token comes out at the end of the step
+that completes its prefill, and FairBatching bounds a step by the running decodes' slack, about one
+TPOT; the router's view is one budget push old. Model error is not the margin's job: the time model
+PAB plans with is the online fit times its own learned margin (a high quantile of its relative errors,
+replica_agent/agent.py). At TTFT 1 s / TPOT 100 ms both give 100 ms; at TTFT 5 s the share alone gave
+500 ms, which refused prompts that met their TTFT (docs/evaluation.md, "The horizon margin").
+``margin_cap_tpots = inf`` is the share alone (releases before 2026-12-07).
 
 Inside [t, t + H] the replica's time is claimed, before any new prompt, by two kinds of work that
 were admitted earlier and whose promises we must keep:
@@ -244,7 +253,8 @@ class ReplicaState:
         prefills: in-flight prefills and un-arrived leases.
         kv_free_tokens: free KV cache (tokens, not blocks), >= 0.
         time_model: batch-time coefficients a, b, c (ms).
-        margin_frac: safety margin, H = ttft * (1 - margin_frac); 0 <= margin_frac < 1.
+        margin_frac: safety margin as a share of the TTFT, 0 <= margin_frac < 1 (:func:`planning_horizon_ms`).
+        margin_cap_tpots: the margin is at most this many TPOTs of the class (> 0; inf = no cap).
         max_seqs: the engine's cap on running requests (vLLM ``max_num_seqs``), None = not limited
             (module docstring, "Sequence slots").
         finish_rate_per_s: requests leaving the replica per second, recently observed (None = unknown):
@@ -259,10 +269,13 @@ class ReplicaState:
     margin_frac: float = 0.1
     max_seqs: int | None = None
     finish_rate_per_s: float | None = None
+    margin_cap_tpots: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.margin_frac < 1.0:
             raise ValueError(f"margin_frac must be in [0, 1), got {self.margin_frac}")
+        if not self.margin_cap_tpots > 0.0:  # also NaN
+            raise ValueError(f"margin_cap_tpots must be > 0, got {self.margin_cap_tpots}")
         if self.max_seqs is not None and self.max_seqs < 1:
             raise ValueError(f"max_seqs must be >= 1 or None, got {self.max_seqs}")
 
@@ -276,7 +289,7 @@ class ClassBudget:
 
     Attributes:
         slo_class: class name.
-        horizon_ms: H = ttft_ms * (1 - margin_frac); for an aged request (``class_budget`` with
+        horizon_ms: H (:func:`planning_horizon_ms`); for an aged request (``class_budget`` with
             ``waited_ms = w``) H_w = max(0, H - w), and every field below is over that horizon.
         pab_ms: max(0, H - slot_wait_ms - decode_reservation_ms - inflight_reservation_ms).
         pab_tokens: min(the largest P whose ``prefill_ms(P)`` fits pab_ms, kv_limited_tokens).
@@ -336,6 +349,15 @@ def slot_wait_ms(now_ms: float, decodes: Sequence[DecodeState], prefills: Sequen
     return wait
 
 
+def planning_horizon_ms(slo: SloClass, margin_frac: float, margin_cap_tpots: float = 1.0) -> float:
+    """H = ttft - min(margin_frac * ttft, margin_cap_tpots * tpot) (ms; module docstring, "Derivation").
+
+    Example: TTFT 1000 / TPOT 100, margin 0.1: min(100, 100) -> 900; TTFT 5000 / TPOT 100:
+    min(500, 100) -> 4900 (4500 with ``margin_cap_tpots = inf``); TTFT 500 / TPOT 50: 450.
+    """
+    return slo.ttft_ms - min(margin_frac * slo.ttft_ms, margin_cap_tpots * slo.tpot_ms)
+
+
 def decode_iterations(now_ms: float, horizon_ms: float, decodes: Iterable[DecodeState]) -> int:
     """N = max_d max(0, floor((t + H - ddl_d) / tpot_d) + 1); 0 without decodes (docs/design.md section 4).
 
@@ -380,7 +402,7 @@ def class_budget(state: ReplicaState, slo: SloClass, waited_ms: float = 0.0) -> 
         slo: the request's SLO class.
         waited_ms: ms the request already spent since its arrival at the router (0 = a fresh
             arrival). The budget is planned over ``H_w = max(0, H - waited_ms)`` with
-            ``H = ttft_ms * (1 - margin_frac)`` (module docstring, "Aged requests"); the fields of
+            ``H`` = :func:`planning_horizon_ms` (module docstring, "Aged requests"); the fields of
             the result (``horizon_ms``, ``pab_ms``, ``pab_tokens``, ...) describe that horizon.
 
     Raises:
@@ -388,7 +410,7 @@ def class_budget(state: ReplicaState, slo: SloClass, waited_ms: float = 0.0) -> 
     """
     _check_waited(waited_ms)
     tm = state.time_model
-    horizon = slo.ttft_ms * (1.0 - state.margin_frac)
+    horizon = planning_horizon_ms(slo, state.margin_frac, state.margin_cap_tpots)
     if waited_ms:
         horizon = max(0.0, horizon - waited_ms)
     n_iter = decode_iterations(state.now_ms, horizon, state.decodes)

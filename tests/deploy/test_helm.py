@@ -262,6 +262,7 @@ def test_replica_statefulset_has_vllm_gpu_and_agent_sidecar(helm: Path) -> None:
     assert flag("--config") == "/etc/fairbatch/fairbatch.yaml"
     assert flag("--otlp-endpoint") == "http://otel-collector.observability.svc:4317"
     assert flag("--margin-frac") == "0.15"
+    assert flag("--margin-cap-tpots") == "1"  # values.yaml's 1.0 as helm quotes it
     assert flag("--default-slo-class") == "interactive"
     assert "--slo-in-body" in args  # FairBatching on: the SLO reaches vLLM's scheduler in vllm_xargs
     pod_name = next(e for e in agent["env"] if e["name"] == "POD_NAME")
@@ -848,6 +849,25 @@ def test_vllm_autoscaling_with_keda_scales_the_statefulset_on_pab(helm: Path, tm
         path = _rules_file([{"name": "q", "rules": [{"record": "q", "expr": query}]}], tmp_path / "q.yaml")
         proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_vllm_autoscaling_horizon_takes_the_capped_margin(helm: Path, tmp_path: Path) -> None:
+    """The query's idle horizon is replica_agent/policy/pab.py ``planning_horizon_ms``: TTFT 500 / TPOT 50,
+    margin 0.3: min(150, 1 x 50) = 50 -> 0.45 s; with the cap at 10 TPOTs min(150, 500) = 150 -> 0.35 s."""
+    from replica_agent.policy.pab import SloClass, planning_horizon_ms
+
+    def query(cap: float | None) -> str:
+        agent: dict[str, float] = {"marginFrac": 0.3}  # a file: --set would pass 0.3 as a string
+        if cap is not None:
+            agent["marginCapTpots"] = cap
+        values = tmp_path / "margin.yaml"
+        values.write_text(yaml.safe_dump({"agent": agent, "vllm": {"autoscaling": {"enabled": True}}}))
+        return one(render(helm, values), "ScaledObject")["spec"]["triggers"][0]["metadata"]["query"]
+
+    cls = SloClass("interactive", 500.0, 50.0)
+    assert planning_horizon_ms(cls, 0.3) == 450.0 and planning_horizon_ms(cls, 0.3, 10.0) == 350.0
+    assert "> bool 0.45" in query(None)
+    assert "> bool 0.35" in query(10.0)
 
 
 def test_vllm_autoscaling_unknown_class_fails_with_a_readable_message(helm: Path) -> None:

@@ -25,6 +25,7 @@ from replica_agent.policy.pab import (
     growth_reserve_tokens,
     inflight_lumps,
     on_time,
+    planning_horizon_ms,
 )
 from replica_agent.policy.reserve import reserve_decision
 from replica_agent.policy.time_model import TimeModel
@@ -176,7 +177,7 @@ def test_compute_budgets_per_class_and_validation():
     batch = SloClass("batch", 20_000.0, 200.0)
     out = compute_budgets(state(), [INTERACTIVE, batch])
     assert list(out) == ["interactive", "batch"]
-    assert out["batch"].horizon_ms == pytest.approx(18_000.0)
+    assert out["batch"].horizon_ms == pytest.approx(19_800.0)  # margin min(0.1 x 20 s, one TPOT = 200 ms)
     with pytest.raises(ValueError):
         SloClass("x", 0.0, 1.0)
     with pytest.raises(ValueError):
@@ -487,3 +488,34 @@ def test_slot_wait_takes_the_kth_finish_and_the_finish_rate() -> None:
     unknown = (dec(1010.0, 0, None), dec(1010.0, 0, None))
     assert slot_wait_ms(now, unknown, (), 1, finish_rate_per_s=8.0) == pytest.approx(250.0)
     assert math.isinf(slot_wait_ms(now, unknown, (), 1, finish_rate_per_s=0.0))
+
+
+def test_planning_horizon_caps_the_margin_at_one_tpot() -> None:
+    # H = ttft - min(margin * ttft, cap * tpot)
+    assert planning_horizon_ms(SloClass("a", 1000.0, 100.0), 0.1) == 900.0  # min(100, 100)
+    assert planning_horizon_ms(SloClass("b", 5000.0, 100.0), 0.1) == 4900.0  # min(500, 100)
+    assert planning_horizon_ms(SloClass("b", 5000.0, 100.0), 0.1, math.inf) == 4500.0  # the share alone
+    assert planning_horizon_ms(SloClass("b", 5000.0, 100.0), 0.1, 2.5) == 4750.0  # min(500, 250)
+    assert planning_horizon_ms(INTERACTIVE, 0.1) == 450.0  # min(50, 50)
+    assert planning_horizon_ms(INTERACTIVE, 0.0) == 500.0
+
+
+def test_long_ttft_budget_plans_over_the_capped_horizon() -> None:
+    # TTFT 5 s / TPOT 100 ms: H = 4900 ms (4500 with the share alone); a 1,000-token prefill in flight
+    # reserves 0.1 * 1000 = 100 ms, so PAB is 4800 (4400). A 46,000-token prompt costs 10 + 4600 = 4610 ms:
+    # it fits 4800; against 4500 it is longer than the horizon and takes only an idle replica: no
+    long = SloClass("long", 5000.0, 100.0)
+    busy = (PendingPrefill(1000),)
+    capped = ReplicaState(0.0, (), busy, 100_000, TM, 0.1)
+    uncapped = ReplicaState(0.0, (), busy, 100_000, TM, 0.1, margin_cap_tpots=math.inf)
+    b, u = class_budget(capped, long), class_budget(uncapped, long)
+    assert (b.horizon_ms, b.pab_ms) == (4900.0, 4800.0) and (u.horizon_ms, u.pab_ms) == (4500.0, 4400.0)
+    assert fits(46_000, b, TM) and not fits(46_000, u, TM)
+    # a decode due every 100 ms from 50 ms: n = floor((4900 - 50) / 100) + 1 = 49 iterations of
+    # a + b + c * 1000 = 10 + 0.1 + 1 = 11.1 ms -> 543.9 ms reserved, PAB 4356.1 ms
+    d = DecodeState(50.0, 100.0, 1000, 1)
+    b = class_budget(ReplicaState(0.0, (d,), (), 100_000, TM, 0.1), long)
+    assert b.decode_iterations == 49 and b.decode_reservation_ms == pytest.approx(543.9)
+    assert b.pab_ms == pytest.approx(4356.1)
+    with pytest.raises(ValueError, match="margin_cap_tpots"):
+        ReplicaState(0.0, (), (), 1, TM, 0.1, margin_cap_tpots=0.0)

@@ -323,14 +323,16 @@ The router's fairbatch.yaml. Call with (dict "root" $ "withKeys" true|false).
 PromQL: the raw desired number of vLLM replicas by the PAB rule (router/autoscale.py pab_desired):
 the ready replicas, +1 when the router refused requests for capacity in the last minute or requests
 queue while no replica has PAB for the class, -1 when the spare PAB exceeds one idle replica's
-horizon (ttft_ms x (1 - agent.marginFrac)) and nothing queues. An HPA with an AverageValue target
+horizon (ttft_ms - min(agent.marginFrac x ttft_ms, agent.marginCapTpots x tpot_ms), as
+replica_agent/policy/pab.py planning_horizon_ms) and nothing queues. An HPA with an AverageValue target
 of 1 runs that many replicas; its scale-down stabilization holds a replica while it starts.
 */}}
 {{- define "fairbatch.vllmDesiredReplicasQuery" -}}
 {{- $as := .Values.vllm.autoscaling }}
 {{- $classes := (include "fairbatch.baseConfig" . | fromYaml).slo_classes }}
 {{- $cls := index $classes $as.sloClass }}
-{{- $h := divf (mulf (float64 $cls.ttft_ms) (subf 1.0 (float64 .Values.agent.marginFrac))) 1000.0 }}
+{{- $m := minf (mulf (float64 $cls.ttft_ms) (float64 .Values.agent.marginFrac)) (mulf (float64 $cls.tpot_ms) (float64 .Values.agent.marginCapTpots)) }}
+{{- $h := divf (subf (float64 $cls.ttft_ms) $m) 1000.0 }}
 {{- $ns := printf "namespace=%q" .Release.Namespace }}
 {{- $pab := printf "fairbatch_router_fleet_pab_seconds{%s,slo_class=%q}" $ns $as.sloClass }}
 {{- $queue := printf "(sum(fairbatch_router_queue_depth{%s}) or vector(0))" $ns -}}
