@@ -95,6 +95,7 @@ def bound_line(d: dict[str, Any], stream: float | None = None) -> str:
         tb, wide = stream, tb
     shares = ", ".join(f"{n} {p['capacity_token_floor_rps'] / tb:.2f}" for n, p in d["policies"].items()
                        if p.get("capacity_token_floor_bound") in ("interpolated", "at-least"))  # fmt: skip
+    shares = shares or "none (no policy has a per-token capacity in the rates measured)"
     if d.get("fleet"):  # mixed GPUs: each kind's bound on the whole mix, summed (bench-fleet's docstring)
         return (f"\nPer-token steady-state estimate (each GPU kind's bound on the whole mix, summed; not a bound "
                 f"for a mixed fleet): {tb:.1f} req/s; per-token capacity as a share of it: {shares}.\n")
