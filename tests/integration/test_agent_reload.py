@@ -1,8 +1,9 @@
 """The agent reads its part of the router YAML with the router's models and reloads it while serving.
 
 A real agent process in front of a real simulated engine (loopback). On an idle engine a class's
-PAB is its horizon H = ttft_ms * (1 - margin), margin 0.1 by default: 500 ms -> 0.45 s,
-1000 ms -> 0.9 s (docs/architecture.md). The file changes -> the new classes apply (no restart);
+PAB is its horizon H = ttft_ms - min(margin * ttft_ms, tpot_ms), margin 0.1 by default
+(replica_agent/policy/pab.py planning_horizon_ms): 500 / 50 ms -> 0.45 s, 1000 / 50 ms -> 0.95 s,
+20000 / 200 ms -> 19.8 s. The file changes -> the new classes apply (no restart);
 SIGHUP on a broken file -> refused, counted, the running classes kept, a ``file:line`` message and
 no traceback in the log. A file the router's models refuse stops the agent at start the same way, and a router file the
 router refuses anywhere (not only in ``slo_classes``) is refused by the agent too.
@@ -80,8 +81,8 @@ def test_slo_classes_reload_on_file_change_and_sighup(tmp_path: Path) -> None:
 
         # an edit: TTFT 1000 ms, and a new class
         config.write_text(BASE + "  interactive: {ttft_ms: 1000, tpot_ms: 50}\n  batch: {ttft_ms: 20000, tpot_ms: 200}\n")
-        wait_value(url, pab, 0.9)
-        wait_value(url, 'fairbatch_agent_pab_seconds{slo_class="batch"}', 18.0)
+        wait_value(url, pab, 0.95)
+        wait_value(url, 'fairbatch_agent_pab_seconds{slo_class="batch"}', 19.8)
         assert metric_value(url, 'fairbatch_agent_config_reloads_total{result="ok"}') == 1.0
         success = "fairbatch_agent_config_last_reload_success"
         stamp = "fairbatch_agent_config_last_reload_timestamp_seconds"
@@ -97,7 +98,7 @@ def test_slo_classes_reload_on_file_change_and_sighup(tmp_path: Path) -> None:
         wait_until(lambda: (metric_value(url, invalid) or 0.0) >= 1.0, "the broken file refused")
         time.sleep(0.5)
         n = metric_value(url, invalid) or 0.0
-        assert metric_value(url, pab) == 0.9
+        assert metric_value(url, pab) == 0.95
         assert metric_value(url, success) == 0.0  # FairbatchConfigReloadFailed's signal
         assert applied <= (metric_value(url, stamp) or 0.0) <= time.time()
         # the running classes' load: the edit above (at or after the one read), before the refusal
@@ -106,13 +107,13 @@ def test_slo_classes_reload_on_file_change_and_sighup(tmp_path: Path) -> None:
         # a value the router's model refuses: refused at the next poll
         config.write_text(BASE + "  interactive: {ttft_ms: -5, tpot_ms: 50}\n")
         wait_value(url, invalid, n + 1.0)
-        assert metric_value(url, pab) == 0.9
+        assert metric_value(url, pab) == 0.95
         # new class targets in a file the router refuses elsewhere (a tenant's weight 0): the router
         # keeps its running file, so the agent keeps its classes too (a user's trial found them apart)
         config.write_text(BASE + "  interactive: {ttft_ms: 400, tpot_ms: 50}\n"
                           "tenants:\n  acme: {weight: 0, slo_class: interactive}\n")
         wait_value(url, invalid, n + 2.0)
-        assert metric_value(url, pab) == 0.9
+        assert metric_value(url, pab) == 0.95
         assert metric_value(url, 'fairbatch_agent_config_reloads_total{result="ok"}') == 1.0
         assert child.popen.poll() is None  # type: ignore[attr-defined]
     log = Path(child.log_path).read_text()  # type: ignore[attr-defined]
