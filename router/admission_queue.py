@@ -327,7 +327,7 @@ class Dispatcher(Generic[G]):
     an admit call, so one pass covers a long queue of similar requests in a few calls. Phase 1
     also skips, without a call, an entry already past its first-token deadline
     (``now >= first_token_deadline_ms``): it cannot be on time anywhere (pab.on_time needs
-    ``a + b*P <= H - w`` with ``H = ttft * (1 - margin) <= ttft <= w``).
+    ``a + b*P <= H - w`` with ``H = ttft - margin <= ttft <= w``).
 
     Scan budget (issue 25): one pass makes at most ``max_scan`` admit calls, and phase 1 never
     takes the calls phase 2 needs: once phase 1 has left entries to phase 2, it stops at

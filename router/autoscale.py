@@ -14,7 +14,7 @@ vllm-autoscaling.yaml); the fleet simulation (loadgen/fleet/sim.py) calls these 
   evaluation (429 ``slo-infeasible``, ``queue-full``, ``queue-timeout``: a sheddable class is
   refused rather than queued, each refusal a moment with no budget in reach); scale in by one
   when the spare PAB over the fleet exceeds one idle replica's worth (its horizon
-  ``ttft_ms * (1 - margin)``) with nothing queued or refused: removing one replica would still
+  H, replica_agent/policy/pab.py ``planning_horizon_ms``) with nothing queued or refused: removing one replica would still
   leave budget to spare. Else hold at the ready replicas (a starting replica is held by the
   stabilization window, which should be longer than a start-up).
 - :func:`waiting_desired` (the baseline of vLLM production-stack's KEDA example): ``ceil(sum of
