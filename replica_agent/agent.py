@@ -86,7 +86,6 @@ class AgentConfig:
     default_slo_class: str
     margin_frac: float = 0.1
     kv_capacity_tokens: int | None = None
-    margin_cap_tpots: float = 1.0
     profile_kv_capacity_tokens: int = 0
     push_interval_ms: float = 100.0
     min_push_interval_ms: float = 5.0
@@ -103,6 +102,7 @@ class AgentConfig:
     proxy_step_estimates: bool = True
     max_num_batched_tokens: int = 8192
     max_num_seqs: int | None = None
+    margin_cap_tpots: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.slo_classes:

@@ -21,10 +21,15 @@ windows that λ covers (bench-fleet ``build_arrivals``, one window per replica),
 skip a prefix that a request *of that stream* computed, arriving no later than its TTFT deadline
 (``shared_prefix_tokens`` with the stream's arrival times; the bound module's own rule). So for a
 trace with prefix ids the bound is taken on the stream: with ``bound(λ)`` the steady-state bound of
-the counted requests (after the warm-up) of the stream offered at λ, a policy whose capacity is λ*
-has ``λ* <= bound(λ*)``, and the bound reported is the largest rate on a 2 % grid (from 0.3x the
-trace-wide figure up to it) that its own stream's bound admits (loadgen/fleet/bound.py
-``self_consistent_rate``), with the window, warm-up and seed of the condition's bench-fleet JSON. The
+the counted requests (after the warm-up) of the stream offered at rate label λ and ``R(λ)`` that
+stream's offered rate (counted requests over the counted window), a policy that meets the floor at λ
+has ``R(λ) <= bound(λ)``. The bound reported is the first rate of a 2 % grid (from 0.3x to 1.5x the
+trace-wide figure) above every grid rate where that holds (loadgen/fleet/bound.py
+``self_consistent_rate``): the streams of every grid rate from there up fail, so a measured capacity
+above it would lie where the grid sees the streams fail (up to the grid's 2 %, and bench-fleet's
+capacities are interpolated between measured rates to the same approximation). The streams are built
+as the condition's bench-fleet JSON says (window, warm-up, seed, window offset, interleaved windows,
+arrival spread). The
 trace-wide figure stays in the JSON (``trace_wide_*``): on mooncake-conv it credits about 3x the
 sharing any stream of the benchmark holds.
 
@@ -102,14 +107,41 @@ CONDITIONS: tuple[Condition, ...] = (
 STREAM_GRID_FROM = 0.3
 """The stream bound's grid starts at this share of the trace-wide bound (module docstring)."""
 
+STREAM_GRID_TO = 1.5
+"""...and ends at this multiple of it (``self_consistent_rate`` raises if the streams pass there)."""
 
-def bounds(cond: Condition, window: tuple[float, float] = (300.0, 60.0)) -> dict[str, float]:
+
+@dataclass(frozen=True, slots=True)
+class StreamSettings:
+    """How bench-fleet built the streams of a condition's run (its JSON's fields; the defaults are bench-fleet's).
+
+    Attributes:
+        duration_s, warmup_s: the arrival window and the warm-up not counted (s).
+        seed, window_offset, windows: ``build_arrivals``' seed, window offset and interleaved windows.
+        spread_ms: ``trace_rows``' arrival spread (ms; None = the trace's known granularity).
+    """
+
+    duration_s: float = 300.0
+    warmup_s: float = 60.0
+    seed: int = 0
+    window_offset: float = 0.0
+    windows: int | None = None
+    spread_ms: float | None = None
+
+
+def bounds(cond: Condition, stream: StreamSettings | None = None) -> dict[str, float]:
     """{"requests": bound, "tokens": bound} (req/s of the fleet) for one condition, each kind serving the mix
     (bench-fleet's ``kinds_steady_bound`` over the kinds ``parse_fleet`` builds). For a trace with prefix
-    ids, the bounds of the streams offered (module docstring; ``window`` = (duration, warm-up) in s of
-    the bench-fleet run), and the trace-wide ones as ``trace_wide_requests`` / ``trace_wide_tokens``
-    with ``stream_grid_points``."""
-    kept, native, _ = trace_rows(cond.trace, arrival_granularity_ms(cond.trace), 0)
+    ids, the bounds of the streams offered (module docstring; ``stream``: how the run built them, bench-fleet's
+    defaults when None), with the trace-wide ones as ``trace_wide_requests`` / ``trace_wide_tokens`` and
+    ``stream_grid_points``.
+
+    Raises:
+        ValueError: when a stream bound's grid ends below its crossing (``self_consistent_rate``).
+    """
+    st = stream or StreamSettings()
+    spread = arrival_granularity_ms(cond.trace) if st.spread_ms is None else st.spread_ms
+    kept, native, _ = trace_rows(cond.trace, spread, st.seed)
     prompts = [r.prompt_tokens for r in kept]
     outputs = [r.output_tokens for r in kept]
     kinds = tuple(k for count, profile, engine in cond.fleet
@@ -119,32 +151,44 @@ def bounds(cond: Condition, window: tuple[float, float] = (300.0, 60.0)) -> dict
                 for by in ("requests", "tokens")}  # fmt: skip
     cached = shared_prefix_tokens([r.hash_ids for r in kept], prompts, PREFIX_BLOCK_TOKENS)
     out: dict[str, float] = {}
-    duration_s, warmup_s = window
-    replicas = sum(k.count for k in kinds)
+    windows = st.windows or sum(k.count for k in kinds)
+    counted_s = st.duration_s - st.warmup_s
+    streams: dict[float, tuple[list[int], list[int], list[float]]] = {}
+
+    def stream_at(rate: float) -> tuple[list[int], list[int], list[float]]:
+        """(prompts, outputs, prefix credit) of the counted requests of the stream at ``rate`` (cached)."""
+        if rate not in streams:
+            reqs = build_arrivals(kept, native, rate, st.duration_s, windows, st.seed, st.window_offset)
+            credit = shared_prefix_tokens([r.prefix_ids for r in reqs], [r.prompt_tokens for r in reqs],
+                                          PREFIX_BLOCK_TOKENS, [r.arrival_ms for r in reqs], cond.ttft_ms)  # fmt: skip
+            idx = [i for i, r in enumerate(reqs) if r.arrival_ms >= st.warmup_s * 1000.0]
+            streams[rate] = ([reqs[i].prompt_tokens for i in idx], [reqs[i].output_tokens for i in idx],
+                             [float(credit[i]) for i in idx])  # fmt: skip
+        return streams[rate]
+
     for by in ("requests", "tokens"):
         wide = kinds_steady_bound(kinds, prompts, outputs, cond.ttft_ms, cond.tpot_ms, cached, served_by=by)
 
         def bound_at(rate: float, by: str = by) -> float:
-            reqs = build_arrivals(kept, native, rate, duration_s, replicas, 0)
-            credit = shared_prefix_tokens([r.prefix_ids for r in reqs], [r.prompt_tokens for r in reqs],
-                                          PREFIX_BLOCK_TOKENS, [r.arrival_ms for r in reqs], cond.ttft_ms)  # fmt: skip
-            idx = [i for i, r in enumerate(reqs) if r.arrival_ms >= warmup_s * 1000.0]
-            return kinds_steady_bound(kinds, [reqs[i].prompt_tokens for i in idx], [reqs[i].output_tokens for i in idx],
-                                      cond.ttft_ms, cond.tpot_ms, [float(credit[i]) for i in idx], served_by=by)  # fmt: skip
+            p, o, c = stream_at(rate)
+            return kinds_steady_bound(kinds, p, o, cond.ttft_ms, cond.tpot_ms, c, served_by=by)
 
-        rate, points = self_consistent_rate(bound_at, STREAM_GRID_FROM * wide, wide)
-        out[by] = 0.0 if rate is None else rate
+        rate, points = self_consistent_rate(bound_at, STREAM_GRID_FROM * wide, STREAM_GRID_TO * wide,
+                                            offered_at=lambda r: len(stream_at(r)[0]) / counted_s)  # fmt: skip
+        out[by] = rate
         out[f"trace_wide_{by}"] = wide
         out["stream_grid_points"] = out.get("stream_grid_points", 0) + points
     return out
 
 
-def run_window(cond: Condition, headline: Path) -> tuple[float, float]:
-    """(duration, warm-up) in s of the condition's bench-fleet JSON; (300, 60) without one."""
-    if cond.measured is not None and (headline / cond.measured).exists():
-        d = json.loads((headline / cond.measured).read_text())
-        return float(d.get("duration_s", 300.0)), float(d.get("warmup_s", 60.0))
-    return 300.0, 60.0
+def stream_settings(cond: Condition, headline: Path) -> StreamSettings:
+    """The stream settings of the condition's bench-fleet JSON (bench-fleet's defaults for what it lacks,
+    and without one)."""
+    if cond.measured is None or not (headline / cond.measured).exists():
+        return StreamSettings()
+    d = json.loads((headline / cond.measured).read_text())
+    return StreamSettings(float(d.get("duration_s", 300.0)), float(d.get("warmup_s", 60.0)), int(d.get("seed", 0)),
+                          float(d.get("window_offset", 0.0)), d.get("windows_interleaved"), d.get("arrival_spread_ms"))
 
 
 def measured(cond: Condition, headline: Path) -> dict[str, object] | None:
@@ -183,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           "| of the token bound | largest ratio any policy can reach | best pab policy's tok floor | of the token bound |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for cond in CONDITIONS:
-        b = bounds(cond, run_window(cond, Path(args.headline)))
+        b = bounds(cond, stream_settings(cond, Path(args.headline)))
         m = measured(cond, Path(args.headline))
         row: dict[str, object] = {"condition": cond.label, "file": cond.measured, "trace": cond.trace,
                                   "fleet": [list(k) for k in cond.fleet],

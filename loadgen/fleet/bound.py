@@ -589,47 +589,54 @@ def _step_grid(model: EngineTimeModel | TimeModel, tpot_ms: float, steps_ms: Seq
     return a, np.linspace(a, tpot_ms, points)[1:]
 
 
-def self_consistent_rate(bound_at: Callable[[float], float], start: float, stop: float,
-                         factor: float = 1.02) -> tuple[float | None, int]:
-    """The largest rate on a geometric grid that its own stream's bound admits: ``max{λ_k : bound_at(λ_k) >= λ_k}``.
+def self_consistent_rate(bound_at: Callable[[float], float], start: float, stop: float, factor: float = 1.02,
+                         offered_at: Callable[[float], float] | None = None) -> tuple[float, int]:
+    """An upper bound on a capacity whose stream depends on the rate: the first rate of a geometric grid
+    above every grid rate whose own stream's bound admits its stream.
 
-    Why: a bench-fleet stream at rate λ is built from the trace windows that rate covers
+    Why: a bench-fleet stream at rate label λ is built from the trace windows that λ covers
     (``loadgen/fleet/bench.py`` ``build_arrivals``), so which requests share prefixes, and with them the
-    steady-state bound of that stream (:func:`steady_state_bound` with :func:`shared_prefix_tokens` on its
-    arrivals), depends on λ. A policy whose capacity is λ* served the stream at λ*, so ``λ* <=
-    bound_at(λ*)``: its capacity is a rate the bound of its own stream admits. This scans
-    ``λ_k = start * factor**k`` for ``λ_k <= stop`` (every point, so a bound that is not monotone in λ
-    is not skipped over) and returns the largest grid rate that passes; every grid rate above it up to
-    ``stop`` fails. Between grid points the bound is taken as the grid sees it (a resolution of
-    ``factor``, 2 % by default), and ``stop`` must lie above any rate of interest (the caller's
-    trace-wide bound, which credits more sharing than any stream of the trace, is the natural choice).
+    steady-state bound of that stream (:func:`steady_state_bound` with :func:`shared_prefix_tokens` on
+    its arrivals), depends on λ. A policy that meets the floor at λ served that stream, whose offered rate
+    R(λ) (its counted requests over the counted window) is then at most the stream's bound: λ *passes*
+    when ``bound_at(λ) >= offered_at(λ)``. This scans ``λ_k = start * factor**k`` for ``λ_k <= stop``
+    (every point, so a bound that is not monotone in λ is not skipped over) and returns the grid rate just
+    above the last one that passes (``start`` when none passes): every grid rate from there up to
+    ``stop`` fails, so a capacity above it would have to sit between grid points where the grid sees the
+    streams fail. The resolution is ``factor`` (2 % by default); a capacity interpolated between two
+    measured rates (bench-fleet's) is bounded to the same approximation.
 
     Args:
-        bound_at: rate (req/s) -> the bound (req/s) of the stream offered at that rate.
+        bound_at: rate label (req/s) -> the bound (req/s) of the stream offered at that label.
         start: first grid rate (req/s, > 0).
-        stop: last grid rate at most (req/s, >= start).
+        stop: last grid rate at most (req/s, >= start); the caller's trace-wide bound is the natural
+            choice, but it must lie above the crossing: a pass at the last grid rate raises.
         factor: grid ratio (> 1).
+        offered_at: rate label -> the stream's offered rate (req/s); None = the label itself.
 
     Returns:
-        (the largest passing grid rate, or None when none passes; the number of grid rates evaluated).
+        (the upper bound on the rate label, req/s; the number of grid rates evaluated).
 
     Raises:
-        ValueError: on ``start <= 0``, ``stop < start`` or ``factor <= 1``.
+        ValueError: on ``start <= 0``, ``stop < start`` or ``factor <= 1``, and when the last grid rate
+            passes (the grid stops below the crossing).
 
     Example: ``bound_at(λ) = 10 + λ / 2`` (fixed point 20), start 16, factor 1.25, stop 40: the grid is
-    16, 20, 25, 31.25, 39.0625 and the bound there 18, 20, 22.5, 25.625, 29.53: 16 and 20 pass -> (20, 5).
+    16, 20, 25, 31.25, 39.0625 and the bound there 18, 20, 22.5, 25.625, 29.53: 16 and 20 pass, 25 does
+    not -> (25, 5).
     """
     if not start > 0.0 or not stop >= start or not factor > 1.0:
         raise ValueError(f"need 0 < start <= stop and factor > 1, got {start}, {stop}, {factor}")
-    best: float | None = None
-    n = 0
+    grid = []
     rate = start
     while rate <= stop * (1.0 + 1e-12):
-        n += 1
-        if bound_at(rate) >= rate:
-            best = rate
+        grid.append(rate)
         rate *= factor
-    return best, n
+    passes = [bound_at(r) >= (r if offered_at is None else offered_at(r)) for r in grid]
+    if passes[-1]:
+        raise ValueError(f"the stream's bound admits the last grid rate {grid[-1]:.4g}: raise stop")
+    last = max((i for i, ok in enumerate(passes) if ok), default=-1)
+    return grid[last + 1], len(grid)
 
 
 def cheapest_cover(cost: np.ndarray, weight: np.ndarray, q: float) -> tuple[float, float]:

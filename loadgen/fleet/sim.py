@@ -387,7 +387,6 @@ class FleetConfig:
     lease_mode: str = "reserve"
     min_push_interval_ms: float | None = None
     margin_frac: float = 0.1
-    margin_cap_tpots: float = 1.0
     budget_ttl_ms: float = 1000.0
     lease_ttl_ms: float = 5000.0
     max_queue_ms: float = 2000.0
@@ -421,6 +420,7 @@ class FleetConfig:
     max_migrations: int = 3
     engine_front_ms: float = 0.0
     decode_guard_ms: float = 0.0
+    margin_cap_tpots: float = 1.0
 
     def __post_init__(self) -> None:
         if self.replica_kinds and sum(k.count for k in self.replica_kinds) != self.replicas:

@@ -262,7 +262,7 @@ def test_replica_statefulset_has_vllm_gpu_and_agent_sidecar(helm: Path) -> None:
     assert flag("--config") == "/etc/fairbatch/fairbatch.yaml"
     assert flag("--otlp-endpoint") == "http://otel-collector.observability.svc:4317"
     assert flag("--margin-frac") == "0.15"
-    assert flag("--margin-cap-tpots") == "1"  # values.yaml's 1.0 as helm quotes it
+    assert flag("--margin-cap-tpots") == "1.5"
     assert flag("--default-slo-class") == "interactive"
     assert "--slo-in-body" in args  # FairBatching on: the SLO reaches vLLM's scheduler in vllm_xargs
     pod_name = next(e for e in agent["env"] if e["name"] == "POD_NAME")

@@ -303,7 +303,7 @@ def test_interval_attainment_bound_matches_brute_force(seed: int) -> None:
                                                               400.0, 400)) and fewer >= got  # fmt: skip
 
 
-def test_self_consistent_rate_takes_the_largest_grid_rate_its_own_bound_admits() -> None:
+def test_self_consistent_rate_is_the_grid_rate_above_the_last_that_passes() -> None:
     from loadgen.fleet.bound import self_consistent_rate
 
     # docstring example: bound 10 + λ/2 (fixed point 20) on the grid 16, 20, 25, 31.25, 39.0625
@@ -313,12 +313,17 @@ def test_self_consistent_rate_takes_the_largest_grid_rate_its_own_bound_admits()
         seen.append(rate)
         return 10.0 + rate / 2.0
 
-    assert self_consistent_rate(bound_at, 16.0, 40.0, 1.25) == (20.0, 5)
+    assert self_consistent_rate(bound_at, 16.0, 40.0, 1.25) == (25.0, 5)
     assert seen == pytest.approx([16.0, 20.0, 25.0, 31.25, 39.0625])
-    # not monotone: a pass above a failure is found (every grid point is evaluated)
-    assert self_consistent_rate(lambda r: 100.0 if r > 30 else 0.0, 16.0, 40.0, 1.25) == (39.0625, 5)
-    # nothing passes
-    assert self_consistent_rate(lambda r: r / 2.0, 1.0, 8.0, 2.0) == (None, 4)
+    # against the offered rate, here 10 % above the label: 16 passes (18 >= 17.6), 20 does not (20 < 22)
+    assert self_consistent_rate(bound_at, 16.0, 40.0, 1.25, offered_at=lambda r: 1.1 * r) == (20.0, 5)
+    # not monotone: a pass above a failure counts (every grid point is evaluated)
+    assert self_consistent_rate(lambda r: 100.0 if 24 < r < 30 else 0.0, 16.0, 40.0, 1.25) == (31.25, 5)
+    # nothing passes: the first grid rate
+    assert self_consistent_rate(lambda r: r / 2.0, 1.0, 8.0, 2.0) == (1.0, 4)
+    # the last grid rate passes: the grid stops below the crossing
+    with pytest.raises(ValueError, match="raise stop"):
+        self_consistent_rate(lambda r: 2.0 * r, 1.0, 8.0, 2.0)
     with pytest.raises(ValueError):
         self_consistent_rate(bound_at, 0.0, 1.0)
     with pytest.raises(ValueError):

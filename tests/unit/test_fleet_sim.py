@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from loadgen.fleet.bench import analytic_bound
@@ -469,5 +471,22 @@ def test_fleet_config_carries_the_pab_margin_to_the_agents() -> None:
 
     setup = headline_setup((), 1.0, 2, "llama-3-8b-a100", 1000.0, 100.0, 10.0, 10.0, 0.0, None)
     assert fleet_config(setup, "pab").margin_frac == 0.1  # the agent's --margin-frac default
-    cfg = fleet_config(dataclasses.replace(setup, margin_frac=0.05), "pab")
-    assert cfg.margin_frac == 0.05
+    cfg = fleet_config(dataclasses.replace(setup, margin_frac=0.05, margin_cap_tpots=2.5), "pab")
+    assert (cfg.margin_frac, cfg.margin_cap_tpots) == (0.05, 2.5)
+
+
+@pytest.mark.parametrize("cap,horizon", [(1.0, 4900.0), (math.inf, 4500.0), (2.5, 4750.0)])
+def test_simulated_agents_plan_over_the_capped_horizon(cap: float, horizon: float) -> None:
+    """TTFT 5 s / TPOT 100 ms, margin 0.1: H = 5000 - min(500, cap x 100). The Reserve's answer and the
+    pushed snapshot (what the routers see) both carry it."""
+    from loadgen.fleet.sim import _DELIVER
+
+    c = FleetConfig(policy="pab", replicas=1, time_model=TM, kv_capacity_tokens=KV, ttft_ms=5000.0, tpot_ms=100.0,
+                    margin_cap_tpots=cap)
+    sim = FleetSim(c, [])
+    granted, _, after = sim.reserve(0, 100, 0.0)
+    assert granted and after is not None and after.horizon_ms == horizon
+    sim._heap.clear()
+    sim._on_push(0.0, 0, periodic=False)
+    (snap,) = [payload[1] for _, _, kind, _, payload in sim._heap if kind == _DELIVER]
+    assert snap.classes[0].horizon_ms == horizon

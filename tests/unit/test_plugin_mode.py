@@ -271,3 +271,22 @@ def test_a_request_the_proxy_forwarded_after_the_record_counts_until_the_record_
     assert unlisted_prefills(rec, recent) == (PendingPrefill(300),)
     assert agent.tracker.recent_prefills(1000.0 - UNLISTED_LOOKBACK_MS) == [("Q", PendingPrefill(300)),
                                                                            ("W", PendingPrefill(1000))]
+
+
+@pytest.mark.parametrize("cap,horizon", [(1.0, 4900.0), (math.inf, 4500.0)])
+def test_agent_plans_a_long_ttft_class_over_the_capped_horizon_in_both_modes(cap: float, horizon: float) -> None:
+    """A class of TTFT 5 s / TPOT 100 ms, margin 0.1: H = 5000 - min(500, cap x 100), in proxy mode (no
+    record yet) and in plugin mode (a record), so the cap reaches both ways the agent builds its state."""
+    long = SloClass("long", 5000.0, 100.0)
+    cfg = AgentConfig(replica_id="r", time_model=TM, slo_classes=(CLS, long), default_slo_class="interactive",
+                      margin_frac=0.1, margin_cap_tpots=cap, kv_capacity_tokens=100_000, metrics_stale_ms=10**9,
+                      plugin_mode=True, plugin_stale_ms=300.0)
+    agent = Agent(cfg, Clock(1.0), lease_id_prefix="t")
+    agent.on_engine_metrics(EngineMetrics(num_running=0, num_waiting=0, kv_usage=0.0), [], "", now_ms=0.0)
+    proxy = agent.compute_budget(0.0)
+    assert agent.plugin_mode_now(0.0) != PLUGIN
+    assert proxy.classes["long"].horizon_ms == horizon
+    assert proxy.classes["interactive"].horizon_ms == 900.0  # min(100, cap x 100) = 100 for both caps
+    agent.on_plugin_datagram(json.dumps(hand_record()).encode(), now_ms=1000.0)
+    assert agent.plugin_mode_now(1000.0) == PLUGIN
+    assert agent.compute_budget(1000.0).classes["long"].horizon_ms == horizon

@@ -98,45 +98,51 @@ def test_headline_bound_line(tmp_path: Path) -> None:
     assert tables.bound_line(d) == ""
 
 
-def test_prefix_trace_bound_is_a_rate_its_own_stream_admits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """mooncake-conv on 2 replicas, a 40 s window (10 s warm-up): the bound reported is a rate whose own
-    stream's bound admits it, the next grid rate's stream does not, and it lies below the trace-wide bound
-    (which credits sharing with the whole trace, not only with the stream offered)."""
+def test_prefix_trace_bound_is_the_grid_rate_above_the_last_stream_that_fits(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """mooncake-conv on 2 replicas, a 40 s window (10 s warm-up): the bound reported is the grid rate just
+    above the last one whose stream's offered rate fits that stream's bound; the streams of the grid
+    rate below it fit, of it and the next ones do not; it lies below the trace-wide bound (which credits
+    sharing with the whole trace, not only with the stream offered)."""
     from loadgen.fleet.bench import build_arrivals, kinds_steady_bound, parse_fleet
     from loadgen.fleet.bound import shared_prefix_tokens
     from loadgen.traces import PREFIX_BLOCK_TOKENS
 
     cond = tfb.Condition("mooncake-conv", ((2, "llama-3-8b-a100", None),), 5000.0, 100.0, "m.json", "mooncake, 2 x 8B")
     monkeypatch.setattr(tfb, "CONDITIONS", (cond,))
-    (tmp_path / "m.json").write_text(json.dumps({"duration_s": 40.0, "warmup_s": 10.0, "policies": {}}))
-    out = tmp_path / "bounds.json"
-    assert tfb.main(["--out", str(out), "--headline", str(tmp_path)]) == 0
-    (row,) = json.loads(out.read_text())
-    assert row["bound_on"] == "stream" and row["measured"] is None
-    tok = row["token_floor_bound_rps"]
-    assert 0.0 < tok < row["trace_wide_token_floor_bound_rps"]
-    assert 0.0 < row["request_floor_bound_rps"] < row["trace_wide_request_floor_bound_rps"]
+    (tmp_path / "m.json").write_text(json.dumps({"duration_s": 40.0, "warmup_s": 10.0, "seed": 0, "policies": {}}))
+    monkeypatch.setattr(tfb, "STREAM_GRID_FROM", 0.45)  # fewer grid streams (the crossing is near 0.6 here)
+    st = tfb.stream_settings(cond, tmp_path)
+    assert (st.duration_s, st.warmup_s, st.seed, st.window_offset) == (40.0, 10.0, 0, 0.0)
+    b = tfb.bounds(cond, st)
+    tok, wide = b["tokens"], b["trace_wide_tokens"]
+    assert 0.0 < tok < wide and 0.0 < b["requests"] < b["trace_wide_requests"]
 
-    # the stream's bound computed here from its parts: at the reported rate it admits the rate
+    # the stream's bound and offered rate computed here from their parts
     kept, native, _ = trace_rows("mooncake-conv", arrival_granularity_ms("mooncake-conv"), 0)
     kinds = parse_fleet("2:llama-3-8b-a100")
 
-    def stream_bound(rate: float) -> float:
+    def fits(rate: float) -> bool:
         reqs = build_arrivals(kept, native, rate, 40.0, 2, 0)
         credit = shared_prefix_tokens([r.prefix_ids for r in reqs], [r.prompt_tokens for r in reqs],
                                       PREFIX_BLOCK_TOKENS, [r.arrival_ms for r in reqs], 5000.0)
         idx = [i for i, r in enumerate(reqs) if r.arrival_ms >= 10_000.0]
-        return kinds_steady_bound(kinds, [reqs[i].prompt_tokens for i in idx], [reqs[i].output_tokens for i in idx],
-                                  5000.0, 100.0, [float(credit[i]) for i in idx], served_by="tokens")
+        bound = kinds_steady_bound(kinds, [reqs[i].prompt_tokens for i in idx], [reqs[i].output_tokens for i in idx],
+                                   5000.0, 100.0, [float(credit[i]) for i in idx], served_by="tokens")
+        return bound >= len(idx) / 30.0
 
-    rate = tok  # rounded to 0.01 in the JSON: compare on the grid rate it came from
-    wide = row["trace_wide_token_floor_bound_rps"]
-    grid = [0.3 * wide * 1.02**k for k in range(200) if 0.3 * wide * 1.02**k <= wide]
-    on_grid = min(grid, key=lambda g: abs(g - rate))
-    assert on_grid == pytest.approx(rate, abs=0.006)
-    assert stream_bound(on_grid) >= on_grid
-    above = [g for g in grid if g > on_grid]
-    assert all(stream_bound(g) < g for g in above[:3])
+    grid = [0.45 * wide * 1.02**k for k in range(200) if 0.45 * wide * 1.02**k <= 1.5 * wide * (1 + 1e-12)]
+    k = min(range(len(grid)), key=lambda i: abs(grid[i] - tok))
+    assert grid[k] == pytest.approx(tok, rel=1e-9)  # the function multiplies step by step: last-bit differences
+    assert k > 0 and fits(grid[k - 1])
+    assert not any(fits(g) for g in grid[k:k + 3])
+    # main writes it (rounded) with the trace-wide one beside it (the bounds just computed, not again)
+    monkeypatch.setattr(tfb, "bounds", lambda c, stream=None: b)
+    out = tmp_path / "bounds.json"
+    assert tfb.main(["--out", str(out), "--headline", str(tmp_path)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["bound_on"] == "stream" and row["file"] == "m.json" and row["measured"] is None
+    assert row["token_floor_bound_rps"] == round(tok, 2) and row["trace_wide_token_floor_bound_rps"] == round(wide, 2)
 
 
 def test_headline_table_takes_the_stream_bound_beside_the_file(tmp_path: Path) -> None:
