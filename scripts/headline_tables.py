@@ -87,9 +87,12 @@ def stream_bound(path: Path) -> float | None:
 def bound_line(d: dict[str, Any], stream: float | None = None) -> str:
     """The per-token bound's sentence (module docstring), or "" without ``token_steady_state_bound``;
     ``stream``: the bound on the stream offered, which replaces the file's trace-wide one."""
-    tb = (d.get("token_steady_state_bound") or {}).get("rps")
+    tsb = d.get("token_steady_state_bound") or {}
+    tb = tsb.get("rps")
     if not tb:
         return ""
+    if stream is None and tsb.get("on") == "stream":  # bench-fleet took it on the streams itself
+        stream, tb = tb, tsb.get("trace_wide_rps") or tb
     wide = None
     if stream is not None:
         tb, wide = stream, tb

@@ -46,8 +46,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadgen.fleet.bench import build_arrivals, kinds_steady_bound, parse_fleet, trace_rows
-from loadgen.fleet.bound import self_consistent_rate, shared_prefix_tokens
+from loadgen.fleet.bench import (
+    STREAM_GRID_FROM,
+    STREAM_GRID_TO,
+    kinds_steady_bound,
+    parse_fleet,
+    stream_steady_bound,
+    trace_rows,
+)
+from loadgen.fleet.bound import shared_prefix_tokens
 from loadgen.sim.engine_time import shipped_path
 from loadgen.traces import PREFIX_BLOCK_TOKENS, arrival_granularity_ms
 
@@ -104,13 +111,6 @@ CONDITIONS: tuple[Condition, ...] = (
 """The headline's conditions (docs/evaluation.md, "Headline (issue 27)")."""
 
 
-STREAM_GRID_FROM = 0.3
-"""The stream bound's grid starts at this share of the trace-wide bound (module docstring)."""
-
-STREAM_GRID_TO = 1.5
-"""...and ends at this multiple of it (``self_consistent_rate`` raises if the streams pass there)."""
-
-
 @dataclass(frozen=True, slots=True)
 class StreamSettings:
     """How bench-fleet built the streams of a condition's run (its JSON's fields; the defaults are bench-fleet's).
@@ -152,29 +152,11 @@ def bounds(cond: Condition, stream: StreamSettings | None = None) -> dict[str, f
     cached = shared_prefix_tokens([r.hash_ids for r in kept], prompts, PREFIX_BLOCK_TOKENS)
     out: dict[str, float] = {}
     windows = st.windows or sum(k.count for k in kinds)
-    counted_s = st.duration_s - st.warmup_s
-    streams: dict[float, tuple[list[int], list[int], list[float]]] = {}
-
-    def stream_at(rate: float) -> tuple[list[int], list[int], list[float]]:
-        """(prompts, outputs, prefix credit) of the counted requests of the stream at ``rate`` (cached)."""
-        if rate not in streams:
-            reqs = build_arrivals(kept, native, rate, st.duration_s, windows, st.seed, st.window_offset)
-            credit = shared_prefix_tokens([r.prefix_ids for r in reqs], [r.prompt_tokens for r in reqs],
-                                          PREFIX_BLOCK_TOKENS, [r.arrival_ms for r in reqs], cond.ttft_ms)  # fmt: skip
-            idx = [i for i, r in enumerate(reqs) if r.arrival_ms >= st.warmup_s * 1000.0]
-            streams[rate] = ([reqs[i].prompt_tokens for i in idx], [reqs[i].output_tokens for i in idx],
-                             [float(credit[i]) for i in idx])  # fmt: skip
-        return streams[rate]
-
     for by in ("requests", "tokens"):
         wide = kinds_steady_bound(kinds, prompts, outputs, cond.ttft_ms, cond.tpot_ms, cached, served_by=by)
-
-        def bound_at(rate: float, by: str = by) -> float:
-            p, o, c = stream_at(rate)
-            return kinds_steady_bound(kinds, p, o, cond.ttft_ms, cond.tpot_ms, c, served_by=by)
-
-        rate, points = self_consistent_rate(bound_at, STREAM_GRID_FROM * wide, STREAM_GRID_TO * wide,
-                                            offered_at=lambda r: len(stream_at(r)[0]) / counted_s)  # fmt: skip
+        rate, points = stream_steady_bound(kept, native, kinds, cond.ttft_ms, cond.tpot_ms, st.duration_s,
+                                           st.warmup_s, windows, st.seed, st.window_offset, by,
+                                           STREAM_GRID_FROM * wide, STREAM_GRID_TO * wide)  # fmt: skip
         out[by] = rate
         out[f"trace_wide_{by}"] = wide
         out["stream_grid_points"] = out.get("stream_grid_points", 0) + points

@@ -490,3 +490,25 @@ def test_simulated_agents_plan_over_the_capped_horizon(cap: float, horizon: floa
     sim._on_push(0.0, 0, periodic=False)
     (snap,) = [payload[1] for _, _, kind, _, payload in sim._heap if kind == _DELIVER]
     assert snap.classes[0].horizon_ms == horizon
+
+
+@pytest.mark.timeout(600)
+def test_bench_fleet_bounds_a_prefix_trace_on_the_streams_it_offers(tmp_path) -> None:
+    """mooncake-conv has prefix ids: fleet.json's per-token bound is taken on the streams the run offers
+    (loadgen/fleet/bench.py ``stream_steady_bound``), below the trace-wide one it keeps beside it, and each
+    policy's share of the bound is against it."""
+    import json
+
+    from loadgen.fleet.bench import main as bench_main
+
+    out = tmp_path / "fleet.json"
+    assert bench_main(["--trace", "mooncake-conv", "--replicas", "2", "--duration-s", "40", "--warmup-s", "10",
+                       "--drain-s", "30", "--ttft-ms", "5000", "--rates", "1", "2", "--policies", "round-robin",
+                       "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    tb = d["token_steady_state_bound"]
+    assert tb["on"] == "stream" and "error" not in tb and tb["grid_points"] > 10
+    assert 0.0 < tb["rps"] < tb["trace_wide_rps"]
+    rr = d["policies"]["round-robin"]
+    if rr["token_floor_of_token_bound"] is not None:
+        assert rr["token_floor_of_token_bound"] == round(rr["capacity_token_floor_rps"] / tb["rps"], 3)
