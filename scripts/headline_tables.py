@@ -88,14 +88,13 @@ def bound_line(d: dict[str, Any], stream: float | None = None) -> str:
     """The per-token bound's sentence (module docstring), or "" without ``token_steady_state_bound``;
     ``stream``: the bound on the stream offered, which replaces the file's trace-wide one."""
     tsb = d.get("token_steady_state_bound") or {}
-    tb = tsb.get("rps")
+    tb, wide = tsb.get("rps"), None  # wide: the trace-wide figure, when tb is the bound on the streams
     if not tb:
         return ""
-    if stream is None and tsb.get("on") == "stream":  # bench-fleet took it on the streams itself
-        stream, tb = tb, tsb.get("trace_wide_rps") or tb
-    wide = None
     if stream is not None:
         tb, wide = stream, tb
+    elif tsb.get("on") == "stream":  # bench-fleet took it on the streams itself
+        wide = tsb.get("trace_wide_rps")
     shares = ", ".join(f"{n} {p['capacity_token_floor_rps'] / tb:.2f}" for n, p in d["policies"].items()
                        if p.get("capacity_token_floor_bound") in ("interpolated", "at-least"))  # fmt: skip
     shares = shares or "none (no policy has a per-token capacity in the rates measured)"
@@ -105,7 +104,7 @@ def bound_line(d: dict[str, Any], stream: float | None = None) -> str:
     text = f"\nPer-token steady-state bound: {tb:.1f} req/s; per-token capacity as a share of it: {shares}."
     if wide is not None:
         text = (f"\nPer-token steady-state bound on the stream offered (prefix credit only from its own requests, "
-                f"scripts/token_floor_bound.py; {wide:.1f} req/s with credit from the whole trace): {tb:.1f} req/s; "
+                f"loadgen/fleet/bench.py stream_steady_bound; {wide:.1f} req/s with credit from the whole trace): {tb:.1f} req/s; "
                 f"per-token capacity as a share of it: {shares}.")
     best = d.get("best_baseline_token_goodput")
     bp = d["policies"].get(best, {}) if best else {}

@@ -316,14 +316,15 @@ def kinds_steady_bound(kinds: Sequence[ReplicaKind], prompts: Sequence[int], out
                                   served_by=served_by).rps for k in kinds)  # fmt: skip
 
 
-STREAM_GRID_FROM, STREAM_GRID_TO = 0.3, 1.5
-"""The stream bound's grid (:func:`stream_steady_bound`) spans these multiples of the trace-wide bound."""
+STREAM_GRID_FROM, STREAM_GRID_TO, STREAM_GRID_FACTOR = 0.3, 1.5, 1.02
+"""The stream bound's grid (:func:`stream_steady_bound`) spans these multiples of the trace-wide bound, in
+steps of this ratio."""
 
 
 def stream_steady_bound(kept: Sequence[TraceRequest], native_rps: float, kinds: Sequence[ReplicaKind], ttft_ms: float,
                         tpot_ms: float, duration_s: float, warmup_s: float, windows: int, seed: int,
                         window_offset: float, served_by: str, start: float, stop: float,
-                        factor: float = 1.02) -> tuple[float, int]:  # fmt: skip
+                        factor: float = STREAM_GRID_FACTOR) -> tuple[float, int]:  # fmt: skip
     """The steady-state bound on the streams a run offers, for a trace with prefix ids (req/s, grid rates
     evaluated): loadgen/fleet/bound.py ``self_consistent_rate`` over the streams :func:`build_arrivals`
     makes at each grid rate (``duration_s``, ``windows``, ``seed``, ``window_offset`` as the run), each
@@ -788,7 +789,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                args.warmup_s, args.windows or args.replicas, args.seed,
                                                args.window_offset, "tokens", STREAM_GRID_FROM * wide,
                                                STREAM_GRID_TO * wide)  # fmt: skip
-            stream_tokens = {"trace_wide_rps": round(wide, 3), "grid_points": points, "grid_factor": 1.02}
+            stream_tokens = {"trace_wide_rps": round(wide, 3), "grid_points": points,
+                             "grid_factor": STREAM_GRID_FACTOR}
             steady_tokens = dataclasses.replace(steady_tokens, rps=rate)
         except ValueError as e:  # a grid that ends below the crossing: keep the trace-wide figure, say so
             stream_tokens = {"trace_wide_rps": round(wide, 3), "error": str(e)}
