@@ -381,6 +381,7 @@ def interval_attainment_bound(
     grid_ms: float = 1000.0,
     max_span_ms: float = 120_000.0,
     steps_ms: Sequence[float] | None = None,
+    served_by: str = "requests",
 ) -> tuple[float, float]:
     """Upper bound on the SLO attainment any schedule reaches on this stream, from disjoint spans (burst-aware).
 
@@ -415,6 +416,13 @@ def interval_attainment_bound(
     best T found, without changing the result. At 16 replicas, ~60k counted requests, 1 s grid and 120 s
     spans it takes a few seconds.
 
+    **Per token** (``served_by="tokens"``, the per-token floor: the share of the counted requests' prompt +
+    output tokens that belong to requests meeting their SLO). In one span the most tokens its requests that
+    meet their SLO can hold is at most the fractional knapsack's optimum (value = tokens, weight = ``c_i(e)``,
+    budget ``rate * (e - s)``; greedy by tokens per ms of work, a fraction of the last one), so at least
+    ``tokens(R(s, e)) - that`` of the span's tokens miss; disjoint spans add up as above, and
+    ``1 - max over families of the missed tokens / tokens of the n requests`` bounds the token attainment.
+
     Args:
         arrival_ms, prompt_tokens, output_tokens: the stream, shape (n_all,) each (ms; tokens >= 1).
         model, ttft_ms, tpot_ms, replicas, max_num_batched_tokens: as in :func:`steady_state_bound`.
@@ -423,21 +431,26 @@ def interval_attainment_bound(
         grid_ms: the grid step of span end points (ms), > 0.
         max_span_ms: the longest span (ms), >= ttft_ms.
         steps_ms: step lengths T to try (ms).
+        served_by: ``requests`` (attainment over requests, default) or ``tokens`` (over prompt + output
+            tokens).
 
     Returns:
         (attainment bound in [0, 1], a T (ms) that gave it).
 
     Raises:
         ValueError: on no request in [start, end), start >= end, grid_ms <= 0, max_span_ms < ttft_ms, ttft_ms
-            <= 0, or tpot_ms <= m*a with no ``steps_ms``.
+            <= 0, tpot_ms <= m*a with no ``steps_ms``, or ``served_by`` neither ``requests`` nor ``tokens``.
     """
     if not grid_ms > 0 or not ttft_ms > 0 or not max_span_ms >= ttft_ms:
         raise ValueError(f"need grid_ms > 0 and max_span_ms >= ttft_ms > 0, got {grid_ms}, {max_span_ms}, {ttft_ms}")
+    if served_by not in ("requests", "tokens"):
+        raise ValueError(f"served_by must be 'requests' or 'tokens', got {served_by!r}")
     t, p, o, h = _counted(arrival_ms, prompt_tokens, output_tokens, cached_tokens, start_ms, end_ms)
-    n = t.size
     order = np.argsort(t, kind="stable")
     t, p, o = t[order], p[order], o[order]
     h = None if h is None else h[order]
+    weight = (p + o) if served_by == "tokens" else None  # the per-token floor counts prompt + output tokens
+    n = float(weight.sum()) if weight is not None else t.size
     grid = start_ms + grid_ms * np.arange(int(math.ceil((end_ms + max_span_ms - start_ms) / grid_ms - 1e-9)) + 1)
     lengths = np.arange(int(math.ceil(ttft_ms / grid_ms - 1e-9)), int(math.floor(max_span_ms / grid_ms + 1e-9)) + 1)
     due = t + ttft_ms + (o - 1) * tpot_ms  # the last token's deadline
@@ -450,37 +463,134 @@ def interval_attainment_bound(
         if step > a:
             pre, dec = request_work_parts_ms(p, o, model, float(step), ttft_ms, max_num_batched_tokens, h)
             rate = replicas * (1.0 - a / step)
-            upper = 1.0 - _most_forced_misses(t, pre, dec, due, rate, ttft_ms, grid[::_COARSE], coarse) / n
+            upper = 1.0 - _most_forced_misses(t, pre, dec, due, rate, ttft_ms, grid[::_COARSE], coarse, weight) / n
             tried.append((upper, float(step), pre, dec, rate))
     best = (0.0, float(steps[-1]))
     for upper, step, pre, dec, rate in sorted(tried, key=lambda x: -x[0]):
         if upper <= best[0]:
             break
-        att = 1.0 - _most_forced_misses(t, pre, dec, due, rate, ttft_ms, grid, lengths) / n
+        att = 1.0 - _most_forced_misses(t, pre, dec, due, rate, ttft_ms, grid, lengths, weight) / n
         if att > best[0]:
             best = (att, step)
     return best
 
 
+def pooled_interval_attainment_bound(
+    arrival_ms: Sequence[float],
+    prompt_tokens: Sequence[int],
+    output_tokens: Sequence[int],
+    kinds: Sequence[tuple[EngineTimeModel | TimeModel, int, int]],
+    ttft_ms: float,
+    tpot_ms: float,
+    start_ms: float,
+    end_ms: float,
+    cached_tokens: Sequence[float] | None = None,
+    grid_ms: float = 1000.0,
+    max_span_ms: float = 120_000.0,
+    served_by: str = "requests",
+    exchange: Sequence[float] | None = None,
+) -> tuple[float, tuple[float, ...]]:
+    """:func:`interval_attainment_bound` for a fleet of several GPU kinds (burst-aware, per request or per token).
+
+    Kind k has ``n_k`` replicas; request i costs ``pre_ik`` and ``pre_ik + dec_ik`` on it (the least over
+    k's step lengths T in ``(m*a_k, tpot_ms]``, 10 points, of :func:`request_work_parts_ms`: a lower bound of
+    its work at any T in the grid, and each kind may run its own T), and the kind does at most ``r_k = n_k *
+    (1 - m*a_k / tpot_ms)`` GPU-ms of work per ms (its largest over T <= tpot).
+
+    Derivation. In a span [s, e] let ``x_ik`` be the share of request i's work done on kind k (``sum_k x_ik
+    <= 1``; 1 for a request that meets its SLO). Each kind's work fits: ``sum_i x_ik c_ik <= r_k (e - s)``.
+    For any exchange rates ``sigma_k > 0``, summing those with weights ``sigma_k`` and using ``sigma_k c_ik >=
+    c_i = min_k sigma_k c_ik`` gives ``sum_i (sum_k x_ik) c_i <= (sum_k sigma_k r_k) (e - s)``: the requests
+    that meet their SLO fit one machine of rate ``sum_k sigma_k r_k`` at costs ``c_i``, which is the
+    one-kind problem of :func:`interval_attainment_bound` (the same disjoint-span programme, per request or
+    per token). So the bound holds for every sigma; it is tight when one sigma fits every request's ratio of
+    costs across kinds. Default: ``sigma_0 = 1`` and ``sigma_k`` the median over requests of
+    ``(pre_i0 + dec_i0) / (pre_ik + dec_ik)`` (kind 0's ms per ms of kind k).
+
+    Args:
+        arrival_ms, prompt_tokens, output_tokens, cached_tokens, start_ms, end_ms, grid_ms, max_span_ms,
+            served_by: as in :func:`interval_attainment_bound`.
+        kinds: (engine model, replicas >= 1, max_num_batched_tokens) per GPU kind, at least one.
+        ttft_ms, tpot_ms: the SLO (ms).
+        exchange: sigma per kind, each > 0; None = the default above.
+
+    Returns:
+        (attainment bound in [0, 1], the sigmas used).
+
+    Raises:
+        ValueError: as :func:`interval_attainment_bound`, on no kind, a kind with fewer than 1 replica,
+            ``tpot_ms`` at or below a kind's fixed cost, or ``exchange`` of another length or not positive.
+    """
+    if not grid_ms > 0 or not ttft_ms > 0 or not max_span_ms >= ttft_ms:
+        raise ValueError(f"need grid_ms > 0 and max_span_ms >= ttft_ms > 0, got {grid_ms}, {max_span_ms}, {ttft_ms}")
+    if served_by not in ("requests", "tokens"):
+        raise ValueError(f"served_by must be 'requests' or 'tokens', got {served_by!r}")
+    if not kinds or any(n < 1 for _, n, _ in kinds):
+        raise ValueError("need at least one kind, each with at least one replica")
+    if exchange is not None and (len(exchange) != len(kinds) or any(not x > 0 for x in exchange)):
+        raise ValueError("exchange needs one positive rate per kind")
+    t, p, o, h = _counted(arrival_ms, prompt_tokens, output_tokens, cached_tokens, start_ms, end_ms)
+    order = np.argsort(t, kind="stable")
+    t, p, o = t[order], p[order], o[order]
+    h = None if h is None else h[order]
+    parts = []
+    rates = []
+    for model, replicas, tokens in kinds:
+        a, steps = _step_grid(model, tpot_ms, None, 11)
+        pre = np.full(t.shape, np.inf)
+        tot = np.full(t.shape, np.inf)
+        for step in steps:
+            if step > a:
+                pk, dk = request_work_parts_ms(p, o, model, float(step), ttft_ms, tokens, h)
+                pre, tot = np.minimum(pre, pk), np.minimum(tot, pk + dk)
+        parts.append((pre, tot))
+        rates.append(replicas * (1.0 - a / tpot_ms))
+    if exchange is None:
+        sig = [1.0]
+        for _, tot in parts[1:]:
+            ok = np.isfinite(parts[0][1]) & np.isfinite(tot)
+            sig.append(float(np.median(parts[0][1][ok] / tot[ok])) if ok.any() else 1.0)
+    else:
+        sig = [float(x) for x in exchange]
+    pre = np.min([x * pk for x, (pk, _) in zip(sig, parts)], axis=0)
+    tot = np.min([x * tk for x, (_, tk) in zip(sig, parts)], axis=0)
+    dec = np.where(np.isfinite(pre), tot - pre, 0.0)  # tot >= pre: each kind's total holds its prefill
+    rate = float(sum(x * r for x, r in zip(sig, rates)))
+    weight = (p + o) if served_by == "tokens" else None
+    n = float(weight.sum()) if weight is not None else t.size
+    grid = start_ms + grid_ms * np.arange(int(math.ceil((end_ms + max_span_ms - start_ms) / grid_ms - 1e-9)) + 1)
+    lengths = np.arange(int(math.ceil(ttft_ms / grid_ms - 1e-9)), int(math.floor(max_span_ms / grid_ms + 1e-9)) + 1)
+    due = t + ttft_ms + (o - 1) * tpot_ms
+    return 1.0 - _most_forced_misses(t, pre, dec, due, rate, ttft_ms, grid, lengths, weight) / n, tuple(sig)
+
+
 def _most_forced_misses(
     t: np.ndarray, pre: np.ndarray, dec: np.ndarray, due: np.ndarray, rate: float, ttft_ms: float,
-    grid: np.ndarray, lengths: np.ndarray,
-) -> int:
+    grid: np.ndarray, lengths: np.ndarray, weight: np.ndarray | None = None,
+) -> float:
     """The dynamic programme of :func:`interval_attainment_bound`: ``best[J]``, the most forced misses of a
     family of disjoint spans on ``grid`` with lengths ``lengths`` (grid steps, ascending, each >= 1).
 
     ``t``, ``pre``, ``dec``, ``due``: arrival, prefill work, decode work, last-token deadline of each counted
-    request, shape (n,), sorted by arrival (ms); ``rate``: GPU-ms of work per ms.
+    request, shape (n,), sorted by arrival (ms); ``rate``: GPU-ms of work per ms. ``weight``: None counts
+    requests (an integer count); else each request's tokens, shape (n,), > 0, and the misses are the tokens
+    the fractional knapsack leaves out (:func:`_span_missed_weight`).
 
     A request's cost in a span is one of two values (``pre`` or ``pre + dec``), so the 2n (request, value)
-    pairs are ranked by cost once, and each end point sorts its pairs' integer ranks instead of their costs.
+    pairs are ranked once (by cost, or by tokens per ms of cost for ``weight``), and each end point sorts
+    its pairs' integer ranks instead of their keys.
     """
     n = t.size
     value = np.r_[pre, pre + dec]  # pair i: request i without its decodes; pair n + i: with them
-    ranked = np.argsort(-np.where(np.isfinite(value), value, -1.0), kind="stable")  # costliest first, inf last
+    if weight is None:
+        key = np.where(np.isfinite(value), value, -1.0)  # costliest first, inf last
+    else:
+        wts = np.r_[weight, weight]
+        key = np.where(np.isfinite(value), -wts / np.maximum(value, 1e-300), -np.inf)  # least dense first; inf pairs are never taken
+    ranked = np.argsort(-key, kind="stable")
     rank = np.empty(2 * n, dtype=np.int64)
     rank[ranked] = np.arange(2 * n)
-    best = np.zeros(grid.size, dtype=np.int64)
+    best = np.zeros(grid.size, dtype=np.int64 if weight is None else float)
     first_at = np.searchsorted(t, grid, side="left")  # the first request arriving at or after each grid point
     last_before = np.searchsorted(t, grid - ttft_ms, side="right")  # one past the last with t + ttft <= point
     for j in range(1, grid.size):
@@ -494,11 +604,16 @@ def _most_forced_misses(
         base = int(lo[-1])
         pair = np.arange(base, hi) + n * (due[base:hi] <= grid[j])
         cost = value[pair]
-        desc = ranked[np.sort(rank[pair[np.isfinite(cost)]])]  # this end point's finite pairs, costliest first
-        miss = _span_misses(cost, np.where(desc >= n, desc - n, desc) - base, lo - base,
-                            rate * (grid[j] - grid[starts]))  # fmt: skip
-        best[j] = max(int(best[j]), int((best[starts] + miss).max()))
-    return int(best[-1])
+        desc = ranked[np.sort(rank[pair[np.isfinite(cost)]])]  # this end point's finite pairs, in key order
+        cap = rate * (grid[j] - grid[starts])
+        if weight is None:
+            miss = _span_misses(cost, np.where(desc >= n, desc - n, desc) - base, lo - base, cap)
+            best[j] = max(int(best[j]), int((best[starts] + miss).max()))
+        else:  # ranked least dense first: the knapsack takes the densest first
+            missed = _span_missed_weight(cost, weight[base:hi], np.where(desc >= n, desc - n, desc)[::-1] - base,
+                                         lo - base, cap)  # fmt: skip
+            best[j] = max(float(best[j]), float((best[starts] + missed).max()))
+    return float(best[-1])
 
 
 def _span_misses(cost: np.ndarray, desc: np.ndarray, lo: np.ndarray, cap: np.ndarray) -> np.ndarray:
@@ -544,6 +659,41 @@ def _span_misses(cost: np.ndarray, desc: np.ndarray, lo: np.ndarray, cap: np.nda
     last = np.where(reach.any(axis=1), reach.argmax(axis=1), _B - 1)  # rounding: the block's last member
     miss[k] += prev_cnt + (member & (np.arange(_B) <= last[:, None])).sum(axis=1)
     return miss
+
+
+def _span_missed_weight(cost: np.ndarray, weight: np.ndarray, dense: np.ndarray, lo: np.ndarray,
+                        cap: np.ndarray) -> np.ndarray:
+    """Per-token ``miss`` of :func:`interval_attainment_bound` for nested sets at once: for each k, the weight
+    of the items ``lo[k]:`` that the fractional knapsack with budget ``cap[k]`` leaves out (items taken densest
+    first by ``weight / cost``, a fraction of the first that does not fit; every ``inf`` one left out).
+
+    Args:
+        cost: shape (m,), each > 0 or inf (ms).
+        weight: shape (m,), > 0 (tokens).
+        dense: the indices of the finite costs, densest first, shape (number finite,).
+        lo: shape (K,), nonincreasing, each in [0, m], ``lo[-1] = 0``.
+        cap: shape (K,), the work budget of each set (ms), >= 0.
+
+    Returns:
+        shape (K,) float. The fit test allows a relative rounding slack of 1e-9 (towards less missed weight).
+    """
+    nk = lo.size
+    level = np.repeat(np.arange(nk - 1, -1, -1), (np.r_[cost.size, lo[:-1]] - lo)[::-1])
+    total = np.bincount(level, weights=weight, minlength=nk).cumsum()  # set k: every item of level <= k
+    if dense.size == 0:
+        return total
+    c, w, lev = cost[dense], weight[dense], level[dense]
+    member = lev[None, :] <= np.arange(nk)[:, None]  # (K, m'): item in set k
+    cc = np.cumsum(np.where(member, c, 0.0), axis=1)
+    ww = np.cumsum(np.where(member, w, 0.0), axis=1)
+    room = cap * (1.0 + 1e-9)
+    fit = (cc <= room[:, None]).sum(axis=1)  # cc is nondecreasing: the members taken whole come first
+    rows = np.arange(nk)
+    taken = np.where(fit > 0, ww[rows, np.maximum(fit - 1, 0)], 0.0)
+    part = np.minimum(fit, c.size - 1)  # the first member that does not fit whole (a member: cc rose there)
+    left = room - np.where(fit > 0, cc[rows, np.maximum(fit - 1, 0)], 0.0)
+    frac = np.where(fit < c.size, np.clip(left / c[part], 0.0, 1.0) * member[rows, part], 0.0)
+    return total - taken - frac * w[part]
 
 
 _B = 64  # block of cost ranks in _span_misses
@@ -625,6 +775,18 @@ def self_consistent_rate(bound_at: Callable[[float], float], start: float, stop:
     16, 20, 25, 31.25, 39.0625 and the bound there 18, 20, 22.5, 25.625, 29.53: 16 and 20 pass, 25 does
     not -> (25, 5).
     """
+    return grid_crossing(lambda r: bound_at(r) >= (r if offered_at is None else offered_at(r)), start, stop, factor)
+
+
+def grid_crossing(passes_at: Callable[[float], bool], start: float, stop: float,
+                  factor: float = 1.02) -> tuple[float, int]:  # fmt: skip
+    """The first rate of the grid ``start * factor**k <= stop`` above every grid rate where ``passes_at`` holds
+    (``start`` when none does), and the number of grid rates evaluated (every one: a test that is not monotone
+    in the rate is not skipped over). :func:`self_consistent_rate` with its test given directly.
+
+    Raises:
+        ValueError: on ``start <= 0``, ``stop < start`` or ``factor <= 1``, and when the last grid rate passes.
+    """
     if not start > 0.0 or not stop >= start or not factor > 1.0:
         raise ValueError(f"need 0 < start <= stop and factor > 1, got {start}, {stop}, {factor}")
     grid = []
@@ -632,9 +794,9 @@ def self_consistent_rate(bound_at: Callable[[float], float], start: float, stop:
     while rate <= stop * (1.0 + 1e-12):
         grid.append(rate)
         rate *= factor
-    passes = [bound_at(r) >= (r if offered_at is None else offered_at(r)) for r in grid]
+    passes = [passes_at(r) for r in grid]
     if passes[-1]:
-        raise ValueError(f"the stream's bound admits the last grid rate {grid[-1]:.4g}: raise stop")
+        raise ValueError(f"the test passes at the last grid rate {grid[-1]:.4g}: raise stop")
     last = max((i for i, ok in enumerate(passes) if ok), default=-1)
     return grid[last + 1], len(grid)
 

@@ -17,6 +17,7 @@ from loadgen.fleet.bound import (
     WorkModel,
     cheapest_cover,
     interval_attainment_bound,
+    pooled_interval_attainment_bound,
     request_work_ms,
     shared_prefix_tokens,
     steady_state_bound,
@@ -330,3 +331,72 @@ def test_self_consistent_rate_is_the_grid_rate_above_the_last_that_passes() -> N
         self_consistent_rate(bound_at, 2.0, 1.0)
     with pytest.raises(ValueError):
         self_consistent_rate(bound_at, 1.0, 2.0, 1.0)
+
+
+def test_interval_attainment_bound_per_token_by_hand() -> None:
+    # a = 10, b = 0.1, T = 50: one replica does 0.8 ms of work per ms. Three prompts at 0 ms of 600, 300 and 100
+    # tokens, output 1 (60, 30 and 10 ms of prefill; 601 + 301 + 101 = 1003 tokens); TTFT 100 ms. Every span that
+    # holds them contains [0, 100]: 80 ms of work. The knapsack takes the densest first (tokens per ms: 101 / 10 =
+    # 10.1, 301 / 30 = 10.03, 601 / 60 = 10.02): the 100 and the 300 whole (40 ms), 40 / 60 of the 600 (400.67
+    # tokens): at most 802.67 tokens on time, so the token attainment is at most 802.67 / 1003 = 0.8003 (the best
+    # real schedule serves 600 + 100: 702 / 1003 = 0.70). Per request one must miss: 2 / 3.
+    m = EngineTimeModel(a_ms=10.0, b_ms=0.1)
+    t, p, o = [0.0, 0.0, 0.0], [600, 300, 100], [1, 1, 1]
+    kw = {"grid_ms": 10.0, "max_span_ms": 300.0, "steps_ms": [50.0]}
+    att, step = interval_attainment_bound(t, p, o, m, 100.0, 50.0, 1, 0.0, 1000.0, 10_000, served_by="tokens", **kw)
+    assert step == 50.0 and att == pytest.approx((101 + 301 + 601 * 40 / 60) / 1003)
+    att, _ = interval_attainment_bound(t, p, o, m, 100.0, 50.0, 1, 0.0, 1000.0, 10_000, **kw)
+    assert att == pytest.approx(2 / 3)
+    # The same burst again at 500 ms: disjoint spans, the missed tokens add up (same share); a third burst at
+    # 1,200 ms is outside the counted window [0, 1000) and is left out.
+    att, _ = interval_attainment_bound(t + [500.0] * 3 + [1200.0] * 3, p * 3, o * 3, m, 100.0, 50.0, 1, 0.0, 1000.0,
+                                       10_000, served_by="tokens", **kw)  # fmt: skip
+    assert att == pytest.approx((101 + 301 + 601 * 40 / 60) / 1003)
+    # 250 tokens per step at most: the 600-token prompt needs ceil(600 / 250) = 3 chunks > 2 steps in the TTFT,
+    # so it always misses (601 tokens); the other two (40 ms) fit: at most 402 / 1003.
+    att, _ = interval_attainment_bound(t, p, o, m, 100.0, 50.0, 1, 0.0, 1000.0, 250, served_by="tokens", **kw)
+    assert att == pytest.approx(402 / 1003)
+    with pytest.raises(ValueError):
+        interval_attainment_bound(t, p, o, m, 100.0, 50.0, 1, 0.0, 1000.0, served_by="bytes")
+
+
+def test_pooled_interval_attainment_bound_two_kinds_by_hand() -> None:
+    # Kind 0: a = 10, b = 0.1; kind 1 twice as fast per token (b = 0.05); one replica each; TPOT 50: each does
+    # 1 - 10 / 50 = 0.8 ms of its own work per ms. The default exchange rate is the median cost ratio, 2: the pool
+    # does 0.8 + 2 * 0.8 = 2.4 kind-0 ms per ms, and request i costs min(0.1 P, 2 * 0.05 P) = 0.1 P kind-0 ms.
+    # Three prompts at 0 (1,200, 800, 800 tokens, output 1: 120, 80, 80 ms; 1,201 + 801 + 801 = 2,803 tokens),
+    # TTFT 100: the span [0, 100] holds 240 ms. Per request the costliest must go: 2 / 3. Per token the densest
+    # first (801 / 80 > 1,201 / 120): both 800s (160 ms), then 80 / 120 of the 1,200 (800.67 tokens): at most
+    # (801 + 801 + 800.67) / 2,803 = 0.8572. (A real schedule serves 1,200 on kind 1, 800 on kind 0: 0.71.)
+    k0, k1 = EngineTimeModel(a_ms=10.0, b_ms=0.1), EngineTimeModel(a_ms=10.0, b_ms=0.05)
+    t, p, o = [0.0] * 3, [1200, 800, 800], [1, 1, 1]
+    kinds = [(k0, 1, 10_000), (k1, 1, 10_000)]
+    kw = {"grid_ms": 10.0, "max_span_ms": 300.0}
+    att, sig = pooled_interval_attainment_bound(t, p, o, kinds, 100.0, 50.0, 0.0, 1000.0, **kw)
+    assert sig == pytest.approx((1.0, 2.0)) and att == pytest.approx(2 / 3)
+    att, _ = pooled_interval_attainment_bound(t, p, o, kinds, 100.0, 50.0, 0.0, 1000.0, served_by="tokens", **kw)
+    assert att == pytest.approx((801 + 801 + 1201 * 80 / 120) / 2803)
+    # Exchange rate 1 instead: costs min(0.1 P, 0.05 P) = 60, 40, 40 ms against 0.8 + 0.8 = 1.6 ms per ms, 160 ms
+    # in the span: everything fits. Valid too, and looser.
+    att, sig = pooled_interval_attainment_bound(t, p, o, kinds, 100.0, 50.0, 0.0, 1000.0, exchange=[1.0, 1.0], **kw)
+    assert sig == (1.0, 1.0) and att == 1.0
+    # One kind: the one-kind programme at T = tpot (costs b P do not depend on T): the burst of the test above.
+    att, _ = pooled_interval_attainment_bound([60.0, 70.0, 80.0, 90.0, 100.0, 110.0], [400] * 6, [1] * 6,
+                                              [(k0, 1, 10_000)], 100.0, 50.0, 0.0, 1000.0, grid_ms=10.0,
+                                              max_span_ms=200.0)  # fmt: skip
+    assert att == 0.5
+    for bad in ({"exchange": [1.0]}, {"exchange": [1.0, 0.0]}, {"served_by": "bytes"}):
+        with pytest.raises(ValueError):
+            pooled_interval_attainment_bound(t, p, o, kinds, 100.0, 50.0, 0.0, 1000.0, **bad)
+    with pytest.raises(ValueError):
+        pooled_interval_attainment_bound(t, p, o, [(k0, 0, 10_000)], 100.0, 50.0, 0.0, 1000.0)
+
+
+def test_grid_crossing_takes_the_test_itself() -> None:
+    from loadgen.fleet.bound import grid_crossing
+
+    # grid 16, 20, 25, 31.25, 39.0625: a test that holds below 21 passes at 16 and 20 -> 25
+    assert grid_crossing(lambda r: r < 21.0, 16.0, 40.0, 1.25) == (25.0, 5)
+    assert grid_crossing(lambda r: r in (16.0, 31.25), 16.0, 40.0, 1.25) == (39.0625, 5)
+    with pytest.raises(ValueError, match="raise stop"):
+        grid_crossing(lambda r: True, 16.0, 40.0, 1.25)
