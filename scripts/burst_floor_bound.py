@@ -26,6 +26,7 @@ would contradict the bound).
 Usage::
 
     python scripts/burst_floor_bound.py --out docs/evaluation/headline/burst-floor-bounds.json [--jobs 2]
+    python scripts/burst_floor_bound.py --conditions "<label>" ... --merge --out <the same file>
 
 About 5-10 minutes per condition on one core (per-token bound: 10-20 s a stream at 16 replicas).
 """
@@ -129,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "baseline reaches under 0.75 of the steady per-token bound: the others are capped by it)")
     ap.add_argument("--start-frac", type=float, default=0.85, help="the grid's first rate over the measured capacity")
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--merge", action="store_true", help="keep the rows of other conditions already in --out")
     args = ap.parse_args(argv)
     headline = Path(args.headline)
     steady_rows = {r["condition"]: r for r in json.loads(Path(args.steady or headline / "token-floor-bounds.json")
@@ -160,7 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"| {r['condition']} | {cell('request')} | {cell('token')} |")
     if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+        done = {r["condition"] for r in rows}
+        kept = []
+        if args.merge and Path(args.out).exists():
+            kept = [r for r in json.loads(Path(args.out).read_text()) if r["condition"] not in done]
+        order = {c.label: i for i, c in enumerate(CONDITIONS)}
+        merged = sorted(kept + rows, key=lambda r: order.get(r["condition"], len(order)))
+        Path(args.out).write_text(json.dumps(merged, indent=1) + "\n")
     return 0
 
 

@@ -17,7 +17,9 @@ of it, and the largest ratio over the best baseline that any policy could reach 
 figure is an estimate, not a bound, and no ratio is claimed). For a trace with prefix ids the bound in
 the file credits sharing with the whole trace; when ``token-floor-bounds.json`` (scripts/token_floor_bound.py)
 lies beside the file and has its row with ``bound_on: stream``, that row's bound on the stream offered
-is given instead, the trace-wide one beside it.
+is given instead, the trace-wide one beside it. When ``burst-floor-bounds.json`` (scripts/burst_floor_bound.py)
+lies beside the file with a per-token figure for it, a second line gives that burst-aware bound (a bound on
+a mixed fleet too), each policy's share of it and the largest ratio it leaves over the best baseline.
 """
 
 from __future__ import annotations
@@ -69,7 +71,35 @@ def table(path: Path) -> str:
                      f"{refused} | {ttft} | {len(rows)} |")  # fmt: skip
     best = d.get("best_baseline_token_goodput")
     return (head + "\n".join(lines) + f"\n\nBest baseline by token goodput: `{best}`.\n"
-            + bound_line(d, stream_bound(path)))
+            + bound_line(d, stream_bound(path)) + burst_line(d, burst_bound(path)))
+
+
+def burst_bound(path: Path) -> float | None:
+    """The burst-aware per-token bound for ``path`` from ``burst-floor-bounds.json`` beside it, or None (no
+    file, no row, or a row whose scan never fell below the floor)."""
+    bounds = path.parent / "burst-floor-bounds.json"
+    if not bounds.exists():
+        return None
+    for row in json.loads(bounds.read_text()):
+        if row.get("file") == path.name and row.get("token_floor_burst_bound_rps"):
+            return float(row["token_floor_burst_bound_rps"])
+    return None
+
+
+def burst_line(d: dict[str, Any], bound: float | None) -> str:
+    """The burst-aware bound's sentence (module docstring), or "" when ``bound`` is None."""
+    if not bound:
+        return ""
+    shares = ", ".join(f"{n} {p['capacity_token_floor_rps'] / bound:.2f}" for n, p in d["policies"].items()
+                       if p.get("capacity_token_floor_bound") in ("interpolated", "at-least"))  # fmt: skip
+    text = (f"\nPer-token bound with bursts (scripts/burst_floor_bound.py: no request waits past its TTFT; the "
+            f"replicas pooled): {bound:.1f} req/s; per-token capacity as a share of it: {shares or 'none'}.")
+    best = d.get("best_baseline_token_goodput")
+    bp = d["policies"].get(best, {}) if best else {}
+    base = bp.get("capacity_token_floor_rps") if bp.get("capacity_token_floor_bound") == "interpolated" else None
+    if base:
+        text += f" With bursts no policy's per-token capacity can exceed {bound / base:.2f}x `{best}`'s here."
+    return text + "\n"
 
 
 def stream_bound(path: Path) -> float | None:

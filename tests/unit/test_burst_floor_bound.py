@@ -32,9 +32,12 @@ def test_main_scans_the_streams_and_reports_the_first_failing_grid_rate(tmp_path
                "measured": {"best_baseline_token_floor_rps": 4.0, "pab_token_floor_rps": 13.0}}]
     (tmp_path / "steady.json").write_text(json.dumps(steady))
     out = tmp_path / "burst.json"
+    out.write_text(json.dumps([{"condition": "kept from before"}, {"condition": cond.label, "stale": True}]))
     assert bfb.main(["--out", str(out), "--headline", str(tmp_path), "--steady", str(tmp_path / "steady.json"),
-                     "--start-frac", "0.8"]) == 0
-    (row,) = json.loads(out.read_text())
+                     "--start-frac", "0.8", "--merge"]) == 0
+    # --merge keeps the other condition's row and replaces this one's
+    (row, other) = json.loads(out.read_text())
+    assert other == {"condition": "kept from before"} and row["condition"] == cond.label and "stale" not in row
     # the streams again, built and bounded here: bench-fleet's arrivals, the one-kind disjoint-span bound
     kept, native, _ = trace_rows("azure-code", arrival_granularity_ms("azure-code"), 0)
     batch = vllm_serve_batch_defaults(load_profile("llama-3-8b-a100").gpu).resolve(None, None)

@@ -162,3 +162,27 @@ def test_headline_table_takes_the_stream_bound_beside_the_file(tmp_path: Path) -
     # 10 / 15 = 0.67, 12 / 15 = 0.80, 15 / 10 = 1.50x; the trace-wide 30 named beside it
     assert "on the stream offered" in text and "30.0 req/s with credit from the whole trace): 15.0 req/s" in text
     assert "dynamo-kv+fairbatching 0.67, pab+fairbatching 0.80" in text and "1.50x `dynamo-kv+fairbatching`" in text
+
+
+def test_headline_table_adds_the_burst_bound_beside_the_file(tmp_path: Path) -> None:
+    _fleet_json(tmp_path / "h.json", {"static-queue-cap+fairbatching": 100.0, "pab+fairbatching": 150.0},
+                "static-queue-cap+fairbatching", token_bound=210.0)
+    d = json.loads((tmp_path / "h.json").read_text())
+    for p in d["policies"].values():
+        p.update(rows=[], capacity_rps=0.0, capacity_bound="below-sweep")
+    d.update(trace="azure-code", replicas=16, profile="llama-3-8b-a100", ttft_ms=1000.0, tpot_ms=100.0,
+             duration_s=240.0, fleet=[{"profile": "llama-3-8b-a100", "count": 8, "engine_time_model": {"name": "a"}},
+                                      {"profile": "llama-3-8b-h100", "count": 8, "engine_time_model": {"name": "h"}}])
+    (tmp_path / "h.json").write_text(json.dumps(d))
+    assert "with bursts" not in tables.table(tmp_path / "h.json")
+    (tmp_path / "burst-floor-bounds.json").write_text(json.dumps([
+        {"file": "other.json", "token_floor_burst_bound_rps": 999.0},
+        {"file": "h.json", "token_floor_burst_bound_rps": 200.0}]))
+    text = tables.table(tmp_path / "h.json")
+    # the mixed fleet's steady figure stays an estimate; the burst one is a bound: 100 / 200, 150 / 200, 200 / 100
+    assert "not a bound" in text and "Per-token bound with bursts" in text and ": 200.0 req/s" in text
+    assert "static-queue-cap+fairbatching 0.50, pab+fairbatching 0.75" in text
+    assert "can exceed 2.00x `static-queue-cap+fairbatching`" in text
+    # a row whose scan never fell below the floor gives no line
+    (tmp_path / "burst-floor-bounds.json").write_text(json.dumps([{"file": "h.json", "token_floor_burst_bound_rps": None}]))
+    assert "with bursts" not in tables.table(tmp_path / "h.json")
