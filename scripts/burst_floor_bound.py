@@ -151,8 +151,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         todo.append((cond, stream_settings(cond, headline),
                      {"requests": row["request_floor_bound_rps"], "tokens": row["token_floor_bound_rps"]},
                      {"requests": req, "tokens": m.get("pab_token_floor_rps") or 0.0}, args.start_frac))  # fmt: skip
-    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        rows = list(pool.map(condition_bound, *zip(*todo)))
+    if args.jobs > 1:
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            rows = list(pool.map(condition_bound, *zip(*todo)))
+    else:
+        rows = [condition_bound(*t) for t in todo]
     print("| condition | per-request floor: burst bound (steady) | per-token floor: burst bound (steady) |")
     print("| --- | --- | --- |")
     for r in rows:

@@ -14,14 +14,13 @@ from loadgen.traces import arrival_granularity_ms
 from replica_agent.policy.profiles import load_profile, vllm_serve_batch_defaults
 from tests.scripts import load_script
 
-tfb = load_script("token_floor_bound")
 bfb = load_script("burst_floor_bound")
 
 
 def test_main_scans_the_streams_and_reports_the_first_failing_grid_rate(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     # 2 replicas of the 8B A100 on azure-code, a 40 s window with 10 s of warm-up: small enough to scan here
-    cond = tfb.Condition("azure-code", ((2, "llama-3-8b-a100", None),), 1000.0, 100.0, "c.json", "azure-code, 2 x 8B")
+    cond = bfb.Condition("azure-code", ((2, "llama-3-8b-a100", None),), 1000.0, 100.0, "c.json", "azure-code, 2 x 8B")
     monkeypatch.setattr(bfb, "CONDITIONS", (cond,))
     (tmp_path / "c.json").write_text(json.dumps({
         "duration_s": 40.0, "warmup_s": 10.0, "best_baseline_token_goodput": "b",
