@@ -98,7 +98,8 @@ def burst_line(d: dict[str, Any], bound: float | None) -> str:
     bp = d["policies"].get(best, {}) if best else {}
     base = bp.get("capacity_token_floor_rps") if bp.get("capacity_token_floor_bound") == "interpolated" else None
     if base:
-        text += f" With bursts no policy's per-token capacity can exceed {bound / base:.2f}x `{best}`'s here."
+        text += (f" With bursts no policy's per-token capacity can exceed {bound / base:.2f}x `{best}`'s here "
+                 f"(to the scan's 2 % grid).")
     return text + "\n"
 
 

@@ -318,7 +318,7 @@ def windowed_attainment_bound(
     under one sum constraint), and dropping every constraint that links the intervals relaxes the problem,
     so ``sum_k (how many of the cheapest of I_k fit) / n`` bounds the attainment over requests arriving in
     [start, end) (n of them), for every L and D: the bound is the smallest over ``windows_ms`` (L) and
-    D in {0, L/8, L/4, L/2, L}; within the constant-step model, the largest over T (``steps_ms``; default 10 points over
+    D in {0, L/8, L/4, L/2, L}; within the constant-step model, the largest over T (``steps_ms``; by default 10 cells covering
     (m*a, tpot_ms]). It ignores everything that arrived before ``start`` (it only takes GPU time).
 
     Args:
@@ -327,7 +327,8 @@ def windowed_attainment_bound(
         start_ms, end_ms: the counted window (ms), start < end.
         cached_tokens: h_i of the module docstring, shape (n_all,); None = no prefix caching.
         windows_ms: interval lengths L to try (ms), each > 0.
-        steps_ms: step lengths T to try (ms).
+        steps_ms: step lengths T to try (ms), each its own cell; None = cells covering (m*a, tpot_ms]
+            (:func:`_step_cells`).
 
     Returns:
         (attainment bound in [0, 1], the L (ms) and the T (ms) that gave it).
@@ -337,15 +338,15 @@ def windowed_attainment_bound(
     """
     t, p, o, h = _counted(arrival_ms, prompt_tokens, output_tokens, cached_tokens, start_ms, end_ms)
     n = t.size
-    a, steps = _step_grid(model, tpot_ms, steps_ms, 11)
-    best = (0.0, 0.0, float(steps[-1]))
-    for step in steps:
-        if step <= a:
-            continue
-        pre, dec = request_work_parts_ms(p, o, model, float(step), ttft_ms, max_num_batched_tokens, h)
+    a, cells = _step_cells(model, tpot_ms, steps_ms, 11)
+    best = (0.0, 0.0, cells[-1][1] if cells else float(tpot_ms))
+    for low, step in cells:
+        pre, dec = request_work_parts_ms(p, o, model, low, ttft_ms, max_num_batched_tokens, h)
         rate = replicas * (1.0 - a / step)  # GPU-ms of work per ms
         worst = (1.0, float(windows_ms[0]))  # every L allows 1.0: the first one is reported
         finite = np.isfinite(pre)  # the others cannot meet their TTFT at this T
+        if not finite.any():  # nothing can meet its SLO at this T
+            continue
         for length in windows_ms:
             k_all = np.floor((t - start_ms) / length).astype(np.int64)
             for d in (0.0, length / 8.0, length / 4.0, length / 2.0, float(length)):
@@ -387,7 +388,7 @@ def interval_attainment_bound(
 
     Relaxations as in :func:`windowed_attainment_bound`: the N replicas pooled into one machine doing
     ``rate = N * (1 - m*a/T)`` GPU-ms of work per ms at steps of one length T (the largest value over T of
-    ``steps_ms``, default 10 points over (m*a, tpot_ms]); request i's least work at T split into ``prefill_i``
+    ``steps_ms``, by default 10 cells covering all of (m*a, tpot_ms], :func:`_step_cells`); request i's least work at T split into ``prefill_i``
     and ``decodes_i`` (:func:`request_work_parts_ms`, prefix caching through ``cached_tokens``).
 
     Derivation. A request i arriving at t_i that meets its SLO has its prefill done within
@@ -430,7 +431,8 @@ def interval_attainment_bound(
         cached_tokens: h_i of the module docstring, shape (n_all,); None = no prefix caching.
         grid_ms: the grid step of span end points (ms), > 0.
         max_span_ms: the longest span (ms), >= ttft_ms.
-        steps_ms: step lengths T to try (ms).
+        steps_ms: step lengths T to try (ms), each its own cell; None = cells covering (m*a, tpot_ms]
+            (:func:`_step_cells`).
         served_by: ``requests`` (attainment over requests, default) or ``tokens`` (over prompt + output
             tokens).
 
@@ -454,18 +456,17 @@ def interval_attainment_bound(
     grid = start_ms + grid_ms * np.arange(int(math.ceil((end_ms + max_span_ms - start_ms) / grid_ms - 1e-9)) + 1)
     lengths = np.arange(int(math.ceil(ttft_ms / grid_ms - 1e-9)), int(math.floor(max_span_ms / grid_ms + 1e-9)) + 1)
     due = t + ttft_ms + (o - 1) * tpot_ms  # the last token's deadline
-    a, steps = _step_grid(model, tpot_ms, steps_ms, 11)
-    # Every T first on the grid's every 4th point (a subfamily of the spans: its bound is >= the fine one), then
-    # the fine programme in order of that, skipping each T whose coarse bound cannot beat the best fine one.
+    a, cells = _step_cells(model, tpot_ms, steps_ms, 11)
+    # Every cell of T first on the grid's every 4th point (a subfamily of the spans: its bound is >= the fine one),
+    # then the fine programme in order of that, skipping each cell whose coarse bound cannot beat the best fine one.
     coarse = lengths[lengths % _COARSE == 0] // _COARSE
     tried = []
-    for step in steps:
-        if step > a:
-            pre, dec = request_work_parts_ms(p, o, model, float(step), ttft_ms, max_num_batched_tokens, h)
-            rate = replicas * (1.0 - a / step)
-            upper = 1.0 - _most_forced_misses(t, pre, dec, due, rate, ttft_ms, grid[::_COARSE], coarse, weight) / n
-            tried.append((upper, float(step), pre, dec, rate))
-    best = (0.0, float(steps[-1]))
+    for low, step in cells:
+        pre, dec = request_work_parts_ms(p, o, model, low, ttft_ms, max_num_batched_tokens, h)
+        rate = replicas * (1.0 - a / step)
+        upper = 1.0 - _most_forced_misses(t, pre, dec, due, rate, ttft_ms, grid[::_COARSE], coarse, weight) / n
+        tried.append((upper, step, pre, dec, rate))
+    best = (0.0, cells[-1][1] if cells else float(tpot_ms))
     for upper, step, pre, dec, rate in sorted(tried, key=lambda x: -x[0]):
         if upper <= best[0]:
             break
@@ -493,9 +494,10 @@ def pooled_interval_attainment_bound(
     """:func:`interval_attainment_bound` for a fleet of several GPU kinds (burst-aware, per request or per token).
 
     Kind k has ``n_k`` replicas; request i costs ``pre_ik`` and ``pre_ik + dec_ik`` on it (the least over
-    k's step lengths T in ``(m*a_k, tpot_ms]``, 10 points, of :func:`request_work_parts_ms`: a lower bound of
-    its work at any T in the grid, and each kind may run its own T), and the kind does at most ``r_k = n_k *
-    (1 - m*a_k / tpot_ms)`` GPU-ms of work per ms (its largest over T <= tpot).
+    k's step lengths T in ``(m*a_k, tpot_ms]`` of :func:`request_work_parts_ms`, taken just above ``m*a_k``
+    since it only falls with T: a lower bound of its work at any T, and each kind may run its own T), and
+    the kind does at most ``r_k = n_k * (1 - m*a_k / tpot_ms)`` GPU-ms of work per ms (its largest over
+    T <= tpot).
 
     Derivation. In a span [s, e] let ``x_ik`` be the share of request i's work done on kind k (``sum_k x_ik
     <= 1``; 1 for a request that meets its SLO). Each kind's work fits: ``sum_i x_ik c_ik <= r_k (e - s)``.
@@ -519,7 +521,8 @@ def pooled_interval_attainment_bound(
 
     Raises:
         ValueError: as :func:`interval_attainment_bound`, on no kind, a kind with fewer than 1 replica,
-            ``tpot_ms`` at or below a kind's fixed cost, or ``exchange`` of another length or not positive.
+            ``tpot_ms`` at or below a kind's fixed cost, or ``exchange`` of another length, not positive or
+            not finite.
     """
     if not grid_ms > 0 or not ttft_ms > 0 or not max_span_ms >= ttft_ms:
         raise ValueError(f"need grid_ms > 0 and max_span_ms >= ttft_ms > 0, got {grid_ms}, {max_span_ms}, {ttft_ms}")
@@ -527,8 +530,8 @@ def pooled_interval_attainment_bound(
         raise ValueError(f"served_by must be 'requests' or 'tokens', got {served_by!r}")
     if not kinds or any(n < 1 for _, n, _ in kinds):
         raise ValueError("need at least one kind, each with at least one replica")
-    if exchange is not None and (len(exchange) != len(kinds) or any(not x > 0 for x in exchange)):
-        raise ValueError("exchange needs one positive rate per kind")
+    if exchange is not None and (len(exchange) != len(kinds) or any(not 0 < x < math.inf for x in exchange)):
+        raise ValueError("exchange needs one positive, finite rate per kind")
     t, p, o, h = _counted(arrival_ms, prompt_tokens, output_tokens, cached_tokens, start_ms, end_ms)
     order = np.argsort(t, kind="stable")
     t, p, o = t[order], p[order], o[order]
@@ -536,25 +539,23 @@ def pooled_interval_attainment_bound(
     parts = []
     rates = []
     for model, replicas, tokens in kinds:
-        a, steps = _step_grid(model, tpot_ms, None, 11)
-        pre = np.full(t.shape, np.inf)
-        tot = np.full(t.shape, np.inf)
-        for step in steps:
-            if step > a:
-                pk, dk = request_work_parts_ms(p, o, model, float(step), ttft_ms, tokens, h)
-                pre, tot = np.minimum(pre, pk), np.minimum(tot, pk + dk)
-        parts.append((pre, tot))
+        a, _ = _step_grid(model, tpot_ms, None, 2)  # raises when tpot_ms <= a
+        # the least work over every T in (a, tpot]: at T just above a (it only falls with T, _step_cells)
+        pk, dk = request_work_parts_ms(p, o, model, a * (1.0 + 1e-9), ttft_ms, tokens, h)
+        parts.append((pk, pk + dk))
         rates.append(replicas * (1.0 - a / tpot_ms))
     if exchange is None:
         sig = [1.0]
         for _, tot in parts[1:]:
-            ok = np.isfinite(parts[0][1]) & np.isfinite(tot)
+            ok = np.isfinite(parts[0][1]) & np.isfinite(tot) & (tot > 0)
             sig.append(float(np.median(parts[0][1][ok] / tot[ok])) if ok.any() else 1.0)
     else:
         sig = [float(x) for x in exchange]
     pre = np.min([x * pk for x, (pk, _) in zip(sig, parts)], axis=0)
     tot = np.min([x * tk for x, (_, tk) in zip(sig, parts)], axis=0)
-    dec = np.where(np.isfinite(pre), tot - pre, 0.0)  # tot >= pre: each kind's total holds its prefill
+    fin = np.isfinite(pre)
+    dec = np.zeros_like(pre)
+    dec[fin] = tot[fin] - pre[fin]  # tot >= pre: each kind's total holds its prefill
     rate = float(sum(x * r for x, r in zip(sig, rates)))
     weight = (p + o) if served_by == "tokens" else None
     n = float(weight.sum()) if weight is not None else t.size
@@ -668,7 +669,7 @@ def _span_missed_weight(cost: np.ndarray, weight: np.ndarray, dense: np.ndarray,
     first by ``weight / cost``, a fraction of the first that does not fit; every ``inf`` one left out).
 
     Args:
-        cost: shape (m,), each > 0 or inf (ms).
+        cost: shape (m,), each >= 0 or inf (ms).
         weight: shape (m,), > 0 (tokens).
         dense: the indices of the finite costs, densest first, shape (number finite,).
         lo: shape (K,), nonincreasing, each in [0, m], ``lo[-1] = 0``.
@@ -692,7 +693,8 @@ def _span_missed_weight(cost: np.ndarray, weight: np.ndarray, dense: np.ndarray,
     taken = np.where(fit > 0, ww[rows, np.maximum(fit - 1, 0)], 0.0)
     part = np.minimum(fit, c.size - 1)  # the first member that does not fit whole (a member: cc rose there)
     left = room - np.where(fit > 0, cc[rows, np.maximum(fit - 1, 0)], 0.0)
-    frac = np.where(fit < c.size, np.clip(left / c[part], 0.0, 1.0) * member[rows, part], 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a member that does not fit whole costs > 0
+        frac = np.where(fit < c.size, np.clip(left / c[part], 0.0, 1.0) * member[rows, part], 0.0)
     return total - taken - frac * w[part]
 
 
@@ -737,6 +739,28 @@ def _step_grid(model: EngineTimeModel | TimeModel, tpot_ms: float, steps_ms: Seq
     if tpot_ms <= a:
         raise ValueError(f"tpot_ms {tpot_ms} is not above the step's fixed cost {a:.3f} ms")
     return a, np.linspace(a, tpot_ms, points)[1:]
+
+
+def _step_cells(model: EngineTimeModel | TimeModel, tpot_ms: float, steps_ms: Sequence[float] | None,
+                points: int) -> tuple[float, list[tuple[float, float]]]:  # fmt: skip
+    """(mean fixed cost a of a step, cells of step lengths as (T for the costs, T for the rate), ms).
+
+    A request's least work only falls as T falls (a shorter step allows more chunks within the TTFT; the
+    decodes do not depend on T) and the work per ms ``1 - a/T`` only rises with T, so for every T in a cell
+    ``(T_lo, T_hi]`` the costs at ``T_lo`` and the rate at ``T_hi`` give a bound at least as high as T's own.
+    Without ``steps_ms`` the cells cover all of ``(a, tpot_ms]`` (``points - 1`` even cells, the first one's
+    costs at ``a * (1 + 1e-9)``), so the largest bound over the cells holds whatever constant step length a
+    schedule runs. With ``steps_ms`` each T is its own cell ``(T, T)``: a bound for schedules whose step
+    length is one of them (the hand-worked tests' setting).
+
+    Raises:
+        ValueError: without ``steps_ms`` when ``tpot_ms <= a``.
+    """
+    a, steps = _step_grid(model, tpot_ms, steps_ms, points)
+    if steps_ms is not None:
+        return a, [(float(t), float(t)) for t in steps if t > a]
+    lows = np.r_[a * (1.0 + 1e-9), steps[:-1]]
+    return a, [(float(lo), float(hi)) for lo, hi in zip(lows, steps)]
 
 
 def self_consistent_rate(bound_at: Callable[[float], float], start: float, stop: float, factor: float = 1.02,

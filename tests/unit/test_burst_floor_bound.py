@@ -67,3 +67,47 @@ def test_main_scans_the_streams_and_reports_the_first_failing_grid_rate(tmp_path
         assert attainment(below, by) == pytest.approx(grid[below], abs=1e-6)
         # a burst bound is no looser than the steady one it scans below
         assert got <= stop
+
+
+def test_a_mixed_fleet_is_scanned_to_1_5x_its_estimate_with_the_pooled_bound(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from loadgen.fleet.bench import parse_fleet
+    from loadgen.fleet.bound import pooled_interval_attainment_bound
+
+    # 1 A100 + 1 H100 of the 8B on azure-code, 40 s window, 10 s warm-up; made-up steady estimates
+    cond = bfb.Condition("azure-code", ((1, "llama-3-8b-a100", None), (1, "llama-3-8b-h100", None)), 1000.0, 100.0,
+                         "h.json", "azure-code, 1 A100 + 1 H100")  # fmt: skip
+    monkeypatch.setattr(bfb, "CONDITIONS", (cond,))
+    (tmp_path / "h.json").write_text(json.dumps({
+        "duration_s": 40.0, "warmup_s": 10.0, "policies": {"pab+fairbatching": {"capacity_rps": 16.0}}}))
+    # (this stream crosses 0.9 near 25.6 req/s per token and 29.7 per request: past 1.02x these estimates)
+    steady = [{"condition": cond.label, "request_floor_bound_rps": 22.0, "token_floor_bound_rps": 20.0,
+               "measured": {"best_baseline_token_floor_rps": 4.0, "pab_token_floor_rps": 20.0}}]
+    (tmp_path / "steady.json").write_text(json.dumps(steady))
+    out = tmp_path / "burst.json"
+    assert bfb.main(["--out", str(out), "--headline", str(tmp_path), "--steady", str(tmp_path / "steady.json"),
+                     "--start-frac", "0.8", "--conditions", cond.label]) == 0
+    (row,) = json.loads(out.read_text())
+    kept, native, _ = trace_rows("azure-code", arrival_granularity_ms("azure-code"), 0)
+    kinds = [k for spec in ("1:llama-3-8b-a100", "1:llama-3-8b-h100") for k in parse_fleet(spec)]
+
+    def attainment(rate: float, by: str) -> float:
+        reqs = build_arrivals(kept, native, rate, 40.0, 2, 0, 0.0)
+        att, _ = pooled_interval_attainment_bound(
+            [r.arrival_ms for r in reqs], [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs],
+            [(k.engine_time, k.count, k.max_num_batched_tokens) for k in kinds], 1000.0, 100.0, 10_000.0, 40_000.0,
+            served_by=by)  # fmt: skip
+        return att
+
+    for key, by, start, steady_rps in (("token", "tokens", 16.0, 20.0), ("request", "requests", 12.8, 22.0)):
+        grid = {float(r): a for r, a in row[f"{key}_floor_grid"].items()}
+        rates = sorted(grid)
+        # a mixed fleet's steady figure is an estimate: the grid goes on past it, to 1.5x
+        assert rates[0] == pytest.approx(start, abs=1e-6) and 1.02 * steady_rps < rates[-1] <= 1.5 * steady_rps
+        top = rates[-1]
+        assert attainment(top, by) == pytest.approx(grid[top], abs=1e-6)
+        got = row[f"{key}_floor_burst_bound_rps"]
+        assert got is not None and got > 1.02 * steady_rps  # a crossing inside the grid, past the estimate
+        at = min(rates, key=lambda r: abs(r - got))
+        assert all(a < 0.9 for r, a in grid.items() if r >= at) and grid[rates[rates.index(at) - 1]] >= 0.9
+        assert attainment(at, by) == pytest.approx(grid[at], abs=1e-6)

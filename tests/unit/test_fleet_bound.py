@@ -400,3 +400,33 @@ def test_grid_crossing_takes_the_test_itself() -> None:
     assert grid_crossing(lambda r: r in (16.0, 31.25), 16.0, 40.0, 1.25) == (39.0625, 5)
     with pytest.raises(ValueError, match="raise stop"):
         grid_crossing(lambda r: True, 16.0, 40.0, 1.25)
+
+
+def test_per_token_bound_takes_the_densest_not_the_cheapest() -> None:
+    # a = 10, b = 0.1, T = 50 (0.8 ms of work per ms), TTFT 100, TPOT 50: prompts of 50 tokens (output 1: 51
+    # tokens, 5 ms) and 780 tokens (output 200: 980 tokens, 78 ms of prefill; its decodes are due at 10,050 ms,
+    # past every span). [0, 100] holds 80 ms: densest first (980 / 78 = 12.6 > 51 / 5 = 10.2) takes the 780 whole
+    # and 2 / 5 of the 50: at most (980 + 20.4) / 1,031 = 0.97032 (cheapest first would give 0.96344).
+    m = EngineTimeModel(a_ms=10.0, b_ms=0.1)
+    att, _ = interval_attainment_bound([0.0, 0.0], [50, 780], [1, 200], m, 100.0, 50.0, 1, 0.0, 1000.0, 10_000,
+                                       grid_ms=10.0, max_span_ms=300.0, steps_ms=[50.0], served_by="tokens")  # fmt: skip
+    assert att == pytest.approx((980 + 51 * 2 / 5) / 1031)
+
+
+def test_default_step_cells_cover_steps_shorter_than_the_first_grid_point() -> None:
+    # a = 10, b = 0.01, 100 tokens per step, TTFT 100, TPOT 50: an 800-token prompt needs 8 chunks, so steps
+    # of at most 12.5 ms; 8 steps of 11 ms (10 + 1 ms of prefill each) meet its TTFT. At T = 50 alone it cannot
+    # (2 steps): 0. The default cells cover (10, 50]: the first, (10, 14], prices it at T just above 10 (9
+    # chunks allowed, 8 ms) against 1 - 10 / 14 = 0.29 ms of work per ms (28.6 ms in [0, 100]): it fits, 1.0.
+    m = EngineTimeModel(a_ms=10.0, b_ms=0.01)
+    args = ([0.0], [800], [1], m, 100.0, 50.0, 1, 0.0, 1000.0, 100)
+    assert interval_attainment_bound(*args, grid_ms=10.0, max_span_ms=300.0, steps_ms=[50.0])[0] == 0.0
+    att, step = interval_attainment_bound(*args, grid_ms=10.0, max_span_ms=300.0)
+    assert att == 1.0 and step == pytest.approx(14.0)
+    assert windowed_attainment_bound(*args, windows_ms=[100.0])[0] == 1.0
+    # pooled kinds price every kind just above its fixed cost the same way: a 400-token prompt (4 chunks of
+    # 100) on a = 10, b = 0.1 meets its TTFT in 4 steps of 20 ms, not at T = TPOT = 50 (2 steps)
+    k0 = EngineTimeModel(a_ms=10.0, b_ms=0.1)
+    att, _ = pooled_interval_attainment_bound([0.0], [400], [1], [(k0, 1, 100)], 100.0, 50.0, 0.0, 1000.0,
+                                              grid_ms=10.0, max_span_ms=300.0)  # fmt: skip
+    assert att == 1.0
