@@ -884,7 +884,8 @@ def steady_state_bound(
         replicas: fleet size N.
         kv_capacity_tokens, max_num_seqs, max_num_batched_tokens: engine limits per replica.
         served_frac: q in (0, 1], the attainment that defines capacity.
-        steps_ms: step lengths T to try (ms); default 400 points over (m*a, tpot_ms].
+        steps_ms: step lengths T to try (ms), each its own cell; default 400 cells covering (m*a, tpot_ms]
+            (:func:`_step_cells`).
         cached_tokens: h_i of the module docstring ("Prefix caching"; :func:`shared_prefix_tokens`), shape
             (n,); None = no prefix caching.
         served_by: ``requests`` (the per-request floor, default) or ``tokens`` (the per-token floor).
@@ -902,7 +903,7 @@ def steady_state_bound(
         raise ValueError(f"served_frac must be in (0, 1], got {served_frac}")
     if served_by not in ("requests", "tokens"):
         raise ValueError(f"served_by must be 'requests' or 'tokens', got {served_by!r}")
-    a, steps = _step_grid(model, tpot_ms, steps_ms, 401)
+    a, cells = _step_cells(model, tpot_ms, steps_ms, 401)
     h = np.zeros_like(p) if cached_tokens is None else np.minimum(np.asarray(cached_tokens, dtype=float), p - 1)
     u = p - h
     k = math.ceil(served_frac * n - 1e-9)
@@ -917,18 +918,21 @@ def steady_state_bound(
     kv_sum = least(o * u + o * (o - 1) / 2)[0] / n
     o_sum = least(o)[0] / n
     po_sum = least(u + o)[0] / n
-    best = SteadyBound(0.0, 0.0, float(steps[-1]), "time", served_frac, math.inf, 0, served_by)
-    for t in steps:
-        w = request_work_ms(p, o, model, float(t), ttft_ms, max_num_batched_tokens, h)
+    best = SteadyBound(0.0, 0.0, cells[-1][1] if cells else float(tpot_ms), "time", served_frac, math.inf, 0,
+                       served_by)  # fmt: skip
+    # each cell (lo, t] of step lengths (_step_cells): the work at lo, the time per ms at t, and the KV, sequence
+    # and token limits (which fall with T) at lo: at least every T in the cell's own figure
+    for lo, t in cells:
+        w = request_work_ms(p, o, model, lo, ttft_ms, max_num_batched_tokens, h)
         work, served = least(w)
         infeasible = int(np.isinf(w).sum())
-        if not math.isfinite(work) or t <= a:
+        if not math.isfinite(work):
             continue
         limits = {
             "time": 1000.0 * (1.0 - a / t) / (work / n),
-            "kv": 1000.0 * kv_capacity_tokens / (kv_sum * t),
-            "seqs": 1000.0 * max_num_seqs / (o_sum * t),
-            "tokens": 1000.0 * max_num_batched_tokens / (po_sum * t),
+            "kv": 1000.0 * kv_capacity_tokens / (kv_sum * lo),
+            "seqs": 1000.0 * max_num_seqs / (o_sum * lo),
+            "tokens": 1000.0 * max_num_batched_tokens / (po_sum * lo),
         }
         name = min(limits, key=limits.__getitem__)
         if limits[name] > best.per_replica_rps:
