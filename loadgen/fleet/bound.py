@@ -331,7 +331,7 @@ def windowed_attainment_bound(
             (:func:`_step_cells`).
 
     Returns:
-        (attainment bound in [0, 1], the L (ms) and the T (ms) that gave it).
+        (attainment bound in [0, 1], the L (ms) and the T (ms) that gave it; by default the upper end of its cell).
 
     Raises:
         ValueError: on no request in [start, end), start >= end, or tpot_ms <= m*a with no ``steps_ms``.
@@ -437,7 +437,7 @@ def interval_attainment_bound(
             tokens).
 
     Returns:
-        (attainment bound in [0, 1], a T (ms) that gave it).
+        (attainment bound in [0, 1], a T (ms) that gave it; by default the upper end of its cell).
 
     Raises:
         ValueError: on no request in [start, end), start >= end, grid_ms <= 0, max_span_ms < ttft_ms, ttft_ms
