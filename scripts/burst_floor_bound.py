@@ -44,17 +44,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from token_floor_bound import CONDITIONS, HEADLINE, Condition, StreamSettings, stream_settings  # noqa: E402
+from token_floor_bound import (  # noqa: E402
+    CONDITIONS,
+    HEADLINE,
+    Condition,
+    StreamSettings,
+    condition_kinds,
+    stream_settings,
+)
 
-from loadgen.fleet.bench import build_arrivals, parse_fleet, trace_rows  # noqa: E402
+from loadgen.fleet.bench import build_arrivals, trace_rows  # noqa: E402
 from loadgen.fleet.bound import (  # noqa: E402
     grid_crossing,
     interval_attainment_bound,
     pooled_interval_attainment_bound,
     shared_prefix_tokens,
 )
-from loadgen.sim.engine_time import shipped_path  # noqa: E402
-from loadgen.traces import PREFIX_BLOCK_TOKENS, arrival_granularity_ms  # noqa: E402
+from loadgen.traces import PREFIX_BLOCK_TOKENS, TraceRequest, arrival_granularity_ms  # noqa: E402
 
 FLOOR = 0.9
 """The attainment that defines capacity under either floor."""
@@ -63,15 +69,15 @@ GRID_FACTOR = 1.02
 """Ratio between grid rates."""
 
 
-def stream_attainment_bound(cond: Condition, st: StreamSettings, rate: float, served_by: str) -> float:
-    """The disjoint-span attainment bound (``pooled_interval_attainment_bound``, 1 s grid, spans up to 120 s)
-    on the stream bench-fleet offers for ``cond`` at rate label ``rate`` (req/s), counted from the warm-up."""
-    spread = arrival_granularity_ms(cond.trace) if st.spread_ms is None else st.spread_ms
-    kept, native, _ = trace_rows(cond.trace, spread, st.seed)
-    kinds = [k for count, profile, engine in cond.fleet
-             for k in parse_fleet(f"{count}:{profile}", None if engine is None else str(shipped_path(engine)))]
+def stream_attainment_bound(cond: Condition, st: StreamSettings, rate: float, served_by: str,
+                            kept: Sequence[TraceRequest], native_rps: float) -> float:  # fmt: skip
+    """The disjoint-span attainment bound (1 s grid, spans up to 120 s; ``interval_attainment_bound`` for one
+    GPU kind, ``pooled_interval_attainment_bound`` for several) on the stream bench-fleet offers for ``cond``
+    at rate label ``rate`` (req/s), counted from the warm-up; ``kept``, ``native_rps``: the condition's trace
+    as ``trace_rows`` gives it."""
+    kinds = condition_kinds(cond)
     windows = st.windows or sum(k.count for k in kinds)
-    reqs = build_arrivals(kept, native, rate, st.duration_s, windows, st.seed, st.window_offset)
+    reqs = build_arrivals(kept, native_rps, rate, st.duration_s, windows, st.seed, st.window_offset)
     cached = None
     if any(r.prefix_ids for r in reqs):
         cached = shared_prefix_tokens([r.prefix_ids for r in reqs], [r.prompt_tokens for r in reqs],
@@ -94,12 +100,14 @@ def condition_bound(cond: Condition, st: StreamSettings, steady: dict[str, float
                     start_frac: float) -> dict[str, object]:  # fmt: skip
     """The burst-aware capacity bound of one condition under both floors (module docstring)."""
     out: dict[str, object] = {"condition": cond.label, "file": cond.measured}
+    spread = arrival_granularity_ms(cond.trace) if st.spread_ms is None else st.spread_ms
+    kept, native, _ = trace_rows(cond.trace, spread, st.seed)  # once: every grid rate replays this trace
     for by, key in (("requests", "request"), ("tokens", "token")):
         t0 = time.time()
         seen: dict[float, float] = {}
 
         def passes(rate: float, by: str = by) -> bool:
-            seen[rate] = stream_attainment_bound(cond, st, rate, by)
+            seen[rate] = stream_attainment_bound(cond, st, rate, by, kept, native)
             return seen[rate] >= FLOOR
 
         # above the steady-state bound every rate fails already; a mixed fleet's steady figure is an estimate

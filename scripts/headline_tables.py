@@ -74,45 +74,54 @@ def table(path: Path) -> str:
             + bound_line(d, stream_bound(path)) + burst_line(d, burst_bound(path)))
 
 
-def burst_bound(path: Path) -> float | None:
-    """The burst-aware per-token bound for ``path`` from ``burst-floor-bounds.json`` beside it, or None (no
-    file, no row, or a row whose scan never fell below the floor)."""
-    bounds = path.parent / "burst-floor-bounds.json"
+def _beside(path: Path, name: str, field: str, **match: object) -> float | None:
+    """``field`` of the row for ``path`` in the JSON file ``name`` beside it (a list of rows with ``file``),
+    when that row also has every ``match`` value and a figure there; else None."""
+    bounds = path.parent / name
     if not bounds.exists():
         return None
     for row in json.loads(bounds.read_text()):
-        if row.get("file") == path.name and row.get("token_floor_burst_bound_rps"):
-            return float(row["token_floor_burst_bound_rps"])
+        if row.get("file") == path.name and all(row.get(k) == v for k, v in match.items()) and row.get(field):
+            return float(row[field])
     return None
+
+
+def burst_bound(path: Path) -> float | None:
+    """The burst-aware per-token bound for ``path`` from ``burst-floor-bounds.json`` beside it, or None (no
+    file, no row, or a row whose scan never fell below the floor)."""
+    return _beside(path, "burst-floor-bounds.json", "token_floor_burst_bound_rps")
+
+
+def stream_bound(path: Path) -> float | None:
+    """The per-token bound on the stream offered for ``path`` from ``token-floor-bounds.json`` beside it
+    (module docstring), or None."""
+    return _beside(path, "token-floor-bounds.json", "token_floor_bound_rps", bound_on="stream")
+
+
+def _shares(d: dict[str, Any], bound: float) -> str:
+    """Each policy's bracketed per-token capacity as a share of ``bound`` ("" when none has one)."""
+    return ", ".join(f"{n} {p['capacity_token_floor_rps'] / bound:.2f}" for n, p in d["policies"].items()
+                     if p.get("capacity_token_floor_bound") in ("interpolated", "at-least"))  # fmt: skip
+
+
+def _best_baseline(d: dict[str, Any]) -> tuple[str | None, float | None]:
+    """(the best baseline's name, its per-token capacity when the search bracketed it, else None)."""
+    best = d.get("best_baseline_token_goodput")
+    bp = d["policies"].get(best, {}) if best else {}
+    return best, bp.get("capacity_token_floor_rps") if bp.get("capacity_token_floor_bound") == "interpolated" else None
 
 
 def burst_line(d: dict[str, Any], bound: float | None) -> str:
     """The burst-aware bound's sentence (module docstring), or "" when ``bound`` is None."""
     if not bound:
         return ""
-    shares = ", ".join(f"{n} {p['capacity_token_floor_rps'] / bound:.2f}" for n, p in d["policies"].items()
-                       if p.get("capacity_token_floor_bound") in ("interpolated", "at-least"))  # fmt: skip
     text = (f"\nPer-token bound with bursts (scripts/burst_floor_bound.py: no request waits past its TTFT; the "
-            f"replicas pooled): {bound:.1f} req/s; per-token capacity as a share of it: {shares or 'none'}.")
-    best = d.get("best_baseline_token_goodput")
-    bp = d["policies"].get(best, {}) if best else {}
-    base = bp.get("capacity_token_floor_rps") if bp.get("capacity_token_floor_bound") == "interpolated" else None
+            f"replicas pooled): {bound:.1f} req/s; per-token capacity as a share of it: {_shares(d, bound) or 'none'}.")
+    best, base = _best_baseline(d)
     if base:
         text += (f" With bursts no policy's per-token capacity can exceed {bound / base:.2f}x `{best}`'s here "
                  f"(to the scan's 2 % grid).")
     return text + "\n"
-
-
-def stream_bound(path: Path) -> float | None:
-    """The per-token bound on the stream offered for ``path`` from ``token-floor-bounds.json`` beside it
-    (module docstring), or None."""
-    bounds = path.parent / "token-floor-bounds.json"
-    if not bounds.exists():
-        return None
-    for row in json.loads(bounds.read_text()):
-        if row.get("file") == path.name and row.get("bound_on") == "stream":
-            return float(row["token_floor_bound_rps"])
-    return None
 
 
 def bound_line(d: dict[str, Any], stream: float | None = None) -> str:
@@ -126,9 +135,7 @@ def bound_line(d: dict[str, Any], stream: float | None = None) -> str:
         tb, wide = stream, tb
     elif tsb.get("on") == "stream":  # bench-fleet took it on the streams itself
         wide = tsb.get("trace_wide_rps")
-    shares = ", ".join(f"{n} {p['capacity_token_floor_rps'] / tb:.2f}" for n, p in d["policies"].items()
-                       if p.get("capacity_token_floor_bound") in ("interpolated", "at-least"))  # fmt: skip
-    shares = shares or "none (no policy has a per-token capacity in the rates measured)"
+    shares = _shares(d, tb) or "none (no policy has a per-token capacity in the rates measured)"
     if d.get("fleet"):  # mixed GPUs: each kind's bound on the whole mix, summed (bench-fleet's docstring)
         return (f"\nPer-token steady-state estimate (each GPU kind's bound on the whole mix, summed; not a bound "
                 f"for a mixed fleet): {tb:.1f} req/s; per-token capacity as a share of it: {shares}.\n")
@@ -137,9 +144,7 @@ def bound_line(d: dict[str, Any], stream: float | None = None) -> str:
         text = (f"\nPer-token steady-state bound on the stream offered (prefix credit only from its own requests, "
                 f"loadgen/fleet/bench.py stream_steady_bound; {wide:.1f} req/s with credit from the whole trace): {tb:.1f} req/s; "
                 f"per-token capacity as a share of it: {shares}.")
-    best = d.get("best_baseline_token_goodput")
-    bp = d["policies"].get(best, {}) if best else {}
-    base = bp.get("capacity_token_floor_rps") if bp.get("capacity_token_floor_bound") == "interpolated" else None
+    best, base = _best_baseline(d)
     if base:
         text += f" No policy's per-token capacity can exceed {tb / base:.2f}x `{best}`'s here."
     return text + "\n"

@@ -55,6 +55,7 @@ from loadgen.fleet.bench import (
     trace_rows,
 )
 from loadgen.fleet.bound import shared_prefix_tokens
+from loadgen.fleet.sim import ReplicaKind
 from loadgen.sim.engine_time import shipped_path
 from loadgen.traces import PREFIX_BLOCK_TOKENS, arrival_granularity_ms
 
@@ -129,6 +130,12 @@ class StreamSettings:
     spread_ms: float | None = None
 
 
+def condition_kinds(cond: Condition) -> tuple[ReplicaKind, ...]:
+    """The condition's replica kinds as bench-fleet builds them (``parse_fleet``, each kind's engine model)."""
+    return tuple(k for count, profile, engine in cond.fleet
+                 for k in parse_fleet(f"{count}:{profile}", None if engine is None else str(shipped_path(engine))))
+
+
 def bounds(cond: Condition, stream: StreamSettings | None = None) -> dict[str, float]:
     """{"requests": bound, "tokens": bound} (req/s of the fleet) for one condition, each kind serving the mix
     (bench-fleet's ``kinds_steady_bound`` over the kinds ``parse_fleet`` builds). For a trace with prefix
@@ -144,8 +151,7 @@ def bounds(cond: Condition, stream: StreamSettings | None = None) -> dict[str, f
     kept, native, _ = trace_rows(cond.trace, spread, st.seed)
     prompts = [r.prompt_tokens for r in kept]
     outputs = [r.output_tokens for r in kept]
-    kinds = tuple(k for count, profile, engine in cond.fleet
-                  for k in parse_fleet(f"{count}:{profile}", None if engine is None else str(shipped_path(engine))))
+    kinds = condition_kinds(cond)
     if not any(r.hash_ids for r in kept):
         return {by: kinds_steady_bound(kinds, prompts, outputs, cond.ttft_ms, cond.tpot_ms, None, served_by=by)
                 for by in ("requests", "tokens")}  # fmt: skip

@@ -318,8 +318,8 @@ def windowed_attainment_bound(
     under one sum constraint), and dropping every constraint that links the intervals relaxes the problem,
     so ``sum_k (how many of the cheapest of I_k fit) / n`` bounds the attainment over requests arriving in
     [start, end) (n of them), for every L and D: the bound is the smallest over ``windows_ms`` (L) and
-    D in {0, L/8, L/4, L/2, L}; within the constant-step model, the largest over T (``steps_ms``; by default 10 cells covering
-    (m*a, tpot_ms]). It ignores everything that arrived before ``start`` (it only takes GPU time).
+    D in {0, L/8, L/4, L/2, L}; within the constant-step model, the largest over T (``steps_ms``; by default 10
+    cells covering (m*a, tpot_ms]). It ignores everything that arrived before ``start`` (it only takes GPU time).
 
     Args:
         arrival_ms, prompt_tokens, output_tokens: the stream, shape (n_all,) each (ms; tokens >= 1).
@@ -388,8 +388,8 @@ def interval_attainment_bound(
 
     Relaxations as in :func:`windowed_attainment_bound`: the N replicas pooled into one machine doing
     ``rate = N * (1 - m*a/T)`` GPU-ms of work per ms at steps of one length T (the largest value over T of
-    ``steps_ms``, by default 10 cells covering all of (m*a, tpot_ms], :func:`_step_cells`); request i's least work at T split into ``prefill_i``
-    and ``decodes_i`` (:func:`request_work_parts_ms`, prefix caching through ``cached_tokens``).
+    ``steps_ms``, by default 10 cells covering all of (m*a, tpot_ms], :func:`_step_cells`); request i's least
+    work at T split into ``prefill_i`` and ``decodes_i`` (:func:`request_work_parts_ms`, prefix caching through ``cached_tokens``).
 
     Derivation. A request i arriving at t_i that meets its SLO has its prefill done within
     ``[t_i, t_i + ttft]`` and all its decodes within ``[t_i, t_i + ttft + (O_i - 1) * tpot]`` (TPOT is the mean
@@ -443,34 +443,24 @@ def interval_attainment_bound(
         ValueError: on no request in [start, end), start >= end, grid_ms <= 0, max_span_ms < ttft_ms, ttft_ms
             <= 0, tpot_ms <= m*a with no ``steps_ms``, or ``served_by`` neither ``requests`` nor ``tokens``.
     """
-    if not grid_ms > 0 or not ttft_ms > 0 or not max_span_ms >= ttft_ms:
-        raise ValueError(f"need grid_ms > 0 and max_span_ms >= ttft_ms > 0, got {grid_ms}, {max_span_ms}, {ttft_ms}")
-    if served_by not in ("requests", "tokens"):
-        raise ValueError(f"served_by must be 'requests' or 'tokens', got {served_by!r}")
-    t, p, o, h = _counted(arrival_ms, prompt_tokens, output_tokens, cached_tokens, start_ms, end_ms)
-    order = np.argsort(t, kind="stable")
-    t, p, o = t[order], p[order], o[order]
-    h = None if h is None else h[order]
-    weight = (p + o) if served_by == "tokens" else None  # the per-token floor counts prompt + output tokens
-    n = float(weight.sum()) if weight is not None else t.size
-    grid = start_ms + grid_ms * np.arange(int(math.ceil((end_ms + max_span_ms - start_ms) / grid_ms - 1e-9)) + 1)
-    lengths = np.arange(int(math.ceil(ttft_ms / grid_ms - 1e-9)), int(math.floor(max_span_ms / grid_ms + 1e-9)) + 1)
-    due = t + ttft_ms + (o - 1) * tpot_ms  # the last token's deadline
+    sp = _spans(arrival_ms, prompt_tokens, output_tokens, cached_tokens, start_ms, end_ms, ttft_ms, tpot_ms, grid_ms,
+                max_span_ms, served_by)  # fmt: skip
     a, cells = _step_cells(model, tpot_ms, steps_ms, 11)
     # Every cell of T first on the grid's every 4th point (a subfamily of the spans: its bound is >= the fine one),
     # then the fine programme in order of that, skipping each cell whose coarse bound cannot beat the best fine one.
-    coarse = lengths[lengths % _COARSE == 0] // _COARSE
+    coarse = sp.lengths[sp.lengths % _COARSE == 0] // _COARSE
     tried = []
     for low, step in cells:
-        pre, dec = request_work_parts_ms(p, o, model, low, ttft_ms, max_num_batched_tokens, h)
+        pre, dec = request_work_parts_ms(sp.p, sp.o, model, low, ttft_ms, max_num_batched_tokens, sp.h)
         rate = replicas * (1.0 - a / step)
-        upper = 1.0 - _most_forced_misses(t, pre, dec, due, rate, ttft_ms, grid[::_COARSE], coarse, weight) / n
-        tried.append((upper, step, pre, dec, rate))
+        missed = _most_forced_misses(sp.t, pre, dec, sp.due, rate, ttft_ms, sp.grid[::_COARSE], coarse, sp.weight)
+        tried.append((1.0 - missed / sp.total, step, pre, dec, rate))
     best = (0.0, cells[-1][1] if cells else float(tpot_ms))
     for upper, step, pre, dec, rate in sorted(tried, key=lambda x: -x[0]):
         if upper <= best[0]:
             break
-        att = 1.0 - _most_forced_misses(t, pre, dec, due, rate, ttft_ms, grid, lengths, weight) / n
+        missed = _most_forced_misses(sp.t, pre, dec, sp.due, rate, ttft_ms, sp.grid, sp.lengths, sp.weight)
+        att = 1.0 - missed / sp.total
         if att > best[0]:
             best = (att, step)
     return best
@@ -524,24 +514,18 @@ def pooled_interval_attainment_bound(
             ``tpot_ms`` at or below a kind's fixed cost, or ``exchange`` of another length, not positive or
             not finite.
     """
-    if not grid_ms > 0 or not ttft_ms > 0 or not max_span_ms >= ttft_ms:
-        raise ValueError(f"need grid_ms > 0 and max_span_ms >= ttft_ms > 0, got {grid_ms}, {max_span_ms}, {ttft_ms}")
-    if served_by not in ("requests", "tokens"):
-        raise ValueError(f"served_by must be 'requests' or 'tokens', got {served_by!r}")
     if not kinds or any(n < 1 for _, n, _ in kinds):
         raise ValueError("need at least one kind, each with at least one replica")
     if exchange is not None and (len(exchange) != len(kinds) or any(not 0 < x < math.inf for x in exchange)):
         raise ValueError("exchange needs one positive, finite rate per kind")
-    t, p, o, h = _counted(arrival_ms, prompt_tokens, output_tokens, cached_tokens, start_ms, end_ms)
-    order = np.argsort(t, kind="stable")
-    t, p, o = t[order], p[order], o[order]
-    h = None if h is None else h[order]
+    sp = _spans(arrival_ms, prompt_tokens, output_tokens, cached_tokens, start_ms, end_ms, ttft_ms, tpot_ms, grid_ms,
+                max_span_ms, served_by)  # fmt: skip
     parts = []
     rates = []
     for model, replicas, tokens in kinds:
         a, _ = _step_grid(model, tpot_ms, None, 2)  # raises when tpot_ms <= a
         # the least work over every T in (a, tpot]: at T just above a (it only falls with T, _step_cells)
-        pk, dk = request_work_parts_ms(p, o, model, a * (1.0 + 1e-9), ttft_ms, tokens, h)
+        pk, dk = request_work_parts_ms(sp.p, sp.o, model, a * (1.0 + 1e-9), ttft_ms, tokens, sp.h)
         parts.append((pk, pk + dk))
         rates.append(replicas * (1.0 - a / tpot_ms))
     if exchange is None:
@@ -557,12 +541,57 @@ def pooled_interval_attainment_bound(
     dec = np.zeros_like(pre)
     dec[fin] = tot[fin] - pre[fin]  # tot >= pre: each kind's total holds its prefill
     rate = float(sum(x * r for x, r in zip(sig, rates)))
-    weight = (p + o) if served_by == "tokens" else None
-    n = float(weight.sum()) if weight is not None else t.size
+    missed = _most_forced_misses(sp.t, pre, dec, sp.due, rate, ttft_ms, sp.grid, sp.lengths, sp.weight)
+    return 1.0 - missed / sp.total, tuple(sig)
+
+
+@dataclass(frozen=True, slots=True)
+class _SpanInputs:
+    """What the disjoint-span programme needs of a stream (:func:`_spans`).
+
+    Attributes:
+        t, p, o, h: the counted requests' arrivals (ms), prompt and output tokens, cached prefix tokens (or
+            None), sorted by arrival, shape (n,).
+        weight: each request's prompt + output tokens for the per-token floor, None for the per-request one.
+        total: what attainment divides by: the tokens of the n requests, or n.
+        grid: span end points (ms); lengths: span lengths in grid steps; due: each request's last-token
+            deadline (ms).
+    """
+
+    t: np.ndarray
+    p: np.ndarray
+    o: np.ndarray
+    h: np.ndarray | None
+    weight: np.ndarray | None
+    total: float
+    grid: np.ndarray
+    lengths: np.ndarray
+    due: np.ndarray
+
+
+def _spans(
+    arrival_ms: Sequence[float], prompt_tokens: Sequence[int], output_tokens: Sequence[int],
+    cached_tokens: Sequence[float] | None, start_ms: float, end_ms: float, ttft_ms: float, tpot_ms: float,
+    grid_ms: float, max_span_ms: float, served_by: str,
+) -> _SpanInputs:
+    """The counted requests sorted by arrival, the span grid and lengths of :func:`interval_attainment_bound`.
+
+    Raises:
+        ValueError: as :func:`interval_attainment_bound` (the arguments other than the model's).
+    """
+    if not grid_ms > 0 or not ttft_ms > 0 or not max_span_ms >= ttft_ms:
+        raise ValueError(f"need grid_ms > 0 and max_span_ms >= ttft_ms > 0, got {grid_ms}, {max_span_ms}, {ttft_ms}")
+    if served_by not in ("requests", "tokens"):
+        raise ValueError(f"served_by must be 'requests' or 'tokens', got {served_by!r}")
+    t, p, o, h = _counted(arrival_ms, prompt_tokens, output_tokens, cached_tokens, start_ms, end_ms)
+    order = np.argsort(t, kind="stable")
+    t, p, o = t[order], p[order], o[order]
+    h = None if h is None else h[order]
+    weight = (p + o) if served_by == "tokens" else None  # the per-token floor counts prompt + output tokens
     grid = start_ms + grid_ms * np.arange(int(math.ceil((end_ms + max_span_ms - start_ms) / grid_ms - 1e-9)) + 1)
     lengths = np.arange(int(math.ceil(ttft_ms / grid_ms - 1e-9)), int(math.floor(max_span_ms / grid_ms + 1e-9)) + 1)
-    due = t + ttft_ms + (o - 1) * tpot_ms
-    return 1.0 - _most_forced_misses(t, pre, dec, due, rate, ttft_ms, grid, lengths, weight) / n, tuple(sig)
+    return _SpanInputs(t, p, o, h, weight, float(weight.sum()) if weight is not None else float(t.size), grid,
+                       lengths, t + ttft_ms + (o - 1) * tpot_ms)  # fmt: skip
 
 
 def _most_forced_misses(
@@ -587,7 +616,8 @@ def _most_forced_misses(
         key = np.where(np.isfinite(value), value, -1.0)  # costliest first, inf last
     else:
         wts = np.r_[weight, weight]
-        key = np.where(np.isfinite(value), -wts / np.maximum(value, 1e-300), -np.inf)  # least dense first; inf pairs are never taken
+        # least dense first; inf pairs are never taken
+        key = np.where(np.isfinite(value), -wts / np.maximum(value, 1e-300), -np.inf)
     ranked = np.argsort(-key, kind="stable")
     rank = np.empty(2 * n, dtype=np.int64)
     rank[ranked] = np.arange(2 * n)
@@ -607,12 +637,12 @@ def _most_forced_misses(
         cost = value[pair]
         desc = ranked[np.sort(rank[pair[np.isfinite(cost)]])]  # this end point's finite pairs, in key order
         cap = rate * (grid[j] - grid[starts])
+        at = np.where(desc >= n, desc - n, desc) - base  # each pair's position in this end point's requests
         if weight is None:
-            miss = _span_misses(cost, np.where(desc >= n, desc - n, desc) - base, lo - base, cap)
+            miss = _span_misses(cost, at, lo - base, cap)
             best[j] = max(int(best[j]), int((best[starts] + miss).max()))
         else:  # ranked least dense first: the knapsack takes the densest first
-            missed = _span_missed_weight(cost, weight[base:hi], np.where(desc >= n, desc - n, desc)[::-1] - base,
-                                         lo - base, cap)  # fmt: skip
+            missed = _span_missed_weight(cost, weight[base:hi], at[::-1], lo - base, cap)
             best[j] = max(float(best[j]), float((best[starts] + missed).max()))
     return float(best[-1])
 

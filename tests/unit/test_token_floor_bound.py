@@ -27,6 +27,17 @@ def _fleet_json(path: Path, caps: dict[str, float], best: str, token_bound: floa
     path.write_text(json.dumps(d))
 
 
+def _table_json(path: Path, caps: dict[str, float], best: str, token_bound: float, **fields: object) -> None:
+    """A bench-fleet JSON that ``headline_tables.table`` can render: :func:`_fleet_json` with no measured rows, the
+    profile llama-3-8b-a100, TPOT 100 ms and ``fields`` (trace, replicas, ttft_ms, duration_s, fleet...)."""
+    _fleet_json(path, caps, best, token_bound=token_bound)
+    d = json.loads(path.read_text())
+    for p in d["policies"].values():
+        p.update(rows=[], capacity_rps=0.0, capacity_bound="below-sweep")
+    d.update(profile="llama-3-8b-a100", tpot_ms=100.0, **fields)
+    path.write_text(json.dumps(d))
+
+
 def test_main_gives_the_bounds_and_the_largest_ratio(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cond = tfb.Condition("azure-conv", ((2, "llama-3-8b-a100", None),), 1000.0, 100.0, "c.json", "azure-conv, 2 x 8B")
     monkeypatch.setattr(tfb, "CONDITIONS", (cond,))
@@ -146,14 +157,8 @@ def test_prefix_trace_bound_is_the_grid_rate_above_the_last_stream_that_fits(tmp
 
 
 def test_headline_table_takes_the_stream_bound_beside_the_file(tmp_path: Path) -> None:
-    _fleet_json(tmp_path / "m.json", {"dynamo-kv+fairbatching": 10.0, "pab+fairbatching": 12.0},
-                "dynamo-kv+fairbatching", token_bound=30.0)
-    d = json.loads((tmp_path / "m.json").read_text())
-    for p in d["policies"].values():
-        p.update(rows=[], capacity_rps=0.0, capacity_bound="below-sweep")
-    d.update(trace="mooncake-conv", replicas=2, profile="llama-3-8b-a100", ttft_ms=5000.0, tpot_ms=100.0,
-             duration_s=40.0)
-    (tmp_path / "m.json").write_text(json.dumps(d))
+    _table_json(tmp_path / "m.json", {"dynamo-kv+fairbatching": 10.0, "pab+fairbatching": 12.0},
+                "dynamo-kv+fairbatching", 30.0, trace="mooncake-conv", replicas=2, ttft_ms=5000.0, duration_s=40.0)
     assert "30.0 req/s; per-token capacity as a share of it: dynamo-kv+fairbatching 0.33" in tables.table(tmp_path / "m.json")
     (tmp_path / "token-floor-bounds.json").write_text(json.dumps([
         {"condition": "other", "file": "other.json", "bound_on": "stream", "token_floor_bound_rps": 99.0},
@@ -165,15 +170,10 @@ def test_headline_table_takes_the_stream_bound_beside_the_file(tmp_path: Path) -
 
 
 def test_headline_table_adds_the_burst_bound_beside_the_file(tmp_path: Path) -> None:
-    _fleet_json(tmp_path / "h.json", {"static-queue-cap+fairbatching": 100.0, "pab+fairbatching": 150.0},
-                "static-queue-cap+fairbatching", token_bound=210.0)
-    d = json.loads((tmp_path / "h.json").read_text())
-    for p in d["policies"].values():
-        p.update(rows=[], capacity_rps=0.0, capacity_bound="below-sweep")
-    d.update(trace="azure-code", replicas=16, profile="llama-3-8b-a100", ttft_ms=1000.0, tpot_ms=100.0,
-             duration_s=240.0, fleet=[{"profile": "llama-3-8b-a100", "count": 8, "engine_time_model": {"name": "a"}},
-                                      {"profile": "llama-3-8b-h100", "count": 8, "engine_time_model": {"name": "h"}}])
-    (tmp_path / "h.json").write_text(json.dumps(d))
+    _table_json(tmp_path / "h.json", {"static-queue-cap+fairbatching": 100.0, "pab+fairbatching": 150.0},
+                "static-queue-cap+fairbatching", 210.0, trace="azure-code", replicas=16, ttft_ms=1000.0,
+                duration_s=240.0, fleet=[{"profile": "llama-3-8b-a100", "count": 8, "engine_time_model": {"name": "a"}},
+                                         {"profile": "llama-3-8b-h100", "count": 8, "engine_time_model": {"name": "h"}}])
     assert "with bursts" not in tables.table(tmp_path / "h.json")
     (tmp_path / "burst-floor-bounds.json").write_text(json.dumps([
         {"file": "other.json", "token_floor_burst_bound_rps": 999.0},
