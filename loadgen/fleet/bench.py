@@ -773,34 +773,44 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                               cached_tokens, served_by=served_by))  # fmt: skip
         return b
 
-    steady = fleet_bound("requests")
+    # the search starts from the bound without prefix credit (as it always has: the searches stay the same)
+    steady = search_steady = fleet_bound("requests")
     # the per-token bound credits every prefix a prompt shares with any other request of the trace, at any
     # age (more than a cache keeps: still a bound) where the engines cache prefixes
     cached = (shared_prefix_tokens([r.hash_ids for r in kept], prompts, PREFIX_BLOCK_TOKENS)
               if not args.no_prefix_caching and any(r.hash_ids for r in kept) else None)  # fmt: skip
     steady_tokens = fleet_bound("tokens", cached)
+    stream_requests: dict[str, Any] | None = None
     stream_tokens: dict[str, Any] | None = None
-    if cached is not None:  # prefix ids: the bound on the streams this run offers (stream_steady_bound)
+    if cached is not None:  # prefix ids: both floors' bounds on the streams this run offers (stream_steady_bound)
         stream_kinds = kinds or (ReplicaKind(args.profile, args.replicas, prof.time_model, prof.kv_capacity_tokens,
                                              engine_time, max_tokens, max_seqs),)  # fmt: skip
-        wide = steady_tokens.rps
-        try:
-            rate, points = stream_steady_bound(kept, native, stream_kinds, args.ttft_ms, args.tpot_ms, args.duration_s,
-                                               args.warmup_s, args.windows or args.replicas, args.seed,
-                                               args.window_offset, "tokens", STREAM_GRID_FROM * wide,
-                                               STREAM_GRID_TO * wide)  # fmt: skip
-            stream_tokens = {"trace_wide_rps": round(wide, 3), "grid_points": points,
-                             "grid_factor": STREAM_GRID_FACTOR}
-            steady_tokens = dataclasses.replace(steady_tokens, rps=rate)
-        except ValueError as e:  # a grid that ends below the crossing: keep the trace-wide figure, say so
-            stream_tokens = {"trace_wide_rps": round(wide, 3), "error": str(e)}
+
+        def on_streams(wide_bound: SteadyBound, served_by: str) -> tuple[SteadyBound, dict[str, Any]]:
+            """The bound on the streams offered under ``served_by``, from the grid around the trace-wide
+            (prefix-credited) ``wide_bound``; the trace-wide figure, saying why, when the grid ends below."""
+            wide = wide_bound.rps
+            try:
+                rate, points = stream_steady_bound(kept, native, stream_kinds, args.ttft_ms, args.tpot_ms,
+                                                   args.duration_s, args.warmup_s, args.windows or args.replicas,
+                                                   args.seed, args.window_offset, served_by, STREAM_GRID_FROM * wide,
+                                                   STREAM_GRID_TO * wide)  # fmt: skip
+            except ValueError as e:  # a grid that ends below the crossing: keep the trace-wide figure, say so
+                return wide_bound, {"trace_wide_rps": round(wide, 3), "error": str(e)}
+            return (dataclasses.replace(wide_bound, rps=rate),
+                    {"trace_wide_rps": round(wide, 3), "grid_points": points, "grid_factor": STREAM_GRID_FACTOR})
+
+        # per request too (before, the per-request figure charged every prompt token: not a bound where
+        # the engines skip cached prefixes)
+        steady, stream_requests = on_streams(fleet_bound("requests", cached), "requests")
+        steady_tokens, stream_tokens = on_streams(steady_tokens, "tokens")
     search = None
     if args.rates:
         rates = sorted(args.rates)
     elif args.fractions:
         rates = [round(bound.rps * f, 2) for f in DEFAULT_FRACTIONS]
     else:  # issue 27 item 6: bracket each policy's capacity, starting from the engine model's bound
-        start = args.search_start_rps or SEARCH_START_OF_STEADY_BOUND * steady.rps
+        start = args.search_start_rps or SEARCH_START_OF_STEADY_BOUND * search_steady.rps
         search = SearchSettings(start, args.search_factor, args.search_refine, args.search_max_points)
         rates = []
     cap_tokens = args.queue_cap_tokens or prof.time_model.tokens_within_ms(args.ttft_ms)
@@ -907,7 +917,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "analytic_bound": {"rps": round(bound.rps, 3), "per_replica_rps": round(bound.per_replica_rps, 4),
                            "iteration_ms": round(bound.iteration_ms, 2), "limit": bound.limit,
                            "mean_work_ms": round(bound.mean_work_ms, 3)},
-        "steady_state_bound": steady_bound_json(steady, engine_time),
+        "steady_state_bound": {**steady_bound_json(steady, engine_time),
+                               **({} if stream_requests is None else
+                                  {"on": "stream", **stream_requests,
+                                   "without_prefix_credit_rps": round(search_steady.rps, 3)})},
         "token_steady_state_bound": {**steady_bound_json(steady_tokens, engine_time),
                                      **({} if stream_tokens is None else {"on": "stream", **stream_tokens})},
         "best_baseline": best_name, "best_baseline_token_goodput": best_tok,
@@ -921,7 +934,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot(result, args.plot)
     print(f"{args.trace}, {args.replicas} x {args.profile}, TTFT {args.ttft_ms:g} / TPOT {args.tpot_ms:g} ms; "
           f"analytic bound {bound.rps:.1f} req/s ({bound.limit}-limited); steady-state bound (costliest 10 % may miss) "
-          f"{steady.rps:.1f} req/s ({steady.limit}-limited, step {steady.iteration_ms:.1f} ms); per-token "
+          f"{steady.rps:.1f} req/s{'' if stream_requests is None or 'error' in stream_requests else ' on the streams offered'} "
+          f"({steady.limit}-limited, step {steady.iteration_ms:.1f} ms); per-token "
           f"steady-state bound (costliest 10 % of the tokens may miss) {steady_tokens.rps:.1f} req/s"
           f"{'' if stream_tokens is None or 'error' in stream_tokens else ' on the streams offered'}; "
           f"engine step time {engine_label(engine_time)}")  # fmt: skip

@@ -512,3 +512,35 @@ def test_bench_fleet_bounds_a_prefix_trace_on_the_streams_it_offers(tmp_path) ->
     rr = d["policies"]["round-robin"]
     if rr["token_floor_of_token_bound"] is not None:
         assert rr["token_floor_of_token_bound"] == round(rr["capacity_token_floor_rps"] / tb["rps"], 3)
+    # per request too: the bound on the same streams (before, it charged every prompt token, so on a trace
+    # whose engines skip cached prefixes it was not a bound), checked against a recomputation from the
+    # stream's own requests: the grid rate below the figure passes (its stream's bound, credited with its
+    # own prefixes, covers its offered rate) and the figure's own rate does not
+    from loadgen.fleet.bench import PREFIX_BLOCK_TOKENS, build_arrivals, trace_rows
+    from loadgen.fleet.bound import shared_prefix_tokens, steady_state_bound
+    from loadgen.sim.engine_time import load_engine_time_model
+    from replica_agent.policy.profiles import load_profile
+
+    sb = d["steady_state_bound"]
+    assert sb["on"] == "stream" and "error" not in sb and sb["grid_points"] > 10
+    assert 0.0 < sb["rps"] < sb["trace_wide_rps"]
+    assert sb["without_prefix_credit_rps"] > 0.0
+    kept, native, _ = trace_rows("mooncake-conv", d["arrival_spread_ms"], 0, 32768)
+    prof = load_profile("llama-3-8b-a100")
+    engine = load_engine_time_model(None, prof.name)
+
+    def passes(rate: float) -> bool:
+        reqs = build_arrivals(kept, native, rate, 40.0, 2, 0, 0.0)
+        h = shared_prefix_tokens([r.prefix_ids for r in reqs], [r.prompt_tokens for r in reqs], PREFIX_BLOCK_TOKENS,
+                                 [r.arrival_ms for r in reqs], 5000.0)  # fmt: skip
+        idx = [i for i, r in enumerate(reqs) if r.arrival_ms >= 10_000.0]
+        b = steady_state_bound([reqs[i].prompt_tokens for i in idx], [reqs[i].output_tokens for i in idx],
+                               engine if engine is not None else prof.time_model, 5000.0, 100.0, 2,
+                               prof.kv_capacity_tokens, d["engine"]["max_num_seqs"],
+                               d["engine"]["max_num_batched_tokens"], 0.9, cached_tokens=h[idx])  # fmt: skip
+        return b.rps >= len(idx) / 30.0
+
+    assert not passes(sb["rps"])
+    assert passes(sb["rps"] / sb["grid_factor"])
+    assert rr["fraction_of_steady_bound"] is None or rr["fraction_of_steady_bound"] == round(
+        rr["capacity_rps"] / sb["rps"], 3)
