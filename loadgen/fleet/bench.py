@@ -742,6 +742,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", action="store_true",
                    help="keep what --out already holds for the same trace/fleet/profile: other policies as they are, "
                         "rows of a rerun policy joined by rate (this run's row wins)")  # fmt: skip
+    p.add_argument("--bounds-only", action="store_true",
+                   help="with --merge: run no policy; take the rows of --out as they are and recompute its bounds "
+                        "(steady-state, per request and per token) and each policy's share of them with this run's "
+                        "settings, which must be the file's")  # fmt: skip
     return p
 
 
@@ -830,8 +834,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("bench-fleet: --pab-margin must be in [0, 1)")
     if not args.pab_margin_cap_tpots > 0.0:
         raise SystemExit("bench-fleet: --pab-margin-cap-tpots must be > 0")
+    if args.bounds_only and not (args.merge and os.path.exists(args.out)):
+        raise SystemExit("bench-fleet: --bounds-only needs --merge and an existing --out")
     t0 = time.perf_counter()
-    jobs = [(setup, p, tuple(rates), search) for p in args.policies]
+    jobs = [] if args.bounds_only else [(setup, p, tuple(rates), search) for p in args.policies]
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as ex:
             done = list(ex.map(_sweep_job, jobs))
@@ -840,6 +846,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     policies: dict[str, Any] = {}
     for name, rows in done:
         policies[name] = summarize(rows, bound.rps)
+    old: dict[str, Any] = {}
     if args.merge and os.path.exists(args.out):
         with open(args.out) as f:
             old = json.load(f)
@@ -851,6 +858,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.windows or args.replicas, not args.no_prefix_caching
         ):
             raise SystemExit(f"--merge: {args.out} was run with other --windows or prefix caching")
+        # rows of other SLOs or another counted window must not be joined (nor bounds of this run put beside them)
+        mine = {"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "duration_s": args.duration_s,
+                "warmup_s": args.warmup_s, "arrival_spread_ms": spread_ms}
+        other = [k for k, v in mine.items() if k in old and old[k] != v]
+        if other:
+            raise SystemExit(f"--merge: {args.out} was run with another " + ", ".join(
+                f"{k} ({old[k]} against {mine[k]})" for k in other))
         # the agents' margin: only PAB rows depend on it (files made before the cap record none: their agents
         # planned with the share alone, inf); a file whose PAB rows were taken out may take rows of another
         old_cap = old.get("pab_margin_cap_tpots")
@@ -926,7 +940,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "best_baseline": best_name, "best_baseline_token_goodput": best_tok,
         "rates": rates or sorted({r["rate_rps"] for pol in policies.values() for r in pol["rows"]}),
         "search": None if search is None else dataclasses.asdict(search), "policies": policies,
-        "wall_s": round(time.perf_counter() - t0, 1),
+        # --bounds-only ran no policy: the rows' run time stays the file's
+        "wall_s": old.get("wall_s") if args.bounds_only else round(time.perf_counter() - t0, 1),
     }  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

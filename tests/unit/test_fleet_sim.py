@@ -544,3 +544,37 @@ def test_bench_fleet_bounds_a_prefix_trace_on_the_streams_it_offers(tmp_path) ->
     assert passes(sb["rps"] / sb["grid_factor"])
     assert rr["fraction_of_steady_bound"] is None or rr["fraction_of_steady_bound"] == round(
         rr["capacity_rps"] / sb["rps"], 3)
+
+
+def test_bench_fleet_bounds_only_recomputes_the_bounds_and_keeps_the_rows(tmp_path) -> None:
+    """``--bounds-only --merge`` runs no policy: the file's rows stay as they are, and its bounds are what a
+    fresh run with the same settings computes; a merge with another TTFT target (rows of another SLO) is
+    refused."""
+    import json
+
+    from loadgen.fleet.bench import main as bench_main
+
+    common = ["--trace", "azure-code", "--replicas", "2", "--duration-s", "30", "--warmup-s", "10", "--drain-s", "20",
+              "--rates", "1", "--policies", "round-robin"]
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    assert bench_main([*common, "--out", str(first)]) == 0
+    assert bench_main([*common, "--tpot-ms", "150", "--out", str(second)]) == 0  # other bounds, same rows' shape
+    a, b = json.loads(first.read_text()), json.loads(second.read_text())
+    assert a["steady_state_bound"]["rps"] != b["steady_state_bound"]["rps"]
+    # the file of the TPOT-150 run, its bounds recomputed at TPOT 100, would mix SLOs: refused
+    with pytest.raises(SystemExit, match="tpot_ms"):
+        bench_main([*common, "--bounds-only", "--merge", "--out", str(second)])
+    # the bounds of a doctored file come back as a fresh run computes them; the rows stay
+    doctored = dict(a, steady_state_bound={**a["steady_state_bound"], "rps": 1.0},
+                    token_steady_state_bound={**a["token_steady_state_bound"], "rps": 1.0})
+    first.write_text(json.dumps(doctored))
+    assert bench_main([*common, "--bounds-only", "--merge", "--out", str(first)]) == 0
+    c = json.loads(first.read_text())
+    assert c["steady_state_bound"] == a["steady_state_bound"]
+    assert c["token_steady_state_bound"] == a["token_steady_state_bound"]
+    assert c["policies"]["round-robin"]["rows"] == a["policies"]["round-robin"]["rows"]
+    assert c["policies"]["round-robin"]["fraction_of_steady_bound"] == a["policies"]["round-robin"][
+        "fraction_of_steady_bound"]
+    assert c["wall_s"] == a["wall_s"]
+    with pytest.raises(SystemExit, match="bounds-only"):
+        bench_main([*common, "--bounds-only", "--out", str(tmp_path / "none.json")])
