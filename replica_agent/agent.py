@@ -308,6 +308,8 @@ class Agent:
             ev.error = error or "engine metrics unavailable"
             self.metrics.scrape_errors.inc()
             if was_healthy != self._healthy(now):
+                # its going is logged as its coming back is (below): the router places nothing here meanwhile
+                log.warning("%s; agent unhealthy until the engine answers", ev.error)
                 self.notify()
             return
         for name in missing:

@@ -31,3 +31,24 @@ def test_recovery_is_logged_once_and_not_at_start(caplog: pytest.LogCaptureFixtu
     lines = [r.getMessage() for r in caplog.records if "answers again" in r.getMessage()]
     assert lines == ["engine answers again (engine stalled: no byte for 3 s); agent healthy"]
     assert agent.health(150.0)[0]
+
+
+def test_a_failed_scrape_that_takes_the_agent_out_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A healthy agent whose scrape fails goes unhealthy and says so once (the router places nothing
+    there meanwhile: an operator must see when and why); further failures add nothing, and the
+    recovery is logged with the failure's reason."""
+    cfg = AgentConfig(replica_id="r0", time_model=TimeModel(10.0, 0.1, 0.0),
+                      slo_classes=(SloClass("interactive", 1000.0, 100.0),), default_slo_class="interactive",
+                      kv_capacity_tokens=100_000, metrics_stale_ms=10**9)  # fmt: skip
+    agent = Agent(cfg, FakeClock())  # type: ignore[arg-type]
+    good = EngineMetrics(kv_usage=0.1, block_size=16, num_gpu_blocks=1000)
+    with caplog.at_level(logging.WARNING, logger="replica_agent.agent"):
+        agent.on_engine_metrics(None, [], "engine /metrics unreachable: TimeoutError", 0.0)  # at start: not a going
+        agent.on_engine_metrics(good, [], "", 50.0)
+        agent.on_engine_metrics(None, [], "engine /metrics unreachable: TimeoutError", 100.0)
+        assert not agent.health(100.0)[0]
+        agent.on_engine_metrics(None, [], "engine /metrics unreachable: TimeoutError", 150.0)
+        agent.on_engine_metrics(good, [], "", 200.0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["engine /metrics unreachable: TimeoutError; agent unhealthy until the engine answers",
+                     "engine answers again (engine /metrics unreachable: TimeoutError); agent healthy"]
