@@ -246,18 +246,31 @@ def fleet_config(
     }
 
 
+CPU_METRICS_STALE_MS = 5000.0
+"""``--metrics-stale-ms`` of the agents of a CPU fleet (the agent's own default: 1000 ms, its snapshot TTL).
+
+Two vLLM replicas on 2 shared cores (engines at nice 10): with 32 requests on r1, the idle r0's API server
+answered ``/metrics`` in 15 ms at the median, 1.8 s at p90 and 6.8 s at p99 (14 of 74 polls over 1 s;
+5 ms unloaded), so its agent, which counts metrics older than the staleness as unhealthy (the scrape
+timeout is the same figure), left placement 19 times in 60 s, once for about 15 s: the router then had
+no replica for new work (CI: a 429 ``queue-timeout`` after 30 s). With 5000 ms the same run left it twice.
+On a GPU node each replica's API server has its own cores; the agent's default stays. A dead engine is
+still caught at once (connection refused is an error, not staleness); a hung one within this figure."""
+
+
 def agent_argv(r: VllmReplica, config_path: Path, extra_args: Sequence[str] = (),
                coefficients: Sequence[float] = CPU_TINY_COEFFICIENTS) -> list[str]:
     """argv of the agent in front of ``r``'s engine; no ``--kv-capacity-tokens``: it reads
     ``vllm:cache_config_info`` (num_gpu_blocks * block_size). ``coefficients``: its time model's
-    prior (a ms, b ms/new token, c ms/context token)."""
+    prior (a ms, b ms/new token, c ms/context token). ``--metrics-stale-ms``: :data:`CPU_METRICS_STALE_MS`
+    (``extra_args`` may give another)."""
     a, b, c = coefficients
     return script("fairbatch-agent") + [
         "serve", "--engine-url", r.engine_url, "--host", "127.0.0.1",
         "--http-port", str(r.agent_http_port), "--grpc-port", str(r.agent_grpc_port),
         "--replica-id", r.replica_id, "--coefficients", f"{a},{b},{c}",
         "--config", str(config_path), "--default-slo-class", "interactive",
-        *extra_args,
+        "--metrics-stale-ms", f"{CPU_METRICS_STALE_MS:g}", *extra_args,
     ]
 
 

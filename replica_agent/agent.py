@@ -305,11 +305,15 @@ class Agent:
         ev = self._engine
         was_healthy = self._healthy(now)
         if metrics is None:
+            answering = ev.ok_ms is not None and not ev.error  # no failure since its last good scrape
             ev.error = error or "engine metrics unavailable"
             self.metrics.scrape_errors.inc()
-            if was_healthy != self._healthy(now):
-                # its going is logged as its coming back is (below): the router places nothing here meanwhile
+            if answering:
+                # its going is logged as its coming back is (below): the router places nothing here meanwhile.
+                # Not only when this failure flips the health: a scrape that times out (after stale_after_ms,
+                # the scrape timeout) finds the agent already stale, and that going was never logged
                 log.warning("%s; agent unhealthy until the engine answers", ev.error)
+            if was_healthy:
                 self.notify()
             return
         for name in missing:

@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ttl-ms", type=float, default=1000.0, help="snapshot TTL given to routers")
     s.add_argument("--lease-ttl-ms", type=float, default=5000.0, help="a lease lapses if its request never arrives")
     s.add_argument("--metrics-interval-ms", type=float, default=50.0, help="engine /metrics scrape period")
+    s.add_argument("--metrics-stale-ms", type=float, default=None,
+                   help="engine metrics older than this make the agent unhealthy; also the scrape timeout "
+                        "(default: max(5 x --metrics-interval-ms, --ttl-ms))")
     s.add_argument("--time-scale", type=float, default=1.0, help="wall ms per simulated ms")
     s.add_argument("--otlp-endpoint", default=None,
                    help="OTLP collector for spans (before OTEL_EXPORTER_OTLP_ENDPOINT; protocol from "
@@ -336,6 +339,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         ttl_ms=args.ttl_ms,
         lease_ttl_ms=args.lease_ttl_ms,
         metrics_interval_ms=args.metrics_interval_ms,
+        metrics_stale_ms=args.metrics_stale_ms,
         plugin_mode=plugin,
         plugin_stale_ms=args.plugin_stale_ms,
         proxy_tracking=not args.no_proxy,

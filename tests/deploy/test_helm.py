@@ -264,6 +264,7 @@ def test_replica_statefulset_has_vllm_gpu_and_agent_sidecar(helm: Path) -> None:
     assert flag("--margin-frac") == "0.15"
     assert flag("--margin-cap-tpots") == "1.5"
     assert flag("--default-slo-class") == "interactive"
+    assert "--metrics-stale-ms" not in args  # agent.metricsStaleMs 0: the agent's own default
     assert "--slo-in-body" in args  # FairBatching on: the SLO reaches vLLM's scheduler in vllm_xargs
     pod_name = next(e for e in agent["env"] if e["name"] == "POD_NAME")
     assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
@@ -1206,3 +1207,16 @@ def test_vllm_gets_the_otlp_traces_endpoint_and_the_tool_call_parser(helm: Path)
     # before extraArgs, so a flag given there still comes last
     args = vllm_args("vllm.toolCallParser=hermes", "vllm.extraArgs[0]=--max-num-seqs=64")
     assert args[-1] == "--max-num-seqs=64" and args.index("--tool-call-parser") < len(args) - 1
+
+
+def test_agent_metrics_stale_ms_reaches_the_agent(helm: Path) -> None:
+    """``agent.metricsStaleMs`` becomes the agent's ``--metrics-stale-ms``, which its parser takes as the
+    staleness after which it reports unhealthy."""
+    from replica_agent.cli import build_parser, config_from_args
+
+    pod = one(render(helm, set_=("agent.metricsStaleMs=5000",)), "StatefulSet", "fb-fairbatch-vllm")
+    args = container(pod["spec"]["template"]["spec"], "agent")["args"]
+    assert args[args.index("--metrics-stale-ms") + 1] == "5000"
+    base = ["serve", "--engine-url", "http://127.0.0.1:8000", "--replica-id", "r0"]
+    cfg = config_from_args(build_parser().parse_args([*base, "--metrics-stale-ms", args[args.index("--metrics-stale-ms") + 1]]))
+    assert cfg.stale_after_ms == 5000.0

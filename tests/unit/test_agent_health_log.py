@@ -52,3 +52,33 @@ def test_a_failed_scrape_that_takes_the_agent_out_is_logged_once(caplog: pytest.
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["engine /metrics unreachable: TimeoutError; agent unhealthy until the engine answers",
                      "engine answers again (engine /metrics unreachable: TimeoutError); agent healthy"]
+
+
+def test_a_timed_out_scrape_of_an_agent_already_stale_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """The scrape timeout is ``max(0.5 s, stale_after_ms)``: a scrape that times out ends after the
+    metrics went stale, so the agent is already unhealthy (by age) when its failure arrives. Its going
+    must still be logged (real vLLM on 2 cores: 19 recoveries logged in 60 s, no going)."""
+    cfg = AgentConfig(replica_id="r0", time_model=TimeModel(10.0, 0.1, 0.0),
+                      slo_classes=(SloClass("interactive", 1000.0, 100.0),), default_slo_class="interactive",
+                      kv_capacity_tokens=100_000, metrics_stale_ms=1000.0)  # fmt: skip
+    agent = Agent(cfg, FakeClock())  # type: ignore[arg-type]
+    good = EngineMetrics(kv_usage=0.1, block_size=16, num_gpu_blocks=1000)
+    with caplog.at_level(logging.WARNING, logger="replica_agent.agent"):
+        agent.on_engine_metrics(good, [], "", 0.0)
+        assert not agent.health(1050.0)[0]  # the next scrape (from 50 ms) is still in flight: stale
+        agent.on_engine_metrics(None, [], "engine /metrics unreachable: TimeoutError", 1050.0)
+        agent.on_engine_metrics(None, [], "engine /metrics unreachable: TimeoutError", 2100.0)
+        agent.on_engine_metrics(good, [], "", 2300.0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["engine /metrics unreachable: TimeoutError; agent unhealthy until the engine answers",
+                     "engine answers again (engine /metrics unreachable: TimeoutError); agent healthy"]
+
+
+def test_metrics_stale_ms_flag() -> None:
+    """``--metrics-stale-ms`` sets the staleness (and so the scrape timeout) of a CPU fleet's agents."""
+    from replica_agent.cli import build_parser, config_from_args
+
+    base = ["serve", "--engine-url", "http://127.0.0.1:1", "--replica-id", "r0"]
+    assert config_from_args(build_parser().parse_args(base)).stale_after_ms == 1000.0
+    cfg = config_from_args(build_parser().parse_args([*base, "--metrics-stale-ms", "5000"]))
+    assert cfg.stale_after_ms == 5000.0
