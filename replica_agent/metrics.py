@@ -25,8 +25,12 @@ class AgentMetrics:
     def __init__(self) -> None:
         self.registry = standard_registry("agent")
         r = self.registry
-        self.pab = Gauge("fairbatch_agent_pab_seconds", "PAB per SLO class (s)", ["slo_class"], registry=r)
-        self.pab_tokens = Gauge("fairbatch_agent_pab_tokens", "PAB per SLO class (tokens)", ["slo_class"], registry=r)
+        self.pab = Gauge("fairbatch_agent_pab_seconds",
+                         "PAB per SLO class (s), as computed; routers place nothing here while "
+                         "fairbatch_agent_healthy is 0", ["slo_class"], registry=r)
+        self.pab_tokens = Gauge("fairbatch_agent_pab_tokens",
+                                "PAB per SLO class (tokens), as computed; routers place nothing here while "
+                                "fairbatch_agent_healthy is 0", ["slo_class"], registry=r)
         self.decode_reservation = Gauge(
             "fairbatch_agent_decode_reservation_seconds", "decode reservation inside the class horizon (s)",
             ["slo_class"], registry=r,
