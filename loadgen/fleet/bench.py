@@ -749,6 +749,52 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_MERGE_DEFAULTS: dict[str, Any] = {"seed": 0, "window_offset": 0.0, "prefix_caching": True, "fleet": [],
+                                   "engine_time_model": {"name": "policy"}}
+"""What a fleet.json made before a setting was recorded ran with (a setting missing with no default here is not
+checked: ``max_model_len``, recorded since 2026-12-08, is checked through ``requests_dropped_over_max_model_len``)."""
+
+
+def _file_to_merge(args: argparse.Namespace, mine: dict[str, Any], engine_limits: tuple[int, int]) -> dict[str, Any]:
+    """The fleet.json that ``--merge`` joins this run to (``{}`` without ``--merge`` or when ``--out`` does not
+    exist yet), after checking that it was run with this run's settings ``mine`` (fleet.json keys: trace,
+    fleet, SLOs, window, warm-up, drain, routers, seed, arrival spread, engine model, ...) and engine limits
+    ``(max_num_batched_tokens, max_num_seqs)``, and that its PAB rows used this run's margin.
+
+    Raises:
+        SystemExit: on any setting that differs (rows of another setting must not be joined, nor bounds of
+            this run put beside them), and for ``--bounds-only`` without a file to merge into.
+    """
+    if not (args.merge and os.path.exists(args.out)):
+        if args.bounds_only:
+            raise SystemExit("bench-fleet: --bounds-only needs --merge and an existing --out")
+        return {}
+    with open(args.out) as f:
+        old = json.load(f)
+    missing = object()
+    other = []
+    for key, value in mine.items():
+        was = old.get(key, _MERGE_DEFAULTS.get(key, missing))
+        if key == "windows_interleaved" and was is missing:
+            was = old.get("replicas")
+        if was is not missing and was != value:
+            other.append(f"{key} ({was} against {value})")
+    engine = old.get("engine", {})
+    was_limits = (engine.get("max_num_batched_tokens", engine_limits[0]), engine.get("max_num_seqs", engine_limits[1]))
+    if was_limits != engine_limits:
+        other.append(f"max_num_batched_tokens / max_num_seqs ({was_limits} against {engine_limits})")
+    if other:
+        raise SystemExit(f"--merge: {args.out} was run with another " + ", ".join(other))
+    # the agents' margin: only PAB rows depend on it (files made before the cap record none: their agents
+    # planned with the share alone, inf); a file whose PAB rows were taken out may take rows of another
+    old_cap = old.get("pab_margin_cap_tpots")
+    old_margin = (old.get("pab_margin_frac", 0.1), math.inf if old_cap is None else float(old_cap))
+    if old_margin != (args.pab_margin, args.pab_margin_cap_tpots) and any(n.startswith("pab") for n in old["policies"]):
+        raise SystemExit(f"--merge: {args.out} holds PAB rows run with another --pab-margin / --pab-margin-cap-tpots "
+                         f"({old_margin[0]} / {old_margin[1]})")
+    return old
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep, write fleet.json (and the plot), print the table. Returns the exit code."""
     args = build_parser().parse_args(argv)
@@ -763,6 +809,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     prof = load_profile(args.profile)
     max_tokens = args.max_num_batched_tokens
     max_seqs = args.max_num_seqs
+    fleet_desc = [{"profile": k.name, "count": k.count, "max_num_batched_tokens": k.max_num_batched_tokens,
+                   "max_num_seqs": k.max_num_seqs, "engine_time_model": describe_engine(k.engine_time)} for k in kinds]
+    # before any bound or sweep: a file this run may not merge into stops it at once
+    old = _file_to_merge(args, {"trace": args.trace, "replicas": args.replicas, "profile": args.profile,
+                                "seed": args.seed, "window_offset": args.window_offset,
+                                "windows_interleaved": args.windows or args.replicas,
+                                "prefix_caching": not args.no_prefix_caching, "ttft_ms": args.ttft_ms,
+                                "tpot_ms": args.tpot_ms, "duration_s": args.duration_s, "warmup_s": args.warmup_s,
+                                "drain_s": args.drain_s, "routers": args.routers, "arrival_spread_ms": spread_ms,
+                                "fleet": fleet_desc, "engine_time_model": describe_engine(engine_time),
+                                "max_model_len": args.max_model_len,
+                                "requests_dropped_over_max_model_len": n_trace - len(kept)},
+                         (max_tokens, max_seqs))  # fmt: skip
     bound = analytic_bound(kept, prof.time_model, prof.kv_capacity_tokens, args.tpot_ms, args.replicas,
                            max_seqs, max_tokens)  # fmt: skip
     prompts, outputs = [r.prompt_tokens for r in kept], [r.output_tokens for r in kept]
@@ -799,10 +858,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                    args.duration_s, args.warmup_s, args.windows or args.replicas,
                                                    args.seed, args.window_offset, served_by, STREAM_GRID_FROM * wide,
                                                    STREAM_GRID_TO * wide)  # fmt: skip
-            except ValueError as e:  # a grid that ends below the crossing: keep the trace-wide figure, say so
+            except ValueError as e:  # a grid that ends below the crossing: the trace-wide figure, said so (no
+                # policy's share is taken against it: the streams' bound lies above the grid, so it bounds nothing)
                 return wide_bound, {"trace_wide_rps": round(wide, 3), "error": str(e)}
-            return (dataclasses.replace(wide_bound, rps=rate),
-                    {"trace_wide_rps": round(wide, 3), "grid_points": points, "grid_factor": STREAM_GRID_FACTOR})
+            # per_replica_rps follows the figure; the other fields (limit, step, work) describe the trace-wide one
+            return (dataclasses.replace(wide_bound, rps=rate, per_replica_rps=rate / args.replicas),
+                    {"trace_wide_rps": round(wide, 3), "grid_points": points, "grid_factor": STREAM_GRID_FACTOR,
+                     "other_fields": "of the trace-wide figure"})  # fmt: skip
 
         # per request too (before, the per-request figure charged every prompt token: not a bound where
         # the engines skip cached prefixes)
@@ -834,8 +896,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("bench-fleet: --pab-margin must be in [0, 1)")
     if not args.pab_margin_cap_tpots > 0.0:
         raise SystemExit("bench-fleet: --pab-margin-cap-tpots must be > 0")
-    if args.bounds_only and not (args.merge and os.path.exists(args.out)):
-        raise SystemExit("bench-fleet: --bounds-only needs --merge and an existing --out")
     t0 = time.perf_counter()
     jobs = [] if args.bounds_only else [(setup, p, tuple(rates), search) for p in args.policies]
     if args.jobs > 1:
@@ -846,35 +906,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     policies: dict[str, Any] = {}
     for name, rows in done:
         policies[name] = summarize(rows, bound.rps)
-    old: dict[str, Any] = {}
-    if args.merge and os.path.exists(args.out):
-        with open(args.out) as f:
-            old = json.load(f)
-        if (old.get("trace"), old.get("replicas"), old.get("profile"), old.get("seed", 0), old.get("window_offset", 0.0)) != (
-            args.trace, args.replicas, args.profile, args.seed, args.window_offset
-        ):
-            raise SystemExit(f"--merge: {args.out} is a run of another trace, fleet size, profile, seed or window offset")
-        if (old.get("windows_interleaved", args.replicas), old.get("prefix_caching", True)) != (
-            args.windows or args.replicas, not args.no_prefix_caching
-        ):
-            raise SystemExit(f"--merge: {args.out} was run with other --windows or prefix caching")
-        # rows of other SLOs or another counted window must not be joined (nor bounds of this run put beside them)
-        mine = {"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "duration_s": args.duration_s,
-                "warmup_s": args.warmup_s, "arrival_spread_ms": spread_ms}
-        other = [k for k, v in mine.items() if k in old and old[k] != v]
-        if other:
-            raise SystemExit(f"--merge: {args.out} was run with another " + ", ".join(
-                f"{k} ({old[k]} against {mine[k]})" for k in other))
-        # the agents' margin: only PAB rows depend on it (files made before the cap record none: their agents
-        # planned with the share alone, inf); a file whose PAB rows were taken out may take rows of another
-        old_cap = old.get("pab_margin_cap_tpots")
-        old_margin = (old.get("pab_margin_frac", 0.1), math.inf if old_cap is None else float(old_cap))
-        if old_margin != (args.pab_margin, args.pab_margin_cap_tpots) and any(n.startswith("pab") for n in old["policies"]):
-            raise SystemExit(f"--merge: {args.out} holds PAB rows run with another --pab-margin / --pab-margin-cap-tpots "
-                             f"({old_margin[0]} / {old_margin[1]})")
-        if old.get("engine_time_model", {"name": "policy"}) != describe_engine(engine_time):
-            raise SystemExit(f"--merge: {args.out} was run with another engine time model "
-                             f"({old.get('engine_time_model', {'name': 'policy'})['name']})")
+    if old:
         for name, pol in old["policies"].items():
             if name not in policies:
                 policies[name] = pol
@@ -890,12 +922,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         off = offered_by_policy[name]
         cap, how = capacity(off, 0.9) if off else (0.0, "below-sweep")
         pol["offered_capacity_rps"], pol["offered_capacity_bound"] = round(cap, 3), how
+    # no share of a figure that is no bound (a streams' grid that ended below its crossing)
+    req_ok = steady.rps > 0 and not (stream_requests and "error" in stream_requests)
+    tok_ok = steady_tokens.rps > 0 and not (stream_tokens and "error" in stream_tokens)
     for pol in policies.values():
-        pol["fraction_of_steady_bound"] = round(pol["capacity_rps"] / steady.rps, 3) if steady.rps > 0 else None
+        pol["fraction_of_steady_bound"] = round(pol["capacity_rps"] / steady.rps, 3) if req_ok else None
         tok_cap = pol.get("capacity_token_floor_rps")
         measured = pol.get("capacity_token_floor_bound") in ("interpolated", "at-least")
         pol["token_floor_of_token_bound"] = (round(tok_cap / steady_tokens.rps, 3)
-                                             if measured and tok_cap is not None and steady_tokens.rps > 0 else None)  # fmt: skip
+                                             if measured and tok_cap is not None and tok_ok else None)  # fmt: skip
     rr = policies.get("round-robin", {}).get("capacity_rps")
     base_caps = {n: policies[n]["capacity_rps"] for n in BASELINES if n in policies}
     best_name = max(base_caps, key=base_caps.__getitem__) if base_caps else None
@@ -909,8 +944,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                 if tg is not None and best_tok and base_tok[best_tok] else None)  # fmt: skip
     result = {
         "trace": args.trace, "profile": args.profile, "replicas": args.replicas, "routers": args.routers,
-        "fleet": [{"profile": k.name, "count": k.count, "max_num_batched_tokens": k.max_num_batched_tokens,
-                   "max_num_seqs": k.max_num_seqs, "engine_time_model": describe_engine(k.engine_time)} for k in kinds],
+        "fleet": fleet_desc, "max_model_len": args.max_model_len,
         "ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "duration_s": args.duration_s, "warmup_s": args.warmup_s, "drain_s": args.drain_s,
         "push_period_ms": args.push_period_ms, "net_delay_ms": args.net_delay_ms, "queue": args.queue,
         "leases": not args.no_leases, "static_queue_cap_tokens": cap_tokens, "seed": args.seed,
@@ -940,9 +974,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "best_baseline": best_name, "best_baseline_token_goodput": best_tok,
         "rates": rates or sorted({r["rate_rps"] for pol in policies.values() for r in pol["rows"]}),
         "search": None if search is None else dataclasses.asdict(search), "policies": policies,
-        # --bounds-only ran no policy: the rows' run time stays the file's
-        "wall_s": old.get("wall_s") if args.bounds_only else round(time.perf_counter() - t0, 1),
+        "wall_s": round(time.perf_counter() - t0, 1),
     }  # fmt: skip
+    if args.bounds_only:  # only what was recomputed changes: the file's settings, rates, search and run time stay
+        result = {**old, **{k: result[k] for k in ("analytic_bound", "steady_state_bound", "token_steady_state_bound",
+                                                   "policies", "best_baseline", "best_baseline_token_goodput")}}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     if args.plot:

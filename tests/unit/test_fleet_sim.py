@@ -220,7 +220,7 @@ def test_bench_fleet_merge_joins_policies_and_rows(tmp_path) -> None:
     assert [r["rate_rps"] for r in d["policies"]["round-robin"]["rows"]] == [1.0, 2.0, 3.0]
     assert d["rates"] == [1.0, 2.0, 3.0]
     # another fleet size is refused, the file is kept
-    with pytest.raises(SystemExit, match="another trace"):
+    with pytest.raises(SystemExit, match=r"another replicas \(2 against 3\)"):
         bench_main([*common[:3], "3", *common[4:], "--policies", "pab", "--rates", "1", "--merge"])
     # the agents' horizon margin is recorded, and rows of another margin are not joined
     assert d["pab_margin_frac"] == 0.1
@@ -555,26 +555,37 @@ def test_bench_fleet_bounds_only_recomputes_the_bounds_and_keeps_the_rows(tmp_pa
     from loadgen.fleet.bench import main as bench_main
 
     common = ["--trace", "azure-code", "--replicas", "2", "--duration-s", "30", "--warmup-s", "10", "--drain-s", "20",
-              "--rates", "1", "--policies", "round-robin"]
+              "--policies", "round-robin"]
     first, second = tmp_path / "a.json", tmp_path / "b.json"
-    assert bench_main([*common, "--out", str(first)]) == 0
-    assert bench_main([*common, "--tpot-ms", "150", "--out", str(second)]) == 0  # other bounds, same rows' shape
+    assert bench_main([*common, "--rates", "1", "--out", str(first)]) == 0
+    assert bench_main([*common, "--rates", "1", "--tpot-ms", "150", "--out", str(second)]) == 0  # other bounds
     a, b = json.loads(first.read_text()), json.loads(second.read_text())
     assert a["steady_state_bound"]["rps"] != b["steady_state_bound"]["rps"]
     # the file of the TPOT-150 run, its bounds recomputed at TPOT 100, would mix SLOs: refused
     with pytest.raises(SystemExit, match="tpot_ms"):
         bench_main([*common, "--bounds-only", "--merge", "--out", str(second)])
-    # the bounds of a doctored file come back as a fresh run computes them; the rows stay
+    # so would a plain merge of rows run with another drain, before running anything
+    before = second.read_text()
+    with pytest.raises(SystemExit, match="drain_s"):
+        bench_main([*common, "--tpot-ms", "150", "--drain-s", "25", "--merge", "--out", str(second)])
+    assert second.read_text() == before
+    # the bounds (and the shares) of a doctored file come back as a fresh run computes them; the rows and the
+    # file's own fields (run time, rates, search) stay
+    rr_a = a["policies"]["round-robin"]
     doctored = dict(a, steady_state_bound={**a["steady_state_bound"], "rps": 1.0},
-                    token_steady_state_bound={**a["token_steady_state_bound"], "rps": 1.0})
+                    token_steady_state_bound={**a["token_steady_state_bound"], "rps": 1.0},
+                    policies={"round-robin": {**rr_a, "fraction_of_steady_bound": -1.0,
+                                              "token_floor_of_token_bound": -1.0}},
+                    wall_s=12345.0)
     first.write_text(json.dumps(doctored))
-    assert bench_main([*common, "--bounds-only", "--merge", "--out", str(first)]) == 0
+    assert bench_main([*common, "--rates", "1", "3", "--bounds-only", "--merge", "--out", str(first)]) == 0
     c = json.loads(first.read_text())
     assert c["steady_state_bound"] == a["steady_state_bound"]
     assert c["token_steady_state_bound"] == a["token_steady_state_bound"]
-    assert c["policies"]["round-robin"]["rows"] == a["policies"]["round-robin"]["rows"]
-    assert c["policies"]["round-robin"]["fraction_of_steady_bound"] == a["policies"]["round-robin"][
-        "fraction_of_steady_bound"]
-    assert c["wall_s"] == a["wall_s"]
+    rr_c = c["policies"]["round-robin"]
+    assert rr_c["rows"] == rr_a["rows"]
+    assert rr_c["fraction_of_steady_bound"] == rr_a["fraction_of_steady_bound"] != -1.0
+    assert rr_c["token_floor_of_token_bound"] == rr_a["token_floor_of_token_bound"]
+    assert (c["wall_s"], c["rates"], c["search"]) == (12345.0, a["rates"], a["search"])
     with pytest.raises(SystemExit, match="bounds-only"):
         bench_main([*common, "--bounds-only", "--out", str(tmp_path / "none.json")])
