@@ -772,11 +772,10 @@ def _file_to_merge(args: argparse.Namespace, mine: dict[str, Any], engine_limits
     with open(args.out) as f:
         old = json.load(f)
     missing = object()
+    defaults = {**_MERGE_DEFAULTS, "windows_interleaved": old.get("replicas")}  # one window per replica before
     other = []
     for key, value in mine.items():
-        was = old.get(key, _MERGE_DEFAULTS.get(key, missing))
-        if key == "windows_interleaved" and was is missing:
-            was = old.get("replicas")
+        was = old.get(key, defaults.get(key, missing))
         if was is not missing and was != value:
             other.append(f"{key} ({was} against {value})")
     engine = old.get("engine", {})
@@ -922,9 +921,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         off = offered_by_policy[name]
         cap, how = capacity(off, 0.9) if off else (0.0, "below-sweep")
         pol["offered_capacity_rps"], pol["offered_capacity_bound"] = round(cap, 3), how
-    # no share of a figure that is no bound (a streams' grid that ended below its crossing)
-    req_ok = steady.rps > 0 and not (stream_requests and "error" in stream_requests)
-    tok_ok = steady_tokens.rps > 0 and not (stream_tokens and "error" in stream_tokens)
+    # a streams' grid that ended below its crossing left the trace-wide figure, which bounds nothing: no share of it
+    failed = {n for n, d in (("requests", stream_requests), ("tokens", stream_tokens)) if d and "error" in d}
+    req_ok = steady.rps > 0 and "requests" not in failed
+    tok_ok = steady_tokens.rps > 0 and "tokens" not in failed
     for pol in policies.values():
         pol["fraction_of_steady_bound"] = round(pol["capacity_rps"] / steady.rps, 3) if req_ok else None
         tok_cap = pol.get("capacity_token_floor_rps")
@@ -985,10 +985,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot(result, args.plot)
     print(f"{args.trace}, {args.replicas} x {args.profile}, TTFT {args.ttft_ms:g} / TPOT {args.tpot_ms:g} ms; "
           f"analytic bound {bound.rps:.1f} req/s ({bound.limit}-limited); steady-state bound (costliest 10 % may miss) "
-          f"{steady.rps:.1f} req/s{'' if stream_requests is None or 'error' in stream_requests else ' on the streams offered'} "
+          f"{steady.rps:.1f} req/s{' on the streams offered' if stream_requests and 'requests' not in failed else ''} "
           f"({steady.limit}-limited, step {steady.iteration_ms:.1f} ms); per-token "
           f"steady-state bound (costliest 10 % of the tokens may miss) {steady_tokens.rps:.1f} req/s"
-          f"{'' if stream_tokens is None or 'error' in stream_tokens else ' on the streams offered'}; "
+          f"{' on the streams offered' if stream_tokens and 'tokens' not in failed else ''}; "
           f"engine step time {engine_label(engine_time)}")  # fmt: skip
     print("capacity = highest rate with SLO attainment >= 0.9, on the rate label and on the offered rate "
           "(requests in the window / window)")

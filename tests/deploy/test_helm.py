@@ -1216,7 +1216,7 @@ def test_agent_metrics_stale_ms_reaches_the_agent(helm: Path) -> None:
 
     pod = one(render(helm, set_=("agent.metricsStaleMs=5000",)), "StatefulSet", "fb-fairbatch-vllm")
     args = container(pod["spec"]["template"]["spec"], "agent")["args"]
-    assert args[args.index("--metrics-stale-ms") + 1] == "5000"
+    value = args[args.index("--metrics-stale-ms") + 1]
+    assert value == "5000"
     base = ["serve", "--engine-url", "http://127.0.0.1:8000", "--replica-id", "r0"]
-    cfg = config_from_args(build_parser().parse_args([*base, "--metrics-stale-ms", args[args.index("--metrics-stale-ms") + 1]]))
-    assert cfg.stale_after_ms == 5000.0
+    assert config_from_args(build_parser().parse_args([*base, "--metrics-stale-ms", value])).stale_after_ms == 5000.0

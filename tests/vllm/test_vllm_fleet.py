@@ -84,12 +84,16 @@ def pab_ms(r: VllmReplica, slo_class: str = "interactive") -> float:
     return v * 1000.0
 
 
+def router_metrics(fleet: VllmFleet) -> dict[str, list[tuple[dict[str, str], float]]]:
+    return parse_prometheus(http_get_text(fleet.router_url + "/metrics"))
+
+
 def fleet_view(fleet: VllmFleet) -> dict[str, Any]:
     """The router's and the agents' own view, for failure messages: the router's queue, stall
     watchdog, inline refusals and usable PAB per replica; each agent's health, scrape errors and
     Reserve decisions by reason (their /metrics); the last warnings, errors and stream reconnects of
     the router's and agents' logs."""
-    m = parse_prometheus(http_get_text(fleet.router_url + "/metrics"))
+    m = router_metrics(fleet)
     pick = ("fairbatch_router_queue_depth", "fairbatch_router_dispatch_stalled_seconds",
             "fairbatch_router_admit_refusals_total", "fairbatch_router_replica_pab_seconds",
             "fairbatch_router_budget_age_seconds")
@@ -454,9 +458,8 @@ async def test_overloaded_replica_gets_no_new_work(vllm_fleet: VllmFleet) -> Non
             assert p0 > 0, "the idle replica's PAB must stay positive"
             # the router must see r0 usable (a starved machine can delay its agent's scrapes and pushes)
             await asyncio.to_thread(
-                wait_until, lambda: metric_value(parse_prometheus(http_get_text(fleet.router_url + "/metrics")),
-                                                 "fairbatch_router_replica_pab_seconds", replica="r0",
-                                                 slo_class="interactive") or None,
+                wait_until, lambda: metric_value(router_metrics(fleet), "fairbatch_router_replica_pab_seconds",
+                                                 replica="r0", slo_class="interactive") or None,
                 30.0, 0.2, "the router sees r0 with PAB")
             # new work goes to r0 (r1's snapshot says no budget: its waiting requests, preempted ones
             # included, need more KV cache than it has; replica_agent/policy/preemption.py)
